@@ -1,0 +1,57 @@
+"""Up-front argument checks for every KDA entry point: ``ValueError`` naming the argument."""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["check_kda_inputs"]
+
+_FLOAT = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def _need(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ValueError(msg)
+
+
+def check_kda_inputs(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    initial_state: torch.Tensor | None = None,
+    cu_seqlens: torch.Tensor | None = None,
+) -> tuple[int, int, int, int, int]:
+    """Validate fla-shaped KDA inputs; return ``(B, T, H, K, V)``."""
+    for name, x in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
+        _need(isinstance(x, torch.Tensor), f"{name} must be a torch.Tensor, got {type(x).__name__}")
+        _need(x.dtype in _FLOAT, f"{name} must be a floating tensor (fp16/bf16/fp32/fp64), got {x.dtype}")
+        _need(x.device == q.device, f"{name} is on {x.device} but q is on {q.device}: all inputs must share a device")
+    _need(q.dim() == 4, f"q must be [B, T, H, K], got shape {tuple(q.shape)}")
+    B, T, H, K = q.shape
+    _need(k.shape == q.shape, f"k must have q's shape {tuple(q.shape)}, got {tuple(k.shape)}")
+    _need(v.dim() == 4 and v.shape[:3] == q.shape[:3],
+          f"v must be [B, T, H, V] = [{B}, {T}, {H}, V], got {tuple(v.shape)}")
+    V = v.shape[-1]
+    _need(g.shape == q.shape, f"g must have q's shape [B, T, H, K] = {tuple(q.shape)}, got {tuple(g.shape)}")
+    _need(beta.shape == (B, T, H), f"beta must be [B, T, H] = [{B}, {T}, {H}], got {tuple(beta.shape)}")
+    _need(K > 0 and V > 0 and H > 0, f"head dims must be positive, got H={H}, K={K}, V={V}")
+    N = B
+    if cu_seqlens is not None:
+        _need(isinstance(cu_seqlens, torch.Tensor) and cu_seqlens.dim() == 1 and cu_seqlens.numel() >= 2
+              and not cu_seqlens.is_floating_point(),
+              "cu_seqlens must be a 1-D integer tensor [N+1] of cumulative sequence lengths")
+        _need(B == 1, f"cu_seqlens requires batch size B == 1 (sequences packed along T), got B={B}")
+        cs = cu_seqlens.detach().cpu()
+        _need(int(cs[0]) == 0 and int(cs[-1]) == T and bool((cs[1:] >= cs[:-1]).all()),
+              f"cu_seqlens must start at 0, be non-decreasing and end at T={T}, got {cs.tolist()}")
+        N = cs.numel() - 1
+    if initial_state is not None:
+        _need(isinstance(initial_state, torch.Tensor), "initial_state must be a tensor [N, H, K, V]")
+        _need(initial_state.shape == (N, H, K, V),
+              f"initial_state must be [N, H, K, V] = [{N}, {H}, {K}, {V}], got {tuple(initial_state.shape)}")
+        _need(initial_state.device == q.device, f"initial_state is on {initial_state.device}, q on {q.device}")
+        _need(initial_state.dtype in (torch.float32, torch.float64),
+              f"initial_state must be fp32 (states are kept in fp32), got {initial_state.dtype}")
+    return B, T, H, K, V
