@@ -15,7 +15,7 @@ import math
 
 import torch
 
-__all__ = ["qb_range", "qb_histogram", "qb_bias_from_histogram", "qb_bias_update", "check_scores"]
+__all__ = ["qb_range", "qb_accumulate", "qb_histogram", "qb_bias_from_histogram", "qb_bias_update", "check_scores"]
 
 
 def check_scores(scores: torch.Tensor, bias: torch.Tensor, top_k: int, num_bins: int = 1000) -> None:
@@ -54,12 +54,17 @@ def qb_histogram(
         return out
     s = scores.float()
     alpha = torch.topk(s + bias.float(), top_k + 1, dim=-1).values[:, -1:]  # [m, 1] cutoff
-    r = alpha - s
+    return qb_accumulate(alpha - s, bias, out)
+
+
+def qb_accumulate(r: torch.Tensor, bias: torch.Tensor, hist: torch.Tensor) -> torch.Tensor:
+    """Add the required biases ``r [m, n]`` into ``hist [n, num_bins]`` (int32, in place)."""
+    n, num_bins = hist.shape
     lo, span = qb_range(bias)
-    idx = ((r - lo) * (num_bins / span)).floor().clamp_(0, num_bins - 1).long()
-    idx += torch.arange(n, device=s.device) * num_bins
-    out.view(-1).add_(torch.bincount(idx.view(-1), minlength=n * num_bins).to(torch.int32))
-    return out
+    idx = ((r.float() - lo) * (num_bins / span)).floor().clamp_(0, num_bins - 1).long()
+    idx += torch.arange(n, device=r.device) * num_bins
+    hist.view(-1).add_(torch.bincount(idx.view(-1), minlength=n * num_bins).to(hist.dtype))
+    return hist
 
 
 def qb_bias_from_histogram(hist: torch.Tensor, bias: torch.Tensor, top_k: int) -> torch.Tensor:

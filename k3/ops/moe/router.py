@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from k3.ops.moe.qb import qb_range
+from k3.ops.moe.qb import qb_accumulate
 
 __all__ = ["route", "route_reference"]
 
@@ -28,7 +28,7 @@ def route_reference(
     When ``hist [n, num_bins] int32`` is given, the QB histogram of r_ij = α_i − s_ij (α_i = the (k+1)-th largest
     biased score of token i) is accumulated into it in place.
     """
-    m, n = x.shape[0], weight.shape[0]
+    m = x.shape[0]
     s = torch.sigmoid(x.float() @ weight.float().t())  # [m, n] fp32
     biased = s.detach() + bias.float()
     want = top_k + 1 if hist is not None else top_k
@@ -37,12 +37,7 @@ def route_reference(
     p = s.gather(1, idx)
     p = p / p.sum(-1, keepdim=True) * scaling
     if hist is not None and m > 0:
-        num_bins = hist.shape[1]
-        r = top.values[:, top_k:top_k + 1] - s.detach()  # [m, n]
-        lo, span = qb_range(bias)
-        b = ((r - lo) * (num_bins / span)).floor().clamp_(0, num_bins - 1).long()
-        b += torch.arange(n, device=x.device) * num_bins
-        hist.view(-1).add_(torch.bincount(b.view(-1), minlength=n * num_bins).to(hist.dtype))
+        qb_accumulate(top.values[:, top_k:top_k + 1] - s.detach(), bias, hist)  # r_ij = α_i − s_ij
     return idx, p
 
 
