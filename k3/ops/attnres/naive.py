@@ -36,8 +36,10 @@ def attn_res(
         raise ValueError(f"query must be [D] = [{D}], got {tuple(query.shape)}")
     if norm_weight is not None and norm_weight.shape != (D,):
         raise ValueError(f"norm_weight must be [D] = [{D}], got {tuple(norm_weight.shape)}")
-    w = query.float() if norm_weight is None else query.float() * norm_weight.float()
-    v = torch.stack([s.float() for s in sources])  # [N, ..., D]
+    # fp32 mixing (fp64 when the sources are fp64, so the op can serve as its own fp64 reference)
+    acc = torch.float64 if sources[0].dtype == torch.float64 else torch.float32
+    w = query.to(acc) if norm_weight is None else query.to(acc) * norm_weight.to(acc)
+    v = torch.stack([s.to(acc) for s in sources])  # [N, ..., D]
     r = v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + eps)
     p = torch.softmax((r * w).sum(-1), dim=0)  # over sources
     return (p.unsqueeze(-1) * v).sum(0).to(sources[0].dtype)
