@@ -1,9 +1,22 @@
-"""Kimi Delta Attention ops (fla-compatible API).
+"""Kimi Delta Attention ops (fla-compatible API). The math: ``k3/ops/kda/README.md``.
 
-``naive_recurrent_kda``  token-by-token fp32 reference.
+``chunk_kda``            chunked KDA, autograd; torch reference on CPU, Triton on CUDA (``K3_KDA_BACKEND`` forces).
+``fused_recurrent_kda``  decode (forward only); ``fused_recurrent_kda_pool`` for an in-place state pool.
+``naive_recurrent_kda``  token-by-token fp32/fp64 reference; ``naive_chunk_kda`` its chunked torch form.
+``kda_gate``             the bounded forget gate of SPEC §2.
 """
 
-from k3.ops.kda.gate import kda_gate
-from k3.ops.kda.naive import naive_recurrent_kda
+from k3.ops.kda.chunk import chunk_kda
+from k3.ops.kda.fused_recurrent import fused_recurrent_kda, fused_recurrent_kda_pool
+from k3.ops.kda.gate import kda_gate, kda_softplus_gate
+from k3.ops.kda.naive import naive_chunk_kda, naive_recurrent_kda
 
-__all__ = ["naive_recurrent_kda", "kda_gate"]
+__all__ = [
+    "chunk_kda",
+    "fused_recurrent_kda",
+    "fused_recurrent_kda_pool",
+    "naive_recurrent_kda",
+    "naive_chunk_kda",
+    "kda_gate",
+    "kda_softplus_gate",
+]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["check_kda_inputs"]
+__all__ = ["check_kda_inputs", "check_kda_call"]
 
 _FLOAT = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -31,8 +31,9 @@ def check_kda_inputs(
     _need(q.dim() == 4, f"q must be [B, T, H, K], got shape {tuple(q.shape)}")
     B, T, H, K = q.shape
     _need(k.shape == q.shape, f"k must have q's shape {tuple(q.shape)}, got {tuple(k.shape)}")
-    _need(v.dim() == 4 and v.shape[:3] == q.shape[:3],
-          f"v must be [B, T, H, V] = [{B}, {T}, {H}, V], got {tuple(v.shape)}")
+    _need(v.dim() == 4 and v.shape[:2] == q.shape[:2],
+          f"v must be [B, T, H, V] with q's B={B}, T={T}, got {tuple(v.shape)}")
+    _need(v.shape[2] == H, f"v has {v.shape[2]} heads but q/k have H={H}: heads must match (no GVA)")
     V = v.shape[-1]
     _need(g.shape == q.shape, f"g must have q's shape [B, T, H, K] = {tuple(q.shape)}, got {tuple(g.shape)}")
     _need(beta.shape == (B, T, H), f"beta must be [B, T, H] = [{B}, {T}, {H}], got {tuple(beta.shape)}")
@@ -52,6 +53,49 @@ def check_kda_inputs(
         _need(initial_state.shape == (N, H, K, V),
               f"initial_state must be [N, H, K, V] = [{N}, {H}, {K}, {V}], got {tuple(initial_state.shape)}")
         _need(initial_state.device == q.device, f"initial_state is on {initial_state.device}, q on {q.device}")
-        _need(initial_state.dtype in (torch.float32, torch.float64),
-              f"initial_state must be fp32 (states are kept in fp32), got {initial_state.dtype}")
+        ok = (torch.float32, torch.float64) if q.dtype == torch.float64 else (torch.float32,)
+        _need(initial_state.dtype in ok,
+              f"initial_state must be fp32 (states are kept in fp32; fp64 only with fp64 inputs), "
+              f"got {initial_state.dtype}")
     return B, T, H, K, V
+
+
+def check_kda_call(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float | None,
+    initial_state: torch.Tensor | None,
+    use_gate_in_kernel: bool,
+    safe_gate: bool,
+    lower_bound: float | None,
+    cu_seqlens: torch.Tensor | None,
+    A_log: torch.Tensor | None,
+    dt_bias: torch.Tensor | None,
+) -> tuple[float, float | None]:
+    """All up-front checks of ``chunk_kda``/``fused_recurrent_kda``; returns ``(scale, lower_bound)`` as floats."""
+    from k3.ops.kda.gate import check_lower_bound
+
+    B, T, H, K, V = check_kda_inputs(q, k, v, g, beta, initial_state=initial_state, cu_seqlens=cu_seqlens)
+    if scale is None:
+        scale = K**-0.5
+    try:
+        scale = float(scale)
+    except (TypeError, ValueError):
+        raise ValueError(f"scale must be a positive float, got {scale!r}") from None
+    _need(scale > 0 and scale != float("inf"), f"scale must be a positive finite float, got {scale}")
+    lb = None if lower_bound is None else check_lower_bound(lower_bound)
+    if use_gate_in_kernel:
+        _need(lb is not None or A_log is not None,
+              "A_log must be given when use_gate_in_kernel=True and lower_bound is None (softplus gate)")
+        _need(not safe_gate or lb is not None, "lower_bound must be set when safe_gate=True and use_gate_in_kernel=True")
+        for name, x, n in (("A_log", A_log, H), ("dt_bias", dt_bias, H * K)):
+            if x is None:
+                continue
+            _need(isinstance(x, torch.Tensor) and x.is_floating_point(), f"{name} must be a floating tensor")
+            _need(x.numel() == n, f"{name} must have {n} elements ([{'H' if n == H else 'H*K'}]), "
+                                  f"got shape {tuple(x.shape)}")
+            _need(x.device == q.device, f"{name} is on {x.device} but q is on {q.device}")
+    return scale, lb

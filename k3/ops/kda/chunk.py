@@ -1,0 +1,169 @@
+"""``chunk_kda``: fla-compatible chunked KDA with backend dispatch (torch reference on CPU, Triton on CUDA).
+
+Levels: ``_preprocess`` (the in-kernel activations, plain torch) → backend functions with ONE shared signature
+(``_chunk_kda_torch`` here, ``k3.ops.kda.triton.chunk_kda_triton``) → the public ``chunk_kda``, which validates,
+picks the backend, and routes long no-grad prefills to the exact split path (``prefix.py``) and
+``cp_context`` calls to context parallel (``cp.py``).
+"""
+
+from __future__ import annotations
+
+import os
+from types import ModuleType
+from typing import Any, Callable
+
+import torch
+
+from k3.ops.kda.checks import check_kda_call
+from k3.ops.kda.gate import kda_gate_fused
+from k3.ops.kda.naive import naive_chunk_kda
+
+__all__ = ["chunk_kda", "select_backend", "backend_fn"]
+
+_ENV = "K3_KDA_BACKEND"
+
+
+def _triton_module(required: bool) -> ModuleType | None:
+    """``k3.ops.kda.triton`` imported lazily; ``None`` when absent unless ``required``."""
+    try:
+        import k3.ops.kda.triton as kt  # noqa: PLC0415 (lazy: triton is optional and heavy)
+    except ImportError as e:
+        if required:
+            raise RuntimeError(f"{_ENV}=triton but the Triton KDA backend cannot be imported: {e}") from e
+        return None
+    return kt
+
+
+def select_backend(device: torch.device) -> str:
+    """'triton' for CUDA tensors, 'torch' otherwise; ``K3_KDA_BACKEND=triton|torch`` forces one."""
+    forced = os.environ.get(_ENV, "").strip().lower()
+    if forced not in ("", "auto", "torch", "triton"):
+        raise ValueError(f"{_ENV} must be 'triton', 'torch' or unset, got {forced!r}")
+    if forced == "torch":
+        return "torch"
+    if forced == "triton":
+        _triton_module(required=True)
+        return "triton"
+    return "triton" if device.type == "cuda" and _triton_module(required=False) is not None else "torch"
+
+
+def backend_fn(backend: str, name: str) -> Callable[..., Any] | None:
+    """The backend's implementation of ``name`` (e.g. 'chunk_kda'); ``None`` if the Triton side lacks it."""
+    if backend == "torch":
+        from k3.ops.kda import fused_recurrent, prefix  # noqa: PLC0415 (cycle: they import this module)
+
+        table = {"chunk_kda": _chunk_kda_torch, "fused_recurrent_kda": fused_recurrent._fused_recurrent_kda_torch,
+                 "span_summaries": prefix._span_summaries_torch}
+        return table[name]
+    kt = _triton_module(required=True)
+    return getattr(kt, f"{name}_triton", None)
+
+
+def _l2norm(x: torch.Tensor) -> torch.Tensor:
+    """x / sqrt(Σx² + 1e-6) over the last dim (fla's in-kernel L2 norm)."""
+    return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + 1e-6)
+
+
+def _preprocess(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    use_qk_l2norm_in_kernel: bool,
+    use_gate_in_kernel: bool,
+    use_beta_sigmoid_in_kernel: bool,
+    lower_bound: float | None,
+    A_log: torch.Tensor | None,
+    dt_bias: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Apply the optional in-kernel activations in fp32 (fp64 for fp64 inputs): L2-norm q/k, gate, β sigmoid."""
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    q, k, g, beta = (x.to(acc) for x in (q, k, g, beta))
+    if use_qk_l2norm_in_kernel:
+        q, k = _l2norm(q), _l2norm(k)
+    if use_gate_in_kernel:
+        g = kda_gate_fused(g, A_log, dt_bias, lower_bound).to(acc)
+    if use_beta_sigmoid_in_kernel:
+        beta = torch.sigmoid(beta)
+    return q, k, g, beta
+
+
+def _chunk_kda_torch(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float,
+    initial_state: torch.Tensor | None,
+    output_final_state: bool,
+    use_qk_l2norm_in_kernel: bool,
+    use_gate_in_kernel: bool,
+    use_beta_sigmoid_in_kernel: bool,
+    lower_bound: float | None,
+    cu_seqlens: torch.Tensor | None,
+    A_log: torch.Tensor | None,
+    dt_bias: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Torch backend (same signature as ``chunk_kda_triton``): preprocess + :func:`naive_chunk_kda`, autograd."""
+    qp, kp, gp, bp = _preprocess(q, k, g, beta, use_qk_l2norm_in_kernel, use_gate_in_kernel,
+                                 use_beta_sigmoid_in_kernel, lower_bound, A_log, dt_bias)
+    o, S = naive_chunk_kda(qp, kp, v.to(qp.dtype), gp, bp, scale=scale, initial_state=initial_state,
+                           output_final_state=output_final_state, cu_seqlens=cu_seqlens)
+    return o.to(q.dtype), S
+
+
+def chunk_kda(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    use_qk_l2norm_in_kernel: bool = False,
+    use_gate_in_kernel: bool = False,
+    use_beta_sigmoid_in_kernel: bool = False,
+    safe_gate: bool = False,
+    lower_bound: float | None = None,
+    cu_seqlens: torch.Tensor | None = None,
+    A_log: torch.Tensor | None = None,
+    dt_bias: torch.Tensor | None = None,
+    cp_context: Any = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Chunked Kimi Delta Attention, autograd-capable; a drop-in for fla's ``chunk_kda`` on these arguments.
+
+    Args:
+        q, k: ``[B, T, H, K]``.  v: ``[B, T, H, V]``.
+        g: ``[B, T, H, K]``: log-decay (≤ 0), or raw gate pre-activations when ``use_gate_in_kernel``.
+        beta: ``[B, T, H]``: β ∈ (0, 1), or logits when ``use_beta_sigmoid_in_kernel``.
+        scale: query scale, default ``K ** -0.5``.
+        initial_state: ``[N, H, K, V]`` fp32 (N = B, or the number of sequences with ``cu_seqlens``).
+        output_final_state: also return the final states ``[N, H, K, V]`` fp32.
+        use_qk_l2norm_in_kernel: q, k ← x / sqrt(Σx² + 1e-6) per head.
+        use_gate_in_kernel: g ← lower_bound·sigmoid(exp(A_log)·(g + dt_bias)) if ``lower_bound`` is set (A_log may
+            then be None), else −exp(A_log)·softplus(g + dt_bias). ``A_log [H]``, ``dt_bias [H*K]`` fp32.
+        safe_gate: requires ``lower_bound`` with the fused gate (the bounded fast path).
+        lower_bound: in [−5, 0).
+        cu_seqlens: ``[N+1]`` int cumulative lengths of sequences packed along T; needs B = 1.
+        cp_context: a context from :func:`k3.ops.kda.build_cp_context` (context parallel; B = 1, varlen stream).
+
+    Returns:
+        ``(o [B, T, H, V] in q.dtype, final_state [N, H, K, V] fp32 or None)``.
+    """
+    scale, lb = check_kda_call(q, k, v, g, beta, scale, initial_state, use_gate_in_kernel, safe_gate, lower_bound,
+                               cu_seqlens, A_log, dt_bias)
+    args = (q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, use_gate_in_kernel,
+            use_beta_sigmoid_in_kernel, lb, cu_seqlens, A_log, dt_bias)
+    backend = select_backend(q.device)
+    if cp_context is not None:
+        from k3.ops.kda.cp import cp_chunk_kda  # noqa: PLC0415
+
+        return cp_chunk_kda(backend, cp_context, *args)
+    from k3.ops.kda.prefix import maybe_split_chunk_kda  # noqa: PLC0415
+
+    out = maybe_split_chunk_kda(backend, *args)
+    if out is not None:
+        return out
+    return backend_fn(backend, "chunk_kda")(*args)
