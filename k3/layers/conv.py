@@ -1,0 +1,50 @@
+"""Depthwise causal short convolution (SPEC §2: kernel 4, no bias, SiLU after), with a decode tail.
+
+The tail is the last ``W−1`` *inputs* of the stream: prepending it to the next piece makes piecewise and
+token-by-token calls give exactly the one-shot result. Weights are fp32 (as released); the convolution runs in fp32
+and the result is cast back to the input dtype.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = ["ShortConv"]
+
+
+class ShortConv(nn.Module):
+    """``weight [C, 1, W]`` fp32 (the checkpoint's ``*_conv1d.weight``), depthwise, causal, optional SiLU."""
+
+    def __init__(self, channels: int, kernel_size: int = 4, activation: bool = True) -> None:
+        super().__init__()
+        self.channels, self.kernel_size, self.activation = channels, kernel_size, activation
+        self.weight = nn.Parameter(torch.empty(channels, 1, kernel_size, dtype=torch.float32))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        # nn.Conv1d's default for fan_in = W (kaiming-uniform with a = √5 → U(±1/√W)).
+        bound = 1.0 / math.sqrt(self.kernel_size)
+        nn.init.uniform_(self.weight, -bound, bound)
+
+    def forward(self, x: torch.Tensor, tail: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``x [B, T, C]``, ``tail [B, W−1, C]`` (previous inputs, zeros at sequence start) →
+        ``(y [B, T, C] in x.dtype, new_tail [B, W−1, C] in x.dtype)``."""
+        B, T, C = x.shape
+        W = self.kernel_size
+        if tail is None:
+            tail = x.new_zeros(B, W - 1, C)
+        elif tail.shape != (B, W - 1, C):
+            raise ValueError(f"tail must be [B, W-1, C] = [{B}, {W - 1}, {C}], got {tuple(tail.shape)}")
+        xp = torch.cat([tail.to(x.dtype), x], dim=1)  # [B, T+W-1, C]
+        y = F.conv1d(xp.float().transpose(1, 2), self.weight.float(), groups=C).transpose(1, 2)  # [B, T, C]
+        if self.activation:
+            y = F.silu(y)
+        # clone: a view would keep the whole (possibly 1M-token) padded input alive inside the decode state.
+        return y.to(x.dtype), xp[:, T:].clone()
+
+    def extra_repr(self) -> str:
+        return f"{self.channels}, kernel_size={self.kernel_size}, activation={'silu' if self.activation else None}"

@@ -1,0 +1,127 @@
+"""Kimi Delta Attention layer (SPEC §2) with the released parameter names.
+
+    q, k, v = SiLU(ShortConv(W_{q,k,v} x))              (conv fp32, kernel 4, no bias)
+    q, k    ← L2Norm(q), L2Norm(k)                       (in the kernel; x / sqrt(Σx² + 1e-6))
+    g       = lb · σ(exp(A_log_h) · (f_b(f_a(x)) + dt_bias))   ∈ (lb, 0), lb = config.kda_gate_lower_bound
+    β       = σ(b_proj x)                                (fp32)
+    o       = KDA(q, k, v, g, β)                         (state S [B, H, K, V] fp32)
+    y       = o_proj[ σ(g_proj x) ⊙ RMSNorm_head(o; o_norm) ]
+
+Prefill / training runs ``k3.ops.kda.chunk_kda``; decode (T == 1 with a state) runs ``fused_recurrent_kda``.
+Until those exist (or with ``impl="reference"``) the gate, L2 norm and sigmoid are computed here and the fp32
+token loop ``naive_recurrent_kda`` runs instead: same math.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import k3.ops.kda as kda_ops
+from k3.config import K3Config
+from k3.layers.conv import ShortConv
+from k3.layers.norm import RMSNorm
+from k3.ops.kda.gate import kda_gate
+from k3.state import KDAState
+
+__all__ = ["KimiDeltaAttention", "l2norm", "kda_reference"]
+
+L2_EPS = 1e-6  # on the sum of squares, as fla's in-kernel L2 norm
+
+
+def l2norm(x: torch.Tensor, eps: float = L2_EPS) -> torch.Tensor:
+    """``x / sqrt(Σ x² + eps)`` over the last dim, in fp32."""
+    xf = x.float()
+    return xf * torch.rsqrt(xf.pow(2).sum(-1, keepdim=True) + eps)
+
+
+def kda_reference(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Tensor, b: torch.Tensor,
+    A_log: torch.Tensor, dt_bias: torch.Tensor, lower_bound: float,
+    initial_state: torch.Tensor | None = None, output_final_state: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The in-kernel preprocessing done by hand, then the fp32 token loop.
+
+    q, k, v ``[B, T, H, K]`` (post conv+SiLU, not normalised), f ``[B, T, H, K]`` raw gate input, b ``[B, T, H]``
+    β logits → ``(o [B, T, H, V] in v.dtype, final state [B, H, K, V] fp32 or None)``.
+    """
+    g = kda_gate(f, A_log, dt_bias, lower_bound)
+    beta = torch.sigmoid(b.float())
+    o, S = kda_ops.naive_recurrent_kda(l2norm(q), l2norm(k), v.float(), g, beta, scale=q.shape[-1] ** -0.5,
+                                       initial_state=initial_state, output_final_state=output_final_state)
+    return o.to(v.dtype), S
+
+
+class KimiDeltaAttention(nn.Module):
+    """KDA token mixer. ``impl``: "auto" (chunk/fused-recurrent ops when present) or "reference"."""
+
+    def __init__(self, config: K3Config, layer_idx: int = 0) -> None:
+        super().__init__()
+        d, H, K = config.hidden_size, config.kda_num_heads, config.kda_head_dim
+        self.layer_idx, self.num_heads, self.head_dim = layer_idx, H, K
+        self.lower_bound = float(config.kda_gate_lower_bound)
+        self.impl = "auto"
+        P = H * K
+        self.q_proj = nn.Linear(d, P, bias=False)
+        self.k_proj = nn.Linear(d, P, bias=False)
+        self.v_proj = nn.Linear(d, P, bias=False)
+        self.q_conv1d = ShortConv(P, config.kda_conv_size)
+        self.k_conv1d = ShortConv(P, config.kda_conv_size)
+        self.v_conv1d = ShortConv(P, config.kda_conv_size)
+        self.f_a_proj = nn.Linear(d, K, bias=False)
+        self.f_b_proj = nn.Linear(K, P, bias=False)
+        self.dt_bias = nn.Parameter(torch.empty(P, dtype=torch.float32))
+        self.A_log = nn.Parameter(torch.empty(H, dtype=torch.float32))
+        self.b_proj = nn.Linear(d, H, bias=False)
+        self.g_proj = nn.Linear(d, P, bias=False)
+        self.o_norm = RMSNorm(K, eps=config.rms_norm_eps, dtype=torch.float32)
+        self.o_proj = nn.Linear(P, d, bias=False)
+        self.reset_gate_parameters()
+
+    def reset_gate_parameters(self) -> None:
+        """A_log = 0 (the safe gate's init); dt_bias = softplus⁻¹(dt), dt ~ logU(1e-3, 1e-1) clamped ≥ 1e-4."""
+        nn.init.zeros_(self.A_log)
+        with torch.no_grad():
+            u = torch.rand_like(self.dt_bias)
+            dt = torch.exp(u * (math.log(1e-1) - math.log(1e-3)) + math.log(1e-3)).clamp(min=1e-4)
+            self.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))  # inverse softplus
+
+    def init_state(self, batch_size: int, dtype: torch.dtype, device: torch.device | str | None = None) -> KDAState:
+        return KDAState.zeros(batch_size, self.num_heads, self.head_dim, self.q_conv1d.kernel_size, dtype, device)
+
+    def forward(self, x: torch.Tensor, state: KDAState | None = None) -> torch.Tensor:
+        """``x [B, T, d]`` (normed layer input) → ``[B, T, d]``; updates ``state`` in place when given."""
+        B, T, _ = x.shape
+        H, K = self.num_heads, self.head_dim
+        tails = state.conv if state is not None else [None, None, None]
+        q, tq = self.q_conv1d(self.q_proj(x), tails[0])
+        k, tk = self.k_conv1d(self.k_proj(x), tails[1])
+        v, tv = self.v_conv1d(self.v_proj(x), tails[2])
+        q, k, v = (t.view(B, T, H, K) for t in (q, k, v))
+        f = self.f_b_proj(self.f_a_proj(x)).view(B, T, H, K)
+        b = self.b_proj(x).float()  # β logits; sigmoid in fp32
+        S0 = state.recurrent if state is not None else None
+        o, S = self._core(q, k, v, f, b, S0, output_final_state=state is not None)
+        if state is not None:
+            state.recurrent, state.conv = S, [tq, tk, tv]
+        gate = torch.sigmoid(self.g_proj(x).float()).view(B, T, H, K)
+        o = (self.o_norm(o.float()) * gate).to(x.dtype)  # o_norm weight is fp32 → fp32 result
+        return self.o_proj(o.reshape(B, T, H * K))
+
+    def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Tensor, b: torch.Tensor,
+              S0: torch.Tensor | None, output_final_state: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Dispatch to the chunked / fused-recurrent op (in-kernel L2 norm, gate and β sigmoid) or the reference."""
+        chunk = getattr(kda_ops, "chunk_kda", None)
+        recurrent = getattr(kda_ops, "fused_recurrent_kda", None)
+        # fused_recurrent_kda is forward-only: decode steps that need gradients take the chunked path.
+        decode = q.shape[1] == 1 and S0 is not None and not torch.is_grad_enabled()
+        op = recurrent if decode else chunk
+        if self.impl == "reference" or op is None:
+            return kda_reference(q, k, v, f, b, self.A_log, self.dt_bias, self.lower_bound, S0, output_final_state)
+        return op(q, k, v, f, b, scale=self.head_dim ** -0.5, initial_state=S0,
+                  output_final_state=output_final_state, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+                  use_beta_sigmoid_in_kernel=True, safe_gate=True, lower_bound=self.lower_bound,
+                  A_log=self.A_log, dt_bias=self.dt_bias)

@@ -1,0 +1,27 @@
+"""Dense SiTU-GLU MLP (SPEC §5): y = down_proj( SiTU-GLU(gate_proj x, up_proj x) ).
+
+Layer 0's MLP (width ``dense_intermediate_size``) and the fused shared experts of every MoE layer (width
+``n_shared_experts · expert_dim``: two experts stored as one MLP, which is exactly their sum).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from k3.ops.moe.situ import situ_glu
+
+__all__ = ["SiTUMLP"]
+
+
+class SiTUMLP(nn.Module):
+    def __init__(self, hidden_size: int, intermediate_size: int, beta1: float = 4.0, beta2: float = 25.0) -> None:
+        super().__init__()
+        self.beta1, self.beta2 = float(beta1), float(beta2)
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x [..., d]`` → ``[..., d]``."""
+        return self.down_proj(situ_glu(self.gate_proj(x), self.up_proj(x), self.beta1, self.beta2))

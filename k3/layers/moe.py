@@ -1,0 +1,129 @@
+"""Latent MoE (SPEC §5) with Quantile Balancing, released parameter names.
+
+Letters: m tokens, d hidden, n experts, k top-k, ℓ latent width, F expert width, R = m·k expert rows.
+
+    idx, p = route(x)                        fp32 sigmoid scores on the full-d x; top-k of s + b; p from unbiased s
+    z      = routed_expert_down_proj(x)      [m, ℓ]
+    u      = Σ_{j∈T} p_j E_j(z)              E_j(z) = W2_j SiTU-GLU(W1_j z, W3_j z)   (GroupedExperts, grouped GEMM)
+    y      = routed_expert_up_proj(RMSNorm(u; routed_expert_norm)) + shared_experts(x)
+
+Quantile Balancing: ``gate.e_score_correction_bias`` (fp32 buffer, persistent, no gradient) is the selection
+bias. Training forwards (``module.training and torch.is_grad_enabled()``) add the step's required-bias histogram to
+``gate.qb_hist`` (int32 ``[n, qb_num_bins]``, a plain attribute: not in state_dict, not broadcast by DDP);
+``K3ForCausalLM.qb_step`` turns the pooled histograms into new biases. Eval / no-grad forwards touch neither.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from k3.config import K3Config
+from k3.layers.mlp import SiTUMLP
+from k3.layers.norm import RMSNorm
+from k3.ops.moe.combine import combine_norm
+from k3.ops.moe.grouped import grouped_mm, sort_by_expert
+from k3.ops.moe.qb import qb_bias_from_histogram
+from k3.ops.moe.router import route
+from k3.ops.moe.situ import situ_glu
+
+__all__ = ["MoEGate", "GroupedExperts", "LatentMoE"]
+
+
+class MoEGate(nn.Module):
+    """Router weight ``[n, d]`` and the QB bias buffer ``e_score_correction_bias [n]`` (fp32)."""
+
+    def __init__(self, hidden_size: int, n_experts: int, top_k: int, num_bins: int, scaling: float = 1.0) -> None:
+        super().__init__()
+        self.n_experts, self.top_k, self.num_bins, self.scaling = n_experts, top_k, num_bins, float(scaling)
+        self.weight = nn.Parameter(torch.empty(n_experts, hidden_size))
+        self.register_buffer("e_score_correction_bias", torch.zeros(n_experts, dtype=torch.float32), persistent=True)
+        self.qb_hist: torch.Tensor | None = None  # int32 [n, num_bins], accumulated by training forwards
+
+    def histogram(self, device: torch.device) -> torch.Tensor:
+        """The accumulating QB histogram (created on first use, on ``device``)."""
+        if self.qb_hist is None or self.qb_hist.device != device:
+            self.qb_hist = torch.zeros(self.n_experts, self.num_bins, dtype=torch.int32, device=device)
+        return self.qb_hist
+
+    def forward(self, x: torch.Tensor, record: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """``x [m, d]`` → ``(idx [m, k] int64, p [m, k] fp32)``; adds to the QB histogram when ``record``."""
+        hist = self.histogram(x.device) if record else None
+        return route(x, self.weight, self.e_score_correction_bias, self.top_k, hist=hist, scaling=self.scaling)
+
+    @torch.no_grad()
+    def apply_histogram(self, hist: torch.Tensor) -> None:
+        """Set the bias from a pooled histogram (no change when it holds no tokens); no host sync."""
+        new = qb_bias_from_histogram(hist, self.e_score_correction_bias, self.top_k)
+        has_tokens = hist[0].sum() > 0
+        self.e_score_correction_bias.copy_(torch.where(has_tokens, new, self.e_score_correction_bias))
+
+    def extra_repr(self) -> str:
+        return f"n_experts={self.n_experts}, top_k={self.top_k}, qb_num_bins={self.num_bins}"
+
+
+class GroupedExperts(nn.Module):
+    """E stacked SiTU-GLU experts on the latent: ``w1, w3 [E, F, ℓ]`` (gate, up), ``w2 [E, ℓ, F]`` (down).
+
+    ``forward(x_sorted [R, ℓ], offs [E] int32 cumulative group ends) → [R, ℓ]``: rows of group e go through expert
+    e. Replacements (MXFP4, expert parallel, fused kernels) keep this signature.
+    """
+
+    def __init__(self, n_experts: int, latent_dim: int, expert_dim: int, beta1: float = 4.0,
+                 beta2: float = 25.0) -> None:
+        super().__init__()
+        self.n_experts, self.latent_dim, self.expert_dim = n_experts, latent_dim, expert_dim
+        self.beta1, self.beta2 = float(beta1), float(beta2)
+        self.w1 = nn.Parameter(torch.empty(n_experts, expert_dim, latent_dim))
+        self.w3 = nn.Parameter(torch.empty(n_experts, expert_dim, latent_dim))
+        self.w2 = nn.Parameter(torch.empty(n_experts, latent_dim, expert_dim))
+
+    def forward(self, x_sorted: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+        h1 = grouped_mm(x_sorted, self.w1.transpose(1, 2), offs)  # [R, F]
+        h3 = grouped_mm(x_sorted, self.w3.transpose(1, 2), offs)
+        return grouped_mm(situ_glu(h1, h3, self.beta1, self.beta2), self.w2.transpose(1, 2), offs)  # [R, ℓ]
+
+    def extra_repr(self) -> str:
+        return f"n_experts={self.n_experts}, latent_dim={self.latent_dim}, expert_dim={self.expert_dim}"
+
+
+class LatentMoE(nn.Module):
+    """The ``block_sparse_moe`` of layers ≥ first_k_dense."""
+
+    def __init__(self, config: K3Config, layer_idx: int = 0) -> None:
+        super().__init__()
+        d, l = config.hidden_size, config.latent_dim
+        self.layer_idx, self.eps = layer_idx, float(config.rms_norm_eps)
+        self.gate = MoEGate(d, config.n_experts, config.top_k, config.qb_num_bins, config.routed_scaling_factor)
+        self.routed_expert_down_proj = nn.Linear(d, l, bias=False)
+        self.experts = GroupedExperts(config.n_experts, l, config.expert_dim, config.situ_beta1, config.situ_beta2)
+        self.routed_expert_norm = RMSNorm(l, eps=config.rms_norm_eps)
+        self.routed_expert_up_proj = nn.Linear(l, d, bias=False)
+        self.shared_experts = (SiTUMLP(d, config.shared_dim, config.situ_beta1, config.situ_beta2)
+                               if config.n_shared_experts > 0 else None)
+        self.qb_enabled = True  # switched off while activation checkpointing recomputes a forward
+        self.last_load: torch.Tensor | None = None  # [n] token-expert rows per expert, last training forward
+
+    def recording(self) -> bool:
+        """Whether this forward is a training forward that feeds Quantile Balancing."""
+        return self.training and torch.is_grad_enabled() and self.qb_enabled
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x [..., d]`` (post_attention_layernorm output) → ``[..., d]``."""
+        shape = x.shape
+        xf = x.reshape(-1, shape[-1])
+        record = self.recording()
+        idx, p = self.gate(xf, record=record)
+        u = self.routed(self.routed_expert_down_proj(xf), idx, p, record)
+        y = self.routed_expert_up_proj(u)
+        if self.shared_experts is not None:
+            y = y + self.shared_experts(xf)
+        return y.reshape(shape)
+
+    def routed(self, z: torch.Tensor, idx: torch.Tensor, p: torch.Tensor, record: bool = False) -> torch.Tensor:
+        """``z [m, ℓ]``, ``idx/p [m, k]`` → ``RMSNorm(Σ_j p_j E_j(z)) [m, ℓ]``."""
+        order, token_of_row, offs = sort_by_expert(idx, self.experts.n_experts)
+        rows = self.experts(z[token_of_row], offs)
+        if record:
+            self.last_load = torch.diff(offs, prepend=offs.new_zeros(1)).detach()
+        return combine_norm(rows, order, p, self.routed_expert_norm.weight, self.eps)

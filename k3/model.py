@@ -1,0 +1,315 @@
+"""The Kimi K3 decoder (SPEC §1–§5) in plain PyTorch; module names mirror the released checkpoint.
+
+Data path: token ids → ``embed_tokens`` (= b_0) → for each decoder layer l:
+AttnRes mix → ``input_layernorm`` → KDA or Gated MLA → add to the open block's partial sum → (l % block_size == 0:
+the previous partial sum closes into a block, before the add) → AttnRes mix → ``post_attention_layernorm`` → dense
+SiTU-GLU MLP (l < first_k_dense) or Latent MoE → add → … → output AttnRes mix → ``norm`` → ``lm_head``.
+See ``k3.layers.attnres`` for the exact order.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from k3.config import K3Config
+from k3.layers.attnres import ResidualStream, attn_input, attn_res_mix, mlp_input, new_res_pair
+from k3.layers.conv import ShortConv
+from k3.layers.kda import KimiDeltaAttention
+from k3.layers.mla import GatedMLA
+from k3.layers.mlp import SiTUMLP
+from k3.layers.moe import GroupedExperts, LatentMoE, MoEGate
+from k3.layers.norm import RMSNorm
+from k3.state import K3State
+
+__all__ = ["K3ForCausalLM", "K3Model", "K3DecoderLayer", "K3Output", "keeps_fp32", "IGNORE_INDEX"]
+
+IGNORE_INDEX = -100
+# Tensors kept in fp32 whatever config.dtype says (as in the released checkpoint).
+_FP32_SUFFIXES = ("_conv1d.weight", ".A_log", ".dt_bias", ".o_norm.weight", ".e_score_correction_bias")
+
+
+def keeps_fp32(name: str) -> bool:
+    """Whether parameter/buffer ``name`` (as in ``named_parameters``) is stored in fp32 regardless of config.dtype."""
+    return name.endswith(_FP32_SUFFIXES)
+
+
+@dataclass
+class K3Output:
+    logits: torch.Tensor  # [B, T, vocab] in the model dtype
+    loss: torch.Tensor | None = None  # fp32 scalar: mean next-token cross entropy over non-ignored targets
+    state: K3State | None = None  # the (updated in place) decode state, when one was passed
+
+
+class K3DecoderLayer(nn.Module):
+    """One decoder layer: two AttnRes mixes, a token mixer (KDA or MLA) and a channel mixer (MLP or MoE)."""
+
+    def __init__(self, config: K3Config, layer_idx: int) -> None:
+        super().__init__()
+        d, eps = config.hidden_size, config.rms_norm_eps
+        self.layer_idx, self.block_size, self.eps = layer_idx, config.attn_res_block_size, float(eps)
+        self.input_layernorm = RMSNorm(d, eps)
+        self.post_attention_layernorm = RMSNorm(d, eps)
+        self.self_attention_res_norm, self.self_attention_res_proj = new_res_pair(d)
+        self.mlp_res_norm, self.mlp_res_proj = new_res_pair(d)
+        mixer = GatedMLA if config.layer_type(layer_idx) == "mla" else KimiDeltaAttention
+        self.self_attn = mixer(config, layer_idx)
+        if config.is_moe(layer_idx):
+            self.block_sparse_moe = LatentMoE(config, layer_idx)
+        else:
+            self.mlp = SiTUMLP(d, config.dense_intermediate_size, config.situ_beta1, config.situ_beta2)
+
+    @property
+    def ffn(self) -> nn.Module:
+        return self.block_sparse_moe if hasattr(self, "block_sparse_moe") else self.mlp
+
+    def forward(self, blocks: list[torch.Tensor], partial: torch.Tensor, state: Any = None
+                ) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """Closed blocks + partial sum (each ``[B, T, d]``) → the same after this layer (new list; the input list
+        is not mutated, so activation checkpointing can re-run the layer)."""
+        stream = ResidualStream(list(blocks), partial)
+        h = attn_input(stream, self.layer_idx, self.block_size, self.self_attention_res_norm,
+                       self.self_attention_res_proj, self.eps)
+        stream.add(self.self_attn(self.input_layernorm(h), state))
+        h = mlp_input(stream, self.mlp_res_norm, self.mlp_res_proj, self.eps)
+        stream.add(self.ffn(self.post_attention_layernorm(h)))
+        assert stream.partial is not None
+        return stream.blocks, stream.partial
+
+
+class K3Model(nn.Module):
+    """Embedding, decoder layers, output AttnRes mix and final norm → hidden states ``[B, T, d]``."""
+
+    def __init__(self, config: K3Config) -> None:
+        super().__init__()
+        d = config.hidden_size
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, d)
+        self.layers = nn.ModuleList(K3DecoderLayer(config, i) for i in range(config.num_layers))
+        self.norm = RMSNorm(d, config.rms_norm_eps)
+        self.output_attn_res_norm, self.output_attn_res_proj = new_res_pair(d)
+        self.gradient_checkpointing = False
+
+    def forward(self, input_ids: torch.Tensor, state: K3State | None = None) -> torch.Tensor:
+        blocks: list[torch.Tensor] = []
+        partial = self.embed_tokens(input_ids)  # layer 0 closes it as b_0
+        for i, layer in enumerate(self.layers):
+            s = state.layers[i] if state is not None else None
+            if self.gradient_checkpointing and s is None and self.training and torch.is_grad_enabled():
+                blocks, partial = _checkpointed(layer, blocks, partial)
+            else:
+                blocks, partial = layer(blocks, partial, s)
+        h = attn_res_mix(self.output_attn_res_norm, self.output_attn_res_proj, [*blocks, partial],
+                         self.config.rms_norm_eps)
+        return self.norm(h)
+
+
+@contextlib.contextmanager
+def _qb_recording(layer: nn.Module, enabled: bool) -> Iterator[None]:
+    moe = getattr(layer, "block_sparse_moe", None)
+    if moe is None:
+        yield
+        return
+    before, moe.qb_enabled = moe.qb_enabled, enabled
+    try:
+        yield
+    finally:
+        moe.qb_enabled = before
+
+
+def _checkpointed(layer: K3DecoderLayer, blocks: list[torch.Tensor], partial: torch.Tensor
+                  ) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """Run ``layer`` under activation checkpointing; only the first call (not the backward recompute) feeds QB."""
+    calls = [0]
+
+    def run(blocks: list[torch.Tensor], partial: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor]:
+        calls[0] += 1
+        with _qb_recording(layer, calls[0] == 1):
+            return layer(blocks, partial, None)
+
+    return checkpoint(run, blocks, partial, use_reentrant=False)
+
+
+class K3ForCausalLM(nn.Module):
+    """Kimi K3 language model. See the module docstring for the data path and ``forward`` for the contract."""
+
+    def __init__(self, config: K3Config) -> None:
+        super().__init__()
+        if not isinstance(config, K3Config):
+            raise ValueError(f"config must be a K3Config, got {type(config).__name__}")
+        self.config = config
+        self.model = K3Model(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.reset_parameters()
+        self._cast(config.torch_dtype)
+
+    # --- construction -------------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """normal(0, initializer_range) for matrices and the embedding; ones for norm gains; zeros for the AttnRes
+        pseudo-queries and the QB bias; A_log = 0 and dt_bias as in ``KimiDeltaAttention``; convs U(±1/√W)."""
+        std = self.config.initializer_range
+        for name, m in self.named_modules():
+            if isinstance(m, nn.Linear):
+                nn.init.zeros_(m.weight) if name.endswith("_res_proj") else nn.init.normal_(m.weight, 0.0, std)
+            elif isinstance(m, nn.Embedding):
+                nn.init.normal_(m.weight, 0.0, std)
+            elif isinstance(m, RMSNorm):
+                m.reset_parameters()
+            elif isinstance(m, GroupedExperts):
+                for w in (m.w1, m.w3, m.w2):
+                    nn.init.normal_(w, 0.0, std)
+            elif isinstance(m, MoEGate):
+                nn.init.normal_(m.weight, 0.0, std)
+                m.e_score_correction_bias.zero_()
+            elif isinstance(m, ShortConv):
+                m.reset_parameters()
+            elif isinstance(m, KimiDeltaAttention):
+                m.reset_gate_parameters()
+
+    def _cast(self, dtype: torch.dtype) -> None:
+        for name, p in self.named_parameters():
+            want = torch.float32 if keeps_fp32(name) else dtype
+            if p.dtype != want:
+                p.data = p.data.to(want)
+
+    def gradient_checkpointing_enable(self, enabled: bool = True) -> None:
+        """Recompute each decoder layer in the backward pass (training forwards without a state)."""
+        self.model.gradient_checkpointing = bool(enabled)
+
+    def set_kda_impl(self, impl: str) -> None:
+        """"auto" (chunk / fused-recurrent ops) or "reference" (fp32 token loop) for every KDA layer."""
+        if impl not in ("auto", "reference"):
+            raise ValueError(f"impl must be 'auto' or 'reference', got {impl!r}")
+        for m in self.modules():
+            if isinstance(m, KimiDeltaAttention):
+                m.impl = impl
+
+    # --- forward ------------------------------------------------------------------------------------------------
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
+                state: K3State | None = None) -> K3Output:
+        """``input_ids [B, T]`` integer → ``K3Output(logits [B, T, vocab], loss, state)``.
+
+        ``labels [B, T]`` are aligned with ``input_ids`` (pass ``labels=input_ids`` for language modelling): the
+        model shifts them inside, so position t is scored on ``labels[:, t+1]``; ``-100`` targets are ignored and the
+        loss is the mean over the remaining ones (0 when there are none). ``state`` (from ``init_state``) makes the
+        call continue the sequences it holds and is updated in place: one call, several pieces, or one token at a
+        time give the same logits.
+        """
+        B, T = self._check_inputs(input_ids, labels, state)
+        hidden = self.model(input_ids, state)
+        logits = self.lm_head(hidden)
+        if state is not None:
+            state.position += T
+        loss = self.loss(logits, labels) if labels is not None else None
+        return K3Output(logits=logits, loss=loss, state=state)
+
+    @staticmethod
+    def loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Next-token cross entropy (fp32) of ``logits [B, T, V]`` against ``labels [B, T]`` shifted by one."""
+        V = logits.shape[-1]
+        targets = labels[:, 1:].reshape(-1)
+        total = F.cross_entropy(logits[:, :-1].reshape(-1, V).float(), targets, ignore_index=IGNORE_INDEX,
+                                reduction="sum")
+        return total / (targets != IGNORE_INDEX).sum().clamp(min=1)
+
+    def _check_inputs(self, input_ids: Any, labels: Any, state: Any) -> tuple[int, int]:
+        if not isinstance(input_ids, torch.Tensor):
+            raise ValueError(f"input_ids must be a torch.Tensor [B, T] of token ids, got {type(input_ids).__name__}")
+        if input_ids.dtype.is_floating_point or input_ids.dtype.is_complex or input_ids.dtype == torch.bool:
+            raise ValueError(f"input_ids must be an integer tensor (int64/int32), got {input_ids.dtype}")
+        if input_ids.dim() != 2 or input_ids.shape[0] == 0 or input_ids.shape[1] == 0:
+            raise ValueError(f"input_ids must be [B, T] with B, T >= 1, got shape {tuple(input_ids.shape)}")
+        B, T = input_ids.shape
+        V = self.config.vocab_size
+        if input_ids.device.type != "meta" and not torch.compiler.is_compiling():
+            lo, hi = torch.aminmax(input_ids)
+            if int(lo) < 0 or int(hi) >= V:
+                raise ValueError(f"input_ids must lie in [0, vocab_size={V}), got values in [{int(lo)}, {int(hi)}]")
+        if labels is not None:
+            if not isinstance(labels, torch.Tensor) or labels.shape != input_ids.shape:
+                raise ValueError(f"labels must be a tensor shaped like input_ids {tuple(input_ids.shape)}, got "
+                                 f"{tuple(getattr(labels, 'shape', ())) or type(labels).__name__}")
+            if labels.dtype.is_floating_point or labels.dtype == torch.bool:
+                raise ValueError(f"labels must be an integer tensor, got {labels.dtype}")
+        if state is not None:
+            if not isinstance(state, K3State) or len(state.layers) != len(self.model.layers):
+                raise ValueError("state must be a K3State from this model's init_state(batch_size)")
+            if state.batch_size != B:
+                raise ValueError(f"state holds {state.batch_size} sequences but input_ids has batch size {B}")
+        return B, T
+
+    # --- decode state ---------------------------------------------------------------------------------------------
+    def init_state(self, batch_size: int, device: torch.device | str | None = None) -> K3State:
+        """Empty decode state for ``batch_size`` sequences (KDA: S + conv tails; MLA: latent caches)."""
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
+        w = self.model.embed_tokens.weight
+        device = w.device if device is None else torch.device(device)
+        layers = [layer.self_attn.init_state(batch_size, dtype=w.dtype, device=device) for layer in self.model.layers]
+        return K3State(layers=layers, batch_size=batch_size)
+
+    # --- accounting -----------------------------------------------------------------------------------------------
+    def moe_layers(self) -> list[LatentMoE]:
+        return [m for m in self.modules() if isinstance(m, LatentMoE)]
+
+    def num_parameters(self, active: bool = False) -> int:
+        """All parameters (+ the QB bias buffers, as in the released checkpoint). ``active``: what one token uses —
+        everything except the input embedding (kept when tied to lm_head), routed experts at top_k / n_experts."""
+        total = sum(p.numel() for p in self.parameters())
+        total += sum(b.numel() for n, b in self.named_buffers() if n.endswith("e_score_correction_bias"))
+        if not active:
+            return total
+        if not self.config.tie_word_embeddings:
+            total -= self.model.embed_tokens.weight.numel()
+        for moe in self.moe_layers():
+            e = moe.experts
+            per_expert = sum(p.numel() for p in e.parameters()) // e.n_experts
+            total -= per_expert * (e.n_experts - self.config.top_k)
+        return total
+
+    # --- Quantile Balancing -------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def qb_step(self, group: "torch.distributed.ProcessGroup | None" = None) -> None:
+        """Apply the QB histograms accumulated since the last call (all MoE layers, one all-reduce over ``group``),
+        then reset them. Call once per optimizer step, on every rank."""
+        moes = self.moe_layers()
+        if not moes:
+            return
+        hists = torch.stack([m.gate.histogram(m.gate.e_score_correction_bias.device) for m in moes])
+        if group is not None:
+            import torch.distributed as dist
+
+            dist.all_reduce(hists, op=dist.ReduceOp.SUM, group=group)
+        for m, h in zip(moes, hists):
+            m.gate.apply_histogram(h)
+            m.gate.histogram(h.device).zero_()
+
+    def load_imbalance(self) -> float:
+        """max / mean expert load of the last training forward, worst MoE layer (NaN before any)."""
+        loads = [m.last_load.float() for m in self.moe_layers() if m.last_load is not None]
+        if not loads:
+            return float("nan")
+        L = torch.stack(loads)
+        return float((L.max(1).values / L.mean(1).clamp(min=1e-9)).max())
+
+    # --- released checkpoints (k3.ckpt.released) ------------------------------------------------------------------
+    @classmethod
+    def from_pretrained(cls, path: str, device: torch.device | str | None = None, dtype: torch.dtype | None = None,
+                        **kw: Any) -> "K3ForCausalLM":
+        from k3.ckpt.released import load_pretrained
+
+        return load_pretrained(path, device=device, dtype=dtype, **kw)
+
+    def save_pretrained(self, path: str, **kw: Any) -> None:
+        from k3.ckpt.released import save_pretrained
+
+        save_pretrained(self, path, **kw)
