@@ -135,11 +135,9 @@ def test_no_split_when_grad_or_cpu_auto(monkeypatch):
 
 
 def _triton_kernels():
-    try:
-        import k3.ops.kda.triton as kt
-    except ImportError:
-        return None
-    return kt if hasattr(kt, "chunk_kda_triton") else None
+    from k3.ops.kda.chunk import _triton_module
+
+    return _triton_module(required=False)
 
 
 @pytest.mark.skipif(_triton_kernels() is None, reason="k3.ops.kda.triton (KDA-TRITON's kernels) not present")

@@ -27,6 +27,9 @@ def _triton_module(required: bool) -> ModuleType | None:
     """``k3.ops.kda.triton`` imported lazily; ``None`` when absent unless ``required``."""
     try:
         import k3.ops.kda.triton as kt  # noqa: PLC0415 (lazy: triton is optional and heavy)
+
+        if not hasattr(kt, "chunk_kda_triton"):  # e.g. a half-written package (namespace dir) during development
+            raise ImportError("k3.ops.kda.triton has no chunk_kda_triton")
     except ImportError as e:
         if required:
             raise RuntimeError(f"{_ENV}=triton but the Triton KDA backend cannot be imported: {e}") from e
