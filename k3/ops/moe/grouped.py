@@ -1,8 +1,11 @@
 """Grouped GEMM for stacked experts and the token ↔ expert-row permutation.
 
 Rows of ``a`` are sorted by expert; ``offs [E]`` (int32) holds each group's cumulative END row, so group e is rows
-``offs[e-1]:offs[e]``. ``torch.nn.functional.grouped_mm`` does this on CUDA (bf16, SM80+); its CPU kernel needs
+``offs[e-1]:offs[e]``. Rows past ``offs[-1]`` belong to no group: their output is unspecified (zero on CPU), and
+nothing may read it. ``torch.nn.functional.grouped_mm`` does this on CUDA (bf16, SM80+); its CPU kernel needs
 16-byte-aligned strides and has no reliable backward, so CPU runs a per-expert loop (same math).
+
+Letters: R rows, E experts, ℓ latent width, F expert width.
 """
 
 from __future__ import annotations
@@ -10,7 +13,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-__all__ = ["grouped_mm", "sort_by_expert"]
+from k3.ops.moe.situ import situ_glu, situ_glu_packed
+
+__all__ = ["grouped_mm", "sort_by_expert", "grouped_ffn", "grouped_ffn_packed", "expert_counts"]
 
 _gmm = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
 
@@ -21,6 +26,8 @@ def _loop_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tens
     for e, end in enumerate(ends):
         outs.append(a[start:end] @ b[e])
         start = end
+    if start < a.shape[0]:  # rows past the last group: no expert, zero output (keeps the row count static)
+        outs.append(a.new_zeros(a.shape[0] - start, b.shape[-1]))
     return torch.cat(outs, 0) if outs else a.new_zeros(0, b.shape[-1])
 
 
@@ -29,6 +36,13 @@ def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Te
     if a.is_cuda and _gmm is not None and a.dtype == torch.bfloat16 and b.dtype == torch.bfloat16:
         return _gmm(a, b, offs=offs)
     return _loop_mm(a, b, offs)
+
+
+def expert_counts(idx: torch.Tensor, n_experts: int) -> torch.Tensor:
+    """Rows per expert ``[E]`` int64 from ``idx [...]`` without a host sync (``bincount`` on CUDA syncs)."""
+    flat = idx.reshape(-1)
+    return torch.zeros(n_experts, dtype=torch.int64, device=idx.device).index_add_(
+        0, flat, torch.ones_like(flat, dtype=torch.int64))
 
 
 def sort_by_expert(idx: torch.Tensor, n_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -40,5 +54,29 @@ def sort_by_expert(idx: torch.Tensor, n_experts: int) -> tuple[torch.Tensor, tor
     flat = idx.reshape(-1)
     order = torch.argsort(flat, stable=True)
     token_of_row = order // idx.shape[1]
-    offs = torch.cumsum(torch.bincount(flat, minlength=n_experts), 0).to(torch.int32)
+    offs = torch.cumsum(expert_counts(flat, n_experts), 0).to(torch.int32)
     return order, token_of_row, offs
+
+
+def grouped_ffn(
+    x: torch.Tensor,
+    offs: torch.Tensor,
+    w1: torch.Tensor,
+    w3: torch.Tensor,
+    w2: torch.Tensor,
+    beta1: float = 4.0,
+    beta2: float = 25.0,
+) -> torch.Tensor:
+    """Per-group expert FFN ``W2·SiTU-GLU(W1 x, W3 x)``: ``x [R, ℓ]``, ``offs [E]`` int32, ``w1, w3 [E, F, ℓ]``,
+    ``w2 [E, ℓ, F]`` → ``[R, ℓ]``. The transposed weight views are what grouped_mm wants (K-major B)."""
+    g = grouped_mm(x, w1.transpose(1, 2), offs)
+    u = grouped_mm(x, w3.transpose(1, 2), offs)
+    return grouped_mm(situ_glu(g, u, beta1, beta2), w2.transpose(1, 2), offs)
+
+
+def grouped_ffn_packed(
+    x: torch.Tensor, offs: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, beta1: float = 4.0, beta2: float = 25.0
+) -> torch.Tensor:
+    """Same FFN with gate/up packed in one GEMM: ``w13 [E, 2F, ℓ]`` (rows 0:F = W1, F:2F = W3)."""
+    h = grouped_mm(x, w13.transpose(1, 2), offs)
+    return grouped_mm(situ_glu_packed(h, beta1, beta2), w2.transpose(1, 2), offs)

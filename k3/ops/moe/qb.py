@@ -12,10 +12,22 @@ all-reduce) gives the pooled-batch quantile.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 
-__all__ = ["qb_range", "qb_accumulate", "qb_histogram", "qb_bias_from_histogram", "qb_bias_update", "check_scores"]
+from k3.ops.moe._backend import use_triton
+
+__all__ = [
+    "qb_range",
+    "qb_accumulate",
+    "qb_histogram",
+    "qb_bias_from_histogram",
+    "qb_bias_update",
+    "qb_all_reduce",
+    "qb_exact_bias",
+    "check_scores",
+]
 
 
 def check_scores(scores: torch.Tensor, bias: torch.Tensor, top_k: int, num_bins: int = 1000) -> None:
@@ -52,6 +64,10 @@ def qb_histogram(
         out = torch.zeros(n, num_bins, dtype=torch.int32, device=scores.device)
     if m == 0:
         return out
+    if use_triton(scores):  # fused: top-(k+1) and atomic bin counts in one pass, no [m, n] bin tensor
+        from k3.ops.moe.router_triton import qb_histogram_fused
+
+        return qb_histogram_fused(scores, bias, top_k, out)
     s = scores.float()
     alpha = torch.topk(s + bias.float(), top_k + 1, dim=-1).values[:, -1:]  # [m, 1] cutoff
     return qb_accumulate(alpha - s, bias, out)
@@ -82,6 +98,36 @@ def qb_bias_from_histogram(hist: torch.Tensor, bias: torch.Tensor, top_k: int) -
     lo, span = qb_range(bias)
     b_hat = lo.double() + (b.double() + frac) * (span.double() / num_bins)
     return (b_hat - b_hat.mean()).float()
+
+
+def qb_all_reduce(hists: Sequence[torch.Tensor], group: "torch.distributed.ProcessGroup | None" = None) -> None:
+    """Sum the QB histograms of every rank IN PLACE with one ``all_reduce`` for the whole list.
+
+    ``hists``: the int32 ``[n_experts, num_bins]`` histograms of all MoE layers (each already summed over the step's
+    micro-batches). They are packed into one flat buffer, reduced once, and unpacked — one collective per training
+    step whatever the number of layers. Pass the group of ranks that see *different* tokens (data × expert ×
+    context parallel), never a tensor-parallel group whose ranks see the same scores.
+    """
+    import torch.distributed as dist
+
+    hists = list(hists)
+    if not hists:
+        return
+    for i, h in enumerate(hists):
+        if not isinstance(h, torch.Tensor) or h.dtype != torch.int32 or h.dim() != 2:
+            raise ValueError(f"hists[{i}] must be an int32 tensor [n_experts, num_bins], got "
+                             f"{getattr(h, 'dtype', type(h))} {tuple(getattr(h, 'shape', ()))}")
+        if h.device != hists[0].device:
+            raise ValueError(f"hists must share one device, hists[{i}] is on {h.device}, hists[0] on {hists[0].device}")
+    if len(hists) == 1 and hists[0].is_contiguous():
+        dist.all_reduce(hists[0], op=dist.ReduceOp.SUM, group=group)
+        return
+    flat = torch.cat([h.reshape(-1) for h in hists])
+    dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
+    start = 0
+    for h in hists:
+        h.copy_(flat[start:start + h.numel()].view_as(h))
+        start += h.numel()
 
 
 def qb_bias_update(

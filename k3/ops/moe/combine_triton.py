@@ -1,0 +1,120 @@
+"""Fused weighted combine + RMSNorm (Triton), forward and backward (SPEC §5 step 4).
+
+Forward, one program per token t, the whole ℓ-row in registers:
+    u_t = Σ_j p_tj · y[row(t, j)]   (fp32 sum of the k expert rows, read straight from the expert-sorted buffer
+                                     through the inverse permutation — no unpermuted copy is written)
+    u_t is rounded to y.dtype (as the reference does), then out_t = u_t · rstd_t · w with fp32 statistics.
+Saved for backward: the rounded u [m, ℓ] (small: m rows, not m·k) and rstd [m].
+Backward, one program per 16 consecutive tokens:
+    g = dout·w,  du = rstd·(g − û·mean(g·û))  (û = u·rstd),   dw = Σ_t dout·û  (per-program partials, summed after)
+    dy[row(t, j)] = p_tj·du,  dp_tj = ⟨du, y[row(t, j)]⟩.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from k3.ops.moe._backend import alloc
+
+__all__ = ["combine_norm_fused"]
+
+
+@triton.jit
+def _combine_fwd_kernel(y_ptr, row_ptr, p_ptr, w_ptr, out_ptr, u_ptr, rstd_ptr, L, s_y, s_o, s_u, eps,
+                        K: tl.constexpr, BL: tl.constexpr):
+    i_t = tl.program_id(0).to(tl.int64)
+    o_l = tl.arange(0, BL)
+    m_l = o_l < L
+    b_acc = tl.zeros([BL], dtype=tl.float32)
+    for j in range(K):
+        r = tl.load(row_ptr + i_t * K + j).to(tl.int64)
+        p = tl.load(p_ptr + i_t * K + j).to(tl.float32)
+        b_y = tl.load(y_ptr + r * s_y + o_l, mask=m_l, other=0.0).to(tl.float32)
+        b_acc += b_y * p
+    b_u = b_acc.to(u_ptr.dtype.element_ty)
+    tl.store(u_ptr + i_t * s_u + o_l, b_u, mask=m_l)
+    b_uf = b_u.to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(b_uf * b_uf, axis=0) / L + eps)
+    tl.store(rstd_ptr + i_t, rstd)
+    b_w = tl.load(w_ptr + o_l, mask=m_l, other=0.0).to(tl.float32)
+    tl.store(out_ptr + i_t * s_o + o_l, (b_uf * rstd * b_w).to(out_ptr.dtype.element_ty), mask=m_l)
+
+
+@triton.jit
+def _combine_bwd_kernel(do_ptr, u_ptr, rstd_ptr, w_ptr, y_ptr, row_ptr, p_ptr, dy_ptr, dp_ptr, dwp_ptr,
+                        M, L, s_do, s_u, s_y, s_dy, K: tl.constexpr, BL: tl.constexpr, TPB: tl.constexpr):
+    pid = tl.program_id(0)
+    o_l = tl.arange(0, BL)
+    m_l = o_l < L
+    b_w = tl.load(w_ptr + o_l, mask=m_l, other=0.0).to(tl.float32)
+    b_dw = tl.zeros([BL], dtype=tl.float32)
+    for it in range(TPB):  # TPB consecutive tokens per program keep the dw partials small
+        i_t = (pid * TPB + it).to(tl.int64)
+        m_t = i_t < M
+        m_x = m_l & m_t
+        b_do = tl.load(do_ptr + i_t * s_do + o_l, mask=m_x, other=0.0).to(tl.float32)
+        b_u = tl.load(u_ptr + i_t * s_u + o_l, mask=m_x, other=0.0).to(tl.float32)
+        rstd = tl.load(rstd_ptr + i_t, mask=m_t, other=0.0)
+        b_un = b_u * rstd
+        b_dw += b_do * b_un
+        b_g = b_do * b_w
+        b_du = rstd * (b_g - b_un * (tl.sum(b_g * b_un, axis=0) / L))
+        for j in range(K):
+            r = tl.load(row_ptr + i_t * K + j, mask=m_t, other=0).to(tl.int64)
+            p = tl.load(p_ptr + i_t * K + j, mask=m_t, other=0.0).to(tl.float32)
+            b_y = tl.load(y_ptr + r * s_y + o_l, mask=m_x, other=0.0).to(tl.float32)
+            tl.store(dy_ptr + r * s_dy + o_l, (b_du * p).to(dy_ptr.dtype.element_ty), mask=m_x)
+            tl.store(dp_ptr + i_t * K + j, tl.sum(b_du * b_y, axis=0), mask=m_t)
+    tl.store(dwp_ptr + pid.to(tl.int64) * L + o_l, b_dw, mask=m_l)
+
+
+def _warps(BL: int) -> int:
+    return 4 if BL <= 1024 else 8
+
+
+_TPB = 16  # tokens per backward program
+
+class _CombineNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, y_rows, row_of, p, weight, eps):
+        m, k = p.shape
+        L = y_rows.shape[1]
+        dev = y_rows.device
+        out = alloc((m, L), y_rows.dtype, dev)
+        u = alloc((m, L), y_rows.dtype, dev)
+        rstd = alloc((m,), torch.float32, dev)
+        BL = triton.next_power_of_2(L)
+        if m:
+            _combine_fwd_kernel[(m,)](y_rows, row_of, p, weight, out, u, rstd, L, y_rows.stride(0), out.stride(0),
+                                      u.stride(0), float(eps), K=k, BL=BL, num_warps=_warps(BL))
+        ctx.save_for_backward(y_rows, row_of, p, weight, u, rstd)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        y_rows, row_of, p, weight, u, rstd = ctx.saved_tensors
+        m, k = p.shape
+        L = y_rows.shape[1]
+        dout = dout.contiguous()
+        # rows no (token, slot) points at get a zero gradient; when every row is used none needs clearing
+        dy = alloc(y_rows.shape, y_rows.dtype, y_rows.device) if y_rows.shape[0] == m * k else torch.zeros_like(y_rows)
+        dp = alloc((m, k), torch.float32, p.device)
+        G = triton.cdiv(m, _TPB)
+        dwp = alloc((G, L), torch.float32, p.device)
+        BL = triton.next_power_of_2(L)
+        if m:
+            _combine_bwd_kernel[(G,)](dout, u, rstd, weight, y_rows, row_of, p, dy, dp, dwp, m, L, dout.stride(0),
+                                      u.stride(0), y_rows.stride(0), dy.stride(0), K=k, BL=BL, TPB=_TPB,
+                                      num_warps=_warps(BL))
+        dw = dwp.sum(0).to(weight.dtype) if m else torch.zeros_like(weight)
+        return dy, None, dp.to(p.dtype), dw, None
+
+
+def combine_norm_fused(y_rows: torch.Tensor, row_of: torch.Tensor, p: torch.Tensor, weight: torch.Tensor,
+                       eps: float) -> torch.Tensor:
+    """``y_rows [R, ℓ]`` (R ≥ m·k), ``row_of [m, k]`` int64 = the y row of each (token, slot), ``p [m, k]`` fp32,
+    ``weight [ℓ]`` → RMSNorm(Σ_j p·y) ``[m, ℓ]`` in y_rows.dtype. Inputs already validated, rows unique."""
+    y_rows = y_rows if y_rows.stride(-1) == 1 else y_rows.contiguous()
+    return _CombineNorm.apply(y_rows, row_of.contiguous(), p.float().contiguous(), weight.contiguous(), eps)

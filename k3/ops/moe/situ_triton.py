@@ -1,0 +1,140 @@
+"""Fused SiTU-GLU forward and backward (Triton): one pass over gate/up in, one pass out.
+
+Math (SPEC §5), in fp32 whatever the storage dtype, with t_g = tanh(g/β1), t_u = tanh(u/β2), σ = sigmoid(g):
+    y      = A·B,  A = β1·t_g·σ,  B = β2·t_u
+    ∂A/∂g  = (1 − t_g²)·σ + β1·t_g·σ·(1 − σ),   ∂B/∂u = 1 − t_u²
+    dg = dy·B·∂A/∂g,  du = dy·A·∂B/∂u
+Gate and up may be strided views (e.g. the two halves of one packed ``[R, 2F]`` GEMM output): only the last dim
+must be contiguous. ``situ_glu_fused_packed`` takes the packed tensor and returns its gradient packed as well, so
+autograd never materialises a concatenation.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from k3.ops.moe._backend import alloc
+
+__all__ = ["situ_glu_fused", "situ_glu_fused_packed"]
+
+
+@triton.jit
+def _tanh(x):
+    # tanh from one exp: exact limits ±1 (exp overflows to inf or underflows to 0), |error| ~1e-7 near 0.
+    e = tl.exp(-2.0 * tl.abs(x))
+    t = (1.0 - e) / (1.0 + e)
+    return tl.where(x < 0, -t, t)
+
+
+@triton.jit
+def _situ_fwd_kernel(g_ptr, u_ptr, y_ptr, M, F, s_g, s_u, s_y, beta1, beta2,
+                     BM: tl.constexpr, BF: tl.constexpr):
+    i_m, i_f = tl.program_id(0), tl.program_id(1)
+    o_m = (i_m * BM + tl.arange(0, BM)).to(tl.int64)
+    o_f = i_f * BF + tl.arange(0, BF)
+    m_x = (o_m[:, None] < M) & (o_f[None, :] < F)
+    b_g = tl.load(g_ptr + o_m[:, None] * s_g + o_f[None, :], mask=m_x, other=0.0).to(tl.float32)
+    b_u = tl.load(u_ptr + o_m[:, None] * s_u + o_f[None, :], mask=m_x, other=0.0).to(tl.float32)
+    b_sig = 1.0 / (1.0 + tl.exp(-b_g))
+    b_y = (beta1 * _tanh(b_g / beta1) * b_sig) * (beta2 * _tanh(b_u / beta2))
+    tl.store(y_ptr + o_m[:, None] * s_y + o_f[None, :], b_y.to(y_ptr.dtype.element_ty), mask=m_x)
+
+
+@triton.jit
+def _situ_bwd_kernel(g_ptr, u_ptr, dy_ptr, dg_ptr, du_ptr, M, F, s_g, s_u, s_dy, s_dg, s_du, beta1, beta2,
+                     BM: tl.constexpr, BF: tl.constexpr):
+    i_m, i_f = tl.program_id(0), tl.program_id(1)
+    o_m = (i_m * BM + tl.arange(0, BM)).to(tl.int64)
+    o_f = i_f * BF + tl.arange(0, BF)
+    m_x = (o_m[:, None] < M) & (o_f[None, :] < F)
+    b_g = tl.load(g_ptr + o_m[:, None] * s_g + o_f[None, :], mask=m_x, other=0.0).to(tl.float32)
+    b_u = tl.load(u_ptr + o_m[:, None] * s_u + o_f[None, :], mask=m_x, other=0.0).to(tl.float32)
+    b_dy = tl.load(dy_ptr + o_m[:, None] * s_dy + o_f[None, :], mask=m_x, other=0.0).to(tl.float32)
+    b_sig = 1.0 / (1.0 + tl.exp(-b_g))
+    b_tg = _tanh(b_g / beta1)
+    b_tu = _tanh(b_u / beta2)
+    b_a = beta1 * b_tg * b_sig
+    b_da = (1.0 - b_tg * b_tg) * b_sig + beta1 * b_tg * b_sig * (1.0 - b_sig)
+    b_b = beta2 * b_tu
+    b_db = 1.0 - b_tu * b_tu
+    tl.store(dg_ptr + o_m[:, None] * s_dg + o_f[None, :], (b_dy * b_b * b_da).to(dg_ptr.dtype.element_ty), mask=m_x)
+    tl.store(du_ptr + o_m[:, None] * s_du + o_f[None, :], (b_dy * b_a * b_db).to(du_ptr.dtype.element_ty), mask=m_x)
+
+
+def _blocks(F: int) -> tuple[int, int]:
+    bf = min(1024, triton.next_power_of_2(max(F, 1)))
+    return max(1, 4096 // bf), bf
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """2-D view ``[M, F]`` with a unit last stride (copies only when it must)."""
+    t2 = t.reshape(-1, t.shape[-1])
+    return t2 if t2.stride(-1) == 1 or t2.shape[-1] == 1 else t2.contiguous()
+
+
+def _fwd(g: torch.Tensor, u: torch.Tensor, beta1: float, beta2: float) -> torch.Tensor:
+    M, F = g.shape
+    y = alloc((M, F), g.dtype, g.device)
+    if M and F:
+        BM, BF = _blocks(F)
+        _situ_fwd_kernel[(triton.cdiv(M, BM), triton.cdiv(F, BF))](
+            g, u, y, M, F, g.stride(0), u.stride(0), y.stride(0), float(beta1), float(beta2), BM=BM, BF=BF)
+    return y
+
+
+def _bwd(g: torch.Tensor, u: torch.Tensor, dy: torch.Tensor, dg: torch.Tensor, du: torch.Tensor,
+         beta1: float, beta2: float) -> None:
+    M, F = g.shape
+    if M and F:
+        BM, BF = _blocks(F)
+        _situ_bwd_kernel[(triton.cdiv(M, BM), triton.cdiv(F, BF))](
+            g, u, dy, dg, du, M, F, g.stride(0), u.stride(0), dy.stride(0), dg.stride(0), du.stride(0),
+            float(beta1), float(beta2), BM=BM, BF=BF)
+
+
+class _SituGLU(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, gate: torch.Tensor, up: torch.Tensor, beta1: float, beta2: float) -> torch.Tensor:
+        shape = gate.shape
+        g, u = _rows(gate), _rows(up)
+        ctx.save_for_backward(g, u)
+        ctx.betas, ctx.shape = (beta1, beta2), shape
+        return _fwd(g, u, beta1, beta2).view(shape)
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor):
+        g, u = ctx.saved_tensors
+        dg, du = alloc(g.shape, g.dtype, g.device), alloc(u.shape, u.dtype, u.device)
+        _bwd(g, u, _rows(dy), dg, du, *ctx.betas)
+        return dg.view(ctx.shape), du.view(ctx.shape), None, None
+
+
+class _SituGLUPacked(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, gu: torch.Tensor, beta1: float, beta2: float) -> torch.Tensor:
+        shape = gu.shape
+        h = _rows(gu)
+        F = h.shape[1] // 2
+        ctx.save_for_backward(h)
+        ctx.betas, ctx.shape = (beta1, beta2), shape
+        return _fwd(h[:, :F], h[:, F:], beta1, beta2).view(*shape[:-1], F)
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor):
+        (h,) = ctx.saved_tensors
+        F = h.shape[1] // 2
+        dh = alloc(h.shape, h.dtype, h.device)
+        _bwd(h[:, :F], h[:, F:], _rows(dy), dh[:, :F], dh[:, F:], *ctx.betas)
+        return dh.view(ctx.shape), None, None
+
+
+def situ_glu_fused(gate: torch.Tensor, up: torch.Tensor, beta1: float = 4.0, beta2: float = 25.0) -> torch.Tensor:
+    """SiTU-GLU of ``gate, up [..., F]`` (same shape and dtype) → ``[..., F]``; one fused kernel each way."""
+    return _SituGLU.apply(gate, up, beta1, beta2)
+
+
+def situ_glu_fused_packed(gu: torch.Tensor, beta1: float = 4.0, beta2: float = 25.0) -> torch.Tensor:
+    """SiTU-GLU of a packed ``gu [..., 2F]`` (gate = first half, up = second half) → ``[..., F]``."""
+    return _SituGLUPacked.apply(gu, beta1, beta2)
