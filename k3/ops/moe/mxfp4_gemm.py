@@ -228,10 +228,14 @@ def _tile_schedule(offs: torch.Tensor, rows: int, bm: int) -> tuple[torch.Tensor
 
 
 def use_triton(x: torch.Tensor) -> bool:
-    """True when the Triton kernels should run for x: on CUDA, or anywhere with K3_MXFP4_BACKEND=triton."""
-    backend = os.environ.get("K3_MXFP4_BACKEND", "").lower()
+    """True when the Triton kernels should run for x: on CUDA, or anywhere when forced.
+
+    ``K3_MXFP4_BACKEND=triton|torch`` forces one (on CPU, Triton needs ``TRITON_INTERPRET=1``); unset, the MoE-wide
+    ``K3_MOE_BACKEND`` applies.
+    """
+    backend = (os.environ.get("K3_MXFP4_BACKEND") or os.environ.get("K3_MOE_BACKEND") or "").lower()
     if backend not in ("", "triton", "torch"):
-        raise ValueError(f"K3_MXFP4_BACKEND must be 'triton' or 'torch', got {backend!r}")
+        raise ValueError(f"K3_MXFP4_BACKEND / K3_MOE_BACKEND must be 'triton' or 'torch', got {backend!r}")
     if backend == "torch" or not HAS_TRITON:
         return False
     return backend == "triton" or x.is_cuda
