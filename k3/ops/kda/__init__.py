@@ -4,9 +4,12 @@
 ``fused_recurrent_kda``  decode (forward only); ``fused_recurrent_kda_pool`` for an in-place state pool.
 ``naive_recurrent_kda``  token-by-token fp32/fp64 reference; ``naive_chunk_kda`` its chunked torch form.
 ``kda_gate``             the bounded forget gate of SPEC §2.
+``build_cp_context``     context parallel over a process group: ``chunk_kda(..., cp_context=ctx)``, ``cp_conv_halo``.
+Long no-grad prefills are split into exactly-chained segments on their own (``prefix.py``; ``K3_KDA_SPLITS``).
 """
 
 from k3.ops.kda.chunk import chunk_kda
+from k3.ops.kda.cp import KDACPContext, build_cp_context, cp_conv_halo
 from k3.ops.kda.fused_recurrent import fused_recurrent_kda, fused_recurrent_kda_pool
 from k3.ops.kda.gate import kda_gate, kda_softplus_gate
 from k3.ops.kda.naive import naive_chunk_kda, naive_recurrent_kda
@@ -19,4 +22,7 @@ __all__ = [
     "naive_chunk_kda",
     "kda_gate",
     "kda_softplus_gate",
+    "build_cp_context",
+    "cp_conv_halo",
+    "KDACPContext",
 ]

@@ -52,28 +52,39 @@ def _span_summaries_torch(
     return naive_chunk_kda_summary(kp, v.to(kp.dtype), gp, bp, cu_seqlens=cu_seqlens)
 
 
-def _span_summaries_via_forward(backend: str, *args: object) -> tuple[torch.Tensor, torch.Tensor]:
-    """Summaries from two calls of the backend's forward, by linearity in (S_in, v) for fixed q, k, g, β:
+def _span_summaries_via_forward(
+    backend: str, *args: object, need_M: bool = True
+) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """Summaries from calls of the backend's forward, by linearity in (S_in, v) for fixed q, k, g, β:
     ``S_ext`` = final state from S_in = 0; ``M`` = final state with v = 0 and S_in = I (a ``[K, K]`` state).
-    Exact; autograd-capable whenever the backend's forward is. Used when a backend has no summary kernel."""
+    Exact; autograd-capable whenever the backend's forward is. ``need_M=False`` skips the second call (M = None)."""
     q, k, v, g, beta, scale, l2, gate, bsig, lb, cu, A_log, dt_bias = args
     fwd = backend_fn(backend, "chunk_kda")
     N = q.shape[0] if cu is None else cu.numel() - 1
     H, K = q.shape[2], q.shape[3]
     _, S_ext = fwd(q, k, v, g, beta, scale, None, True, l2, gate, bsig, lb, cu, A_log, dt_bias)
+    if not need_M:
+        return None, S_ext
     eye = torch.eye(K, dtype=S_ext.dtype, device=q.device).expand(N, H, K, K).contiguous()
     v0 = v.new_zeros(v.shape[:-1] + (K,))
     _, M = fwd(q, k, v0, g, beta, scale, eye, True, l2, gate, bsig, lb, cu, A_log, dt_bias)
     return M, S_ext
 
 
-def span_summaries(backend: str, *args: object) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(M, S_ext)`` per sequence with the backend's summary kernel, else through its forward (exact either way).
-    ``args`` = (q, k, v, g, beta, scale, l2norm, gate_in_kernel, beta_sigmoid, lower_bound, cu_seqlens, A_log,
-    dt_bias), validated."""
+def span_summaries(
+    backend: str, *args: object, need_M: bool = True, need_grad: bool = False
+) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """``(M [N, H, K, K], S_ext [N, H, K, V])`` per sequence, exact. ``args`` = (q, k, v, g, beta, scale,
+    l2norm, gate_in_kernel, beta_sigmoid, lower_bound, cu_seqlens, A_log, dt_bias), validated.
+
+    The torch backend uses the chunked reference (differentiable). The Triton backend uses its summary kernel when
+    it has one and no gradient is needed, else its (autograd-capable) forward; M may then be None if not
+    ``need_M``."""
+    if backend == "torch":
+        return _span_summaries_torch(*args)
     fn = backend_fn(backend, "span_summaries")
-    if fn is None:
-        return _span_summaries_via_forward(backend, *args)
+    if fn is None or need_grad:
+        return _span_summaries_via_forward(backend, *args, need_M=need_M)
     return fn(*args)
 
 

@@ -1,0 +1,176 @@
+"""Context-parallel KDA with real gloo process groups (2 and 3 ranks) against one process: outputs and every
+gradient, varlen streams whose sequences cross rank boundaries, the conv halo, and the ValueError cases."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+
+H, K, V, KS = 2, 8, 6, 4
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.detach().double(), b.detach().double()
+    assert a.shape == b.shape and torch.isfinite(a).all()
+    return float((a - b).norm() / b.norm().clamp_min(1e-6))
+
+
+def _inputs(T: int, seed: int, fused: bool) -> list[torch.Tensor]:
+    """Global inputs; mild gates and small β so states carry across ranks."""
+    gen = torch.Generator().manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=gen)  # noqa: E731
+    q, k, v = r(1, T, H, K), r(1, T, H, K), r(1, T, H, V)
+    if fused:  # raw gate pre-activations, β logits, A_log, dt_bias
+        return [q, k, v, r(1, T, H, K), r(1, T, H) - 2.0, torch.full((H,), -3.0) + 0.1 * r(H), -5.0 + r(H * K)]
+    k = F.normalize(k, dim=-1)
+    return [q, k, v, -0.03 * torch.rand(1, T, H, K, generator=gen), 0.3 * torch.rand(1, T, H, generator=gen)]
+
+
+def _run(fn, xs, cu, fused, cp_context=None):
+    from k3.ops.kda import chunk_kda
+
+    kw = dict(cu_seqlens=cu, cp_context=cp_context)
+    if fused:
+        kw.update(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
+                  safe_gate=True, lower_bound=-5.0, A_log=xs[5], dt_bias=xs[6])
+    return chunk_kda(*xs[:5], **kw)[0]
+
+
+def _check_scenario(ctx_rank, W, T, cu_list, fused, seed):
+    """Single-process reference vs this rank's CP slice: output and all gradients."""
+    from k3.ops.kda import build_cp_context, chunk_kda
+
+    cu = torch.tensor(cu_list)
+    xs = [x.requires_grad_() for x in _inputs(T, seed, fused)]
+    o_ref = _run(None, xs, cu, fused)
+    do = torch.randn(o_ref.shape, generator=torch.Generator().manual_seed(seed + 1))
+    ref_grads = torch.autograd.grad((o_ref * do).sum(), xs)
+
+    ctx = build_cp_context(cu, group=None)
+    loc = [ctx.shard(x.detach()).requires_grad_() if x.dim() >= 3 else x.detach().clone().requires_grad_()
+           for x in xs]
+    o = _run(None, loc, None, fused, cp_context=ctx)
+    assert ctx.last_bytes_sent == H * K * (K + V) * 4 + 16
+    assert rel(o, ctx.shard(o_ref)) <= 1e-5, f"rank {ctx_rank} output"
+    grads = torch.autograd.grad((o * ctx.shard(do)).sum(), loc)
+    for i, (g, gr) in enumerate(zip(grads, ref_grads)):
+        if gr.dim() >= 3:
+            assert rel(g, ctx.shard(gr)) <= 1e-5, f"rank {ctx_rank} grad #{i}: {rel(g, ctx.shard(gr))}"
+        else:  # parameters: the sum over ranks is the full gradient
+            g = g.clone()
+            dist.all_reduce(g)
+            assert rel(g, gr) <= 1e-5, f"rank {ctx_rank} param grad #{i}"
+    if ctx.first_continues and not fused:  # the test can fail: without the entry state the output is wrong
+        o0 = chunk_kda(*[x.detach() for x in loc[:5]], cu_seqlens=ctx.local_cu_seqlens)[0]
+        assert rel(o0, ctx.shard(o_ref)) > 1e-3
+
+
+def _check_halo(W, T, cu_list):
+    from k3.ops.kda import build_cp_context, cp_conv_halo
+
+    cu = torch.tensor(cu_list)
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(1, T, 3, generator=gen).requires_grad_()
+    w = torch.randn(KS, 3, generator=gen)
+    seq_start = torch.zeros(T, dtype=torch.long)
+    for a, b in zip(cu_list[:-1], cu_list[1:]):
+        seq_start[a:b] = a
+
+    def conv(xx, p0, off, cut):
+        """Causal depthwise conv for global positions p0 … from rows xx[p - off], resetting at sequence starts;
+        rows below ``cut`` (a halo) are used as given for the sequence that crosses ``cut`` (their zeros stand for
+        other sequences); the local pieces after it reset as usual."""
+        ys = []
+        for p in range(p0, off + xx.shape[1]):
+            terms = [w[i] * xx[0, p - i - off] for i in range(KS)
+                     if p - i >= seq_start[p] or (off <= p - i < cut and seq_start[p] < cut)]
+            ys.append(sum(terms) if terms else torch.zeros(3))
+        return torch.stack(ys)[None]
+
+    ref = conv(x, 0, 0, 0)  # the plain varlen causal conv over the whole stream
+    ctx = build_cp_context(cu, conv1d_kernel_size=KS)
+    xl = ctx.shard(x.detach()).requires_grad_()
+    halo = cp_conv_halo(xl, ctx)
+    assert halo.shape == (1, KS - 1, 3) and ctx.last_halo_bytes == (KS - 1) * 3 * 4
+    want = torch.stack([x[0, p] if p >= max(0, ctx.first_seq_start) else torch.zeros(3)
+                        for p in range(ctx.start - KS + 1, ctx.start)])
+    assert torch.equal(halo[0].detach(), want.detach())
+    y = conv(torch.cat([halo, xl], 1), ctx.start, ctx.start - KS + 1, ctx.start)
+    assert rel(y, ctx.shard(ref)) < 1e-6
+    r = torch.randn(ref.shape, generator=torch.Generator().manual_seed(6))
+    (gx_ref,) = torch.autograd.grad((ref * r).sum(), x)
+    (gx,) = torch.autograd.grad((y * ctx.shard(r)).sum(), xl)
+    assert rel(gx, ctx.shard(gx_ref)) < 1e-6
+
+
+def _check_errors(rank, W):
+    from k3.ops.kda import build_cp_context, chunk_kda
+
+    T = 12 * W
+    xs = _inputs(T, 0, False)
+    cu = torch.tensor([0, 5, T])
+    with pytest.raises(ValueError, match="multiple of the group size"):
+        build_cp_context(torch.tensor([0, 5, T + 1]))
+    ctx = build_cp_context(cu)
+    loc = [ctx.shard(x) for x in xs]
+    with pytest.raises(ValueError, match="cu_seqlens"):  # a context built for other cu_seqlens than the call's
+        chunk_kda(*loc, cu_seqlens=torch.tensor([0, 6, T]), cp_context=ctx)
+    bad = [x[:, :-1] for x in loc] if rank == 0 else loc  # one rank with a wrong slice: every rank raises
+    with pytest.raises(ValueError, match="slice|reported bad input"):
+        chunk_kda(*bad, cp_context=ctx)
+    other = build_cp_context(torch.tensor([0, 7, T]) if rank == 1 else cu)  # ranks built for different streams
+    with pytest.raises(ValueError, match="different cu_seqlens"):
+        chunk_kda(*loc, cp_context=other)
+    with pytest.raises(ValueError, match="initial_state"):
+        chunk_kda(*loc, cp_context=ctx, output_final_state=True)
+    solo = dist.new_group([0])  # a group of the wrong size for these slices
+    if rank == 0:
+        with pytest.raises(ValueError, match="slice"):
+            chunk_kda(*loc, cp_context=build_cp_context(cu, group=solo))
+    else:
+        with pytest.raises(ValueError, match="member"):
+            build_cp_context(cu, group=solo)
+    o, _ = chunk_kda(*loc, cp_context=ctx)  # the group is still usable after all of that
+    assert o.shape == (1, 12, H, V)
+
+
+def _worker(rank: int, W: int, port: int) -> None:
+    os.environ["K3_KDA_BACKEND"] = "torch"
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=W,
+                            timeout=datetime.timedelta(seconds=60))
+    try:
+        L = 40
+        T = W * L
+        for i, (cu, fused) in enumerate([
+            ([0, T], False),                       # one sequence across every rank
+            ([0, T], True),                        # ... with the in-kernel L2 norm, gate and β sigmoid
+            ([0, 5, T - 5, T], False),             # a sequence covering whole middle ranks (needs M)
+            ([0, L - 1, L, L + 1, T], False),      # boundaries at and next to a rank edge, a length-1 sequence
+            ([0, 3, L + 20, L + 20, T], True),     # an empty sequence, a crossing one
+        ]):
+            _check_scenario(rank, W, T, cu, fused, seed=10 + i)
+        _check_halo(W, W * 6, [0, 4, 13, W * 6] if W > 2 else [0, 4, 7, W * 6])
+        _check_halo(W, W * 2, [0, W * 2])  # slices shorter than the halo: rows come from several ranks
+        if W == 2:
+            _check_errors(rank, W)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("W", [2, 3])
+def test_cp_matches_single_process(W):
+    mp.spawn(_worker, args=(W, _free_port()), nprocs=W, join=True)
