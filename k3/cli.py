@@ -1,0 +1,299 @@
+"""The ``k3`` command: argument parsing only; each subcommand calls into ``k3.train``, ``k3.infer``, ``k3.ckpt``.
+
+    k3 train      [--preset tiny] [--data embedded|PATH|hf:NAME] [--steps N] … (see ``k3 train --help``)
+    k3 generate   --run DIR | --model PATH  [--prompt TEXT] [--max-new-tokens N] [--temperature T] …
+    k3 eval       --run DIR [--batches N]
+    k3 tokenize   FILES… --out shard.bin [--tokenizer SPEC]
+
+A user mistake (bad flag value, missing or corrupt run directory, empty data, …) prints ONE line
+``k3: error: <what is wrong>; <what to do>`` on stderr and exits with status 2, before anything on disk changes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any, NoReturn, Sequence
+
+__all__ = ["main", "build_parser"]
+
+EXIT_USAGE = 2
+
+
+class _UsageError(Exception):
+    pass
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line (argparse's own prints the usage block first)."""
+
+    def error(self, message: str) -> NoReturn:
+        raise _UsageError(f"{self.prog}: {message} (see {self.prog} --help)")
+
+
+def _positive_int(s: str) -> int:
+    try:
+        v = int(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {s!r}") from None
+    if v <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {v}")
+    return v
+
+
+def _nonneg_int(s: str) -> int:
+    try:
+        v = int(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {s!r}") from None
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {v}")
+    return v
+
+
+def _positive_float(s: str) -> float:
+    try:
+        v = float(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {s!r}") from None
+    if not v > 0 or v == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {s}")
+    return v
+
+
+def _add_train(sub: Any) -> None:
+    p = sub.add_parser(
+        "train", help="train a model (default: preset tiny on the embedded corpus, ~1 minute on a CPU)",
+        description="Train K3 from scratch or continue a run. With no flags: preset 'tiny' on the embedded corpus "
+        "(CPython's own documentation), on the GPU if there is one, else the CPU. Flags not given keep their "
+        "defaults (or, with --resume, the run's own values).",
+        argument_default=argparse.SUPPRESS)
+    g = p.add_argument_group("model and data")
+    g.add_argument("--preset", help="model preset: tiny (default), small, k3, k3-linear")
+    g.add_argument("--config", metavar="FILE.json", help="K3Config JSON file (instead of --preset)")
+    g.add_argument("--task", choices=["text", "recall"], help="text (default) or the synthetic recall task")
+    g.add_argument("--data", metavar="SRC", help="'embedded' (default), a .txt/.jsonl/.parquet/.bin file, a "
+                   "directory or glob of them, or hf:NAME[:SPLIT] (needs the network and `pip install k3[hf]`)")
+    g.add_argument("--val-data", metavar="SRC", help="held-out data (default: the last 1%% of --data)")
+    g.add_argument("--text-field", metavar="NAME", help="field/column holding the text in .jsonl/.parquet "
+                   "(default: text)")
+    g.add_argument("--tokenizer", metavar="SPEC", help="'byte' (default), a tiktoken BPE file (tiktoken.model), "
+                   "a Hugging Face tokenizer.json, or a directory holding one")
+    g = p.add_argument_group("optimisation")
+    g.add_argument("--steps", type=_positive_int, help="optimizer steps (default 150)")
+    g.add_argument("--batch-size", type=_positive_int, help="sequences per micro-batch (default 8)")
+    g.add_argument("--seq-len", type=_positive_int, help="tokens per sequence (default 64)")
+    g.add_argument("--grad-accum", type=_positive_int, help="micro-batches per optimizer step (default 1)")
+    g.add_argument("--lr", type=_positive_float, help="peak learning rate (default 3e-3)")
+    g.add_argument("--min-lr-ratio", type=float, help="final lr / peak lr (default 0.1)")
+    g.add_argument("--warmup", type=_nonneg_int, help="linear warmup steps (default 10)")
+    g.add_argument("--schedule", choices=["cosine", "wsd", "constant"], help="lr schedule after warmup "
+                   "(default cosine)")
+    g.add_argument("--optimizer", choices=["adamw", "muon"], help="adamw (default) or muon (Newton-Schulz "
+                   "orthogonalised momentum for matrices, AdamW for the rest)")
+    g.add_argument("--weight-decay", type=float, help="decoupled weight decay (default 0.1)")
+    g.add_argument("--grad-clip", type=_positive_float, help="max gradient norm (default 1.0)")
+    g.add_argument("--seed", type=_nonneg_int, help="seed of the initialisation and the data order (default 0)")
+    g.add_argument("--device", help="auto (default: cuda if available), cpu, cuda, cuda:N")
+    g = p.add_argument_group("run directory")
+    g.add_argument("--out", metavar="DIR", help="run directory (default runs/<name>/; must be new or empty)")
+    g.add_argument("--name", help="run name: the directory runs/NAME (default: the preset, made unique)")
+    g.add_argument("--resume", nargs="?", const=True, metavar="DIR",
+                   help="continue the run in DIR (or in --out/--name) from its newest checkpoint")
+    g.add_argument("--log-every", type=_positive_int, help="log a plain line every N steps when stdout is not "
+                   "a terminal (default 10); metrics.jsonl gets every step")
+    g.add_argument("--save-every", type=_nonneg_int, help="checkpoint every N steps (default 0: at the end)")
+    g.add_argument("--keep", type=_positive_int, help="checkpoints to keep (default 2)")
+    g.add_argument("--eval-every", type=_nonneg_int, help="validate every N steps (default 0: at the end)")
+    g.add_argument("--eval-batches", type=_positive_int, help="validation batches (default 8)")
+    g.add_argument("--sample-tokens", type=_nonneg_int, help="tokens sampled at the end (default 200; 0: none)")
+    g.add_argument("--prompt", help="prompt of that sample (default 'The ')")
+    g.add_argument("--no-plot", dest="plot", action="store_false", help="do not write loss.png")
+    p.set_defaults(func=_cmd_train)
+
+
+def _add_generate(sub: Any) -> None:
+    p = sub.add_parser("generate", help="sample text from a run (or a released checkpoint), streaming",
+                       description="Prefill the prompt once, then decode one token per step with the model's "
+                       "fixed-size state; text is printed as it is produced, tokens/s goes to stderr.")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--run", metavar="DIR", help="a run directory from `k3 train` (its newest checkpoint)")
+    src.add_argument("--model", metavar="PATH", help="a released K3 checkpoint folder (safetensors + tiktoken.model)")
+    p.add_argument("--prompt", default="", help="text to continue (default: empty, i.e. from bos)")
+    p.add_argument("--max-new-tokens", type=_nonneg_int, default=200, help="tokens to generate (default 200)")
+    p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy (default 0.8)")
+    p.add_argument("--top-p", type=float, default=None, help="nucleus sampling mass (default off)")
+    p.add_argument("--top-k", type=_positive_int, default=None, help="sample among the k likeliest (default off)")
+    p.add_argument("--seed", type=_nonneg_int, default=0, help="sampling seed (default 0): same seed, same text")
+    p.add_argument("--device", default="auto", help="auto (default), cpu, cuda, cuda:N")
+    p.add_argument("--chat", action="store_true", help="with --model: wrap the prompt as a user turn in K3's "
+                   "chat format")
+    p.add_argument("--system", default=None, help="with --chat: a system message")
+    p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default=None,
+                   help="with --model: weight dtype (default: the checkpoint's)")
+    p.set_defaults(func=_cmd_generate)
+
+
+def _add_eval(sub: Any) -> None:
+    p = sub.add_parser("eval", help="validation loss / perplexity (and recall accuracy) of a run",
+                       description="Evaluate the newest checkpoint of a run on its held-out data.")
+    p.add_argument("--run", metavar="DIR", required=True, help="a run directory (or one of its checkpoints)")
+    p.add_argument("--batches", type=_positive_int, default=None, help="validation batches (default: the run's)")
+    p.add_argument("--batch-size", type=_positive_int, default=None, help="default: the run's")
+    p.add_argument("--device", default="auto", help="auto (default), cpu, cuda, cuda:N")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=_cmd_eval)
+
+
+def _add_tokenize(sub: Any) -> None:
+    p = sub.add_parser("tokenize", help="pre-tokenize text files into a .bin shard for --data",
+                       description="Tokenize .txt/.md/.jsonl/.parquet files (or hf:NAME) into one k3 .bin shard "
+                       "(documents as bos ids… eos, uint16 when the vocabulary fits).")
+    p.add_argument("inputs", nargs="+", metavar="SRC", help="files, directories, globs or hf:NAME[:SPLIT]")
+    p.add_argument("--out", required=True, metavar="FILE.bin", help="the shard to write (must not exist)")
+    p.add_argument("--tokenizer", default="byte", help="as for k3 train (default: byte)")
+    p.add_argument("--text-field", default="text", help="field/column of .jsonl/.parquet (default: text)")
+    p.add_argument("--max-tokens", type=_positive_int, default=None, help="stop after about this many tokens")
+    p.set_defaults(func=_cmd_tokenize)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    import k3
+
+    parser = _Parser(prog="k3", description="Kimi K3 in PyTorch: train, sample, evaluate.")
+    parser.add_argument("--version", action="version", version=f"k3 {k3.__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    for add in (_add_train, _add_generate, _add_eval, _add_tokenize):
+        add(sub)
+    return parser
+
+
+# --- subcommands: translate flags, call the library ----------------------------------------------------------------
+def _cmd_train(ns: argparse.Namespace) -> int:
+    from k3.train.trainer import prepare_args, train
+
+    flags = {k: v for k, v in vars(ns).items() if k not in ("func", "command", "resume")}
+    resume = getattr(ns, "resume", None)
+    if resume is True:  # bare --resume: the run named by --out / --name
+        if "out" in flags:
+            resume = flags["out"]
+        elif "name" in flags:
+            resume = f"runs/{flags['name']}"
+        else:
+            raise ValueError("--resume needs the run directory: --resume DIR (or --out DIR / --name NAME)")
+    args, ckpt = prepare_args(flags, resume)
+    train(args, resume_from=ckpt)
+    return 0
+
+
+def _cmd_generate(ns: argparse.Namespace) -> int:
+    from k3.infer.generate import generate
+    from k3.train.trainer import resolve_device
+
+    device = resolve_device(ns.device)
+    if ns.run is not None:
+        if ns.chat or ns.system is not None or ns.dtype is not None:
+            raise ValueError("--chat, --system and --dtype apply to --model only; drop them with --run")
+        from k3.ckpt.run import load_checkpoint
+
+        ck = load_checkpoint(ns.run, device=device)
+        model, tok = ck["model"], ck["tokenizer"]
+        prompt: Any = ns.prompt
+    else:
+        model, tok, prompt = _load_released(ns, device)
+    generate(model, tok, prompt, max_new_tokens=ns.max_new_tokens, temperature=ns.temperature, top_k=ns.top_k,
+             top_p=ns.top_p, seed=ns.seed, stream=sys.stdout, device=device, report=sys.stderr)
+    sys.stdout.write("\n")
+    return 0
+
+
+def _load_released(ns: argparse.Namespace, device: Any) -> tuple[Any, Any, Any]:
+    """A released checkpoint through ``K3ForCausalLM.from_pretrained`` and K3's tokenizer (helper modules)."""
+    import torch
+
+    try:
+        from k3.data import k3_tokenizer
+        from k3.model import K3ForCausalLM
+    except ImportError as e:
+        raise ValueError(f"--model needs k3's released-checkpoint support, which is not importable here ({e})") from None
+    tok = k3_tokenizer.load_k3_tokenizer(ns.model)
+    dtype = getattr(torch, ns.dtype) if ns.dtype else None
+    model = K3ForCausalLM.from_pretrained(ns.model, device=device, dtype=dtype)
+    if not ns.chat:
+        if ns.system is not None:
+            raise ValueError("--system needs --chat")
+        return model, tok, ns.prompt
+    messages = ([{"role": "system", "content": ns.system}] if ns.system else []) + [
+        {"role": "user", "content": ns.prompt}]
+    render = getattr(tok, "chat_prompt", None) or getattr(k3_tokenizer, "chat_prompt", None)
+    if render is None:
+        raise ValueError("--chat needs k3.data.k3_tokenizer.chat_prompt, which this version lacks")
+    return model, tok, list(render(messages))
+
+
+def _cmd_eval(ns: argparse.Namespace) -> int:
+    from k3.infer.evaluate import evaluate_run
+
+    evaluate_run(ns.run, device=ns.device, batches=ns.batches, batch_size=ns.batch_size, stream=sys.stdout,
+                 as_json=ns.json)
+    return 0
+
+
+def _cmd_tokenize(ns: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    import numpy as np
+
+    from k3.data.files import load_tokens, write_bin_shard
+    from k3.data.tokenizers import load_tokenizer
+
+    out = Path(ns.out)
+    if out.exists():
+        raise ValueError(f"--out {out} already exists; choose a new file name")
+    if out.suffix != ".bin":
+        raise ValueError(f"--out must end in .bin, got {out}")
+    tok = load_tokenizer(ns.tokenizer)
+    parts = [p for src in ns.inputs for p in load_tokens(src, tok, ns.text_field, ns.max_tokens)]
+    tokens = np.concatenate([np.asarray(p) for p in parts])
+    write_bin_shard(out, tokens, tok.vocab_size)
+    print(f"k3: wrote {out} ({tokens.size:,} tokens, {tok.kind} tokenizer, vocab {tok.vocab_size}); "
+          f"train on it with: k3 train --data {out}" + (f" --tokenizer {ns.tokenizer}" if ns.tokenizer != "byte"
+                                                         else ""))
+    return 0
+
+
+# --- entry point -----------------------------------------------------------------------------------------------------
+def _fail(message: str) -> int:
+    sys.stdout.flush()
+    msg = " ".join(str(message).split())  # one line, whatever the exception text holds
+    sys.stderr.write(f"k3: error: {msg}\n")
+    sys.stderr.flush()
+    return EXIT_USAGE
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the ``k3`` command line; returns the exit status (0 ok, 2 user error, 130 interrupted)."""
+    parser = build_parser()
+    try:
+        ns = parser.parse_args(argv)
+    except _UsageError as e:
+        return _fail(str(e))
+    if getattr(ns, "func", None) is None:
+        parser.print_help()
+        return EXIT_USAGE
+    try:
+        return int(ns.func(ns) or 0)
+    except _UsageError as e:
+        return _fail(str(e))
+    except (ValueError, FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError) as e:
+        return _fail(str(e))
+    except FloatingPointError as e:  # training diverged: not a usage error, but still one clear line
+        _fail(str(e))
+        return 1
+    except OSError as e:  # disk full, unreadable file, …
+        return _fail(f"{e.strerror or e}{f': {e.filename}' if getattr(e, 'filename', None) else ''}")
+    except KeyboardInterrupt:
+        sys.stdout.flush()
+        sys.stderr.write("\nk3: interrupted; the newest complete checkpoint is intact (continue with "
+                         "k3 train --resume DIR)\n")
+        return 130

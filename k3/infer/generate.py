@@ -1,0 +1,195 @@
+"""Text generation, gpt-fast style: prefill the prompt once, then one token per step with the fixed-size state.
+
+``prefill`` runs the whole prompt through the model with a fresh ``K3State`` (KDA: S and conv tails, fixed size;
+MLA: the latent cache); ``decode_one_token`` feeds back one token at a time and updates that state in place.
+Sampling (temperature, top-k, top-p) draws from a seeded ``torch.Generator`` with the exponential-race trick
+(``argmax(p / E)``, E ~ Exp(1)) so it needs no host sync; the same seed gives the same text.
+Text is streamed as it is produced; ``StreamDecoder`` holds back bytes of a character that a byte-level
+tokenizer has not finished yet, so nothing is printed as U+FFFD that would have been valid.
+"""
+
+from __future__ import annotations
+
+import codecs
+import sys
+import time
+from typing import Any, Callable, Sequence, TextIO
+
+import torch
+
+__all__ = ["StreamDecoder", "prefill", "decode_one_token", "sample_next", "generate_ids", "generate", "prompt_ids"]
+
+
+class StreamDecoder:
+    """Turn a growing list of ids into text increments, never splitting a UTF-8 character."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tok = tokenizer
+        self.ids: list[int] = []
+        self._bytes = hasattr(tokenizer, "decode_bytes") and tokenizer.decode_bytes([]) is not None
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._emitted = 0  # characters already returned (re-decoding path)
+
+    def feed(self, token: int) -> str:
+        """Text that became final with ``token`` (may be empty)."""
+        if self._bytes:
+            return self._utf8.decode(self.tok.decode_bytes([token]))
+        self.ids.append(int(token))
+        text = self.tok.decode(self.ids)
+        end = len(text)
+        while end > self._emitted and text[end - 1] == "\ufffd":  # maybe an unfinished character: wait
+            end -= 1
+        out = text[self._emitted:end]
+        self._emitted = end
+        return out
+
+    def flush(self) -> str:
+        """Whatever is still held back (an incomplete character at the very end becomes U+FFFD)."""
+        if self._bytes:
+            return self._utf8.decode(b"", final=True)
+        text = self.tok.decode(self.ids)
+        out = text[self._emitted:]
+        self._emitted = len(text)
+        return out
+
+
+@torch.no_grad()
+def prefill(model: torch.nn.Module, ids: torch.Tensor, state: Any) -> torch.Tensor:
+    """Run prompt ``ids [B, T]`` with ``state`` (updated in place); return the last position's logits ``[B, V]``."""
+    return model(ids, state=state).logits[:, -1]
+
+
+@torch.no_grad()
+def decode_one_token(model: torch.nn.Module, token: torch.Tensor, state: Any) -> torch.Tensor:
+    """Feed ``token [B, 1]``; return the next logits ``[B, V]``."""
+    return model(token, state=state).logits[:, -1]
+
+
+def sample_next(logits: torch.Tensor, temperature: float = 1.0, top_k: int | None = None,
+                top_p: float | None = None, generator: torch.Generator | None = None) -> torch.Tensor:
+    """Next token ``[B]`` from ``logits [B, V]``: greedy when ``temperature == 0``, else sample after top-k/top-p."""
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0, got {temperature}")
+    if temperature == 0:
+        return logits.argmax(-1)
+    x = logits.float() / temperature
+    if top_k is not None and top_k < x.shape[-1]:
+        kth = torch.topk(x, top_k, dim=-1).values[:, -1:]
+        x = x.masked_fill(x < kth, float("-inf"))
+    if top_p is not None and top_p < 1.0:
+        sorted_x, order = torch.sort(x, dim=-1, descending=True)
+        probs = torch.softmax(sorted_x, dim=-1)
+        drop = probs.cumsum(-1) - probs > top_p  # keep the smallest prefix whose mass reaches top_p
+        x = x.scatter(-1, order, sorted_x.masked_fill(drop, float("-inf")))
+    probs = torch.softmax(x, dim=-1)
+    race = torch.empty_like(probs).exponential_(1.0, generator=generator)
+    return (probs / race).argmax(-1)  # = a draw from probs, without a device→host sync
+
+
+def _check_sampling(max_new_tokens: int, temperature: float, top_k: int | None, top_p: float | None) -> None:
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be a non-negative integer, got {max_new_tokens!r}")
+    if not temperature >= 0:
+        raise ValueError(f"temperature must be >= 0, got {temperature!r}")
+    if top_k is not None and top_k < 1:
+        raise ValueError(f"top_k must be >= 1, got {top_k}")
+    if top_p is not None and not 0 < top_p <= 1:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+
+
+@torch.no_grad()
+def generate_ids(model: torch.nn.Module, prompt: Sequence[int], max_new_tokens: int, temperature: float = 0.8,
+                 top_k: int | None = None, top_p: float | None = None, seed: int = 0,
+                 stop_ids: Sequence[int] | set[int] = (), on_token: Callable[[int], None] | None = None,
+                 device: torch.device | str | None = None) -> tuple[list[int], dict[str, float]]:
+    """Generate up to ``max_new_tokens`` ids after ``prompt`` (stops after a stop id, which is included).
+
+    Returns ``(new ids, timing)`` with ``prefill_s``, ``decode_s``, ``prompt_tokens``, ``new_tokens``.
+    """
+    _check_sampling(max_new_tokens, temperature, top_k, top_p)
+    if len(prompt) == 0:
+        raise ValueError("prompt must hold at least one token id")
+    device = torch.device(device) if device is not None else next(model.parameters()).device
+    max_len = getattr(getattr(model, "config", None), "max_seq_len", None)
+    if max_len is not None and len(prompt) + max_new_tokens > max_len:
+        raise ValueError(f"prompt ({len(prompt)} tokens) + max_new_tokens ({max_new_tokens}) exceeds the model's "
+                         f"max_seq_len {max_len}")
+    was_training = model.training
+    model.eval()  # inference never feeds Quantile Balancing
+    gen = torch.Generator(device=device).manual_seed(int(seed))
+    stops = {int(s) for s in stop_ids}
+    out: list[int] = []
+    try:
+        state = model.init_state(1, device=device)
+        t0 = time.perf_counter()
+        logits = prefill(model, torch.tensor([list(prompt)], dtype=torch.long, device=device), state)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t1 = time.perf_counter()
+        for i in range(max_new_tokens):
+            nxt = sample_next(logits, temperature, top_k, top_p, gen)
+            tok = int(nxt[0])  # needed on the host anyway: to stream text and to stop
+            out.append(tok)
+            if on_token is not None:
+                on_token(tok)
+            if tok in stops or i == max_new_tokens - 1:
+                break
+            logits = decode_one_token(model, nxt.view(1, 1), state)
+        t2 = time.perf_counter()
+    finally:
+        model.train(was_training)
+    return out, {"prefill_s": t1 - t0, "decode_s": t2 - t1, "prompt_tokens": len(prompt), "new_tokens": len(out)}
+
+
+def prompt_ids(tokenizer: Any, prompt: str) -> list[int]:
+    """``bos`` (when the tokenizer has one) + the encoded prompt."""
+    if not isinstance(prompt, str):
+        raise ValueError(f"prompt must be a str, got {type(prompt).__name__}")
+    bos = getattr(tokenizer, "bos_id", None)
+    ids = ([bos] if bos is not None else []) + tokenizer.encode(prompt)
+    if not ids:
+        raise ValueError("prompt is empty and the tokenizer has no bos token; pass --prompt TEXT")
+    return ids
+
+
+def generate(model: torch.nn.Module, tokenizer: Any, prompt: str | Sequence[int], max_new_tokens: int = 200,
+             temperature: float = 0.8, top_k: int | None = None, top_p: float | None = None, seed: int = 0,
+             stream: TextIO | None = None, device: torch.device | str | None = None,
+             report: TextIO | None = sys.stderr, echo_prompt: bool = True) -> str:
+    """Generate text after ``prompt`` (a string, or ids already rendered, e.g. a chat prompt).
+
+    Streams the prompt (when ``echo_prompt`` and it is a string) and each finished piece of text to ``stream``;
+    writes the token rate to ``report`` (stderr by default; ``None`` for silence). Returns the generated text.
+    """
+    ids = prompt_ids(tokenizer, prompt) if isinstance(prompt, str) else [int(i) for i in prompt]
+    dec = StreamDecoder(tokenizer)
+    pieces: list[str] = []
+    stops = set(getattr(tokenizer, "stop_ids", ()) or ())
+
+    def emit(tok: int) -> None:
+        if tok in stops:
+            return
+        s = dec.feed(tok)
+        if s:
+            pieces.append(s)
+            if stream is not None:
+                stream.write(s)
+                stream.flush()
+
+    if stream is not None and echo_prompt and isinstance(prompt, str):
+        stream.write(prompt)
+        stream.flush()
+    new, t = generate_ids(model, ids, max_new_tokens, temperature, top_k, top_p, seed, stops, emit, device)
+    tail = dec.flush()
+    if tail:
+        pieces.append(tail)
+        if stream is not None:
+            stream.write(tail)
+    if stream is not None:
+        stream.flush()
+    if report is not None:
+        rate = t["new_tokens"] / t["decode_s"] if t["decode_s"] > 0 else float("inf")
+        report.write(f"\nk3: {t['new_tokens']} tokens in {t['decode_s']:.2f} s ({rate:.1f} tok/s); prefill "
+                     f"{t['prompt_tokens']} tokens in {t['prefill_s']:.3f} s\n")
+        report.flush()
+    return "".join(pieces)

@@ -1,0 +1,458 @@
+"""The training loop behind ``k3 train``: set up a run (or resume one), train, checkpoint, plot, sample.
+
+One optimizer step = ``grad_accum`` micro-batches → clip the gradient norm → optimizer step →
+``model.qb_step()`` (Quantile Balancing applies the histograms that the step's training forwards accumulated) →
+metrics. Everything a step depends on — weights and QB biases, optimizer state, RNG states, the data position —
+is in the checkpoint, so a resumed run computes the same losses as an uninterrupted one (bit-exact on a CPU).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TextIO
+
+import torch
+import torch.nn.functional as F
+
+from k3.ckpt.run import (
+    CheckpointError,
+    find_checkpoint,
+    load_checkpoint,
+    load_trainer_state,
+    rng_state,
+    save_checkpoint,
+    set_rng_state,
+    verify_checkpoint,
+)
+from k3.config import K3Config
+from k3.data import EMBEDDED, IGNORE, RecallLoader, RecallTask, WindowLoader, load_tokenizer, text_streams
+from k3.data.loader import TokenStream, eval_windows
+from k3.data.recall import recall_accuracy
+from k3.data.tokenizers import Tokenizer
+from k3.train.optim import SCHEDULES, build_optimizer, lr_factor
+from k3.train.plot import plot_loss
+from k3.train.progress import Progress
+from k3.utils import atomic_write_text
+
+__all__ = ["TrainArgs", "TrainResult", "train", "prepare_args", "resolve_device", "RESUMABLE", "RECALL_EVAL_SEED"]
+
+RECALL_EVAL_SEED = 20_250_707  # the recall task's evaluation stream: never the training stream, same for every run
+# Flags that may differ when resuming without changing what the continued steps compute.
+RESUMABLE = ("steps", "device", "log_every", "save_every", "keep", "eval_every", "eval_batches", "sample_tokens",
+             "prompt", "out", "name", "plot")
+
+
+@dataclass(kw_only=True)
+class TrainArgs:
+    """Every knob of a run; ``run.json`` records it so ``--resume`` and ``k3 eval`` rebuild the same setup."""
+
+    preset: str = "tiny"
+    config: str | None = None  # a K3Config JSON file (overrides the preset)
+    task: str = "text"  # "text" or "recall"
+    data: str = EMBEDDED  # "embedded", a file / directory / glob, or hf:NAME[:SPLIT]
+    val_data: str | None = None
+    text_field: str = "text"
+    tokenizer: str = "byte"
+    steps: int = 150
+    batch_size: int = 8
+    seq_len: int = 64
+    grad_accum: int = 1
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1
+    warmup: int = 10
+    schedule: str = "cosine"
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+    optimizer: str = "adamw"
+    seed: int = 0
+    device: str = "auto"
+    out: str | None = None
+    name: str | None = None
+    log_every: int = 10
+    save_every: int = 0  # 0: only at the end
+    keep: int = 2
+    eval_every: int = 0  # 0: only at the end
+    eval_batches: int = 8
+    sample_tokens: int = 200
+    prompt: str = "The "
+    plot: bool = True
+
+    def validate(self) -> None:
+        """Raise ``ValueError`` naming the first bad field (the CLI turns it into one line, exit 2)."""
+        for name in ("steps", "batch_size", "seq_len", "grad_accum", "keep", "log_every", "eval_batches"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be a positive integer, got {v!r}")
+        for name in ("warmup", "save_every", "eval_every", "sample_tokens", "seed"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be a non-negative integer, got {v!r}")
+        for name in ("lr", "grad_clip"):
+            v = getattr(self, name)
+            if not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be a positive number, got {v!r}")
+        if not (isinstance(self.weight_decay, (int, float)) and 0 <= self.weight_decay < 1):
+            raise ValueError(f"--weight-decay must be in [0, 1), got {self.weight_decay!r}")
+        if not (isinstance(self.min_lr_ratio, (int, float)) and 0 <= self.min_lr_ratio <= 1):
+            raise ValueError(f"--min-lr-ratio must be in [0, 1], got {self.min_lr_ratio!r}")
+        if self.task not in ("text", "recall"):
+            raise ValueError(f"--task must be 'text' or 'recall', got {self.task!r}")
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"--schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
+        if self.optimizer not in ("adamw", "muon"):
+            raise ValueError(f"--optimizer must be 'adamw' or 'muon', got {self.optimizer!r}")
+        if self.name is not None and (not self.name or "/" in self.name or self.name in (".", "..")):
+            raise ValueError(f"--name must be a plain directory name, got {self.name!r}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "TrainArgs":
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"unknown training argument(s) {unknown}")
+        return cls(**d)
+
+
+@dataclass
+class TrainResult:
+    run_dir: Path
+    step: int
+    losses: list[float] = field(default_factory=list)  # the losses of the steps this call ran
+    val_loss: float | None = None
+    val_accuracy: float | None = None
+    sample: str | None = None
+
+
+# --- setup ----------------------------------------------------------------------------------------------------------
+def resolve_device(device: str) -> torch.device:
+    """``"auto"`` → CUDA when available, else CPU; anything else is checked."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        raise ValueError(f"--device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {device!r}") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {device} asked for CUDA but no GPU is visible; use --device cpu")
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"--device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {device!r}")
+    return dev
+
+
+def _new_run_dir(args: TrainArgs) -> Path:
+    """The directory a fresh run writes to; refuses one that already holds files."""
+    if args.out is not None:
+        run_dir = Path(args.out)
+    elif args.name is not None:
+        run_dir = Path("runs") / args.name
+    else:  # runs/tiny, runs/tiny-2, …: a second plain `k3 train` never collides with the first
+        base = f"{Path(args.config).stem if args.config else args.preset}" + ("-recall" if args.task == "recall" else "")
+        run_dir, n = Path("runs") / base, 1
+        while run_dir.exists() and any(run_dir.iterdir()):
+            n += 1
+            run_dir = Path("runs") / f"{base}-{n}"
+    if run_dir.exists() and not run_dir.is_dir():
+        raise ValueError(f"--out {run_dir} exists and is not a directory; choose another --out")
+    if run_dir.exists() and any(run_dir.iterdir()):
+        raise ValueError(f"run directory {run_dir} already exists and is not empty; pass --resume {run_dir} to "
+                         "continue it, or choose another --out/--name")
+    return run_dir
+
+
+def _model_config(args: TrainArgs, tok: Tokenizer) -> K3Config:
+    """The preset (or --config file), with the vocabulary adapted to a non-byte tokenizer."""
+    if args.config is not None:
+        if not Path(args.config).is_file():
+            raise ValueError(f"--config {args.config} is not a file; pass a K3Config JSON file")
+        config = K3Config.from_json(Path(args.config))
+        if tok.vocab_size > config.vocab_size:
+            raise ValueError(f"--config vocab_size {config.vocab_size} is smaller than the tokenizer's "
+                             f"{tok.vocab_size}; raise vocab_size in {args.config}")
+        return config
+    config = K3Config.from_preset(args.preset)
+    if tok.vocab_size > config.vocab_size or (args.tokenizer != "byte" and tok.vocab_size != config.vocab_size):
+        vocab = -(-tok.vocab_size // 64) * 64  # a multiple of 64 keeps the embedding GEMMs aligned
+        config = K3Config.from_dict({**config.to_dict(), "vocab_size": vocab, "bos_token_id": tok.bos_id,
+                                     "eos_token_id": tok.eos_id, "pad_token_id": tok.pad_id})
+    return config
+
+
+@dataclass
+class _Data:
+    loader: WindowLoader | RecallLoader
+    val: TokenStream | None  # text task
+    task: RecallTask | None  # recall task
+
+
+def build_data(args: TrainArgs, tok: Tokenizer, config: K3Config) -> _Data:
+    """Loaders for ``args`` (raises ``ValueError`` for empty or too-small data, before anything is written)."""
+    if args.seq_len > config.max_seq_len:
+        raise ValueError(f"--seq-len {args.seq_len} exceeds the model's max_seq_len {config.max_seq_len}")
+    if args.task == "recall":
+        if args.data != EMBEDDED:
+            raise ValueError("--task recall generates its own data; drop --data")
+        task = RecallTask.for_seq_len(args.seq_len, config.vocab_size, tok.bos_id)
+        return _Data(RecallLoader(task, args.batch_size, args.seed), None, task)
+    train, val = text_streams(args.data, tok, args.seq_len, args.val_data, args.text_field)
+    return _Data(WindowLoader(train, args.batch_size, args.seq_len, args.seed), val, None)
+
+
+def _loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean cross entropy (fp32) of ``logits [B, T, V]`` against aligned ``targets [B, T]`` (IGNORE skipped)."""
+    V = logits.shape[-1]
+    return F.cross_entropy(logits.reshape(-1, V).float(), targets.reshape(-1), ignore_index=IGNORE)
+
+
+@torch.no_grad()
+def evaluate_model(model: torch.nn.Module, data: _Data, args: TrainArgs, device: torch.device) -> dict[str, float]:
+    """Validation loss (text) or recall loss + accuracy (recall) over ``args.eval_batches`` fixed batches.
+
+    The model is put in eval mode (so Quantile Balancing is not fed) and restored afterwards.
+    """
+    was_training = model.training
+    model.eval()
+    total, count, correct, scored = 0.0, 0, 0, 0
+    try:
+        if data.task is not None:
+            batches = (data.task.batch(args.batch_size, RECALL_EVAL_SEED, i) for i in range(args.eval_batches))
+        else:
+            assert data.val is not None
+            batches = eval_windows(data.val, args.batch_size, args.seq_len, args.eval_batches)
+        for x, y in batches:
+            x, y = x.to(device), y.to(device)
+            logits = model(x).logits
+            n = int((y != IGNORE).sum())
+            total += float(_loss(logits, y)) * n
+            count += n
+            if data.task is not None:
+                mask = y != IGNORE
+                correct += int((logits.argmax(-1)[mask] == y[mask]).sum())
+                scored += int(mask.sum())
+    finally:
+        model.train(was_training)
+    out: dict[str, float] = {"val_loss": total / max(count, 1), "val_tokens": count}
+    out["val_ppl"] = math.exp(min(out["val_loss"], 50.0))
+    if data.task is not None:
+        out["val_accuracy"] = correct / max(scored, 1)
+    return out
+
+
+# --- resume -----------------------------------------------------------------------------------------------------------
+def prepare_args(overrides: dict[str, Any], resume: str | None = None) -> tuple[TrainArgs, Path | None]:
+    """Merge CLI flags with defaults (fresh run) or with the run's own ``run.json`` (``resume`` = a run dir).
+
+    Returns ``(args, checkpoint dir to resume from or None)``. On resume, flags outside ``RESUMABLE`` must keep
+    the run's values — anything else would silently make the continuation differ from the original run.
+    """
+    if resume is None:
+        args = TrainArgs.from_dict(overrides)
+        args.validate()
+        return args, None
+    ckpt = find_checkpoint(resume)
+    verify_checkpoint(ckpt)
+    try:
+        saved = json.loads((ckpt / "run.json").read_text())
+        args = TrainArgs.from_dict(saved)
+    except (OSError, ValueError, TypeError) as e:
+        raise CheckpointError(f"checkpoint {ckpt}: run.json is unreadable ({e}); cannot resume") from None
+    for k, v in overrides.items():
+        if k not in RESUMABLE and v != getattr(args, k):
+            raise ValueError(f"--{k.replace('_', '-')} cannot change on --resume (the run used "
+                             f"{getattr(args, k)!r}); start a new run instead")
+        setattr(args, k, v)
+    args.out = str(Path(resume) if (Path(resume) / "checkpoints").is_dir() else ckpt.parent.parent)
+    args.validate()
+    return args, ckpt
+
+
+def _rewind_metrics(path: Path, step: int) -> None:
+    """Drop log lines past the checkpoint we resume from (a killed run may have logged further)."""
+    if not path.exists():
+        return
+    keep = []
+    for line in path.read_text().splitlines():
+        try:
+            if json.loads(line).get("step", 0) <= step:
+                keep.append(line)
+        except json.JSONDecodeError:  # a line torn by a kill: drop it
+            continue
+    atomic_write_text(path, "".join(l + "\n" for l in keep))
+
+
+def _read_metrics(path: Path) -> list[dict[str, Any]]:
+    rows = []
+    if path.exists():
+        for line in path.read_text().splitlines():
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+    return rows
+
+
+# --- the loop -----------------------------------------------------------------------------------------------------------
+def train(args: TrainArgs, resume_from: Path | None = None, stdout: TextIO | None = None) -> TrainResult:
+    """Run (or continue) training as ``args`` says. Raises ``ValueError`` on bad input before touching the disk."""
+    out = stdout if stdout is not None else sys.stdout
+    args.validate()
+    device = resolve_device(args.device)
+    torch.manual_seed(args.seed)
+
+    if resume_from is not None:
+        run_dir = Path(args.out)
+        state = load_trainer_state(resume_from)
+        loaded = load_checkpoint(resume_from, device=device)
+        model, config, tok = loaded["model"], loaded["config"], loaded["tokenizer"]
+        start = int(state["step"])
+        if args.steps <= start:
+            raise ValueError(f"--steps {args.steps} must exceed the checkpoint's step {start} to continue; "
+                             f"pass e.g. --steps {start + args.steps}")
+        data = build_data(args, tok, config)
+        data.loader.load_state_dict(state["data"])
+    else:
+        tok = load_tokenizer(args.tokenizer)
+        config = _model_config(args, tok)
+        data = build_data(args, tok, config)
+        run_dir = _new_run_dir(args)
+        from k3.model import K3ForCausalLM
+
+        with torch.device(device):
+            model = K3ForCausalLM(config)
+        start, state = 0, None
+
+    model.train()
+    opt = build_optimizer(model, args.optimizer, args.lr, args.weight_decay)
+    if state is not None:
+        opt.load_state_dict(state["optimizer"])
+        set_rng_state(state["rng"])
+
+    # Nothing was written until here: every ValueError above leaves the disk as it was.
+    run_dir.mkdir(parents=True, exist_ok=True)
+    run_args = args.to_dict()
+    run_args["out"] = str(run_dir)
+    atomic_write_text(run_dir / "run.json", json.dumps(run_args, indent=2) + "\n")
+    atomic_write_text(run_dir / "config.json", config.to_json() + "\n")
+    metrics_path = run_dir / "metrics.jsonl"
+    if state is not None:
+        _rewind_metrics(metrics_path, start)
+    elif metrics_path.exists():
+        metrics_path.unlink()
+
+    n_params = model.num_parameters()
+    n_active = model.num_parameters(active=True)
+    verb = f"resuming from step {start}" if start else "training"
+    out.write(f"k3: {verb} in {run_dir}/ — {config.num_layers}-layer {args.preset if not args.config else 'custom'} "
+              f"model, {n_params / 1e6:.2f}M params ({n_active / 1e6:.2f}M active), {args.task} task, "
+              f"{'embedded corpus' if args.data == EMBEDDED and args.task == 'text' else args.data if args.task == 'text' else 'synthetic recall'}, "
+              f"{tok.kind} tokenizer, {args.optimizer}, {device.type}\n")
+    out.flush()
+
+    result = TrainResult(run_dir=run_dir, step=start)
+    progress = Progress(args.steps, args.log_every, out, start=start)
+    tokens_per_step = args.batch_size * args.grad_accum * (data.task.seq_len if data.task else args.seq_len)
+    save = _saver(run_dir, model, config, tok, opt, data, run_args, args.keep)
+    try:
+        with open(metrics_path, "a") as log:
+            t_last = time.perf_counter()
+            for step in range(start, args.steps):
+                m = _train_step(model, opt, data, args, step, device)
+                now = time.perf_counter()
+                m["tok_per_s"] = tokens_per_step / max(now - t_last, 1e-9)
+                m["tokens"] = tokens_per_step * (step + 1)
+                result.losses.append(m["loss"])
+                done = step + 1
+                if done == args.steps or (args.eval_every and done % args.eval_every == 0):
+                    m.update(evaluate_model(model, data, args, device))
+                log.write(json.dumps(m) + "\n")
+                log.flush()
+                progress.update(done, m["loss"], m["tok_per_s"], m["lr"], m.get("load_imbalance"))
+                if args.save_every and done % args.save_every == 0 and done < args.steps:
+                    save(done)
+                t_last = time.perf_counter()  # eval/save time is not training throughput
+    finally:
+        progress.close()
+    result.step = args.steps
+    final = m
+    save(args.steps)
+    result.val_loss = final["val_loss"]
+    result.val_accuracy = final.get("val_accuracy")
+    acc = f", recall accuracy {final['val_accuracy']:.1%}" if "val_accuracy" in final else ""
+    out.write(f"k3: validation loss {final['val_loss']:.4f} (perplexity {final['val_ppl']:.2f}){acc}\n")
+    if args.plot:
+        _plot(run_dir, metrics_path)
+    if args.sample_tokens and args.task == "text":
+        result.sample = _sample(model, tok, args, device, out)
+    out.write(f"k3: checkpoint in {run_dir}/checkpoints/step-{args.steps:08d}/ — next: "
+              f"k3 generate --run {run_dir} --prompt \"{args.prompt.strip() or 'The'}\"\n")
+    out.flush()
+    return result
+
+
+def _train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, data: _Data, args: TrainArgs, step: int,
+                device: torch.device) -> dict[str, Any]:
+    """One optimizer step; returns its metrics (``step`` is 1-based in the log)."""
+    factor = lr_factor(step, args.steps, args.warmup, args.schedule, args.min_lr_ratio)
+    for g in opt.param_groups:
+        g["lr"] = g["base_lr"] * factor
+    loss_sum, correct, scored = 0.0, 0, 0
+    for _ in range(args.grad_accum):
+        x, y = data.loader.next_batch()
+        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        logits = model(x).logits
+        loss = _loss(logits, y)
+        (loss / args.grad_accum).backward()
+        loss_sum += float(loss.detach())
+        if data.task is not None:
+            mask = y != IGNORE
+            correct += int((logits.detach().argmax(-1)[mask] == y[mask]).sum())
+            scored += int(mask.sum())
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    model.qb_step()  # once per optimizer step: the bias used from the next step on
+    m: dict[str, Any] = {"step": step + 1, "loss": loss_sum / args.grad_accum, "lr": opt.param_groups[0]["lr"],
+                         "grad_norm": float(grad_norm), "load_imbalance": model.load_imbalance()}
+    if data.task is not None:
+        m["accuracy"] = correct / max(scored, 1)
+    if not math.isfinite(m["loss"]):
+        raise FloatingPointError(f"loss became {m['loss']} at step {step + 1}; lower --lr or raise --warmup")
+    return m
+
+
+def _saver(run_dir: Path, model: torch.nn.Module, config: K3Config, tok: Tokenizer, opt: torch.optim.Optimizer,
+           data: _Data, run_args: dict[str, Any], keep: int):  # noqa: ANN202 - a closure
+    def save(step: int) -> Path:
+        state = {"step": step, "optimizer": opt.state_dict(), "rng": rng_state(), "data": data.loader.state_dict(),
+                 "torch_version": str(torch.__version__)}
+        return save_checkpoint(run_dir, step, model, config, tok, state, run_args, keep=keep)
+
+    return save
+
+
+def _plot(run_dir: Path, metrics_path: Path) -> None:
+    rows = _read_metrics(metrics_path)
+    steps = [int(r["step"]) for r in rows]
+    losses = [float(r["loss"]) for r in rows]
+    val = [(int(r["step"]), float(r["val_loss"])) for r in rows if "val_loss" in r]
+    plot_loss(run_dir / "loss.png", steps, losses, val)
+
+
+def _sample(model: torch.nn.Module, tok: Tokenizer, args: TrainArgs, device: torch.device, out: TextIO) -> str:
+    from k3.infer.generate import generate
+
+    out.write(f"k3: sample ({args.sample_tokens} tokens, temperature 0.8, seed {args.seed}):\n")
+    out.flush()
+    text = generate(model, tok, args.prompt, max_new_tokens=args.sample_tokens, temperature=0.8, top_k=None,
+                    top_p=0.95, seed=args.seed, stream=out, device=device, report=None)
+    out.write("\n")
+    return text
