@@ -110,6 +110,13 @@ class K3Model(nn.Module):
         return self.norm(h)
 
 
+def _can_sync(t: torch.Tensor) -> bool:
+    """Whether a host read of ``t`` is allowed now (not meta, not traced by torch.compile, not a CUDA graph capture)."""
+    if t.device.type == "meta" or torch.compiler.is_compiling():
+        return False
+    return not (t.is_cuda and torch.cuda.is_current_stream_capturing())
+
+
 @contextlib.contextmanager
 def _qb_recording(layer: nn.Module, enabled: bool) -> Iterator[None]:
     moe = getattr(layer, "block_sparse_moe", None)
@@ -230,7 +237,7 @@ class K3ForCausalLM(nn.Module):
             raise ValueError(f"input_ids must be [B, T] with B, T >= 1, got shape {tuple(input_ids.shape)}")
         B, T = input_ids.shape
         V = self.config.vocab_size
-        if input_ids.device.type != "meta" and not torch.compiler.is_compiling():
+        if _can_sync(input_ids):
             lo, hi = torch.aminmax(input_ids)
             if int(lo) < 0 or int(hi) >= V:
                 raise ValueError(f"input_ids must lie in [0, vocab_size={V}), got values in [{int(lo)}, {int(hi)}]")

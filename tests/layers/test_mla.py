@@ -87,16 +87,20 @@ def test_mla_rope_dims_are_not_rotated_and_take_part() -> None:
     assert rel(layer(x2), y2) > 1e-3
 
 
-def test_mla_cache_piecewise_token_by_token_and_growth() -> None:
+@pytest.mark.parametrize("absorb_max_t", [16, 0])
+def test_mla_cache_piecewise_token_by_token_and_growth(absorb_max_t: int) -> None:
+    """Pieces of ≤ 16 tokens against a cache run the absorbed path (kv_b_proj folded into q and o), longer ones the
+    expanded path; absorb_max_t = 0 forces the expanded path everywhere."""
     layer = make_layer(3)
-    x = torch.randn(2, 23, 24)
+    layer.absorb_max_t = absorb_max_t
+    x = torch.randn(2, 40, 24)
     with torch.no_grad():
         full = layer(x)
         cache = layer.init_state(2, dtype=x.dtype, capacity=2)  # forces several doublings
-        pieces = [layer(x[:, a:b], cache) for a, b in [(0, 1), (1, 6), (6, 7), (7, 23)]]
+        pieces = [layer(x[:, a:b], cache) for a, b in [(0, 1), (1, 6), (6, 7), (7, 23), (23, 40)]]
         assert rel(torch.cat(pieces, 1), full) < 1e-5
-        assert cache.length == 23 and cache.buf.shape[1] >= 23 and cache.buf.shape[2] == 10 + 4
+        assert cache.length == 40 and cache.buf.shape[1] >= 40 and cache.buf.shape[2] == 10 + 4
         c2 = layer.init_state(2, dtype=x.dtype, capacity=1)
-        toks = [layer(x[:, t:t + 1], c2) for t in range(23)]
+        toks = [layer(x[:, t:t + 1], c2) for t in range(40)]
         assert rel(torch.cat(toks, 1), full) < 1e-5
-        assert rel(c2.buf[:, :23], layer.latent(x)) < 1e-6
+        assert rel(c2.buf[:, :40], layer.latent(x)) < 1e-6

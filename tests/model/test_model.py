@@ -69,15 +69,15 @@ def test_loss_is_shifted_next_token_cross_entropy_with_ignore_index() -> None:
                            ignore_index=-100)
     assert out.loss.dtype == torch.float32 and rel(out.loss, want) < 1e-6
     assert model(ids).loss is None
-    assert float(model(ids[:, :1], labels=ids[:, :1]).loss) == 0.0  # no target: 0, not NaN
+    assert float(model(ids[:, :1], labels=ids[:, :1]).loss.detach()) == 0.0  # no target: 0, not NaN
 
 
 def test_loss_falls_and_every_used_parameter_gets_a_finite_gradient() -> None:
     model = tiny(3).train()
-    ids = torch.randint(0, 256, (4, 24))
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    ids = torch.randint(0, 256, (2, 16))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     losses = []
-    for step in range(30):
+    for step in range(20):
         out = model(ids, labels=ids)
         opt.zero_grad(set_to_none=True)
         out.loss.backward()
@@ -92,9 +92,9 @@ def test_loss_falls_and_every_used_parameter_gets_a_finite_gradient() -> None:
                     assert p.grad.abs().sum() > 0, name
         opt.step()
         model.qb_step()
-        losses.append(float(out.loss))
+        losses.append(float(out.loss.detach()))
     assert all(math.isfinite(x) for x in losses)
-    assert losses[-1] < 0.5 * losses[0], losses
+    assert losses[-1] < 0.25 * losses[0], losses  # memorising 32 tokens: ~5.6 → well under 1
     assert 1.0 <= model.load_imbalance() < 8.0
 
 
