@@ -1,0 +1,209 @@
+"""Shared pieces of the KDA Triton kernels: chunk tables, dtype/precision choices, small @triton.jit helpers.
+
+Conventions (all kernels): chunk size BT = 64 split into BC = 16-row sub-blocks; gate cumsums are fp32 in log2 units
+(``exp2(G)`` = e^{G_nat}); intermediates live in chunk-major, head-major buffers ``[H, NC, BT, ...]`` padded to
+power-of-two head dims (BK, BV) so the sequential state pass needs no masks.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import triton
+import triton.language as tl
+
+def _fix_interpreter_scalar_index() -> None:
+    """Triton 3.6's interpreter keeps scalars as 1-element arrays and converts them with ``int(array)``, which
+    numpy ≥ 2.x rejects; loops with run-time bounds (``for c in range(lo, hi)``) then fail under
+    ``TRITON_INTERPRET=1``. Patch that one conversion (interpreter only)."""
+    if os.environ.get("TRITON_INTERPRET", "0") != "1":
+        return
+    from triton.runtime import interpreter as it
+
+    if getattr(it, "_k3_scalar_index_fix", False):
+        return
+    original = it._patch_lang_tensor
+
+    def patched(tensor, scope):
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(np.asarray(self.handle.data).reshape(-1)[0]))
+
+    it._patch_lang_tensor = patched
+    it._k3_scalar_index_fix = True
+
+
+_fix_interpreter_scalar_index()
+
+BT = 64  # chunk length
+BC = 16  # sub-block length: the bounded gate (|g| ≤ 5) keeps e^{±5·15} inside fp32/bf16 range
+RCP_LN2 = 1.4426950408889634
+LN2 = 0.6931471805599453
+L2NORM_EPS = 1e-6  # q, k ← x / sqrt(Σx² + eps), as fla's in-kernel L2 norm
+
+
+def next_pow2(n: int, lo: int = 16) -> int:
+    return max(lo, triton.next_power_of_2(int(n)))
+
+
+def store_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Dtype of chunk intermediates and of tensor-core operands: the input's half type, or fp32 for fp32 inputs."""
+    return dtype if dtype in (torch.bfloat16, torch.float16) else torch.float32
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """fp32-operand dots: exact ('ieee') for fp32 inputs (tests demand 1e-4), tf32 for half inputs."""
+    return "ieee" if store_dtype(dtype) == torch.float32 else "tf32"
+
+
+@dataclass
+class ChunkTable:
+    """How the packed token axis splits into sequences and 64-token chunks.
+
+    Dense batches (no cu_seqlens) are a packed batch of B equal sequences of length ``T``; kernels then derive
+    indices arithmetically (``varlen=False``) and the tensors below are dummies.
+    """
+
+    N: int  # sequences
+    NC: int  # chunks over all sequences
+    T: int  # per-sequence length (dense) — unused when varlen
+    NT: int  # chunks per sequence (dense)
+    varlen: bool
+    cu: torch.Tensor  # int32 [N+1] token offsets
+    chunk_seq: torch.Tensor  # int32 [NC] sequence of each chunk
+    chunk_off: torch.Tensor  # int32 [N+1] first chunk of each sequence
+    cu_cpu: list[int]
+    chunk_off_cpu: list[int]
+
+
+def make_chunk_table(B: int, T: int, cu_seqlens: torch.Tensor | None, device: torch.device) -> ChunkTable:
+    if cu_seqlens is None:
+        NT = triton.cdiv(T, BT)
+        dummy = torch.zeros(1, dtype=torch.int32, device=device)
+        cu_cpu = [b * T for b in range(B + 1)]
+        return ChunkTable(B, B * NT, T, NT, False, dummy, dummy, dummy, cu_cpu, [b * NT for b in range(B + 1)])
+    cu_cpu = [int(x) for x in cu_seqlens.detach().cpu().tolist()]
+    N = len(cu_cpu) - 1
+    nts = [triton.cdiv(cu_cpu[i + 1] - cu_cpu[i], BT) for i in range(N)]
+    off = [0]
+    for n in nts:
+        off.append(off[-1] + n)
+    seq = [i for i, n in enumerate(nts) for _ in range(n)] or [0]
+    to = dict(dtype=torch.int32, device=device)
+    return ChunkTable(N, off[-1], 0, 0, True, torch.tensor(cu_cpu, **to), torch.tensor(seq, **to),
+                      torch.tensor(off, **to), cu_cpu, off)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# @triton.jit helpers
+# ----------------------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _seq_bounds(i_n, cu, T, IS_VARLEN: tl.constexpr):
+    """Token range [bos, eos) of sequence i_n."""
+    if IS_VARLEN:
+        bos = tl.load(cu + i_n).to(tl.int64)
+        eos = tl.load(cu + i_n + 1).to(tl.int64)
+    else:
+        bos = i_n.to(tl.int64) * T
+        eos = bos + T
+    return bos, eos
+
+
+@triton.jit
+def _chunk_range(i_n, chunk_off, NT, IS_VARLEN: tl.constexpr):
+    """Global chunk range [cs, ce) of sequence i_n."""
+    if IS_VARLEN:
+        cs = tl.load(chunk_off + i_n)
+        ce = tl.load(chunk_off + i_n + 1)
+    else:
+        cs = i_n * NT
+        ce = cs + NT
+    return cs, ce
+
+
+@triton.jit
+def _chunk_pos(c, cu, chunk_seq, chunk_off, T, NT, BT: tl.constexpr, IS_VARLEN: tl.constexpr):
+    """Global chunk c → (first token, end of its sequence)."""
+    if IS_VARLEN:
+        i_n = tl.load(chunk_seq + c)
+        j = c - tl.load(chunk_off + i_n)
+        bos = tl.load(cu + i_n).to(tl.int64) + j.to(tl.int64) * BT
+        eos = tl.load(cu + i_n + 1).to(tl.int64)
+    else:
+        i_n = c // NT
+        j = c % NT
+        bos = i_n.to(tl.int64) * T + j.to(tl.int64) * BT
+        eos = (i_n.to(tl.int64) + 1) * T
+    return bos, eos
+
+
+@triton.jit
+def _sigmoid(x):
+    return 1.0 / (1.0 + tl.exp(-x))
+
+
+@triton.jit
+def _softplus(x):
+    # torch's threshold=20: linear above it (also avoids exp overflow)
+    return tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))))
+
+
+@triton.jit
+def _gate_fwd(b_f, i_h, A_log, dt_bias, lb, o_k, m_k, K,
+              USE_GATE: tl.constexpr, HAS_LB: tl.constexpr, HAS_A: tl.constexpr, HAS_DT: tl.constexpr):
+    """Natural-log decay g from raw f [R, BK] (fp32): bounded lb·σ(e^{A}(f+dt)) or unbounded −e^{A}·softplus(f+dt)."""
+    if USE_GATE:
+        x = b_f
+        if HAS_DT:
+            x = x + tl.load(dt_bias + i_h * K + o_k, mask=m_k, other=0.).to(tl.float32)[None, :]
+        if HAS_LB:
+            if HAS_A:
+                x = x * tl.exp(tl.load(A_log + i_h).to(tl.float32))
+            g = lb * _sigmoid(x)
+        else:
+            a = 1.0
+            if HAS_A:
+                a = tl.exp(tl.load(A_log + i_h).to(tl.float32))
+            g = -a * _softplus(x)
+    else:
+        g = b_f
+    return g
+
+
+@triton.jit
+def _l2norm(x, ENABLE: tl.constexpr):
+    """Row-wise x / sqrt(Σx² + 1e-6) of a [R, BK] fp32 block; returns (y, rstd)."""
+    if ENABLE:
+        r = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) + 1e-6)
+        y = x * r[:, None]
+    else:
+        r = tl.full([x.shape[0]], 1.0, tl.float32)
+        y = x
+    return y, r
+
+
+@triton.jit
+def _cat_rows(a, b):
+    """[M, N], [M, N] → [2M, N] (a on top)."""
+    M: tl.constexpr = a.shape[0]
+    N: tl.constexpr = a.shape[1]
+    return tl.reshape(tl.permute(tl.join(a, b), (2, 0, 1)), (2 * M, N))
+
+
+@triton.jit
+def _rows(x, I, NB: tl.constexpr, BC: tl.constexpr):
+    """Row block I (rows I*BC .. I*BC+BC-1) of a [NB*BC, N] tensor → [BC, N]."""
+    N: tl.constexpr = x.shape[1]
+    x3 = tl.reshape(x, (NB, BC, N))
+    o_b = tl.arange(0, NB)
+    return tl.sum(tl.where((o_b == I)[:, None, None], x3, 0.), axis=0)
+
+
+@triton.jit
+def _row(x, i, o_r):
+    """Row i of a [R, N] tensor → [N] (o_r = arange(0, R))."""
+    return tl.sum(tl.where((o_r == i)[:, None], x, 0.), axis=0)

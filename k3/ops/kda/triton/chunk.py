@@ -1,0 +1,80 @@
+"""Autograd wrapper of the Triton chunked KDA: ``chunk_kda_triton``.
+
+Inputs arrive validated by the public API (``k3.ops.kda.chunk_kda``). Inference (grad disabled or no input needs
+grad) runs the windowed forward whose working memory does not grow with T; otherwise the forward keeps its chunk
+buffers and per-chunk states for ``chunk_bwd.kda_bwd``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from k3.ops.kda.triton._common import make_chunk_table
+from k3.ops.kda.triton.chunk_bwd import kda_bwd
+from k3.ops.kda.triton.chunk_fwd import kda_fwd
+
+
+def _flags(use_qk_l2norm_in_kernel: bool, use_gate_in_kernel: bool, use_beta_sigmoid_in_kernel: bool,
+           lower_bound: float | None) -> dict:
+    return dict(
+        l2norm=bool(use_qk_l2norm_in_kernel),
+        use_gate=bool(use_gate_in_kernel),
+        beta_sigmoid=bool(use_beta_sigmoid_in_kernel),
+        # the 16-row reference trick needs per-step |g| ≤ 5; without a bound the diagonal blocks go exact
+        exact_diag=lower_bound is None,
+    )
+
+
+class ChunkKDATriton(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, g, beta, A_log, dt_bias, initial_state, scale, output_final_state, flags,
+                lower_bound, cu_seqlens):
+        q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
+        tab = make_chunk_table(q.shape[0], q.shape[1], cu_seqlens, q.device)
+        training = any(ctx.needs_input_grad[:8])
+        o, ht, saved = kda_fwd(q, k, v, g, beta, A_log, dt_bias, scale, initial_state, tab, lower_bound, flags,
+                               training)
+        if training:
+            ctx.save_for_backward(q, k, v, g, beta, A_log, dt_bias, initial_state)
+            ctx.saved = saved
+            ctx.tab = tab
+            ctx.scale = scale
+            ctx.flags = flags
+            ctx.lower_bound = lower_bound
+        return o, (ht if output_final_state else None)
+
+    @staticmethod
+    def backward(ctx, do, dht):
+        q, k, v, g, beta, A_log, dt_bias, initial_state = ctx.saved_tensors
+        grads = kda_bwd(q, k, v, g, beta, A_log, dt_bias, initial_state, ctx.scale, do, dht, ctx.saved, ctx.tab,
+                        ctx.lower_bound, ctx.flags)
+        ctx.saved = None
+        dq, dk, dv, dg, db, dA, ddt, dh0 = grads
+        return dq, dk, dv, dg, db, dA, ddt, dh0, None, None, None, None, None
+
+
+def chunk_kda_triton(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float,
+    initial_state: torch.Tensor | None,
+    output_final_state: bool,
+    use_qk_l2norm_in_kernel: bool,
+    use_gate_in_kernel: bool,
+    use_beta_sigmoid_in_kernel: bool,
+    lower_bound: float | None,
+    cu_seqlens: torch.Tensor | None,
+    A_log: torch.Tensor | None,
+    dt_bias: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Chunked KDA on CUDA (or the Triton interpreter). Shapes as fla: q, k, g ``[B, T, H, K]``, v ``[B, T, H, V]``,
+    beta ``[B, T, H]``, states ``[N, H, K, V]`` fp32. Returns ``(o [B, T, H, V] in q.dtype, final_state or None)``.
+    Autograd: gradients for q, k, v, g, beta, initial_state, and A_log / dt_bias when the gate is fused."""
+    flags = _flags(use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel, lower_bound)
+    if not use_gate_in_kernel:
+        A_log = dt_bias = None
+    return ChunkKDATriton.apply(q, k, v, g, beta, A_log, dt_bias, initial_state, float(scale),
+                                bool(output_final_state), flags, lower_bound, cu_seqlens)
