@@ -83,6 +83,10 @@ def _read_ranks(path: Path) -> dict[bytes, int]:
         raise ValueError(f"{path} holds no BPE ranks")
     if sorted(ranks.values()) != list(range(len(ranks))):
         raise ValueError(f"{path}: ranks must be exactly 0 … {len(ranks) - 1} with no gaps or repeats")
+    missing = [b for b in range(256) if bytes([b]) not in ranks]
+    if missing:  # byte-level BPE must be able to fall back to single bytes (tiktoken panics otherwise)
+        raise ValueError(f"{path} lacks {len(missing)} single-byte token(s) (e.g. byte {missing[0]}): not a "
+                         "byte-level BPE file")
     return ranks
 
 
@@ -122,8 +126,10 @@ def _pieces(text: str) -> Iterator[str]:
 
 
 class K3Tokenizer:
-    """K3's BPE + specials.  Common interface: ``encode``, ``decode``, ``vocab_size``, ``bos_id``, ``eos_id``,
-    ``stop_ids``; plus ``chat_prompt`` and ``special_id``."""
+    """K3's BPE + specials.  Common interface (as ``k3.data.tokenizers``): ``encode``, ``decode``, ``decode_bytes``,
+    ``vocab_size``, ``bos_id``, ``eos_id``, ``pad_id``, ``stop_ids``; plus ``chat_prompt`` and ``special_id``."""
+
+    kind = "k3"
 
     def __init__(self, ranks: dict[bytes, int], special_names: dict[int, str] | None = None,
                  name: str = "k3") -> None:
@@ -143,7 +149,7 @@ class K3Tokenizer:
         self.doc_eos_id = self.special_id("[EOS]")
         self.eos_id = self.special_id("<|end_of_msg|>")  # ends a turn; the config's eos_token_id
         self.pad_id = self.special_id("[PAD]")
-        self.stop_ids: tuple[int, ...] = (self.eos_id, self.doc_eos_id)
+        self.stop_ids: set[int] = {self.eos_id, self.doc_eos_id}  # generation stops on either
         self._open, self._close = self.special_id("<|open|>"), self.special_id("<|close|>")
         self._sep = self.special_id("<|sep|>")
 
@@ -173,6 +179,17 @@ class K3Tokenizer:
         if bad:
             raise ValueError(f"ids must be in [0, {self.vocab_size}), got {bad[:8]}")
         return self._enc.decode_bytes(ids).decode("utf-8", errors="replace")
+
+    def decode_bytes(self, ids: Sequence[int]) -> bytes:
+        """Raw bytes of ``ids`` with the special tokens dropped (for streaming a character split across tokens)."""
+        ids = [int(i) for i in ids]
+        bad = [i for i in ids if not 0 <= i < self.vocab_size]
+        if bad:
+            raise ValueError(f"ids must be in [0, {self.vocab_size}), got {bad[:8]}")
+        return self._enc.decode_bytes([i for i in ids if i < self.n_base])
+
+    def __repr__(self) -> str:
+        return f"K3Tokenizer(vocab_size={self.vocab_size}, bos={self.bos_id}, eos={self.eos_id})"
 
     # --- chat ---------------------------------------------------------------------------------------------------
     def _text(self, s: Any) -> list[int]:

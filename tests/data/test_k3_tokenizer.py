@@ -41,8 +41,9 @@ def test_special_ids_follow_the_bpe_ranks(tok):
     assert [tok.special_id(s) for s in ("<|open|>", "<|close|>", "<|sep|>")] == [n + 3, n + 4, n + 5]
     assert tok.special_id("[PAD]") == n + 255 and tok.special_id("<|media_pad|>") == n + 21
     assert tok.special_id(f"<|reserved_token_{n + 100}|>") == n + 100
-    assert tok.stop_ids[0] == tok.eos_id  # <|end_of_msg|> ends a turn
+    assert tok.stop_ids == {tok.eos_id, tok.doc_eos_id}  # <|end_of_msg|> ends a turn, [EOS] a document
     assert tok.decode([n + 2]) == "<|end_of_msg|>"
+    assert tok.decode_bytes(tok.encode("Hi 你") + [n + 2]) == "Hi 你".encode()  # specials dropped
 
 
 def test_full_size_vocabulary_gives_the_released_ids(tmp_path):
@@ -156,6 +157,9 @@ def test_bad_inputs(tok, tmp_path):
         load_k3_tokenizer(tmp_path)
     (tmp_path / "tiktoken.model").write_text("QQ== 0\nQg== 2\n")
     with pytest.raises(ValueError, match="no gaps"):
+        load_k3_tokenizer(tmp_path)
+    (tmp_path / "tiktoken.model").write_text("QQ== 0\nQg== 1\n")
+    with pytest.raises(ValueError, match="single-byte"):
         load_k3_tokenizer(tmp_path)
 
 
