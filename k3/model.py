@@ -26,6 +26,7 @@ from k3.layers.mla import GatedMLA
 from k3.layers.mlp import SiTUMLP
 from k3.layers.moe import GroupedExperts, LatentMoE, MoEGate
 from k3.layers.norm import RMSNorm
+from k3.ops.moe.qb import qb_all_reduce
 from k3.state import K3State
 
 __all__ = ["K3ForCausalLM", "K3Model", "K3DecoderLayer", "K3Output", "keeps_fp32", "IGNORE_INDEX"]
@@ -291,14 +292,12 @@ class K3ForCausalLM(nn.Module):
         moes = self.moe_layers()
         if not moes:
             return
-        hists = torch.stack([m.gate.histogram(m.gate.e_score_correction_bias.device) for m in moes])
+        hists = [m.gate.histogram(m.gate.e_score_correction_bias.device) for m in moes]
         if group is not None:
-            import torch.distributed as dist
-
-            dist.all_reduce(hists, op=dist.ReduceOp.SUM, group=group)
+            qb_all_reduce(hists, group)  # all layers packed into one collective
         for m, h in zip(moes, hists):
             m.gate.apply_histogram(h)
-            m.gate.histogram(h.device).zero_()
+            h.zero_()
 
     def load_imbalance(self) -> float:
         """max / mean expert load of the last training forward, worst MoE layer (NaN before any)."""
