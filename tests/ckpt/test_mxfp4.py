@@ -5,7 +5,6 @@ dequantise-then-multiply."""
 from __future__ import annotations
 
 import math
-import os
 
 import pytest
 import torch
