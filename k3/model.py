@@ -246,13 +246,22 @@ class K3ForCausalLM(nn.Module):
             if not isinstance(labels, torch.Tensor) or labels.shape != input_ids.shape:
                 raise ValueError(f"labels must be a tensor shaped like input_ids {tuple(input_ids.shape)}, got "
                                  f"{tuple(getattr(labels, 'shape', ())) or type(labels).__name__}")
-            if labels.dtype.is_floating_point or labels.dtype == torch.bool:
+            if labels.dtype.is_floating_point or labels.dtype.is_complex or labels.dtype == torch.bool:
                 raise ValueError(f"labels must be an integer tensor, got {labels.dtype}")
+            if _can_sync(labels):
+                bad = ((labels < 0) | (labels >= V)) & (labels != IGNORE_INDEX)
+                if bool(bad.any()):
+                    raise ValueError(f"labels must lie in [0, vocab_size={V}) or be {IGNORE_INDEX} (ignored), got "
+                                     f"{labels[bad][0].item()}")
         if state is not None:
             if not isinstance(state, K3State) or len(state.layers) != len(self.model.layers):
                 raise ValueError("state must be a K3State from this model's init_state(batch_size)")
             if state.batch_size != B:
                 raise ValueError(f"state holds {state.batch_size} sequences but input_ids has batch size {B}")
+            first = state.layers[0]
+            dev = first.recurrent.device if hasattr(first, "recurrent") else first.buf.device
+            if dev != input_ids.device:
+                raise ValueError(f"state lives on {dev} but input_ids on {input_ids.device}")
         return B, T
 
     # --- decode state ---------------------------------------------------------------------------------------------

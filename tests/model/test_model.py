@@ -159,6 +159,12 @@ def test_released_shape_builds_on_meta_and_counts_2_78T_total_104_2B_active() ->
     assert sd["lm_head.weight"] == ((163840, 7168), torch.bfloat16)
     for k, (_, dt) in sd.items():
         assert (dt == torch.float32) == keeps_fp32(k), k
+    # decode state of one sequence (research/k3_layout.md §3): 69 fp32 KDA states + bf16 conv tails, fixed size
+    st = model.init_state(1, device="meta")
+    kda = [s for s in st.layers if hasattr(s, "recurrent")]
+    assert len(kda) == 69 and sum(s.recurrent.numel() * 4 for s in kda) == 434_110_464
+    assert sum(t.numel() * t.element_size() for s in kda for t in s.conv) == 15_261_696
+    assert all(s.buf.shape[-1] == 576 for s in st.layers if not hasattr(s, "recurrent"))  # latent per token
 
 
 def test_init_values() -> None:
@@ -202,8 +208,14 @@ def test_bad_inputs_raise_value_error_naming_the_argument() -> None:
         model(ids[:, :0])
     with pytest.raises(ValueError, match="labels"):
         model(ids, labels=ids[:, :4])
+    with pytest.raises(ValueError, match="labels"):
+        model(ids, labels=torch.full_like(ids, 260))
+    with pytest.raises(ValueError, match="labels"):
+        model(ids, labels=ids.float())
     with pytest.raises(ValueError, match="state"):
         model(ids, state=model.init_state(3))
+    with pytest.raises(ValueError, match="state"):
+        model(ids, state=model.init_state(2, device="meta"))
     with pytest.raises(ValueError, match="state"):
         model(ids, state={"layers": []})
     with pytest.raises(ValueError, match="batch_size"):
