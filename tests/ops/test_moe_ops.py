@@ -7,11 +7,11 @@ tiny shapes; bf16 comparisons at realistic widths run only with a GPU. Kernel ou
 
 import os
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
-os.environ["K3_MOE_POISON"] = "1"
-
 import pytest
 import torch
+
+if not torch.cuda.is_available():  # before triton is imported (tests/conftest.py does the same)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from k3.ops.moe.combine import combine_norm, combine_norm_reference, combine_norm_rows
 from k3.ops.moe.grouped import expert_counts, grouped_ffn, grouped_ffn_packed, sort_by_expert
@@ -26,6 +26,11 @@ from k3.ops.moe.situ_triton import situ_glu_fused, situ_glu_fused_packed  # noqa
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@pytest.fixture(autouse=True)
+def _poison(monkeypatch):
+    monkeypatch.setenv("K3_MOE_POISON", "1")
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -270,3 +275,20 @@ def test_gpu_bf16_kernels_against_references():
     ref.backward(do)
     assert rel(out, ref) < 1e-2
     assert rel(y1.grad, y2.grad) < 1e-2 and rel(p1.grad, p2.grad) < 1e-2 and rel(pw1.grad, pw2.grad) < 1e-2
+
+
+def test_permute_rows_fused_backward_matches_index():
+    from k3.ops.moe.grouped import _PermuteRows
+
+    torch.manual_seed(6)
+    m, k, E, L = 13, 3, 5, 19
+    idx = torch.stack([torch.randperm(E, device=DEV)[:k] for _ in range(m)])
+    order, tok, _ = sort_by_expert(idx, E)
+    z = torch.randn(m, L, device=DEV)
+    g = torch.randn(m * k, L, device=DEV)
+    z1, z2 = leaf(z), leaf(z)
+    out = _PermuteRows.apply(z1, order, k)
+    ref = z2[tok]
+    out.backward(g)
+    ref.backward(g)
+    assert torch.equal(out, ref) and rel(z1.grad, z2.grad) < 1e-6

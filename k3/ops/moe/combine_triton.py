@@ -118,3 +118,29 @@ def combine_norm_fused(y_rows: torch.Tensor, row_of: torch.Tensor, p: torch.Tens
     ``weight [ℓ]`` → RMSNorm(Σ_j p·y) ``[m, ℓ]`` in y_rows.dtype. Inputs already validated, rows unique."""
     y_rows = y_rows if y_rows.stride(-1) == 1 else y_rows.contiguous()
     return _CombineNorm.apply(y_rows, row_of.contiguous(), p.float().contiguous(), weight.contiguous(), eps)
+
+
+@triton.jit
+def _rows_sum_kernel(src_ptr, row_ptr, out_ptr, L, s_src, s_out, K: tl.constexpr, BL: tl.constexpr):
+    # out[t] = Σ_j src[row(t, j)] in fp32: the adjoint of gathering each token's latent into its k expert rows
+    i_t = tl.program_id(0).to(tl.int64)
+    o_l = tl.arange(0, BL)
+    m_l = o_l < L
+    b_acc = tl.zeros([BL], dtype=tl.float32)
+    for j in range(K):
+        r = tl.load(row_ptr + i_t * K + j).to(tl.int64)
+        b_acc += tl.load(src_ptr + r * s_src + o_l, mask=m_l, other=0.0).to(tl.float32)
+    tl.store(out_ptr + i_t * s_out + o_l, b_acc.to(out_ptr.dtype.element_ty), mask=m_l)
+
+
+def rows_sum_fused(src: torch.Tensor, row_of: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """``src [R, ℓ]``, ``row_of [m, k]`` → ``[m, ℓ]`` with row t = Σ_j src[row_of[t, j]] (fp32 sum, no atomics)."""
+    m, k = row_of.shape
+    L = src.shape[1]
+    src = src if src.stride(-1) == 1 else src.contiguous()
+    out = alloc((m, L), out_dtype, src.device)
+    if m:
+        BL = triton.next_power_of_2(L)
+        _rows_sum_kernel[(m,)](src, row_of.contiguous(), out, L, src.stride(0), out.stride(0), K=k, BL=BL,
+                               num_warps=_warps(BL))
+    return out

@@ -13,9 +13,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from k3.ops.moe._backend import use_triton
 from k3.ops.moe.situ import situ_glu, situ_glu_packed
 
-__all__ = ["grouped_mm", "sort_by_expert", "grouped_ffn", "grouped_ffn_packed", "expert_counts"]
+__all__ = ["grouped_mm", "sort_by_expert", "permute_rows", "grouped_ffn", "grouped_ffn_packed", "expert_counts"]
 
 _gmm = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
 
@@ -56,6 +57,36 @@ def sort_by_expert(idx: torch.Tensor, n_experts: int) -> tuple[torch.Tensor, tor
     token_of_row = order // idx.shape[1]
     offs = torch.cumsum(expert_counts(flat, n_experts), 0).to(torch.int32)
     return order, token_of_row, offs
+
+
+class _PermuteRows(torch.autograd.Function):
+    """``z[token_of_row]`` whose backward sums each token's k row gradients by gather (no scatter atomics)."""
+
+    @staticmethod
+    def forward(ctx, z: torch.Tensor, order: torch.Tensor, k: int) -> torch.Tensor:
+        n = order.shape[0]
+        row_of = torch.empty(n, dtype=torch.int64, device=order.device)
+        row_of[order] = torch.arange(n, device=order.device)  # inverse permutation, on device
+        ctx.save_for_backward(row_of)
+        ctx.k, ctx.dtype = k, z.dtype
+        return z.index_select(0, order // k)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        from k3.ops.moe.combine_triton import rows_sum_fused
+
+        (row_of,) = ctx.saved_tensors
+        return rows_sum_fused(grad, row_of.view(-1, ctx.k), ctx.dtype), None, None
+
+
+def permute_rows(z: torch.Tensor, order: torch.Tensor, k: int) -> torch.Tensor:
+    """Expert-sorted copy of the tokens: ``z [m, ℓ]``, ``order [m*k]`` from ``sort_by_expert`` → ``[m*k, ℓ]`` with
+    row r = z[order[r] // k]. Same as ``z[token_of_row]``; on CUDA its backward is a fused gather-sum."""
+    if order.shape[0] != z.shape[0] * k:
+        raise ValueError(f"order must have m*k = {z.shape[0] * k} entries, got {order.shape[0]}")
+    if use_triton(z):
+        return _PermuteRows.apply(z, order, k)
+    return z[order // k]
 
 
 def grouped_ffn(

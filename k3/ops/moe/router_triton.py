@@ -28,7 +28,7 @@ __all__ = ["route_fused", "qb_histogram_fused", "router_logits"]
 
 @triton.jit
 def _router_kernel(l_ptr, b_ptr, idx_ptr, p_ptr, ssel_ptr, h_ptr, lo_ptr, scale_ptr, M, N, s_l, scaling,
-                   TOP_K: tl.constexpr, KP: tl.constexpr, NP: tl.constexpr, BM: tl.constexpr,
+                   TOP_K: tl.constexpr, K1: tl.constexpr, KP: tl.constexpr, NP: tl.constexpr, BM: tl.constexpr,
                    NUM_BINS: tl.constexpr, APPLY_SIGMOID: tl.constexpr, WRITE_ROUTE: tl.constexpr,
                    HIST: tl.constexpr):
     i_m = tl.program_id(0)
@@ -48,7 +48,7 @@ def _router_kernel(l_ptr, b_ptr, idx_ptr, p_ptr, ssel_ptr, h_ptr, lo_ptr, scale_
     b_idx = tl.zeros([BM, KP], dtype=tl.int32)
     b_sel = tl.zeros([BM, KP], dtype=tl.float32)
     b_alpha = tl.zeros([BM], dtype=tl.float32)
-    for i in tl.static_range(TOP_K + (1 if HIST else 0)):
+    for i in tl.static_range(K1):  # K1 = k, or k + 1 when the (k+1)-th score α is needed
         b_max = tl.max(b_z, axis=1)
         b_arg = tl.argmax(b_z, axis=1, tie_break_left=True)
         b_arg = tl.minimum(tl.maximum(b_arg, 0), N - 1)  # NaN scores must never produce an out-of-range id
@@ -100,7 +100,7 @@ def _launch(logits: torch.Tensor, bias: torch.Tensor, top_k: int, scaling: float
             logits, bias, idx if write_route else dummy, p if write_route else dummy,
             ssel if write_route else dummy, hist if hist is not None else dummy, lo, scale,
             M, N, logits.stride(0), float(scaling),
-            TOP_K=top_k, KP=triton.next_power_of_2(top_k + 1), NP=NP, BM=BM,
+            TOP_K=top_k, K1=top_k + (1 if hist is not None else 0), KP=triton.next_power_of_2(top_k + 1), NP=NP, BM=BM,
             NUM_BINS=hist.shape[1] if hist is not None else 1, APPLY_SIGMOID=apply_sigmoid,
             WRITE_ROUTE=write_route, HIST=hist is not None, num_warps=4)
     return idx, p, ssel
