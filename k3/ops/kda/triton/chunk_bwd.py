@@ -266,8 +266,7 @@ def _gate_bwd(dgt, b_f, i_h, A_log, dt_bias, lb, o_k, m_k, K,
             a = tl.exp(tl.load(A_log + i_h).to(tl.float32))
         if HAS_LB:
             z = x * a
-            s = _sigmoid(z)
-            dz = dgt * lb * s * (1.0 - s)
+            dz = dgt * lb * _sigmoid(z) * _sigmoid(-z)  # σ(z)σ(−z), not s(1 − s): no cancellation near |z| ≫ 1
             df = dz * a
             dA = dz * z
         else:
@@ -342,8 +341,8 @@ def _kda_bwd_intra(
     tl.store(dq + p, b_dq.to(dq.dtype.element_ty), mask=m)
     tl.store(dk + p, b_dk.to(dk.dtype.element_ty), mask=m)
     if BETA_SIGMOID:
-        s = _sigmoid(tl.load(beta + (bos + o_t) * H + i_h, mask=m_t, other=0.).to(tl.float32))
-        b_db = b_db * s * (1.0 - s)
+        b_r = tl.load(beta + (bos + o_t) * H + i_h, mask=m_t, other=0.).to(tl.float32)
+        b_db = b_db * _sigmoid(b_r) * _sigmoid(-b_r)
     tl.store(dbeta + (bos + o_t) * H + i_h, b_db.to(dbeta.dtype.element_ty), mask=m_t)
 
 

@@ -1,0 +1,339 @@
+"""Triton KDA kernels (k3.ops.kda.triton) against the fp64 token recurrence.
+
+CPU: the kernels run in Triton's interpreter (TRITON_INTERPRET=1, fp32/fp16; small K, H, T to fit the budget).
+GPU (skipped without CUDA): bf16 at K = V = 128, tolerance 2e-2, and a T = 1M no-NaN run.
+Every torch.empty/empty_like inside the calls is poisoned with NaN, so any element a kernel forgets to write (or
+reads before writing) shows up as NaN in the compared results.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+triton = pytest.importorskip("triton")
+
+from k3.ops.kda import naive_recurrent_kda  # noqa: E402
+from k3.ops.kda.triton import (  # noqa: E402
+    chunk_kda_triton,
+    fused_recurrent_kda_triton,
+    span_summaries_triton,
+)
+from k3.ops.kda.triton.chunk_fwd import FwdConfig  # noqa: E402
+
+CUDA = torch.cuda.is_available()
+DEV = "cuda" if CUDA else "cpu"
+gpu = pytest.mark.skipif(not CUDA, reason="needs CUDA")
+cpu_only = pytest.mark.skipif(CUDA, reason="interpreter-sized cases (CPU)")
+
+
+@pytest.fixture(autouse=True)
+def nan_empty(monkeypatch):
+    """Poison uninitialised memory: torch.empty/empty_like return NaN-filled float tensors."""
+    real_empty, real_like = torch.empty, torch.empty_like
+
+    def empty(*a, **kw):
+        x = real_empty(*a, **kw)
+        return x.fill_(float("nan")) if x.is_floating_point() else x
+
+    def empty_like(*a, **kw):
+        x = real_like(*a, **kw)
+        return x.fill_(float("nan")) if x.is_floating_point() else x
+
+    monkeypatch.setattr(torch, "empty", empty)
+    monkeypatch.setattr(torch, "empty_like", empty_like)
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.detach().double().cpu(), b.detach().double().cpu()
+    return float((a - b).norm() / b.norm().clamp_min(1e-300))
+
+
+
+def _pre(q, k, g, beta, A, dt, l2, gate, bsig, lb):
+    """The fused pre-processing in fp64: L2 norm, gate activation, β sigmoid."""
+    H, K = q.shape[-2], q.shape[-1]
+    if l2:
+        q = q / (q.pow(2).sum(-1, keepdim=True) + 1e-6).sqrt()
+        k = k / (k.pow(2).sum(-1, keepdim=True) + 1e-6).sqrt()
+    if gate:
+        x = g + dt.view(H, K)
+        g = lb * torch.sigmoid(x * A.exp()[:, None]) if lb is not None else \
+            -A.exp()[:, None] * torch.nn.functional.softplus(x)
+    return q, k, g, (beta.sigmoid() if bsig else beta)
+
+
+def reference(x: dict, scale, l2, gate, bsig, lb, cu):
+    """fp64 token recurrence per sequence → (o, final state)."""
+    q, k, g, beta = _pre(x["q"], x["k"], x["g"], x["beta"], x.get("A"), x.get("dt"), l2, gate, bsig, lb)
+    v, s0 = x["v"], x.get("s0")
+    if cu is None:
+        return naive_recurrent_kda(q, k, v, g, beta, scale, s0, True)
+    outs, states = [], []
+    for i in range(len(cu) - 1):
+        sl = slice(cu[i], cu[i + 1])
+        o, s = naive_recurrent_kda(q[:, sl], k[:, sl], v[:, sl], g[:, sl], beta[:, sl], scale,
+                                   None if s0 is None else s0[i:i + 1], True)
+        outs.append(o)
+        states.append(s)
+    return torch.cat(outs, 1), torch.cat(states, 0)
+
+
+def make_inputs(B, T, H, K, V, N=None, h0=True, gate=True, seed=0, g_override=None, beta_logit=None,
+                repeat_keys=False):
+    gen = torch.Generator().manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64)  # noqa: E731
+    x = dict(q=r(B, T, H, K), k=r(B, T, H, K), v=r(B, T, H, V), g=r(B, T, H, K) if gate else -r(B, T, H, K).abs(),
+             beta=r(B, T, H), A=r(H) * 0.5, dt=r(H * K) * 0.5)
+    if repeat_keys:
+        x["k"] = x["k"][:, :1].expand_as(x["k"]).clone()
+    if g_override is not None:
+        x["g"] = torch.full_like(x["g"], g_override)
+    if beta_logit is not None:
+        x["beta"] = torch.full_like(x["beta"], beta_logit)
+    if h0:
+        x["s0"] = r(N if N is not None else B, H, K, V)
+    return x
+
+
+def run_chunk(x: dict, dtype, l2=True, gate=True, bsig=True, lb=-5.0, cu=None, grad=True, out_final=True):
+    """chunk_kda_triton on a copy of x in ``dtype`` (states fp32); returns (o, ht, grads dict, do, dht)."""
+    dev_x = {}
+    for n, t in x.items():
+        dt = torch.float32 if n in ("A", "dt", "s0") else dtype
+        dev_x[n] = t.to(DEV, dt).requires_grad_(grad)
+    K = x["q"].shape[-1]
+    cus = torch.tensor(cu, device=DEV) if cu is not None else None
+    o, ht = chunk_kda_triton(dev_x["q"], dev_x["k"], dev_x["v"], dev_x["g"], dev_x["beta"], K ** -0.5,
+                             dev_x.get("s0"), out_final, l2, gate, bsig, lb, cus,
+                             dev_x["A"] if gate else None, dev_x["dt"] if gate else None)
+    if not grad:
+        return o, ht, {}, None, None
+    gen = torch.Generator().manual_seed(1)
+    do = torch.randn(o.shape, generator=gen, dtype=torch.float64)
+    dht = torch.randn(ht.shape, generator=gen, dtype=torch.float64)
+    ((o.double() * do.to(DEV)).sum() + (ht.double() * dht.to(DEV)).sum()).backward()
+    grads = {n: t.grad for n, t in dev_x.items() if t.grad is not None}
+    return o, ht, grads, do, dht
+
+
+def check_against_reference(x, tol, dtype=torch.float32, l2=True, gate=True, bsig=True, lb=-5.0, cu=None):
+    o, ht, grads, do, dht = run_chunk(x, dtype, l2, gate, bsig, lb, cu)
+    xr = {n: t.clone().requires_grad_() for n, t in x.items()}
+    ro, rh = reference(xr, x["q"].shape[-1] ** -0.5, l2, gate, bsig, lb, cu)
+    ((ro * do).sum() + (rh * dht).sum()).backward()
+    errs = {"o": rel(o, ro), "ht": rel(ht, rh)}
+    for n, t in xr.items():
+        if n in ("A", "dt") and not gate:
+            continue
+        assert n in grads, f"no gradient for {n}"
+        errs["d" + n] = rel(grads[n], t.grad)
+    bad = {n: e for n, e in errs.items() if not e <= tol}  # NaN fails too
+    assert not bad, f"relative RMS error above {tol}: {bad} (all: {errs})"
+
+
+# ---------------------------------------------------------------------------------------------- CPU (interpreter)
+
+CASES = [  # (B, T, H, K, V, kwargs, reference kwargs)
+    (1, 1, 1, 16, 16, {}, {}),
+    (2, 63, 2, 32, 16, {"h0": False}, {}),
+    (1, 100, 1, 16, 32, {}, {}),
+    (1, 100, 1, 16, 16, {}, {"lb": None}),  # unbounded softplus gate (exact diagonal path)
+    (1, 100, 2, 16, 16, {"gate": False}, {"gate": False, "lb": None}),  # log-decay given directly, unbounded
+    (1, 100, 1, 16, 16, {"gate": False, "g_override": -5.0}, {"gate": False}),  # every log-decay at the bound
+    (1, 100, 1, 16, 16, {"beta_logit": -12.0}, {}),  # β ≈ 6e-6
+    (1, 100, 1, 16, 16, {"beta_logit": 12.0, "repeat_keys": True}, {}),  # β ≈ 1 with identical keys
+    (1, 100, 1, 16, 16, {}, {"l2": False, "bsig": False}),
+]
+
+
+@cpu_only
+@pytest.mark.parametrize("B,T,H,K,V,kw,rkw", CASES)
+def test_chunk_fwd_bwd_matches_recurrence(B, T, H, K, V, kw, rkw):
+    x = make_inputs(B, T, H, K, V, **kw)
+    if not rkw.get("bsig", True):
+        x["beta"] = x["beta"].sigmoid()
+        x["k"] = x["k"] / x["k"].norm(dim=-1, keepdim=True)
+    check_against_reference(x, 1e-4, **rkw)
+
+
+@cpu_only
+def test_chunk_varlen_with_empty_and_tiny_sequences():
+    cu = [0, 1, 64, 64, 130, 200]
+    x = make_inputs(1, 200, 2, 16, 16, N=5)
+    check_against_reference(x, 1e-4, cu=cu)
+
+
+@cpu_only
+def test_chunk_two_column_slices_k128():
+    """K = V = 128 takes the two-slice path of the prep kernel (BKS = 64)."""
+    x = make_inputs(1, 70, 1, 128, 128)
+    check_against_reference(x, 1e-4)
+
+
+@cpu_only
+def test_chunk_long_tiny():
+    x = make_inputs(1, 1000, 1, 16, 16, seed=3)
+    check_against_reference(x, 1e-4)
+
+
+@cpu_only
+def test_inference_windows_match_training_path(monkeypatch):
+    """No-grad prefill runs in windows of chunks (bounded memory): same result as the one-window path."""
+    x = make_inputs(1, 300, 2, 16, 16, N=3)
+    cu = [0, 130, 131, 300]
+    o_ref, h_ref, *_ = run_chunk(x, torch.float32, cu=cu, grad=False)
+    monkeypatch.setattr(FwdConfig, "window_bytes", 1)  # one chunk per window
+    o, h, *_ = run_chunk(x, torch.float32, cu=cu, grad=False)
+    assert rel(o, o_ref) < 1e-6 and rel(h, h_ref) < 1e-6
+
+
+@cpu_only
+def test_fp16_forward():
+    x = make_inputs(1, 100, 1, 32, 32)
+    o, ht, *_ = run_chunk(x, torch.float16, grad=False)
+    ro, rh = reference(x, 32 ** -0.5, True, True, True, -5.0, None)
+    assert rel(o, ro) < 2e-2 and rel(ht, rh) < 2e-2
+
+
+def _causality(T, H, K, V, dtype, ts):
+    x = make_inputs(1, T, H, K, V, seed=7)
+    o, *_ = run_chunk(x, dtype, grad=False, out_final=False)
+    for t in ts:
+        y = {n: v.clone() for n, v in x.items()}
+        gen = torch.Generator().manual_seed(t)
+        for n in ("q", "k", "v", "g", "beta"):
+            y[n][:, t:] = torch.randn(y[n][:, t:].shape, generator=gen, dtype=torch.float64) * 3
+        o2, *_ = run_chunk(y, dtype, grad=False, out_final=False)
+        assert torch.equal(o2[:, :t], o[:, :t]), f"outputs before t={t} changed"
+        assert not torch.equal(o2[:, t:], o[:, t:])
+
+
+@cpu_only
+def test_causality_bitwise():
+    _causality(130, 1, 16, 16, torch.float32, [1, 17, 37, 64, 70, 127])
+
+
+@cpu_only
+def test_decode_matches_recurrence_and_pool_in_place():
+    B, T, H, K, V = 3, 4, 2, 16, 32
+    x = make_inputs(B, T, H, K, V)
+    ro, rh = reference(x, K ** -0.5, True, True, True, -5.0, None)
+    f = {n: t.float() for n, t in x.items()}
+    args = (f["q"], f["k"], f["v"], f["g"], f["beta"], K ** -0.5)
+    o, h = fused_recurrent_kda_triton(*args, f["s0"], True, True, True, True, -5.0, None, f["A"], f["dt"])
+    assert rel(o, ro) < 1e-5 and rel(h, rh) < 1e-5
+    # pool: slots 4, -1 (no state, nothing written), 1; other slots bitwise untouched
+    pool = torch.randn(6, H, K, V)
+    pool[4], pool[1] = f["s0"][0], f["s0"][2]
+    before = pool.clone()
+    o2, p2 = fused_recurrent_kda_triton(*args, pool, False, True, True, True, -5.0, None, f["A"], f["dt"],
+                                        ssm_state_indices=torch.tensor([4, -1, 1]))
+    assert p2 is pool
+    assert rel(pool[4], rh[0]) < 1e-5 and rel(pool[1], rh[2]) < 1e-5
+    assert torch.equal(pool[[0, 2, 3, 5]], before[[0, 2, 3, 5]])
+    x0 = dict(x, s0=torch.zeros_like(x["s0"]))
+    ro0, _ = reference(x0, K ** -0.5, True, True, True, -5.0, None)
+    assert rel(o2[1], ro0[1]) < 1e-5 and rel(o2[[0, 2]], ro[[0, 2]]) < 1e-5
+
+
+@cpu_only
+def test_decode_varlen_unbounded_gate():
+    cu = [0, 2, 2, 7]
+    x = make_inputs(1, 7, 2, 16, 16, N=3)
+    ro, rh = reference(x, 16 ** -0.5, True, True, True, None, cu)
+    f = {n: t.float() for n, t in x.items()}
+    o, h = fused_recurrent_kda_triton(f["q"], f["k"], f["v"], f["g"], f["beta"], 0.25, f["s0"], True, True, True,
+                                      True, None, torch.tensor(cu), f["A"], f["dt"])
+    assert rel(o, ro) < 1e-5 and rel(h, rh) < 1e-5
+
+
+@cpu_only
+def test_span_summaries_affine_map():
+    cu = [0, 70, 70, 150]
+    x = make_inputs(1, 150, 2, 16, 32, N=3)
+    f = {n: t.float() for n, t in x.items()}
+    M, E = span_summaries_triton(f["q"], f["k"], f["v"], f["g"], f["beta"], 0.25, True, True, True, -5.0,
+                                 torch.tensor(cu), f["A"], f["dt"])
+    _, rh = reference(x, 0.25, True, True, True, -5.0, cu)
+    _, rh0 = reference(dict(x, s0=torch.zeros_like(x["s0"])), 0.25, True, True, True, -5.0, cu)
+    assert rel(E, rh0) < 1e-5
+    assert rel(M.double() @ x["s0"] + E.double(), rh) < 1e-5
+    assert torch.equal(M[1], torch.eye(16).expand(2, 16, 16))
+
+
+# ---------------------------------------------------------------------------------------------- GPU (bf16)
+
+
+@gpu
+@pytest.mark.parametrize("T,cu,lb", [(1, None, -5.0), (63, None, -5.0), (1000, None, -5.0), (1000, None, None),
+                                     (1000, [0, 1, 100, 100, 613, 1000], -5.0)])
+def test_gpu_bf16_matches_recurrence(T, cu, lb):
+    N = len(cu) - 1 if cu else 2
+    B = 1 if cu else 2
+    x = make_inputs(B, T, 4, 128, 128, N=N)
+    check_against_reference(x, 2e-2, dtype=torch.bfloat16, lb=lb, cu=cu)
+
+
+@gpu
+@pytest.mark.parametrize("kw,rkw", [({"gate": False, "g_override": -5.0}, {"gate": False}),
+                                    ({"beta_logit": 12.0, "repeat_keys": True}, {}), ({"beta_logit": -12.0}, {})])
+def test_gpu_bf16_extremes(kw, rkw):
+    x = make_inputs(1, 300, 2, 128, 128, **kw)
+    check_against_reference(x, 2e-2, dtype=torch.bfloat16, **rkw)
+
+
+@gpu
+def test_gpu_fp32_tight():
+    x = make_inputs(1, 300, 2, 64, 64)
+    check_against_reference(x, 1e-4, dtype=torch.float32)
+
+
+@gpu
+def test_gpu_causality_bitwise():
+    _causality(1000, 2, 128, 128, torch.bfloat16, [1, 17, 100, 511, 999])
+
+
+@gpu
+def test_gpu_decode_pool():
+    B, H, K, V = 64, 8, 128, 128
+    x = make_inputs(B, 1, H, K, V)
+    ro, rh = reference(x, K ** -0.5, True, True, True, -5.0, None)
+    c = {n: t.to(DEV, torch.bfloat16 if n in ("q", "k", "v", "g", "beta") else torch.float32) for n, t in x.items()}
+    pool = torch.zeros(2 * B, H, K, V, device=DEV)
+    idx = torch.arange(B, device=DEV) * 2
+    pool[idx] = c["s0"]
+    o, p = fused_recurrent_kda_triton(c["q"], c["k"], c["v"], c["g"], c["beta"], K ** -0.5, pool, False, True, True,
+                                      True, -5.0, None, c["A"], c["dt"], ssm_state_indices=idx)
+    assert rel(o.cpu(), ro) < 2e-2 and rel(pool[idx].cpu(), rh) < 1e-3
+    assert torch.count_nonzero(pool[1::2]) == 0
+
+
+@gpu
+def test_gpu_span_summaries():
+    x = make_inputs(1, 2000, 4, 128, 128, N=2)
+    cu = [0, 700, 2000]
+    c = {n: t.to(DEV, torch.bfloat16 if n in ("q", "k", "v", "g", "beta") else torch.float32) for n, t in x.items()}
+    M, E = span_summaries_triton(c["q"], c["k"], c["v"], c["g"], c["beta"], 128 ** -0.5, True, True, True, -5.0,
+                                 torch.tensor(cu, device=DEV), c["A"], c["dt"])
+    _, rh = reference(x, 128 ** -0.5, True, True, True, -5.0, cu)
+    assert rel(M.double().cpu() @ x["s0"] + E.double().cpu(), rh) < 2e-2
+
+
+@gpu
+def test_gpu_one_million_tokens_no_nan():
+    T, H, K = 1 << 20, 2, 128
+    gen = torch.Generator(device=DEV).manual_seed(0)
+    r = lambda *s: torch.randn(*s, generator=gen, device=DEV, dtype=torch.bfloat16)  # noqa: E731
+    q, k, v, g = r(1, T, H, K), r(1, T, H, K), r(1, T, H, K), r(1, T, H, K) * 4
+    beta = r(1, T, H)
+    A, dt = torch.zeros(H, device=DEV), torch.zeros(H * K, device=DEV)
+    with torch.no_grad():
+        o, ht = chunk_kda_triton(q, k, v, g, beta, K ** -0.5, None, True, True, True, True, -5.0, None, A, dt)
+    assert torch.isfinite(o).all() and torch.isfinite(ht).all()
+    assert o.abs().max() > 0
