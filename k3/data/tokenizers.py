@@ -166,7 +166,7 @@ class TiktokenTokenizer(Tokenizer):
         self.bos_id = self.specials.get(bos) if bos else None
         self.eos_id = self.specials.get(eos) if eos else None
         self.pad_id = self.specials.get(pad) if pad else None
-        self._special_ids = set(self.specials.values())
+        self._n_ranks = n
 
     def encode(self, text: str) -> list[int]:
         if not isinstance(text, str):
@@ -174,7 +174,7 @@ class TiktokenTokenizer(Tokenizer):
         return self._enc.encode_ordinary(text)  # special-token text in user data stays plain text
 
     def decode_bytes(self, ids: Iterable[int]) -> bytes:
-        return self._enc.decode_bytes([int(i) for i in ids if int(i) not in self._special_ids])
+        return self._enc.decode_bytes([int(i) for i in ids if 0 <= int(i) < self._n_ranks])  # specials: not text
 
     def decode(self, ids: Iterable[int]) -> str:
         return self.decode_bytes(ids).decode("utf-8", errors="replace")

@@ -101,8 +101,12 @@ def _check_sampling(max_new_tokens: int, temperature: float, top_k: int | None, 
 def generate_ids(model: torch.nn.Module, prompt: Sequence[int], max_new_tokens: int, temperature: float = 0.8,
                  top_k: int | None = None, top_p: float | None = None, seed: int = 0,
                  stop_ids: Sequence[int] | set[int] = (), on_token: Callable[[int], None] | None = None,
-                 device: torch.device | str | None = None) -> tuple[list[int], dict[str, float]]:
+                 device: torch.device | str | None = None,
+                 vocab_limit: int | None = None) -> tuple[list[int], dict[str, float]]:
     """Generate up to ``max_new_tokens`` ids after ``prompt`` (stops after a stop id, which is included).
+
+    ``vocab_limit``: never sample ids ≥ it (the model's vocabulary is padded past the tokenizer's to a multiple
+    of 64; those rows mean nothing).
 
     Returns ``(new ids, timing)`` with ``prefill_s``, ``decode_s``, ``prompt_tokens``, ``new_tokens``.
     """
@@ -127,6 +131,9 @@ def generate_ids(model: torch.nn.Module, prompt: Sequence[int], max_new_tokens: 
             torch.cuda.synchronize(device)
         t1 = time.perf_counter()
         for i in range(max_new_tokens):
+            if vocab_limit is not None and vocab_limit < logits.shape[-1]:
+                logits = logits.clone()
+                logits[:, vocab_limit:] = float("-inf")
             nxt = sample_next(logits, temperature, top_k, top_p, gen)
             tok = int(nxt[0])  # needed on the host anyway: to stream text and to stop
             out.append(tok)
@@ -179,7 +186,8 @@ def generate(model: torch.nn.Module, tokenizer: Any, prompt: str | Sequence[int]
     if stream is not None and echo_prompt and isinstance(prompt, str):
         stream.write(prompt)
         stream.flush()
-    new, t = generate_ids(model, ids, max_new_tokens, temperature, top_k, top_p, seed, stops, emit, device)
+    new, t = generate_ids(model, ids, max_new_tokens, temperature, top_k, top_p, seed, stops, emit, device,
+                          vocab_limit=getattr(tokenizer, "vocab_size", None))
     tail = dec.flush()
     if tail:
         pieces.append(tail)

@@ -1,0 +1,61 @@
+"""`python -m k3 train` → generate → eval in a fresh directory, as a newcomer runs them; and bringing own data."""
+
+import base64
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import k3_runs
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _k3(*argv: str, cwd: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+           "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, "-m", "k3", *argv], cwd=cwd, env=env, capture_output=True, text=True,
+                          timeout=300)
+
+
+def test_train_generate_eval_smoke(tmp_path):
+    r = _k3("train", "--steps", "3", "--batch-size", "2", "--seq-len", "16", "--eval-batches", "1",
+            "--sample-tokens", "20", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert lines[0].startswith("k3: training in runs/tiny/") and "tiny" in lines[0] and "cpu" in lines[0]
+    assert any(l.startswith("step 3/3") and "tok/s" in l and "lr" in l and "load max/mean" in l for l in lines)
+    assert any("validation loss" in l for l in lines) and any(l.startswith("k3: sample") for l in lines)
+    run = tmp_path / "runs" / "tiny"
+    rows = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3] and all("loss" in r for r in rows)
+    assert (run / "loss.png").read_bytes()[:4] == b"\x89PNG"
+    assert (run / "checkpoints" / "step-00000003" / "checkpoint.json").is_file()
+    g = _k3("generate", "--run", "runs/tiny", "--prompt", "The", "--max-new-tokens", "8", "--seed", "1", cwd=tmp_path)
+    assert g.returncode == 0 and g.stdout.startswith("The") and "tok/s" in g.stderr
+    bad = _k3("eval", "--run", "runs/nope", cwd=tmp_path)
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "Traceback" not in bad.stderr
+
+
+def test_own_text_bin_shard_and_tiktoken_tokenizer(tmp_path):
+    text = "The delta rule writes a value under a key and forgets by a gate. " * 40
+    (tmp_path / "corpus.txt").write_text(text)
+    code, out, err = k3_runs.run_cli("tokenize", "corpus.txt", "--out", "corpus.bin", cwd=tmp_path)
+    assert code == 0 and "corpus.bin" in out, err
+    code, out, err = k3_runs.run_cli("train", "--data", "corpus.bin", "--steps", "2", "--name", "bin",
+                                     *k3_runs.FAST, cwd=tmp_path)
+    assert code == 0, err
+    assert "corpus.bin" in out.splitlines()[0]
+    # a tiktoken BPE file: the tiny preset's vocabulary follows the tokenizer
+    tokens = [bytes([i]) for i in range(256)] + [b"th", b"he", b"the", b" t", b" the"]
+    (tmp_path / "bpe.model").write_text("".join(f"{base64.b64encode(t).decode()} {i}\n" for i, t in enumerate(tokens)))
+    code, out, err = k3_runs.run_cli("train", "--data", "corpus.txt", "--tokenizer", "bpe.model", "--steps", "2",
+                                     "--name", "bpe", *k3_runs.FAST, cwd=tmp_path)
+    assert code == 0, err
+    cfg = json.loads((tmp_path / "runs" / "bpe" / "config.json").read_text())
+    assert cfg["vocab_size"] == 320 and cfg["eos_token_id"] == 262  # 261 BPE ranks + bos, eos, pad → ×64
+    (tmp_path / "bpe.model").unlink()  # the run keeps its own copy of the tokenizer
+    code, out, err = k3_runs.run_cli("generate", "--run", "runs/bpe", "--prompt", "the", "--max-new-tokens", "5",
+                                     cwd=tmp_path)
+    assert code == 0 and out.startswith("the"), err
