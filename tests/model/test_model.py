@@ -72,29 +72,35 @@ def test_loss_is_shifted_next_token_cross_entropy_with_ignore_index() -> None:
     assert float(model(ids[:, :1], labels=ids[:, :1]).loss.detach()) == 0.0  # no target: 0, not NaN
 
 
-def test_loss_falls_and_every_used_parameter_gets_a_finite_gradient() -> None:
-    model = tiny(3).train()
+def test_every_used_parameter_gets_a_finite_nonzero_gradient() -> None:
+    model = tiny(3).train()  # pseudo-queries away from 0, else the AttnRes gains' gradients are exactly 0
+    ids = torch.randint(0, 256, (2, 16))
+    model(ids, labels=ids).loss.backward()
+    never_read = {"model.layers.0.self_attention_res_norm.weight", "model.layers.0.self_attention_res_proj.weight"}
+    for name, p in model.named_parameters():
+        if name in never_read:
+            assert p.grad is None, name  # layer 0 uses the embedding directly (K3 rule)
+        else:
+            assert p.grad is not None and torch.isfinite(p.grad).all(), name
+            assert p.grad.abs().sum() > 0, name
+
+
+def test_loss_falls_on_a_small_batch() -> None:
+    torch.manual_seed(3)
+    model = K3ForCausalLM(K3Config.from_preset("tiny")).train()  # the training init: zero pseudo-queries
     ids = torch.randint(0, 256, (2, 16))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     losses = []
-    for step in range(20):
+    for _ in range(20):
         out = model(ids, labels=ids)
         opt.zero_grad(set_to_none=True)
         out.loss.backward()
-        if step == 0:
-            never_read = {"model.layers.0.self_attention_res_norm.weight",
-                          "model.layers.0.self_attention_res_proj.weight"}
-            for name, p in model.named_parameters():
-                if name in never_read:
-                    assert p.grad is None, name  # layer 0 uses the embedding directly (K3 rule)
-                else:
-                    assert p.grad is not None and torch.isfinite(p.grad).all(), name
-                    assert p.grad.abs().sum() > 0, name
+        assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
         opt.step()
         model.qb_step()
         losses.append(float(out.loss.detach()))
     assert all(math.isfinite(x) for x in losses)
-    assert losses[-1] < 0.25 * losses[0], losses  # memorising 32 tokens: ~5.6 → well under 1
+    assert losses[-1] < 0.1 * losses[0], losses  # memorising 32 tokens: ~5.6 → ~0.02 in 20 steps
     assert 1.0 <= model.load_imbalance() < 8.0
 
 
