@@ -98,6 +98,7 @@ class K3Model(nn.Module):
         self.gradient_checkpointing = False
 
     def forward(self, input_ids: torch.Tensor, state: K3State | None = None) -> torch.Tensor:
+        """``input_ids [B, T]`` (validated by ``K3ForCausalLM``) → final-normed hidden states ``[B, T, d]``."""
         blocks: list[torch.Tensor] = []
         partial = self.embed_tokens(input_ids)  # layer 0 closes it as b_0
         for i, layer in enumerate(self.layers):
