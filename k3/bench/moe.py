@@ -142,17 +142,58 @@ def build_latent_moe(sh: Shapes, dev: str):
     return moe.train()
 
 
-def _fwd_bwd(f: Callable[[], torch.Tensor], do: torch.Tensor) -> Callable[[], None]:
+def _fwd_bwd(f: Callable[[], torch.Tensor], do: torch.Tensor, fresh: list[torch.Tensor] | None = None
+             ) -> Callable[[], None]:
+    """fwd+bwd; with ``fresh`` the listed tensors' ``.grad`` is set to None first (the optimizer default
+    ``zero_grad(set_to_none=True)``: the new gradient is stored, not added into an existing one)."""
+
     def run() -> None:
+        if fresh is not None:
+            for t in fresh:
+                t.grad = None
         f().backward(do)
 
     return run
 
 
-def _layer_rows(name: str, fwd: float, fb: float, sh: Shapes, peak: float) -> dict:
+def _layer_rows(name: str, fwd: float, fb: float, fb2: float, fb_none: float, sh: Shapes, peak: float) -> dict:
     fl = sh.flops_fwd()
-    return {"name": name, "fwd_ms": fwd, "fwd_bwd_ms": fb, "fwd_tflops": fl / fwd / 1e9,
-            "fwd_bwd_tflops": 3 * fl / fb / 1e9, "frac_peak": 3 * fl / fb / 1e9 / peak if peak else float("nan")}
+    return {"name": name, "fwd_ms": fwd, "fwd_bwd_ms": fb, "fwd_bwd_ms_repeat": fb2, "fwd_bwd_fresh_ms": fb_none,
+            "fwd_tflops": fl / fwd / 1e9, "fwd_bwd_tflops": 3 * fl / fb / 1e9,
+            "frac_peak": 3 * fl / fb / 1e9 / peak if peak else float("nan"),
+            "frac_peak_fresh": 3 * fl / fb_none / 1e9 / peak if peak else float("nan")}
+
+
+def _time_layer(name: str, f: Callable[[], torch.Tensor], x: torch.Tensor, params: list[torch.Tensor],
+                do: torch.Tensor, sh: Shapes, peak: float, rep: float) -> dict:
+    with torch.no_grad():
+        tf = _bench(f, rep)
+    tb = _bench(_fwd_bwd(f, do), rep)  # gradients accumulate into .grad, as the anchor measured
+    tb2 = _bench(_fwd_bwd(f, do), rep)  # the same again: the spread between the two is the noise
+    tn = _bench(_fwd_bwd(f, do, [x, *params]), rep)
+    row = _layer_rows(name, tf, tb, tb2, tn, sh, peak)
+    print(row, flush=True)
+    return row
+
+
+def pack_experts(moe) -> None:
+    """The two layer changes this benchmark recommends, applied from outside for measurement: gate/up packed in
+    one ``w13 [E, 2F, ℓ]`` GEMM and the token→row copy through ``permute_rows`` (fused gather-sum backward)."""
+    from k3.ops.moe.combine import combine_norm
+    from k3.ops.moe.grouped import grouped_ffn_packed, permute_rows, sort_by_expert
+
+    ex = moe.experts
+    w13 = torch.nn.Parameter(torch.cat([ex.w1.detach(), ex.w3.detach()], 1))
+    del ex.w1, ex.w3
+    ex.w13 = w13
+    k = moe.gate.top_k
+
+    def routed(z, idx, p, record=False):
+        order, _, offs = sort_by_expert(idx, ex.n_experts)
+        rows = grouped_ffn_packed(permute_rows(z, order, k), offs, ex.w13, ex.w2, ex.beta1, ex.beta2)
+        return combine_norm(rows, order, p, moe.routed_expert_norm.weight, moe.eps)
+
+    moe.routed = routed
 
 
 def bench_layers(sh: Shapes, dev: str, peak: float, rep: float) -> list[dict]:
@@ -163,22 +204,28 @@ def bench_layers(sh: Shapes, dev: str, peak: float, rep: float) -> list[dict]:
     plain = PlainLayer(sh, dev)
     with torch.no_grad():
         do = torch.randn_like(plain(x))
-    with torch.no_grad():
-        tf = _bench(lambda: plain(x), rep)
-    tb = _bench(_fwd_bwd(lambda: plain(x), do), rep)
-    rows.append(_layer_rows("plain PyTorch (anchor)", tf, tb, sh, peak))
-    del plain
+    pp = [plain.Wr, plain.Wd, plain.Wu, plain.W13, plain.W2, plain.Sg, plain.Su, plain.Sd, plain.nw]
+    rows.append(_time_layer("plain PyTorch (anchor)", lambda: plain(x), x, pp, do, sh, peak, rep))
+    del plain, pp
     _free(x)
     moe = build_latent_moe(sh, dev)
+    mp = list(moe.parameters())
+    rows.append(_time_layer("ours: LatentMoE (training, QB histogram on)", lambda: moe(x), x, mp, do, sh, peak, rep))
+    del mp
+    moe.zero_grad(set_to_none=True)
+    _free(x)
     with torch.no_grad():
-        tf = _bench(lambda: moe(x), rep)  # no grad → no QB recording
-    tb = _bench(_fwd_bwd(lambda: moe(x), do), rep)
-    rows.append(_layer_rows("ours: LatentMoE, training (QB histogram on)", tf, tb, sh, peak))
-    moe.qb_enabled = False
-    tb_noqb = _bench(_fwd_bwd(lambda: moe(x), do), rep)
-    rows.append(_layer_rows("ours: LatentMoE, QB histogram off", tf, tb_noqb, sh, peak))
-    moe.qb_enabled = True
-    del moe
+        moe.qb_enabled = False
+        y_before = moe(x)
+        pack_experts(moe)
+        y_after = moe(x)
+        moe.qb_enabled = True
+    same = _rel(y_after, y_before)
+    del y_before, y_after
+    mp = list(moe.parameters())
+    rows.append(_time_layer("ours + packed w13 + permute_rows (proposed)", lambda: moe(x), x, mp, do, sh, peak, rep))
+    rows[-1]["rel_err_vs_unpacked"] = same
+    del moe, mp
     _free(x)
     return rows
 
@@ -223,7 +270,17 @@ def bench_components(sh: Shapes, dev: str, rep: float) -> list[dict]:
     del x, wr
     h = (torch.randn(R, 2 * sh.Fw, device=dev) * 3).to(dt).requires_grad_(True)
     pair("SiTU-GLU fwd+bwd [T·k, 2F]", lambda: _situ_eager(*h.chunk(2, -1)).to(dt), lambda: situ_glu_packed(h),
-         h.numel() * h.element_size() * 3.5)
+         h.numel() * h.element_size() * 4)
+    if dev == "cuda":  # launch-config sweep of the SiTU-GLU kernels (informational; defaults = first entry)
+        from k3.ops.moe import situ_triton
+
+        for cfg in ((4, 1024, 4), (8, 1024, 8), (2, 2048, 8), (16, 256, 4), (8, 512, 4), (1, 1024, 4)):
+            situ_triton._OVERRIDE = cfg
+            g_h = torch.randn(R, sh.Fw, device=dev, dtype=dt)
+            t = _bench(_fwd_bwd(lambda: situ_glu_packed(h), g_h), rep / 6)
+            out.append({"name": "  SiTU-GLU config BM=%d BF=%d warps=%d" % cfg, "eager_ms": float("nan"),
+                        "fused_ms": t, "speedup": float("nan"), "fused_TBps": h.numel() * h.element_size() * 4 / t / 1e9})
+        situ_triton._OVERRIDE = None
     del h
     order, tok, _ = sort_by_expert(idx, sh.E)
     y = torch.randn(R, sh.l, device=dev).to(dt).requires_grad_(True)
@@ -400,13 +457,19 @@ def _md(report: dict) -> str:
     L = [f"# Latent MoE layer benchmark ({report['device']})", "",
          f"torch {report['torch']}, triton {report['triton']}, Python {report['python']}; "
          f"shapes {report['shapes']}; bf16 matmul peak (8192³, same run) **{report['peak_tflops']:.0f} TFLOP/s**.", "",
-         "| layer | fwd ms | fwd+bwd ms | fwd+bwd TFLOP/s | of peak |", "|---|---:|---:|---:|---:|"]
+         "fwd+bwd: gradients added into existing `.grad` (as the anchor measured; repeated once for the spread) and "
+         "with `.grad` set to None first (one micro-batch after `zero_grad(set_to_none=True)`).", "",
+         "| layer | fwd ms | fwd+bwd ms (repeat) | TFLOP/s | of peak | fwd+bwd, fresh grads ms | of peak |",
+         "|---|---:|---:|---:|---:|---:|---:|"]
     for r in report["layers"]:
-        L.append(f"| {r['name']} | {r['fwd_ms']:.1f} | {r['fwd_bwd_ms']:.1f} | {r['fwd_bwd_tflops']:.0f} | "
-                 f"{100 * r['frac_peak']:.0f}% |")
+        L.append(f"| {r['name']} | {r['fwd_ms']:.1f} | {r['fwd_bwd_ms']:.1f} ({r['fwd_bwd_ms_repeat']:.1f}) | "
+                 f"{r['fwd_bwd_tflops']:.0f} | {100 * r['frac_peak']:.0f}% | {r['fwd_bwd_fresh_ms']:.1f} | "
+                 f"{100 * r['frac_peak_fresh']:.0f}% |")
     if report["layers"]:
-        base, ours = report["layers"][0], report["layers"][1]
-        L += ["", f"Speed-up of ours (fwd+bwd) over the plain layer: **{base['fwd_bwd_ms'] / ours['fwd_bwd_ms']:.2f}×**."]
+        base = report["layers"][0]
+        for r in report["layers"][1:]:
+            L += ["", f"{r['name']} over the plain layer, fwd+bwd: **{base['fwd_bwd_ms'] / r['fwd_bwd_ms']:.2f}×** "
+                  f"(fresh grads {base['fwd_bwd_fresh_ms'] / r['fwd_bwd_fresh_ms']:.2f}×)."]
     L += ["", "| kernel (fwd+bwd) | eager/reference ms | fused ms | speed-up | fused ≥ TB/s |", "|---|---:|---:|---:|---:|"]
     for r in report["components"]:
         L.append(f"| {r['name']} | {r['eager_ms']:.2f} | {r['fused_ms']:.2f} | {r['speedup']:.1f}× | {r['fused_TBps']:.2f} |")
@@ -452,8 +515,6 @@ def main(argv: list[str] | None = None) -> int:
     report["sync"] = {} if "sync" in skip else check_sync_free(dev)
     print("sync", report["sync"], flush=True)
     report["layers"] = [] if "layers" in skip else bench_layers(sh, dev, report["peak_tflops"], a.rep_ms)
-    for r in report["layers"]:
-        print(r, flush=True)
     layer_ms = report["layers"][1]["fwd_bwd_ms"] if report["layers"] else float("nan")
     report["components"] = [] if "components" in skip else bench_components(sh, dev, a.rep_ms)
     report["gemms"] = [] if "gemms" in skip else bench_gemm_layouts(sh, dev, a.rep_ms)
