@@ -52,11 +52,11 @@ class BwdConfig:
     intra_warps = 8
 
 
-@triton.jit
+@triton.jit(do_not_specialize=['NC', 'T', 'NT', 'H'])
 def _kda_bwd_state(
     do, AQK, KG, QG, W, GAM, DHS, DV, dht, dh0,
     cu, chunk_off, NC, T, NT,
-    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    H, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BVP: tl.constexpr,
     USE_DHT: tl.constexpr, IS_VARLEN: tl.constexpr, PREC: tl.constexpr,
 ):
@@ -100,13 +100,13 @@ def _kda_bwd_state(
     tl.store(dh0 + p_s, dS, mask=m_s)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=['NC', 'T', 'NT', 'H'])
 def _kda_bwd_wy(
     k, v, g, beta, A_log, dt_bias, do,
     W, U, QG, TM, HS, DHS, DV,
     dv, DQ, DK, DG, DB, DTT, DAQ,
     cu, chunk_seq, chunk_off, NC, T, NT,
-    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, scale, lb,
+    H, K: tl.constexpr, V: tl.constexpr, scale, lb,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BVP: tl.constexpr,
     USE_GATE: tl.constexpr, HAS_LB: tl.constexpr, HAS_A: tl.constexpr, HAS_DT: tl.constexpr,
     L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr, IS_VARLEN: tl.constexpr, PREC: tl.constexpr,
@@ -278,13 +278,13 @@ def _gate_bwd(dgt, b_f, i_h, A_log, dt_bias, lb, o_k, m_k, K,
     return df, dA
 
 
-@triton.jit
+@triton.jit(do_not_specialize=['NC', 'T', 'NT', 'H'])
 def _kda_bwd_intra(
     q, k, g, beta, A_log, dt_bias,
     TM, DQ, DK, DG, DB, DTT, DAQ,
     dq, dk, dg, dbeta, DA, DDT,
     cu, chunk_seq, chunk_off, NC, T, NT,
-    H: tl.constexpr, K: tl.constexpr, lb,
+    H, K: tl.constexpr, lb,
     BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
     USE_GATE: tl.constexpr, HAS_LB: tl.constexpr, HAS_A: tl.constexpr, HAS_DT: tl.constexpr,
     L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr, IS_VARLEN: tl.constexpr, EXACT_DIAG: tl.constexpr,

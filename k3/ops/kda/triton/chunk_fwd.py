@@ -213,12 +213,12 @@ def _prep_cols(b_q, b_k, G, b_b, o_t, KG, QG, GAM, base, i_k, scale,
     return aq, ak, b_x
 
 
-@triton.jit
+@triton.jit(do_not_specialize=['c0', 'NCw', 'T', 'NT', 'H'])
 def _kda_fwd_prep(
     q, k, v, g, beta, A_log, dt_bias,
     W, U, KG, QG, AQK, GAM, TM,
     cu, chunk_seq, chunk_off, c0, NCw, T, NT,
-    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, scale, lb,
+    H, K: tl.constexpr, V: tl.constexpr, scale, lb,
     BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BKS: tl.constexpr, BVP: tl.constexpr,
     USE_GATE: tl.constexpr, HAS_LB: tl.constexpr, HAS_A: tl.constexpr, HAS_DT: tl.constexpr,
     L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr, IS_VARLEN: tl.constexpr, STORE_T: tl.constexpr,
@@ -282,11 +282,11 @@ def _kda_fwd_prep(
     tl.store(U + (base * BT + o_t[:, None]) * BVP + o_v[None, :], b_u.to(DT))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=['c0', 'c1', 'NCw', 'NCh', 'T', 'NT', 'H'])
 def _kda_fwd_state(
     W, U, KG, QG, AQK, GAM, o, HS, ht,
     cu, chunk_off, c0, c1, NCw, NCh, T, NT,
-    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    H, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BVP: tl.constexpr,
     STORE_H: tl.constexpr, STORE_O: tl.constexpr, IS_VARLEN: tl.constexpr, PREC: tl.constexpr,
 ):

@@ -21,10 +21,10 @@ class DecodeConfig:
     warps = 4
 
 
-@triton.jit
+@triton.jit(do_not_specialize=['T', 'H'])
 def _kda_recurrent(
     q, k, v, g, beta, A_log, dt_bias, o, s_in, s_out, idx, cu, T,
-    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, scale, lb,
+    H, K: tl.constexpr, V: tl.constexpr, scale, lb,
     BK: tl.constexpr, BV: tl.constexpr,
     USE_GATE: tl.constexpr, HAS_LB: tl.constexpr, HAS_A: tl.constexpr, HAS_DT: tl.constexpr,
     L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr, IS_VARLEN: tl.constexpr, USE_IDX: tl.constexpr,

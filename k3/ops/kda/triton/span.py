@@ -22,11 +22,11 @@ class SpanConfig:
     stages = 2
 
 
-@triton.jit
+@triton.jit(do_not_specialize=['c0', 'c1', 'NCw', 'NT', 'H'])
 def _kda_span_state(
     W, U, KG, GAM, SE, M,
     chunk_off, c0, c1, NCw, NT,
-    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    H, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BVP: tl.constexpr,
     IS_VARLEN: tl.constexpr, PREC: tl.constexpr,
 ):

@@ -1,0 +1,456 @@
+"""``python -m k3.bench kda``: k3's KDA kernels vs fla's ``chunk_kda`` side by side in one process.
+
+Cases (shared/BASELINES.md): inference prefill B=1, H=32/8, T=16K/128K/1M; training forward+backward B=8 T=4096
+and B=1 T=32768 at H=32; one decode step B=64 H=32 with fp32 states. K3 setting: bf16 q/k/v/g, bounded gate
+(lower_bound −5) fused in the kernel with A_log / dt_bias, in-kernel L2 norm and β sigmoid, K = V = 128.
+Times are ``triton.testing.do_bench`` medians (ms); "extra" is the peak memory allocated during the call minus what
+was resident before it (inputs), "beyond out" subtracts the output tensor too.
+
+``--breakdown`` times each of our kernels alone; ``--sweep`` tries launch variants; ``--warm GROUP`` only compiles
+(the device runs several of those in parallel first, so compile time is paid once and concurrently).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import json
+import os
+import platform
+import sys
+from typing import Any, Callable, Iterator
+
+import torch
+
+__all__ = ["main"]
+
+K3_FLAGS = dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
+                safe_gate=True, lower_bound=-5.0)
+GIB = 2**30
+
+
+# ---------------------------------------------------------------------------------------------------- helpers
+
+
+def _bench(fn: Callable[[], Any], rep_ms: float = 200.0) -> float:
+    import triton
+
+    return float(triton.testing.do_bench(fn, warmup=max(10, int(rep_ms // 10)), rep=rep_ms, return_mode="median"))
+
+
+@contextlib.contextmanager
+def _env(name: str, value: str | None) -> Iterator[None]:
+    old = os.environ.get(name)
+    if value is None:
+        os.environ.pop(name, None)
+    else:
+        os.environ[name] = value
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = old
+
+
+def _inputs(B: int, T: int, H: int, D: int = 128, grad: bool = False, seed: int = 0) -> dict:
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    mk = lambda *s: torch.randn(*s, device="cuda", dtype=torch.bfloat16, generator=g)  # noqa: E731
+    x = dict(q=mk(B, T, H, D), k=mk(B, T, H, D), v=mk(B, T, H, D), g=mk(B, T, H, D), beta=mk(B, T, H),
+             A_log=torch.zeros(H, device="cuda"), dt_bias=torch.zeros(H * D, device="cuda"))
+    if grad:
+        for n in ("q", "k", "v", "g", "beta"):
+            x[n].requires_grad_(True)
+    return x
+
+
+def _ours(x: dict, **kw) -> tuple:
+    from k3.ops.kda import chunk_kda
+
+    return chunk_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], A_log=x["A_log"], dt_bias=x["dt_bias"],
+                     output_final_state=True, **K3_FLAGS, **kw)
+
+
+def _ours_unsplit(x: dict) -> tuple:
+    from k3.ops.kda.triton import chunk_kda_triton
+
+    K = x["q"].shape[-1]
+    return chunk_kda_triton(x["q"], x["k"], x["v"], x["g"], x["beta"], K**-0.5, None, True, True, True, True, -5.0,
+                            None, x["A_log"], x["dt_bias"])
+
+
+def _fla_module():
+    try:
+        import fla.ops.kda as fk  # noqa: PLC0415
+
+        return fk
+    except Exception:  # noqa: BLE001 — fla is optional
+        return None
+
+
+def _fla(x: dict) -> tuple:
+    fk = _fla_module()
+    return fk.chunk_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], A_log=x["A_log"], dt_bias=x["dt_bias"],
+                        output_final_state=True, **K3_FLAGS)
+
+
+def _timed_inference(fn: Callable[[], Any], rep_ms: float, out_bytes: int) -> dict:
+    """ms, peak extra GiB (and beyond the output) of ``fn`` under inference mode."""
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    with torch.inference_mode():
+        fn()  # compile / warm
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        r = fn()
+        torch.cuda.synchronize()
+        extra = (torch.cuda.max_memory_allocated() - base) / GIB
+        del r
+        ms = _bench(fn, rep_ms)
+    return dict(ms=ms, extra_gib=extra, beyond_out_gib=extra - out_bytes / GIB)
+
+
+def _row(case: str, impl: str, **kw) -> dict:
+    r = dict(case=case, impl=impl, **kw)
+    print(json.dumps(r), flush=True)
+    return r
+
+
+# ---------------------------------------------------------------------------------------------------- sections
+
+
+def prefill_rows(shapes: list[tuple[int, int]], with_fla: bool) -> list[dict]:
+    rows = []
+    for H, T in shapes:
+        x = _inputs(1, T, H)
+        out_bytes = T * H * 128 * 2
+        rep = 150.0 if T <= 131072 else 600.0
+        case = f"prefill B=1 H={H} T={T}"
+        r_auto = _timed_inference(lambda: _ours(x), rep, out_bytes)
+        rows.append(_row(case, "k3 chunk_kda (auto split)", **r_auto))
+        with _env("K3_KDA_SPLITS", "1"):
+            rows.append(_row(case, "k3 unsplit", **_timed_inference(lambda: _ours_unsplit(x), rep, out_bytes)))
+        if with_fla and _fla_module() is not None:
+            try:
+                rf = _timed_inference(lambda: _fla(x), rep, out_bytes)
+                rows.append(_row(case, "fla 0.6.0 chunk_kda", **rf))
+            except torch.OutOfMemoryError as e:
+                rows.append(_row(case, "fla 0.6.0 chunk_kda", error=f"OOM: {str(e)[:120]}"))
+            torch.cuda.empty_cache()
+        del x
+        torch.cuda.empty_cache()
+    return rows
+
+
+def train_rows(shapes: list[tuple[int, int, int]], with_fla: bool) -> list[dict]:
+    rows = []
+    impls = [("k3 chunk_kda", _ours)]
+    if with_fla and _fla_module() is not None:
+        impls.append(("fla 0.6.0 chunk_kda", _fla))
+    for B, T, H in shapes:
+        case = f"fwd+bwd B={B} T={T} H={H}"
+        for name, f in impls:
+            x = _inputs(B, T, H, grad=True)
+            do = torch.randn(B, T, H, 128, device="cuda", dtype=torch.bfloat16)
+
+            def fb(x=x, do=do, f=f):
+                o, _ = f(x)
+                o.backward(do)
+
+            fb()
+            torch.cuda.synchronize()
+            base = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+            fb()
+            torch.cuda.synchronize()
+            extra = (torch.cuda.max_memory_allocated() - base) / GIB
+            ms = _bench(fb, 300.0)
+            with torch.no_grad():
+                f(x)
+                ms_f = _bench(lambda x=x, f=f: f(x), 200.0)
+            rows.append(_row(case, name, ms=ms, fwd_ms=ms_f, extra_gib=extra))
+            del x, do
+            torch.cuda.empty_cache()
+    return rows
+
+
+def decode_rows(with_fla: bool, B: int = 64, H: int = 32) -> list[dict]:
+    from k3.ops.kda import fused_recurrent_kda
+
+    x = _inputs(B, 1, H)
+    h0 = torch.randn(B, H, 128, 128, device="cuda", dtype=torch.float32)
+    pool = torch.randn(2 * B, H, 128, 128, device="cuda", dtype=torch.float32)
+    idx = torch.randperm(2 * B, device="cuda")[:B]
+    traffic = 2 * h0.numel() * 4
+    kw = dict(A_log=x["A_log"], dt_bias=x["dt_bias"], **K3_FLAGS)
+    args = (x["q"], x["k"], x["v"], x["g"], x["beta"])
+    case = f"decode B={B} H={H} fp32 state"
+    rows = []
+    impls = [("k3 fused_recurrent_kda", lambda: fused_recurrent_kda(*args, initial_state=h0, output_final_state=True,
+                                                                    **kw)),
+             ("k3 fused_recurrent_kda (pool, in place)",
+              lambda: fused_recurrent_kda(*args, initial_state=pool, ssm_state_indices=idx, **kw))]
+    fk = _fla_module() if with_fla else None
+    if fk is not None:
+        fkw = {n: v for n, v in kw.items() if n != "safe_gate"}
+        impls.append(("fla 0.6.0 fused_recurrent_kda",
+                      lambda: fk.fused_recurrent_kda(*args, initial_state=h0, output_final_state=True, **fkw)))
+    with torch.inference_mode():
+        for name, f in impls:
+            try:
+                f()
+                ms = _bench(f, 200.0)
+                rows.append(_row(case, name, ms=ms, state_TBps=traffic / ms / 1e9))
+            except Exception as e:  # noqa: BLE001 — report, keep going
+                rows.append(_row(case, name, error=repr(e)[:200]))
+    return rows
+
+
+def copy_bandwidth() -> float:
+    x = torch.empty(2 * GIB, dtype=torch.uint8, device="cuda")
+    y = torch.empty_like(x)
+    ms = _bench(lambda: y.copy_(x), 200.0)
+    del x, y
+    torch.cuda.empty_cache()
+    return 2 * 2 * GIB / ms / 1e9
+
+
+def breakdown_rows() -> list[dict]:
+    """Each of our kernels alone: prep/state at 1M H=32 (one window, scaled to the sequence) and the training set."""
+    from k3.ops.kda.triton import chunk_bwd as cb
+    from k3.ops.kda.triton import chunk_fwd as cf
+    from k3.ops.kda.triton._common import make_chunk_table
+
+    rows = []
+    flags = dict(l2norm=True, use_gate=True, beta_sigmoid=True, exact_diag=False)
+    # inference window at T = 1M, H = 32
+    T, H = 1 << 20, 32
+    x = _inputs(1, T, H)
+    tab = make_chunk_table(1, T, None, x["q"].device)
+    ncw = max(1, cf.FwdConfig.window_bytes // cf.chunk_bytes(H, 128, 128, torch.bfloat16))
+    bufs = cf.alloc_chunk_buffers(H, ncw, 128, 128, torch.bfloat16, x["q"].device, store_t=False)
+    o = torch.empty_like(x["v"])
+    ht = torch.zeros(1, H, 128, 128, device="cuda")
+    args = (x["q"], x["k"], x["v"], x["g"], x["beta"], x["A_log"], x["dt_bias"])
+    prep = lambda: cf.launch_prep(*args, bufs, tab, 0, ncw, 128**-0.5, -5.0, flags, False)  # noqa: E731
+    state = lambda: cf.launch_state(bufs, o, None, ht, tab, 0, ncw, H, 128, 128)  # noqa: E731
+    scale = tab.NC / ncw
+    for name, f in (("prep (K1) per window", prep), ("state pass (K2) per window", state)):
+        f()
+        ms = _bench(f, 200.0)
+        rows.append(_row(f"breakdown 1M H=32 (window {ncw} chunks)", name, ms=ms, ms_full_T=ms * scale))
+    del x, bufs, o
+    torch.cuda.empty_cache()
+    # training B=8 T=4096 H=32
+    B, T = 8, 4096
+    x = _inputs(B, T, H)
+    tab = make_chunk_table(B, T, None, x["q"].device)
+    args = (x["q"], x["k"], x["v"], x["g"], x["beta"], x["A_log"], x["dt_bias"])
+    o_, ht_, saved = cf.kda_fwd(*args, 128**-0.5, None, tab, -5.0, flags, True)
+    bufs = {n: saved[n] for n in ("W", "U", "KG", "QG", "AQK", "GAM", "TM")}
+    o = torch.empty_like(x["v"])
+    ht = torch.zeros(B, H, 128, 128, device="cuda")
+    do = torch.randn_like(x["v"])
+    fns = {
+        "prep (K1, stores T)": lambda: cf.launch_prep(*args, bufs, tab, 0, tab.NC, 128**-0.5, -5.0, flags, True),
+        "state pass (K2, stores h)": lambda: cf.launch_state(bufs, o, saved["HS"], ht, tab, 0, tab.NC, H, 128, 128),
+        "backward (3 kernels)": lambda: cb.kda_bwd(x["q"], x["k"], x["v"], x["g"], x["beta"], x["A_log"],
+                                                   x["dt_bias"], None, 128**-0.5, do, None, saved, tab, -5.0,
+                                                   flags),
+    }
+    for name, f in fns.items():
+        f()
+        rows.append(_row(f"breakdown fwd+bwd B={B} T={T} H={H}", name, ms=_bench(f, 200.0)))
+    # the backward's kernels one by one, through the profiler
+    rows += _profile_kernels(fns["backward (3 kernels)"], f"breakdown bwd B={B} T={T} H={H}")
+    return rows
+
+
+def _profile_kernels(fn: Callable[[], Any], case: str) -> list[dict]:
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(5):
+            fn()
+        torch.cuda.synchronize()
+    rows = []
+    for ev in prof.key_averages():
+        if ev.device_type.name == "CUDA" and ev.count >= 5:
+            us = getattr(ev, "device_time_total", getattr(ev, "cuda_time_total", 0)) / ev.count
+            if us > 5:
+                rows.append(_row(case, ev.key[:60], ms=us / 1e3))
+    return rows
+
+
+def sweep_rows() -> list[dict]:
+    """Launch variants of the state pass (1M H=32 window) and the decode step."""
+    from k3.ops.kda.triton import chunk_fwd as cf
+    from k3.ops.kda.triton import fused_recurrent as fr
+
+    rows = []
+    base = (cf.FwdConfig.state_bv, cf.FwdConfig.state_warps, cf.FwdConfig.prep_warps)
+    x = _inputs(1, 1 << 18, 32)
+    for bv, w, pw in ((32, 4, 8), (64, 4, 8), (32, 8, 8), (64, 8, 8), (32, 4, 4)):
+        cf.FwdConfig.state_bv, cf.FwdConfig.state_warps, cf.FwdConfig.prep_warps = bv, w, pw
+        try:
+            with torch.inference_mode():
+                _ours_unsplit(x)
+                ms = _bench(lambda: _ours_unsplit(x), 200.0)
+            rows.append(_row("sweep prefill B=1 H=32 T=256K", f"state bv={bv} warps={w}, prep warps={pw}", ms=ms))
+        except Exception as e:  # noqa: BLE001
+            rows.append(_row("sweep prefill B=1 H=32 T=256K", f"state bv={bv} warps={w}, prep warps={pw}",
+                             error=repr(e)[:200]))
+    cf.FwdConfig.state_bv, cf.FwdConfig.state_warps, cf.FwdConfig.prep_warps = base
+    del x
+    dbase = (fr.DecodeConfig.bv, fr.DecodeConfig.warps)
+    for bv, w in ((16, 2), (16, 4), (32, 2), (32, 4), (64, 4), (64, 8), (128, 8)):
+        fr.DecodeConfig.bv, fr.DecodeConfig.warps = bv, w
+        for r in decode_rows(False)[:1]:
+            r["impl"] = f"decode bv={bv} warps={w}"
+            rows.append(r)
+    fr.DecodeConfig.bv, fr.DecodeConfig.warps = dbase
+    return rows
+
+
+def warm(group: int) -> None:
+    """Compile (on tiny inputs) the kernel variants one group of the benchmark/tests needs."""
+    from k3.ops.kda import chunk_kda, fused_recurrent_kda
+    from k3.ops.kda.triton import chunk_fwd as cf
+    from k3.ops.kda.triton import fused_recurrent as fr
+    from k3.ops.kda.triton import span_summaries_triton
+
+    cu = torch.tensor([0, 100, 300], device="cuda")
+
+    def fb(B, T, H, D=128, dtype=torch.bfloat16, **kw):
+        x = _inputs(B, T, H, D, grad=True)
+        if dtype != torch.bfloat16:
+            x = {n: (t.detach().to(dtype).requires_grad_() if t.dtype == torch.bfloat16 else t) for n, t in x.items()}
+        o, h = _ours(x, **kw)
+        (o.float().sum() + h.sum()).backward()
+
+    if group == 0:
+        fb(2, 200, 2)
+    elif group == 1:
+        fb(1, 300, 2, cu_seqlens=cu, initial_state=torch.zeros(2, 2, 128, 128, device="cuda"))
+    elif group == 2:
+        fb(2, 200, 2, lower_bound=None, safe_gate=False)
+    elif group == 3:
+        with torch.inference_mode():
+            x = _inputs(1, 300, 2)
+            _ours_unsplit(x)
+            _ours(x, cu_seqlens=cu)
+            span_summaries_triton(x["q"], x["k"], x["v"], x["g"], x["beta"], 0.1, True, True, True, -5.0, None,
+                                  x["A_log"], x["dt_bias"])
+            span_summaries_triton(x["q"], x["k"], x["v"], x["g"], x["beta"], 0.1, True, True, True, -5.0, cu,
+                                  x["A_log"], x["dt_bias"])
+    elif group == 4:
+        fb(1, 300, 2, D=64, dtype=torch.float32)
+    elif group == 5:
+        with torch.inference_mode():
+            x = _inputs(4, 1, 2)
+            h0 = torch.zeros(4, 2, 128, 128, device="cuda")
+            for bv, w in ((16, 2), (16, 4), (32, 2), (32, 4), (64, 4), (64, 8), (128, 8)):
+                fr.DecodeConfig.bv, fr.DecodeConfig.warps = bv, w
+                fused_recurrent_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], A_log=x["A_log"], dt_bias=x["dt_bias"],
+                                    initial_state=h0, output_final_state=True, **K3_FLAGS)
+            fr.DecodeConfig.bv, fr.DecodeConfig.warps = 32, 4
+            fused_recurrent_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], A_log=x["A_log"], dt_bias=x["dt_bias"],
+                                initial_state=h0, ssm_state_indices=torch.arange(4, device="cuda"), **K3_FLAGS)
+    elif group in (6, 7, 8, 9):
+        bv, w, pw = {6: (64, 4, 8), 7: (32, 8, 8), 8: (64, 8, 8), 9: (32, 4, 4)}[group]
+        cf.FwdConfig.state_bv, cf.FwdConfig.state_warps, cf.FwdConfig.prep_warps = bv, w, pw
+        with torch.inference_mode():
+            _ours_unsplit(_inputs(1, 300, 2))
+    elif group == 10:  # unbounded gate, no grad
+        with torch.inference_mode():
+            x = _inputs(1, 300, 2)
+            _ours(x, lower_bound=None, safe_gate=False)
+    torch.cuda.synchronize()
+
+
+# ---------------------------------------------------------------------------------------------------- report
+
+
+def _fmt(v: Any) -> str:
+    if isinstance(v, float):
+        return f"{v:.3f}" if abs(v) < 100 else f"{v:.1f}"
+    return str(v)
+
+
+def markdown(rows: list[dict], header: dict) -> str:
+    lines = [f"# KDA benchmark ({header['gpu']})", "",
+             f"torch {header['torch']}, triton {header['triton']}, fla {header['fla']}, {header['date']}; "
+             f"copy bandwidth {header.get('copy_TBps', float('nan')):.2f} TB/s", "",
+             f"command: `{header['command']}`", ""]
+    ref: dict[str, float] = {}
+    for r in rows:
+        if r["impl"].startswith("fla") and "ms" in r:
+            ref[r["case"]] = r["ms"]
+    lines += ["| case | impl | ms | vs fla | fwd ms | extra GiB | beyond out GiB | state TB/s |",
+              "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        ms = r.get("ms")
+        ratio = f"{ref[r['case']] / ms:.2f}×" if ms and r["case"] in ref and not r["impl"].startswith("fla") else ""
+        cells = [r["case"], r["impl"], _fmt(ms) if ms is not None else r.get("error", ""), ratio,
+                 _fmt(r.get("fwd_ms", "")), _fmt(r.get("extra_gib", "")), _fmt(r.get("beyond_out_gib", "")),
+                 _fmt(r.get("state_TBps", ""))]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m k3.bench kda", description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=None, help="folder for kda_bench.json / kda_bench.md")
+    ap.add_argument("--no-fla", action="store_true")
+    ap.add_argument("--sections", default="prefill,train,decode",
+                    help="comma list of: prefill,train,decode,breakdown,sweep")
+    ap.add_argument("--T", type=int, nargs="+", default=[16384, 131072, 1048576])
+    ap.add_argument("--H", type=int, nargs="+", default=[32, 8])
+    ap.add_argument("--warm", type=int, default=None, help="compile one group of kernel variants and exit")
+    a = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("k3.bench kda needs a CUDA GPU", file=sys.stderr)
+        return 2
+    if a.warm is not None:
+        warm(a.warm)
+        return 0
+    import triton
+
+    fk = _fla_module()
+    header = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+                  fla=getattr(__import__("fla"), "__version__", "?") if fk is not None else "not installed",
+                  date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                  host=platform.node(), command="python -m k3.bench kda " + " ".join(argv or sys.argv[1:]))
+    header["copy_TBps"] = copy_bandwidth()
+    print(json.dumps(header), flush=True)
+    with_fla = not a.no_fla
+    rows: list[dict] = []
+    runs = {"decode": lambda: decode_rows(with_fla),
+            "train": lambda: train_rows([(8, 4096, 32), (1, 32768, 32)], with_fla),
+            "breakdown": breakdown_rows,
+            "sweep": sweep_rows,
+            "prefill": lambda: prefill_rows([(h, t) for h in a.H for t in a.T], with_fla)}
+    for name in a.sections.split(","):
+        try:
+            rows += runs[name]()
+        except Exception as e:  # noqa: BLE001 — one broken section must not lose the others' numbers
+            rows.append(_row(name, "section failed", error=repr(e)[:300]))
+        torch.cuda.empty_cache()
+    md = markdown(rows, header)
+    print(md)
+    if a.out:
+        from k3.utils import atomic_write_text
+
+        atomic_write_text(os.path.join(a.out, "kda_bench.json"), json.dumps(dict(header=header, rows=rows), indent=1))
+        atomic_write_text(os.path.join(a.out, "kda_bench.md"), md)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
