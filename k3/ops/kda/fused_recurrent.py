@@ -113,8 +113,9 @@ def fused_recurrent_kda(
         N = B if cu_seqlens is None else cu_seqlens.numel() - 1
         _check_pool(pool, ssm_state_indices, N, H, K, v.shape[-1], q.device)
         initial_state = pool
-    backend = select_backend(q.device)
-    return backend_fn(backend, "fused_recurrent_kda")(
+    # A Triton package without its decode kernel falls back to the torch loop (correct on any device, slow on GPU).
+    fn = backend_fn(select_backend(q.device), "fused_recurrent_kda") or backend_fn("torch", "fused_recurrent_kda")
+    return fn(
         q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, use_gate_in_kernel,
         use_beta_sigmoid_in_kernel, lb, cu_seqlens, A_log, dt_bias, ssm_state_indices=ssm_state_indices)
 

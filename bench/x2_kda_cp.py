@@ -1,0 +1,173 @@
+"""Context-parallel KDA on 2 GPUs vs 1 GPU: forward+backward time, exactness, bytes sent per layer.
+
+    NCCL_NVLS_ENABLE=0 torchrun --nproc_per_node=2 bench/x2_kda_cp.py [--T 524288] [--H 32] [--check-T 65536]
+
+Rank 0 alone runs the full sequence (the 1-GPU time) while rank 1 waits; then both ranks run their halves with
+``chunk_kda(..., cp_context=ctx)``. Inputs are the K3 setting (bf16, K=V=128, bounded gate fused in the kernel,
+in-kernel L2 norm and β sigmoid), B=1. Uses the Triton backend when present (K3_KDA_BACKEND is honoured).
+A smaller ``--check-T`` run compares the CP output and every gradient against the single-GPU result.
+Prints a markdown table last; ``--json PATH`` also writes the numbers.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ["NCCL_NVLS_ENABLE"] = "0"  # NVLink multicast must stay off on the lent machines
+
+import argparse
+import json
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from k3.ops.kda import build_cp_context, chunk_kda, cp_conv_halo  # noqa: E402
+
+FLAGS = dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
+             safe_gate=True, lower_bound=-5.0)
+
+
+def make(T: int, H: int, K: int, start: int, end: int, dev: torch.device, seed: int = 0) -> list[torch.Tensor]:
+    """Tokens [start, end) of one global random stream (the same values whichever rank builds them)."""
+    gen = torch.Generator(device=dev).manual_seed(seed)
+    full = lambda *s: torch.randn(*s, generator=gen, device=dev, dtype=torch.bfloat16)  # noqa: E731
+    xs = []
+    for shape in ((1, T, H, K), (1, T, H, K), (1, T, H, K), (1, T, H, K), (1, T, H)):
+        xs.append(full(*shape)[:, start:end].contiguous())  # generated whole so every slice agrees
+    return xs
+
+
+def params(H: int, K: int, dev: torch.device) -> list[torch.Tensor]:
+    return [torch.zeros(H, device=dev).requires_grad_(), torch.zeros(H * K, device=dev).requires_grad_()]
+
+
+def fwd_bwd(xs: list[torch.Tensor], ps: list[torch.Tensor], ctx=None) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    xs = [x.detach().requires_grad_() for x in xs]
+    cu = None if ctx is not None else torch.tensor([0, xs[0].shape[1]], device=xs[0].device)
+    o, _ = chunk_kda(*xs, A_log=ps[0], dt_bias=ps[1], cu_seqlens=cu, cp_context=ctx, **FLAGS)
+    grads = torch.autograd.grad(o.float().square().mean(), xs + ps)
+    return o.detach(), list(grads)
+
+
+def timed(fn, iters: int, warmup: int = 1, together: bool = True) -> float:
+    """Median wall time in ms; ``together``: every rank runs it (barrier first), else this rank alone."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    if together:
+        dist.barrier()
+    ts = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        ts.append((time.perf_counter() - t0) * 1e3)
+    return sorted(ts)[len(ts) // 2]
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--T", type=int, default=524288)
+    ap.add_argument("--H", type=int, default=32)
+    ap.add_argument("--K", type=int, default=128)
+    ap.add_argument("--check-T", type=int, default=65536)
+    ap.add_argument("--bytes-T", type=int, nargs="+", default=[262144, 524288])
+    ap.add_argument("--iters", type=int, default=5)
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--cpu", action="store_true", help="dry run of this script with gloo on CPU (tiny sizes)")
+    a = ap.parse_args()
+    dist.init_process_group("gloo" if a.cpu else "nccl")
+    rank, W = dist.get_rank(), dist.get_world_size()
+    if a.cpu:
+        dev = torch.device("cpu")
+        torch.cuda.synchronize = lambda *_: None  # type: ignore[assignment]  # the dry run has no stream to wait on
+        gpu = "cpu (dry run)"
+    else:
+        dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
+        torch.cuda.set_device(dev)
+        gpu = torch.cuda.get_device_name(dev)
+    H, K, res = a.H, a.K, {"world": W, "gpu": gpu, "torch": torch.__version__}
+    from k3.ops.kda.chunk import select_backend
+
+    res["backend"] = select_backend(dev)
+
+    # 1. exactness at --check-T: CP slice vs this rank's slice of the single-GPU result (outputs, every gradient)
+    Tc = a.check_T
+    ctx = build_cp_context(torch.tensor([0, Tc]), conv1d_kernel_size=4)
+    full, ps = make(Tc, H, K, 0, Tc, dev), params(H, K, dev)
+    o_ref, g_ref = fwd_bwd(full, ps)
+    loc = [ctx.shard(x) for x in full]
+    o_cp, g_cp = fwd_bwd(loc, ps, ctx)  # NB the loss is a mean over local tokens: rescale below
+    scale = Tc / (ctx.end - ctx.start)
+    errs = [rel(o_cp, ctx.shard(o_ref))]
+    errs += [rel(g / scale, ctx.shard(gr)) for g, gr in zip(g_cp[:5], g_ref[:5])]
+    for g, gr in zip(g_cp[5:], g_ref[5:]):
+        g = g / scale
+        dist.all_reduce(g)
+        errs.append(rel(g, gr))
+    res["check"] = {"T": Tc, "max_rel_err": max(errs), "errs": errs}
+    del full, o_ref, g_ref, loc, o_cp, g_cp
+    if not a.cpu:
+        torch.cuda.empty_cache()
+
+    # 2. bytes sent per layer (summary all_gather + conv halo for q,k,v channels) at each T
+    res["bytes"] = {}
+    for Tb in a.bytes_T:
+        c = build_cp_context(torch.tensor([0, Tb]), conv1d_kernel_size=4)
+        xs = make(Tb, H, K, c.start, c.end, dev, seed=1)
+        with torch.no_grad():
+            chunk_kda(*xs, A_log=ps[0], dt_bias=ps[1], cp_context=c, **FLAGS)
+            cp_conv_halo(torch.zeros(1, c.end - c.start, 3 * H * K, device=dev, dtype=torch.bfloat16), c)
+        res["bytes"][Tb] = {"summary": c.last_bytes_sent, "halo": c.last_halo_bytes}
+        del xs
+    if not a.cpu:
+        torch.cuda.empty_cache()
+
+    # 3. timing: 1 GPU (rank 0, full T) then CP (every rank, its slice)
+    T = a.T
+    t1 = float("nan")
+    if rank == 0:
+        try:
+            full = make(T, H, K, 0, T, dev, seed=2)
+            t1 = timed(lambda: fwd_bwd(full, ps), a.iters, together=False)
+            del full
+        except torch.OutOfMemoryError:
+            res["one_gpu_oom"] = True
+        if not a.cpu:
+            torch.cuda.empty_cache()
+    dist.barrier()
+    c = build_cp_context(torch.tensor([0, T]))
+    xs = make(T, H, K, c.start, c.end, dev, seed=2)
+    tcp = timed(lambda: fwd_bwd(xs, ps, c), a.iters)
+    tf = timed(lambda: torch.no_grad()(chunk_kda)(*xs, A_log=ps[0], dt_bias=ps[1], cp_context=c, **FLAGS), a.iters)
+    t_all = torch.tensor([tcp, tf], device=dev)
+    dist.all_reduce(t_all, op=dist.ReduceOp.MAX)
+    res.update(T=T, H=H, K=K, one_gpu_fwd_bwd_ms=t1, cp_fwd_bwd_ms=float(t_all[0]), cp_fwd_ms=float(t_all[1]),
+               speedup=t1 / float(t_all[0]))
+    if rank == 0:
+        print(json.dumps(res, indent=1))
+        print(f"\n| case | ms |\n|---|---|\n| 1 GPU fwd+bwd, B=1 T={T:,} H={H} | {t1:.1f} |\n"
+              f"| {W}-rank CP fwd+bwd | {res['cp_fwd_bwd_ms']:.1f} (x{res['speedup']:.2f}) |\n"
+              f"| {W}-rank CP fwd only | {res['cp_fwd_ms']:.1f} |\n")
+        print("| T | summary bytes/rank/layer | conv halo bytes/rank/layer | H·K·(K+V)·4 |\n|---|---|---|---|")
+        for Tb, b in res["bytes"].items():
+            print(f"| {Tb:,} | {b['summary']:,} | {b['halo']:,} | {H * K * 2 * K * 4:,} |")
+        print(f"\nexactness at T={Tc:,}: max rel-RMS over output and all gradients = {res['check']['max_rel_err']:.2e}"
+              f" (backend {res['backend']}, {res['gpu']})")
+        if a.json:
+            from k3.utils import atomic_write_text
+
+            atomic_write_text(a.json, json.dumps(res, indent=1))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
