@@ -14,6 +14,7 @@ default CUDA backends: fused Triton router epilogue, SiTU-GLU and combine+RMSNor
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import math
 import os
@@ -233,6 +234,7 @@ def bench_layers(sh: Shapes, dev: str, peak: float, rep: float) -> list[dict]:
 def _free(*keep: torch.Tensor) -> None:
     for t in keep:
         t.grad = None
+    gc.collect()  # layers with a patched ``routed`` hold a reference cycle: free them before the next allocation
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
 
