@@ -15,7 +15,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-__all__ = ["split_rows", "main"]
+__all__ = ["split_rows", "check_rows", "main"]
 
 
 @contextlib.contextmanager
@@ -110,6 +110,29 @@ def split_rows(
     return rows
 
 
+def check_rows(splits: tuple[int, ...] = (2, 3, 7), H: int = 8) -> list[dict[str, Any]]:
+    """Forced splits against the unsplit path on a varlen batch (fp32 and bf16): relative RMS of o and states."""
+    from k3.ops.kda import chunk_kda
+
+    lens = [100_000, 3, 200_000, 777]
+    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), device="cuda")
+    rows = []
+    for dtype in (torch.float32, torch.bfloat16):
+        x = {n: (t.to(dtype) if t.dtype == torch.bfloat16 else t) for n, t in _inputs(sum(lens), H).items()}
+        h0 = torch.randn(len(lens), H, 128, 128, device="cuda")
+        run = lambda: chunk_kda(**x, **_FLAGS, cu_seqlens=cu, initial_state=h0)  # noqa: E731
+        with torch.no_grad():
+            with _env("K3_KDA_SPLITS", "1"):
+                o_ref, s_ref = run()
+            for P in splits:
+                with _env("K3_KDA_SPLITS", str(P)):
+                    o, s = run()
+                rows.append(dict(dtype=str(dtype).split(".")[-1], P=P, finite=bool(torch.isfinite(o).all()),
+                                 err=float((o.float() - o_ref.float()).norm() / o_ref.float().norm()),
+                                 state_err=float((s - s_ref).norm() / s_ref.norm())))
+    return rows
+
+
 def format_rows(rows: list[dict[str, Any]]) -> str:
     head = "| B | H | T | P | unsplit ms | split ms | fla ms | split speedup | out err | state err | split extra GiB |"
     out = [head, "|" + "---|" * 11]
@@ -127,9 +150,14 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--splits", type=int, default=None, help="force P (default: the automatic SM rule)")
     ap.add_argument("--no-fla", action="store_true")
     ap.add_argument("--iters", type=int, default=3)
+    ap.add_argument("--check", action="store_true", help="first compare forced splits 2, 3, 7 with unsplit")
     a = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("kda_split needs a CUDA GPU")
+    if a.check:
+        for r in check_rows():
+            print(f"check {r['dtype']} P={r['P']}: out rel err {r['err']:.2e}, state rel err {r['state_err']:.2e},"
+                  f" finite={r['finite']}", flush=True)
     rows = split_rows([(h, t) for h in a.H for t in a.T], a.splits, not a.no_fla, a.iters)
     print(format_rows(rows))
 
