@@ -102,12 +102,14 @@ def test_forced_split_varlen_fused_gate(P, monkeypatch):
     q, k, v, g, b, S0 = make(1, sum(lens), 2, 8, 6, N=4)
     kw = dict(initial_state=S0, output_final_state=True, cu_seqlens=cu, use_qk_l2norm_in_kernel=True,
               use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True, lower_bound=-5.0,
-              A_log=torch.full((2,), -4.0), dt_bias=torch.full((16,), -6.0))
+              A_log=torch.zeros(2), dt_bias=torch.full((16,), -6.5))  # g ≈ −0.01: long memory
     ref = chunk_kda(q * 2, k, v, g, b - 1.5, **kw)
     monkeypatch.setenv("K3_KDA_SPLITS", str(P))
     with torch.no_grad():
         out = chunk_kda(q * 2, k, v, g, b - 1.5, **kw)
+        cold = chunk_kda(q * 2, k, v, g, b - 1.5, **{**kw, "initial_state": None})
     assert rel(out[0], ref[0]) <= 1e-5 and rel(out[1], ref[1]) <= 1e-5
+    assert rel(cold[0], ref[0]) > 1e-2  # the states carry far: a wrong entry state would show
 
 
 def test_split_test_detects_a_wrong_fold(monkeypatch):
