@@ -128,6 +128,7 @@ def _check_errors(rank, W):
     loc = [ctx.shard(x) for x in xs]
     with pytest.raises(ValueError, match="cu_seqlens"):  # a context built for other cu_seqlens than the call's
         chunk_kda(*loc, cu_seqlens=torch.tensor([0, 6, T]), cp_context=ctx)
+    o_glob, _ = chunk_kda(*loc, cu_seqlens=cu, cp_context=ctx)  # the global cu_seqlens themselves are accepted
     bad = [x[:, :-1] for x in loc] if rank == 0 else loc  # one rank with a wrong slice: every rank raises
     with pytest.raises(ValueError, match="slice|reported bad input"):
         chunk_kda(*bad, cp_context=ctx)

@@ -155,8 +155,9 @@ def chunk_kda(
     Returns:
         ``(o [B, T, H, V] in q.dtype, final_state [N, H, K, V] fp32 or None)``.
     """
+    # With cp_context, cu_seqlens (if given at all) are the GLOBAL ones: the context checks them, on every rank.
     scale, lb = check_kda_call(q, k, v, g, beta, scale, initial_state, use_gate_in_kernel, safe_gate, lower_bound,
-                               cu_seqlens, A_log, dt_bias)
+                               cu_seqlens if cp_context is None else None, A_log, dt_bias)
     args = (q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, use_gate_in_kernel,
             use_beta_sigmoid_in_kernel, lb, cu_seqlens, A_log, dt_bias)
     backend = select_backend(q.device)
