@@ -123,16 +123,19 @@ def choose_splits(B: int, H: int, T: int, sm_count: int) -> int:
     return max(1, min(_MAX_SPLITS, math.ceil(sm_count / (B * H)), T // _MIN_SEG))
 
 
-def _forced_splits() -> int | None:
-    raw = os.environ.get(_ENV_SPLITS, "").strip()
+def _forced_splits() -> int | str | None:
+    """``K3_KDA_SPLITS``: unset → None, ``auto`` → 'auto', else a positive int."""
+    raw = os.environ.get(_ENV_SPLITS, "").strip().lower()
     if not raw:
         return None
+    if raw == "auto":
+        return "auto"
     try:
         n = int(raw)
     except ValueError:
-        raise ValueError(f"{_ENV_SPLITS} must be a positive integer, got {raw!r}") from None
+        raise ValueError(f"{_ENV_SPLITS} must be a positive integer or 'auto', got {raw!r}") from None
     if n < 1:
-        raise ValueError(f"{_ENV_SPLITS} must be a positive integer, got {n}")
+        raise ValueError(f"{_ENV_SPLITS} must be a positive integer or 'auto', got {n}")
     return n
 
 
@@ -151,11 +154,20 @@ def split_plan(lengths: list[int], P: int, align: int = _ALIGN) -> list[list[int
 
 
 def _auto_splits(B: int, N: int, H: int, T_max: int, device: torch.device, backend: str) -> int:
+    """P for this call: ``K3_KDA_SPLITS=n`` forces n (any device); otherwise the SM rule on CUDA with the Triton
+    backend, when ``K3_KDA_SPLITS=auto`` or the Triton package sets ``AUTO_SPLIT = True``. Measured on one H200
+    with the kernels of 2026-11-29 (bench/results/kda_split_h200.md) the split was 0.62× the unsplit speed at
+    B=1, H=8, T=1M — the unsplit forward is not bound by its serial state pass there — so it stays off until the
+    kernels say otherwise."""
     forced = _forced_splits()
-    if forced is not None:
+    if isinstance(forced, int):
         return forced
     if device.type != "cuda" or backend != "triton":
         return 1  # on CPU the torch path is serial anyway: splitting only adds the summary work
+    from k3.ops.kda.chunk import _triton_module  # noqa: PLC0415
+
+    if forced != "auto" and not getattr(_triton_module(required=False), "AUTO_SPLIT", False):
+        return 1
     sm = torch.cuda.get_device_properties(device).multi_processor_count
     return choose_splits(N, H, T_max, sm)
 
