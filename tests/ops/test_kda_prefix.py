@@ -128,6 +128,8 @@ def test_no_split_when_grad_or_cpu_auto(monkeypatch):
     monkeypatch.setattr(pf, "split_chunk_kda", lambda *a: (_ for _ in ()).throw(AssertionError("split")))
     with torch.no_grad():
         chunk_kda(q, k, v, g, b)  # CPU, nothing forced: never split
+        monkeypatch.setenv("K3_KDA_SPLITS", "auto")
+        chunk_kda(q, k, v, g, b)  # the automatic SM rule is for CUDA only
     monkeypatch.setenv("K3_KDA_SPLITS", "3")
     o, _ = chunk_kda(q.requires_grad_(), k, v, g, b)  # gradients needed: the autograd path, unsplit
     assert o.requires_grad
