@@ -84,17 +84,20 @@ def _add_train(sub: Any) -> None:
     g.add_argument("--batch-size", type=_positive_int, help="sequences per micro-batch (default 8)")
     g.add_argument("--seq-len", type=_positive_int, help="tokens per sequence (default 64)")
     g.add_argument("--grad-accum", type=_positive_int, help="micro-batches per optimizer step (default 1)")
-    g.add_argument("--lr", type=_positive_float, help="peak learning rate (default 3e-3)")
+    g.add_argument("--lr", type=_positive_float, help="peak learning rate (default 1e-2 for tiny-class models, "
+                   "2e-3 for larger ones)")
     g.add_argument("--min-lr-ratio", type=float, help="final lr / peak lr (default 0.1)")
     g.add_argument("--warmup", type=_nonneg_int, help="linear warmup steps (default 10)")
     g.add_argument("--schedule", choices=["cosine", "wsd", "constant"], help="lr schedule after warmup "
                    "(default cosine)")
-    g.add_argument("--optimizer", choices=["adamw", "muon"], help="adamw (default) or muon (Newton-Schulz "
-                   "orthogonalised momentum for matrices, AdamW for the rest)")
+    g.add_argument("--optimizer", choices=["adamw", "muon"], help="muon (default: Newton-Schulz orthogonalised "
+                   "momentum for matrices, AdamW for the rest) or adamw")
     g.add_argument("--weight-decay", type=float, help="decoupled weight decay (default 0.1)")
     g.add_argument("--grad-clip", type=_positive_float, help="max gradient norm (default 1.0)")
     g.add_argument("--seed", type=_nonneg_int, help="seed of the initialisation and the data order (default 0)")
     g.add_argument("--device", help="auto (default: cuda if available), cpu, cuda, cuda:N")
+    g.add_argument("--threads", type=_nonneg_int, help="CPU threads (default 0 = auto: 1 for tiny-class models, "
+                   "whose ops are too small to split)")
     g = p.add_argument_group("run directory")
     g.add_argument("--out", metavar="DIR", help="run directory (default runs/<name>/; must be new or empty)")
     g.add_argument("--name", help="run name: the directory runs/NAME (default: the preset, made unique)")
@@ -188,7 +191,7 @@ def _cmd_train(ns: argparse.Namespace) -> int:
 
 def _cmd_generate(ns: argparse.Namespace) -> int:
     from k3.infer.generate import generate
-    from k3.train.trainer import resolve_device
+    from k3.train.trainer import cpu_threads, resolve_device
 
     device = resolve_device(ns.device)
     if ns.run is not None:
@@ -201,8 +204,9 @@ def _cmd_generate(ns: argparse.Namespace) -> int:
         prompt: Any = ns.prompt
     else:
         model, tok, prompt = _load_released(ns, device)
-    generate(model, tok, prompt, max_new_tokens=ns.max_new_tokens, temperature=ns.temperature, top_k=ns.top_k,
-             top_p=ns.top_p, seed=ns.seed, stream=sys.stdout, device=device, report=sys.stderr)
+    with cpu_threads(device, model.config.hidden_size):
+        generate(model, tok, prompt, max_new_tokens=ns.max_new_tokens, temperature=ns.temperature, top_k=ns.top_k,
+                 top_p=ns.top_p, seed=ns.seed, stream=sys.stdout, device=device, report=sys.stderr)
     sys.stdout.write("\n")
     return 0
 

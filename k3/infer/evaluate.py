@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from k3.ckpt.run import load_checkpoint
-from k3.train.trainer import TrainArgs, build_data, evaluate_model, resolve_device
+from k3.train.trainer import TrainArgs, build_data, cpu_threads, evaluate_model, resolve_device
 
 __all__ = ["evaluate_run"]
 
@@ -33,8 +33,9 @@ def evaluate_run(run: str | Path, device: str = "auto", batches: int | None = No
     if batch_size is not None:
         args.batch_size = batch_size
     data = build_data(args, ck["tokenizer"], ck["config"])
-    metrics = {"step": ck["step"], "checkpoint": str(ck["dir"]), "task": args.task,
-               **evaluate_model(ck["model"], data, args, dev)}
+    with cpu_threads(dev, ck["config"].hidden_size):
+        result = evaluate_model(ck["model"], data, args, dev)
+    metrics = {"step": ck["step"], "checkpoint": str(ck["dir"]), "task": args.task, **result}
     if stream is not None:
         if as_json:
             stream.write(json.dumps(metrics) + "\n")

@@ -17,6 +17,7 @@ CONST = ["--schedule", "constant", "--warmup", "5", *k3_runs.FAST]
 
 
 def test_resume_20_to_40_equals_uninterrupted_40(tmp_path):
+    """Muon (the default): weights, QB biases, momentum buffers, RNG and data position all carry over."""
     full = tmp_path / "full"
     code, out, err = k3_runs.run_cli("train", "--out", str(full), "--steps", "40", *CONST)
     assert code == 0, err
@@ -70,7 +71,8 @@ _CHILD = textwrap.dedent("""
 
 def test_sigkill_during_checkpoint_write_keeps_the_previous_one(tmp_path):
     run, marker = tmp_path / "run", tmp_path / "saving"
-    args = ["train", "--out", str(run), "--steps", "8", "--save-every", "4", "--warmup", "2", *k3_runs.FAST]
+    args = ["train", "--out", str(run), "--steps", "8", "--save-every", "4", "--warmup", "2", "--optimizer", "adamw",
+            *k3_runs.FAST]
     child = subprocess.Popen([sys.executable, "-c", _CHILD, str(marker), *args], stdout=subprocess.DEVNULL,
                              stderr=subprocess.PIPE)
     try:
@@ -88,12 +90,13 @@ def test_sigkill_during_checkpoint_write_keeps_the_previous_one(tmp_path):
     assert ckpt.name == "step-00000004"
     verify_checkpoint(ckpt)
     assert load_trainer_state(ckpt)["step"] == 4 and load_checkpoint(run)["step"] == 4
-    # and the run continues from it, ending exactly where an uninterrupted run ends (cosine schedule)
+    # and the run continues from it, ending exactly where an uninterrupted run ends (AdamW, cosine schedule)
     code, out, err = k3_runs.run_cli("train", "--resume", str(run))
     assert code == 0, err
     assert not list((run / "checkpoints").glob(".tmp-step-*"))
     ref = tmp_path / "ref"
-    assert k3_runs.run_cli("train", "--out", str(ref), "--steps", "8", "--warmup", "2", *k3_runs.FAST)[0] == 0
+    assert k3_runs.run_cli("train", "--out", str(ref), "--steps", "8", "--warmup", "2", "--optimizer", "adamw",
+                           *k3_runs.FAST)[0] == 0
     a, b = k3_runs.losses(ref), k3_runs.losses(run)
     assert sorted(b) == list(range(1, 9)) and all(abs(a[s] - b[s]) < 1e-4 for s in range(1, 9))
 
