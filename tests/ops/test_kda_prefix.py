@@ -83,7 +83,7 @@ def test_split_plan():
 
 @pytest.mark.parametrize("P", [2, 3, 7])
 def test_forced_split_matches_unsplit(P, monkeypatch):
-    q, k, v, g, b, S0 = make(2, 1000, 2, 8, 6)
+    q, k, v, g, b, S0 = make(2, 480, 2, 8, 6)
     ref = chunk_kda(q, k, v, g, b, initial_state=S0, output_final_state=True)
     monkeypatch.setenv("K3_KDA_SPLITS", str(P))
     calls = []
@@ -97,7 +97,7 @@ def test_forced_split_matches_unsplit(P, monkeypatch):
 
 @pytest.mark.parametrize("P", [3, 7])
 def test_forced_split_varlen_fused_gate(P, monkeypatch):
-    lens = [700, 5, 64, 300]
+    lens = [460, 5, 64, 130]
     cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist())
     q, k, v, g, b, S0 = make(1, sum(lens), 2, 8, 6, N=4)
     kw = dict(initial_state=S0, output_final_state=True, cu_seqlens=cu, use_qk_l2norm_in_kernel=True,
@@ -114,7 +114,7 @@ def test_forced_split_varlen_fused_gate(P, monkeypatch):
 
 def test_split_test_detects_a_wrong_fold(monkeypatch):
     """The split tests can fail: with entry states forced to zero the split output is far from the unsplit."""
-    q, k, v, g, b, S0 = make(1, 600, 2, 8, 6)
+    q, k, v, g, b, S0 = make(1, 300, 2, 8, 6)
     ref, _ = chunk_kda(q, k, v, g, b)
     monkeypatch.setenv("K3_KDA_SPLITS", "4")
     monkeypatch.setattr(pf, "fold_entry_states", lambda M, E, S0: torch.zeros_like(E))
