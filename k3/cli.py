@@ -98,6 +98,8 @@ def _add_train(sub: Any) -> None:
     g.add_argument("--device", help="auto (default: cuda if available), cpu, cuda, cuda:N")
     g.add_argument("--threads", type=_nonneg_int, help="CPU threads (default 0 = auto: 1 for tiny-class models, "
                    "whose ops are too small to split)")
+    g.add_argument("--activation-checkpointing", action="store_true", help="recompute each layer in the backward "
+                   "pass (less memory for long sequences / big models)")
     g = p.add_argument_group("run directory")
     g.add_argument("--out", metavar="DIR", help="run directory (default runs/<name>/; must be new or empty)")
     g.add_argument("--name", help="run name: the directory runs/NAME (default: the preset, made unique)")
@@ -219,7 +221,7 @@ def _load_released(ns: argparse.Namespace, device: Any) -> tuple[Any, Any, Any]:
         from k3.data import k3_tokenizer
         from k3.model import K3ForCausalLM
     except ImportError as e:
-        raise ValueError(f"--model needs k3's released-checkpoint support, which is not importable here ({e})") from None
+        raise ValueError(f"--model needs k3's released-checkpoint support, not importable here ({e})") from None
     tok = k3_tokenizer.load_k3_tokenizer(ns.model)
     dtype = getattr(torch, ns.dtype) if ns.dtype else None
     model = K3ForCausalLM.from_pretrained(ns.model, device=device, dtype=dtype)

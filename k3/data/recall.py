@@ -64,7 +64,8 @@ class RecallTask:
 
     @classmethod
     def for_seq_len(cls, seq_len: int, vocab_size: int, bos_id: int | None = None) -> "RecallTask":
-        """The largest task (pairs = queries) whose sequences fit in ``seq_len`` tokens of a ``vocab_size`` vocabulary."""
+        """The largest task (pairs = queries) whose sequences fit in ``seq_len`` tokens of a ``vocab_size``
+        vocabulary."""
         if seq_len < 4 + int(bos_id is not None):
             raise ValueError(f"seq_len must be >= {4 + int(bos_id is not None)} for the recall task, got {seq_len}")
         # Keys and values take the upper half of the byte range when it exists (readable text stays below 128).

@@ -151,7 +151,8 @@ class TiktokenTokenizer(Tokenizer):
         try:
             import tiktoken
         except ImportError:
-            raise ValueError("a tiktoken tokenizer needs the 'tiktoken' package: pip install 'k3[tokenizers]'") from None
+            raise ValueError("a tiktoken tokenizer needs the 'tiktoken' package: pip install 'k3[tokenizers]'") \
+                from None
         self.path = Path(path)
         ranks = read_tiktoken_ranks(self.path)
         n = len(ranks)

@@ -12,7 +12,7 @@ import contextlib
 import dataclasses
 import json
 import math
-import os
+import shlex
 import sys
 import time
 from dataclasses import dataclass, field
@@ -35,20 +35,19 @@ from k3.ckpt.run import (
 from k3.config import K3Config
 from k3.data import EMBEDDED, IGNORE, RecallLoader, RecallTask, WindowLoader, load_tokenizer, text_streams
 from k3.data.loader import TokenStream, eval_windows
-from k3.data.recall import recall_accuracy
 from k3.data.tokenizers import Tokenizer
 from k3.train.optim import SCHEDULES, build_optimizer, lr_factor
 from k3.train.plot import plot_loss
 from k3.train.progress import Progress
 from k3.utils import atomic_write_text
 
-__all__ = ["TrainArgs", "TrainResult", "train", "prepare_args", "resolve_device", "cpu_threads", "default_lr", "RESUMABLE",
-           "RECALL_EVAL_SEED"]
+__all__ = ["TrainArgs", "TrainResult", "train", "prepare_args", "resolve_device", "cpu_threads", "default_lr",
+           "RESUMABLE", "RECALL_EVAL_SEED"]
 
 RECALL_EVAL_SEED = 20_250_707  # the recall task's evaluation stream: never the training stream, same for every run
 # Flags that may differ when resuming without changing what the continued steps compute.
-RESUMABLE = ("steps", "device", "threads", "log_every", "save_every", "keep", "eval_every", "eval_batches", "sample_tokens",
-             "prompt", "out", "name", "plot")
+RESUMABLE = ("steps", "device", "threads", "activation_checkpointing", "log_every", "save_every", "keep",
+             "eval_every", "eval_batches", "sample_tokens", "prompt", "out", "name", "plot")
 
 
 @dataclass(kw_only=True)
@@ -76,6 +75,7 @@ class TrainArgs:
     seed: int = 0
     device: str = "auto"
     threads: int = 0  # CPU intra-op threads; 0 = auto (1 for tiny-class models, see cpu_threads)
+    activation_checkpointing: bool = False  # recompute each layer in the backward: less memory, ~1.3x compute
     out: str | None = None
     name: str | None = None
     log_every: int = 10
@@ -154,6 +154,22 @@ def resolve_device(device: str) -> torch.device:
     return dev
 
 
+def autocast_dtype(config: K3Config, device: torch.device) -> torch.dtype | None:
+    """Mixed precision: weights and optimizer stay fp32 (bf16 weights lose small updates); on CUDA the forward runs
+    under autocast in the config's dtype. On the CPU everything is fp32."""
+    return config.torch_dtype if device.type == "cuda" and config.dtype != "float32" else None
+
+
+def _autocast(dtype: torch.dtype | None, device: torch.device) -> contextlib.AbstractContextManager:
+    return torch.autocast(device.type, dtype=dtype) if dtype is not None else contextlib.nullcontext()
+
+
+def _fp32_model(config: K3Config) -> torch.nn.Module:
+    from k3.model import K3ForCausalLM
+
+    return K3ForCausalLM(config).float()  # master weights
+
+
 def default_lr(config: K3Config) -> float:
     """Peak lr when ``--lr`` is not given: 1e-2 for tiny-class models (best of 3e-3…3e-2 for the default run, with
     Muon and AdamW alike), 2e-3 for larger ones (a conservative start; tune it)."""
@@ -186,7 +202,7 @@ def _new_run_dir(args: TrainArgs) -> Path:
     elif args.name is not None:
         run_dir = Path("runs") / args.name
     else:  # runs/tiny, runs/tiny-2, …: a second plain `k3 train` never collides with the first
-        base = f"{Path(args.config).stem if args.config else args.preset}" + ("-recall" if args.task == "recall" else "")
+        base = (Path(args.config).stem if args.config else args.preset) + ("-recall" if args.task == "recall" else "")
         run_dir, n = Path("runs") / base, 1
         while run_dir.exists() and any(run_dir.iterdir()):
             n += 1
@@ -260,7 +276,8 @@ def evaluate_model(model: torch.nn.Module, data: _Data, args: TrainArgs, device:
             batches = eval_windows(data.val, args.batch_size, args.seq_len, args.eval_batches)
         for x, y in batches:
             x, y = x.to(device), y.to(device)
-            logits = model(x).logits
+            with _autocast(autocast_dtype(model.config, device), device):
+                logits = model(x).logits
             n = int((y != IGNORE).sum())
             total += float(_loss(logits, y)) * n
             count += n
@@ -330,7 +347,7 @@ def _read_metrics(path: Path) -> list[dict[str, Any]]:
     return rows
 
 
-# --- the loop -----------------------------------------------------------------------------------------------------------
+# --- the loop -------------------------------------------------------------------------------------------------------
 def train(args: TrainArgs, resume_from: Path | None = None, stdout: TextIO | None = None) -> TrainResult:
     """Run (or continue) training as ``args`` says. Raises ``ValueError`` on bad input before touching the disk."""
     args.validate()
@@ -339,76 +356,99 @@ def train(args: TrainArgs, resume_from: Path | None = None, stdout: TextIO | Non
         return _train(args, device, resume_from, stdout if stdout is not None else sys.stdout, stack)
 
 
+@dataclass
+class _Session:
+    """Everything one training process works with."""
+
+    model: torch.nn.Module
+    config: K3Config
+    tok: Tokenizer
+    data: _Data
+    run_dir: Path
+    start: int
+    state: dict[str, Any] | None  # trainer.pt of the checkpoint resumed from
+
+
+def _resume_session(args: TrainArgs, ckpt: Path, device: torch.device) -> _Session:
+    state = load_trainer_state(ckpt)
+    loaded = load_checkpoint(ckpt, device=device, model_factory=_fp32_model)
+    start = int(state["step"])
+    if args.steps <= start:
+        raise ValueError(f"--steps {args.steps} must exceed the checkpoint's step {start} to continue; "
+                         f"pass e.g. --steps {start + args.steps}")
+    data = build_data(args, loaded["tokenizer"], loaded["config"])
+    data.loader.load_state_dict(state["data"])
+    return _Session(loaded["model"], loaded["config"], loaded["tokenizer"], data, Path(args.out), start, state)
+
+
+def _fresh_session(args: TrainArgs, device: torch.device) -> _Session:
+    tok = load_tokenizer(args.tokenizer)
+    config = _model_config(args, tok)
+    data = build_data(args, tok, config)
+    run_dir = _new_run_dir(args)
+    with torch.device(device):
+        model = _fp32_model(config)
+    return _Session(model, config, tok, data, run_dir, 0, None)
+
+
 def _train(args: TrainArgs, device: torch.device, resume_from: Path | None, out: TextIO,
            stack: contextlib.ExitStack) -> TrainResult:
     torch.manual_seed(args.seed)
-
-    if resume_from is not None:
-        run_dir = Path(args.out)
-        state = load_trainer_state(resume_from)
-        loaded = load_checkpoint(resume_from, device=device)
-        model, config, tok = loaded["model"], loaded["config"], loaded["tokenizer"]
-        start = int(state["step"])
-        if args.steps <= start:
-            raise ValueError(f"--steps {args.steps} must exceed the checkpoint's step {start} to continue; "
-                             f"pass e.g. --steps {start + args.steps}")
-        data = build_data(args, tok, config)
-        data.loader.load_state_dict(state["data"])
-    else:
-        tok = load_tokenizer(args.tokenizer)
-        config = _model_config(args, tok)
-        data = build_data(args, tok, config)
-        run_dir = _new_run_dir(args)
-        from k3.model import K3ForCausalLM
-
-        with torch.device(device):
-            model = K3ForCausalLM(config)
-        start, state = 0, None
-
-    stack.enter_context(cpu_threads(device, config.hidden_size, args.threads))
-    model.train()
-    opt = build_optimizer(model, args.optimizer, args.lr or default_lr(config), args.weight_decay)
-    if state is not None:
-        opt.load_state_dict(state["optimizer"])
-        set_rng_state(state["rng"])
+    s = _resume_session(args, resume_from, device) if resume_from is not None else _fresh_session(args, device)
+    stack.enter_context(cpu_threads(device, s.config.hidden_size, args.threads))
+    if args.activation_checkpointing:
+        s.model.gradient_checkpointing_enable()
+    s.model.train()
+    opt = build_optimizer(s.model, args.optimizer, args.lr or default_lr(s.config), args.weight_decay)
+    if s.state is not None:
+        opt.load_state_dict(s.state["optimizer"])
+        set_rng_state(s.state["rng"])
 
     # Nothing was written until here: every ValueError above leaves the disk as it was.
-    run_dir.mkdir(parents=True, exist_ok=True)
-    run_args = args.to_dict()
-    run_args["out"] = str(run_dir)
-    atomic_write_text(run_dir / "run.json", json.dumps(run_args, indent=2) + "\n")
-    atomic_write_text(run_dir / "config.json", config.to_json() + "\n")
-    metrics_path = run_dir / "metrics.jsonl"
-    if state is not None:
-        _rewind_metrics(metrics_path, start)
-    elif metrics_path.exists():
-        metrics_path.unlink()
-
-    n_params = model.num_parameters()
-    n_active = model.num_parameters(active=True)
-    verb = f"resuming from step {start}" if start else "training"
-    out.write(f"k3: {verb} in {run_dir}/ — {config.num_layers}-layer {args.preset if not args.config else 'custom'} "
-              f"model, {n_params / 1e6:.2f}M params ({n_active / 1e6:.2f}M active), {args.task} task, "
-              f"{'embedded corpus' if args.data == EMBEDDED and args.task == 'text' else args.data if args.task == 'text' else 'synthetic recall'}, "
-              f"{tok.kind} tokenizer, {args.optimizer}, {device.type}\n")
+    s.run_dir.mkdir(parents=True, exist_ok=True)
+    run_args = {**args.to_dict(), "out": str(s.run_dir)}
+    atomic_write_text(s.run_dir / "run.json", json.dumps(run_args, indent=2) + "\n")
+    atomic_write_text(s.run_dir / "config.json", s.config.to_json() + "\n")
+    metrics_path = s.run_dir / "metrics.jsonl"
+    _rewind_metrics(metrics_path, s.start)
+    out.write(_headline(args, s.config, s.model, s.tok, s.run_dir, s.start, device) + "\n")
     out.flush()
 
-    result = TrainResult(run_dir=run_dir, step=start)
-    progress = Progress(args.steps, args.log_every, out, start=start)
-    tokens_per_step = args.batch_size * args.grad_accum * (data.task.seq_len if data.task else args.seq_len)
-    save = _saver(run_dir, model, config, tok, opt, data, run_args, args.keep)
+    save = _saver(s.run_dir, s.model, s.config, s.tok, opt, s.data, run_args, args.keep)
+    result = TrainResult(run_dir=s.run_dir, step=args.steps)
+    final = _loop(s, opt, args, device, metrics_path, save, out, result)
+    save(args.steps)
+    result.val_loss, result.val_accuracy = final["val_loss"], final.get("val_accuracy")
+    acc = f", recall accuracy {final['val_accuracy']:.1%}" if "val_accuracy" in final else ""
+    out.write(f"k3: validation loss {final['val_loss']:.4f} (perplexity {final['val_ppl']:.2f}){acc}\n")
+    if args.plot:
+        _plot(s.run_dir, metrics_path)
+    if args.sample_tokens and args.task == "text":
+        result.sample = _sample(s.model, s.tok, args, device, out)
+    prompt = shlex.quote(args.prompt.strip() or "The")
+    out.write(f"k3: checkpoint in {s.run_dir}/checkpoints/step-{args.steps:08d}/ — next: "
+              f"k3 generate --run {shlex.quote(str(s.run_dir))} --prompt {prompt}\n")
+    out.flush()
+    return result
+
+
+def _loop(s: _Session, opt: torch.optim.Optimizer, args: TrainArgs, device: torch.device, metrics_path: Path,
+          save: Any, out: TextIO, result: TrainResult) -> dict[str, Any]:
+    """Steps ``s.start+1 … args.steps``: one metrics line each (the last with the validation numbers)."""
+    progress = Progress(args.steps, args.log_every, out, start=s.start)
+    tokens_per_step = args.batch_size * args.grad_accum * (s.data.task.seq_len if s.data.task else args.seq_len)
+    m: dict[str, Any] = {}
     try:
         with open(metrics_path, "a") as log:
             t_last = time.perf_counter()
-            for step in range(start, args.steps):
-                m = _train_step(model, opt, data, args, step, device)
-                now = time.perf_counter()
-                m["tok_per_s"] = tokens_per_step / max(now - t_last, 1e-9)
+            for step in range(s.start, args.steps):
+                m = _train_step(s.model, opt, s.data, args, step, device)
+                m["tok_per_s"] = tokens_per_step / max(time.perf_counter() - t_last, 1e-9)
                 m["tokens"] = tokens_per_step * (step + 1)
                 result.losses.append(m["loss"])
                 done = step + 1
                 if done == args.steps or (args.eval_every and done % args.eval_every == 0):
-                    m.update(evaluate_model(model, data, args, device))
+                    m.update(evaluate_model(s.model, s.data, args, device))
                 log.write(json.dumps(m) + "\n")
                 log.flush()
                 progress.update(done, m["loss"], m["tok_per_s"], m["lr"], m.get("load_imbalance"))
@@ -417,21 +457,21 @@ def _train(args: TrainArgs, device: torch.device, resume_from: Path | None, out:
                 t_last = time.perf_counter()  # eval/save time is not training throughput
     finally:
         progress.close()
-    result.step = args.steps
-    final = m
-    save(args.steps)
-    result.val_loss = final["val_loss"]
-    result.val_accuracy = final.get("val_accuracy")
-    acc = f", recall accuracy {final['val_accuracy']:.1%}" if "val_accuracy" in final else ""
-    out.write(f"k3: validation loss {final['val_loss']:.4f} (perplexity {final['val_ppl']:.2f}){acc}\n")
-    if args.plot:
-        _plot(run_dir, metrics_path)
-    if args.sample_tokens and args.task == "text":
-        result.sample = _sample(model, tok, args, device, out)
-    out.write(f"k3: checkpoint in {run_dir}/checkpoints/step-{args.steps:08d}/ — next: "
-              f"k3 generate --run {run_dir} --prompt \"{args.prompt.strip() or 'The'}\"\n")
-    out.flush()
-    return result
+    return m
+
+
+def _headline(args: TrainArgs, config: K3Config, model: torch.nn.Module, tok: Tokenizer, run_dir: Path, start: int,
+              device: torch.device) -> str:
+    """``k3: training in runs/tiny/ — 4-layer tiny model, 0.40M params (0.27M active), …``"""
+    verb = f"resuming from step {start}" if start else "training"
+    name = "custom" if args.config else args.preset
+    if args.task == "recall":
+        data = "synthetic recall"
+    else:
+        data = "embedded corpus" if args.data == EMBEDDED else args.data
+    return (f"k3: {verb} in {run_dir}/ — {config.num_layers}-layer {name} model, "
+            f"{model.num_parameters() / 1e6:.2f}M params ({model.num_parameters(active=True) / 1e6:.2f}M active), "
+            f"{args.task} task, {data}, {tok.kind} tokenizer, {args.optimizer}, {device.type}")
 
 
 def _train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, data: _Data, args: TrainArgs, step: int,
@@ -444,7 +484,8 @@ def _train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, data: _Data,
     for _ in range(args.grad_accum):
         x, y = data.loader.next_batch()
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-        logits = model(x).logits
+        with _autocast(autocast_dtype(model.config, device), device):
+            logits = model(x).logits
         loss = _loss(logits, y)
         (loss / args.grad_accum).backward()
         loss_sum += float(loss.detach())

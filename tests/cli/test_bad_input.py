@@ -29,6 +29,8 @@ def _check(code: int, err: str, *needles: str) -> None:
     (["train", "--bogus-flag"], "unrecognized arguments"),
     (["generate", "--prompt", "x"], "one of the arguments --run --model is required"),
     (["generate", "--run", "r", "--max-new-tokens", "-5"], "--max-new-tokens"),
+    (["generate", "--run", "r", "--chat"], "apply to --model only"),
+    (["eval"], "--run"),
 ])
 def test_bad_flags(tmp_path, argv, needle):
     code, out, err = k3_runs.run_cli(*argv, cwd=tmp_path)

@@ -83,3 +83,24 @@ def test_generate_bad_input(tiny_run):
         generate_ids(model, [1], max_new_tokens=10**6)
     with pytest.raises(ValueError, match="prompt"):
         generate_ids(model, [], max_new_tokens=1)
+
+
+def test_generate_from_a_released_folder_with_chat(tmp_path):
+    """--model: K3ForCausalLM.from_pretrained + K3's tokenizer; --chat renders a user turn (byte-only BPE here)."""
+    import base64
+
+    from k3.config import K3Config
+    from k3.model import K3ForCausalLM
+
+    cfg = K3Config.from_preset("tiny", vocab_size=512, bos_token_id=256, eos_token_id=258, pad_token_id=511)
+    K3ForCausalLM(cfg).save_pretrained(str(tmp_path))
+    (tmp_path / "tiktoken.model").write_text("".join(f"{base64.b64encode(bytes([i])).decode()} {i}\n"
+                                                     for i in range(256)))
+    code, out, err = k3_runs.run_cli("generate", "--model", str(tmp_path), "--prompt", "hi", "--max-new-tokens", "4")
+    assert code == 0 and out.startswith("hi") and "prefill 3 tokens" in err, err  # [BOS] h i
+    code, out, err = k3_runs.run_cli("generate", "--model", str(tmp_path), "--chat", "--system", "be brief",
+                                     "--prompt", "hi", "--max-new-tokens", "4", "--temperature", "0")
+    assert code == 0, err
+    assert int(err.split("prefill ")[1].split()[0]) > 20  # the chat template wraps the two messages
+    code, _, err = k3_runs.run_cli("generate", "--model", str(tmp_path / "nope"), "--prompt", "x")
+    assert code == 2 and err.count("\n") == 1 and "tiktoken.model" in err
