@@ -80,23 +80,23 @@ def _add_train(sub: Any) -> None:
     g.add_argument("--tokenizer", metavar="SPEC", help="'byte' (default), a tiktoken BPE file (tiktoken.model), "
                    "a Hugging Face tokenizer.json, or a directory holding one")
     g = p.add_argument_group("optimisation")
-    g.add_argument("--steps", type=_positive_int, help="optimizer steps (default 150)")
-    g.add_argument("--batch-size", type=_positive_int, help="sequences per micro-batch (default 8)")
-    g.add_argument("--seq-len", type=_positive_int, help="tokens per sequence (default 64)")
-    g.add_argument("--grad-accum", type=_positive_int, help="micro-batches per optimizer step (default 1)")
-    g.add_argument("--lr", type=_positive_float, help="peak learning rate (default 1e-2 for tiny-class models, "
+    g.add_argument("--steps", type=_positive_int, metavar="N", help="optimizer steps (default 150)")
+    g.add_argument("--batch-size", type=_positive_int, metavar="N", help="sequences per micro-batch (default 8)")
+    g.add_argument("--seq-len", type=_positive_int, metavar="N", help="tokens per sequence (default 64)")
+    g.add_argument("--grad-accum", type=_positive_int, metavar="N", help="micro-batches per optimizer step (default 1)")
+    g.add_argument("--lr", type=_positive_float, metavar="X", help="peak learning rate (default 1e-2 for tiny-class models, "
                    "2e-3 for larger ones)")
-    g.add_argument("--min-lr-ratio", type=float, help="final lr / peak lr (default 0.1)")
-    g.add_argument("--warmup", type=_nonneg_int, help="linear warmup steps (default 10)")
+    g.add_argument("--min-lr-ratio", type=float, metavar="X", help="final lr / peak lr (default 0.1)")
+    g.add_argument("--warmup", type=_nonneg_int, metavar="N", help="linear warmup steps (default 10)")
     g.add_argument("--schedule", choices=["cosine", "wsd", "constant"], help="lr schedule after warmup "
                    "(default cosine)")
     g.add_argument("--optimizer", choices=["adamw", "muon"], help="muon (default: Newton-Schulz orthogonalised "
                    "momentum for matrices, AdamW for the rest) or adamw")
-    g.add_argument("--weight-decay", type=float, help="decoupled weight decay (default 0.1)")
-    g.add_argument("--grad-clip", type=_positive_float, help="max gradient norm (default 1.0)")
-    g.add_argument("--seed", type=_nonneg_int, help="seed of the initialisation and the data order (default 0)")
+    g.add_argument("--weight-decay", type=float, metavar="X", help="decoupled weight decay (default 0.1)")
+    g.add_argument("--grad-clip", type=_positive_float, metavar="X", help="max gradient norm (default 1.0)")
+    g.add_argument("--seed", type=_nonneg_int, metavar="N", help="seed of the initialisation and the data order (default 0)")
     g.add_argument("--device", help="auto (default: cuda if available), cpu, cuda, cuda:N")
-    g.add_argument("--threads", type=_nonneg_int, help="CPU threads (default 0 = auto: 1 for tiny-class models, "
+    g.add_argument("--threads", type=_nonneg_int, metavar="N", help="CPU threads (default 0 = auto: 1 for tiny-class models, "
                    "whose ops are too small to split)")
     g.add_argument("--activation-checkpointing", action="store_true", help="recompute each layer in the backward "
                    "pass (less memory for long sequences / big models)")
@@ -105,13 +105,13 @@ def _add_train(sub: Any) -> None:
     g.add_argument("--name", help="run name: the directory runs/NAME (default: the preset, made unique)")
     g.add_argument("--resume", nargs="?", const=True, metavar="DIR",
                    help="continue the run in DIR (or in --out/--name) from its newest checkpoint")
-    g.add_argument("--log-every", type=_positive_int, help="log a plain line every N steps when stdout is not "
+    g.add_argument("--log-every", type=_positive_int, metavar="N", help="log a plain line every N steps when stdout is not "
                    "a terminal (default 10); metrics.jsonl gets every step")
-    g.add_argument("--save-every", type=_nonneg_int, help="checkpoint every N steps (default 0: at the end)")
-    g.add_argument("--keep", type=_positive_int, help="checkpoints to keep (default 2)")
-    g.add_argument("--eval-every", type=_nonneg_int, help="validate every N steps (default 0: at the end)")
-    g.add_argument("--eval-batches", type=_positive_int, help="validation batches (default 8)")
-    g.add_argument("--sample-tokens", type=_nonneg_int, help="tokens sampled at the end (default 200; 0: none)")
+    g.add_argument("--save-every", type=_nonneg_int, metavar="N", help="checkpoint every N steps (default 0: at the end)")
+    g.add_argument("--keep", type=_positive_int, metavar="N", help="checkpoints to keep (default 2)")
+    g.add_argument("--eval-every", type=_nonneg_int, metavar="N", help="validate every N steps (default 0: at the end)")
+    g.add_argument("--eval-batches", type=_positive_int, metavar="N", help="validation batches (default 8)")
+    g.add_argument("--sample-tokens", type=_nonneg_int, metavar="N", help="tokens sampled at the end (default 200; 0: none)")
     g.add_argument("--prompt", help="prompt of that sample (default 'The ')")
     g.add_argument("--no-plot", dest="plot", action="store_false", help="do not write loss.png")
     p.set_defaults(func=_cmd_train)
@@ -125,11 +125,11 @@ def _add_generate(sub: Any) -> None:
     src.add_argument("--run", metavar="DIR", help="a run directory from `k3 train` (its newest checkpoint)")
     src.add_argument("--model", metavar="PATH", help="a released K3 checkpoint folder (safetensors + tiktoken.model)")
     p.add_argument("--prompt", default="", help="text to continue (default: empty, i.e. from bos)")
-    p.add_argument("--max-new-tokens", type=_nonneg_int, default=200, help="tokens to generate (default 200)")
-    p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy (default 0.8)")
-    p.add_argument("--top-p", type=float, default=None, help="nucleus sampling mass (default off)")
-    p.add_argument("--top-k", type=_positive_int, default=None, help="sample among the k likeliest (default off)")
-    p.add_argument("--seed", type=_nonneg_int, default=0, help="sampling seed (default 0): same seed, same text")
+    p.add_argument("--max-new-tokens", type=_nonneg_int, metavar="N", default=200, help="tokens to generate (default 200)")
+    p.add_argument("--temperature", type=float, metavar="X", default=0.8, help="0 = greedy (default 0.8)")
+    p.add_argument("--top-p", type=float, metavar="X", default=None, help="nucleus sampling mass (default off)")
+    p.add_argument("--top-k", type=_positive_int, metavar="N", default=None, help="sample among the k likeliest (default off)")
+    p.add_argument("--seed", type=_nonneg_int, metavar="N", default=0, help="sampling seed (default 0): same seed, same text")
     p.add_argument("--device", default="auto", help="auto (default), cpu, cuda, cuda:N")
     p.add_argument("--chat", action="store_true", help="with --model: wrap the prompt as a user turn in K3's "
                    "chat format")
@@ -143,8 +143,8 @@ def _add_eval(sub: Any) -> None:
     p = sub.add_parser("eval", help="validation loss / perplexity (and recall accuracy) of a run",
                        description="Evaluate the newest checkpoint of a run on its held-out data.")
     p.add_argument("--run", metavar="DIR", required=True, help="a run directory (or one of its checkpoints)")
-    p.add_argument("--batches", type=_positive_int, default=None, help="validation batches (default: the run's)")
-    p.add_argument("--batch-size", type=_positive_int, default=None, help="default: the run's")
+    p.add_argument("--batches", type=_positive_int, metavar="N", default=None, help="validation batches (default: the run's)")
+    p.add_argument("--batch-size", type=_positive_int, metavar="N", default=None, help="default: the run's")
     p.add_argument("--device", default="auto", help="auto (default), cpu, cuda, cuda:N")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=_cmd_eval)
@@ -158,7 +158,7 @@ def _add_tokenize(sub: Any) -> None:
     p.add_argument("--out", required=True, metavar="FILE.bin", help="the shard to write (must not exist)")
     p.add_argument("--tokenizer", default="byte", help="as for k3 train (default: byte)")
     p.add_argument("--text-field", default="text", help="field/column of .jsonl/.parquet (default: text)")
-    p.add_argument("--max-tokens", type=_positive_int, default=None, help="stop after about this many tokens")
+    p.add_argument("--max-tokens", type=_positive_int, metavar="N", default=None, help="stop after about this many tokens")
     p.set_defaults(func=_cmd_tokenize)
 
 

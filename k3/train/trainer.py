@@ -12,6 +12,7 @@ import contextlib
 import dataclasses
 import json
 import math
+import os
 import shlex
 import sys
 import time
@@ -304,6 +305,11 @@ def prepare_args(overrides: dict[str, Any], resume: str | None = None) -> tuple[
     if resume is None:
         args = TrainArgs.from_dict(overrides)
         args.validate()
+        # Absolute data paths: `k3 eval` / `--resume` must find the same data from any working directory.
+        for name in ("data", "val_data"):
+            v = getattr(args, name)
+            if v is not None and v != EMBEDDED and not v.startswith("hf:"):
+                setattr(args, name, os.path.abspath(v))
         return args, None
     ckpt = find_checkpoint(resume)
     verify_checkpoint(ckpt)

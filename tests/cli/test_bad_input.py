@@ -55,7 +55,7 @@ def test_empty_or_missing_data(tmp_path):
     _check(*k3_runs.run_cli("train", "--data", "empty.txt", cwd=tmp_path)[::2], "empty.txt is empty")
     (tmp_path / "e.jsonl").write_text("\n")
     _check(*k3_runs.run_cli("train", "--data", "e.jsonl", cwd=tmp_path)[::2], "is empty")
-    _check(*k3_runs.run_cli("train", "--data", "nope.txt", cwd=tmp_path)[::2], "'nope.txt' is not a file")
+    _check(*k3_runs.run_cli("train", "--data", "nope.txt", cwd=tmp_path)[::2], "nope.txt' is not a file")
     (tmp_path / "small.txt").write_text("tiny")
     _check(*k3_runs.run_cli("train", "--data", "small.txt", cwd=tmp_path)[::2], "too few", "--seq-len")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["e.jsonl", "empty.txt", "small.txt"]

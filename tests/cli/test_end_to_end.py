@@ -59,3 +59,20 @@ def test_own_text_bin_shard_and_tiktoken_tokenizer(tmp_path):
     code, out, err = k3_runs.run_cli("generate", "--run", "runs/bpe", "--prompt", "the", "--max-new-tokens", "5",
                                      cwd=tmp_path)
     assert code == 0 and out.startswith("the"), err
+
+
+def test_default_run_names_never_collide_and_empty_out_is_fine(tmp_path):
+    for _ in range(2):
+        code, out, err = k3_runs.run_cli("train", "--steps", "1", *k3_runs.FAST, cwd=tmp_path)
+        assert code == 0, err
+    assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == ["tiny", "tiny-2"]
+    (tmp_path / "empty").mkdir()
+    code, out, err = k3_runs.run_cli("train", "--steps", "1", "--out", "empty", *k3_runs.FAST, cwd=tmp_path)
+    assert code == 0 and out.startswith("k3: training in empty/"), err
+    # paths in run.json are absolute, so eval works from anywhere
+    (tmp_path / "t.txt").write_text("some words to train on. " * 30)
+    code, _, err = k3_runs.run_cli("train", "--steps", "1", "--data", "t.txt", "--name", "t", *k3_runs.FAST,
+                                   cwd=tmp_path)
+    assert code == 0, err
+    code, out, err = k3_runs.run_cli("eval", "--run", str(tmp_path / "runs" / "t"))
+    assert code == 0 and "val loss" in out, err
