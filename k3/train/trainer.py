@@ -431,9 +431,10 @@ def _train(args: TrainArgs, device: torch.device, resume_from: Path | None, out:
         _plot(s.run_dir, metrics_path)
     if args.sample_tokens and args.task == "text":
         result.sample = _sample(s.model, s.tok, args, device, out)
-    prompt = shlex.quote(args.prompt.strip() or "The")
-    out.write(f"k3: checkpoint in {s.run_dir}/checkpoints/step-{args.steps:08d}/ — next: "
-              f"k3 generate --run {shlex.quote(str(s.run_dir))} --prompt {prompt}\n")
+    run = shlex.quote(str(s.run_dir))
+    nxt = (f"k3 eval --run {run}" if args.task == "recall" else
+           f"k3 generate --run {run} --prompt {shlex.quote(args.prompt.strip() or 'The')}")
+    out.write(f"k3: checkpoint in {s.run_dir}/checkpoints/step-{args.steps:08d}/ — next: {nxt}\n")
     out.flush()
     return result
 
