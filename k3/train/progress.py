@@ -62,9 +62,11 @@ class Progress:
         elapsed = time.perf_counter() - self.t0
         if self.live:
             width = shutil.get_terminal_size((100, 20)).columns
-            line = format_line(step, self.total, loss, tok_s, lr, imbalance, elapsed, 20, self.start)
-            if len(line) >= width:  # drop the bar rather than wrap: a wrapped line cannot be redrawn
-                line = format_line(step, self.total, loss, tok_s, lr, imbalance, elapsed, 0, self.start)[: width - 1]
+            for bar in (20, 10, 0):  # shrink the bar rather than wrap: a wrapped line cannot be redrawn
+                line = format_line(step, self.total, loss, tok_s, lr, imbalance, elapsed, bar, self.start)
+                if len(line) < width:
+                    break
+            line = line[: width - 1]
             pad = max(self._last_len - len(line), 0)
             self.stream.write("\r" + line + " " * pad)
             self.stream.flush()
