@@ -70,7 +70,7 @@ def _ours(x: dict, **kw) -> tuple:
     from k3.ops.kda import chunk_kda
 
     return chunk_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], A_log=x["A_log"], dt_bias=x["dt_bias"],
-                     output_final_state=True, **K3_FLAGS, **kw)
+                     output_final_state=True, **{**K3_FLAGS, **kw})
 
 
 def _ours_unsplit(x: dict) -> tuple:
@@ -288,28 +288,51 @@ def _profile_kernels(fn: Callable[[], Any], case: str) -> list[dict]:
     return rows
 
 
+STATE_VARIANTS = ((32, 4), (64, 4), (64, 8), (128, 8))
+PREP_WARPS = (4, 8, 16)
+DECODE_VARIANTS = ((16, 2), (32, 2), (32, 4), (32, 8), (64, 4), (64, 8))
+
+
 def sweep_rows() -> list[dict]:
-    """Launch variants of the state pass (1M H=32 window) and the decode step."""
+    """Launch variants: the state pass and the prep kernel on one 1M-token window (H=32), and the decode step."""
     from k3.ops.kda.triton import chunk_fwd as cf
     from k3.ops.kda.triton import fused_recurrent as fr
+    from k3.ops.kda.triton._common import make_chunk_table
 
     rows = []
+    flags = dict(l2norm=True, use_gate=True, beta_sigmoid=True, exact_diag=False)
+    T, H = 1 << 20, 32
+    x = _inputs(1, T, H)
+    tab = make_chunk_table(1, T, None, x["q"].device)
+    ncw = max(1, cf.FwdConfig.window_bytes // cf.chunk_bytes(H, 128, 128, torch.bfloat16))
+    bufs = cf.alloc_chunk_buffers(H, ncw, 128, 128, torch.bfloat16, x["q"].device, store_t=False)
+    o = torch.empty_like(x["v"])
+    ht = torch.zeros(1, H, 128, 128, device="cuda")
+    args = (x["q"], x["k"], x["v"], x["g"], x["beta"], x["A_log"], x["dt_bias"])
     base = (cf.FwdConfig.state_bv, cf.FwdConfig.state_warps, cf.FwdConfig.prep_warps)
-    x = _inputs(1, 1 << 18, 32)
-    for bv, w, pw in ((32, 4, 8), (64, 4, 8), (32, 8, 8), (64, 8, 8), (32, 4, 4)):
-        cf.FwdConfig.state_bv, cf.FwdConfig.state_warps, cf.FwdConfig.prep_warps = bv, w, pw
+    case = f"sweep 1M H=32, one window of {ncw} chunks (x{tab.NC / ncw:.1f} for the sequence)"
+    for w in PREP_WARPS:
+        cf.FwdConfig.prep_warps = w
         try:
-            with torch.inference_mode():
-                _ours_unsplit(x)
-                ms = _bench(lambda: _ours_unsplit(x), 200.0)
-            rows.append(_row("sweep prefill B=1 H=32 T=256K", f"state bv={bv} warps={w}, prep warps={pw}", ms=ms))
+            f = lambda: cf.launch_prep(*args, bufs, tab, 0, ncw, 128**-0.5, -5.0, flags, False)  # noqa: E731
+            f()
+            rows.append(_row(case, f"prep warps={w}", ms=_bench(f, 200.0)))
         except Exception as e:  # noqa: BLE001
-            rows.append(_row("sweep prefill B=1 H=32 T=256K", f"state bv={bv} warps={w}, prep warps={pw}",
-                             error=repr(e)[:200]))
-    cf.FwdConfig.state_bv, cf.FwdConfig.state_warps, cf.FwdConfig.prep_warps = base
-    del x
+            rows.append(_row(case, f"prep warps={w}", error=repr(e)[:200]))
+    cf.FwdConfig.prep_warps = base[2]
+    for bv, w in STATE_VARIANTS:
+        cf.FwdConfig.state_bv, cf.FwdConfig.state_warps = bv, w
+        try:
+            f = lambda: cf.launch_state(bufs, o, None, ht, tab, 0, ncw, H, 128, 128)  # noqa: E731
+            f()
+            rows.append(_row(case, f"state bv={bv} warps={w}", ms=_bench(f, 200.0)))
+        except Exception as e:  # noqa: BLE001
+            rows.append(_row(case, f"state bv={bv} warps={w}", error=repr(e)[:200]))
+    cf.FwdConfig.state_bv, cf.FwdConfig.state_warps = base[:2]
+    del x, bufs, o
+    torch.cuda.empty_cache()
     dbase = (fr.DecodeConfig.bv, fr.DecodeConfig.warps)
-    for bv, w in ((16, 2), (16, 4), (32, 2), (32, 4), (64, 4), (64, 8), (128, 8)):
+    for bv, w in DECODE_VARIANTS:
         fr.DecodeConfig.bv, fr.DecodeConfig.warps = bv, w
         for r in decode_rows(False)[:1]:
             r["impl"] = f"decode bv={bv} warps={w}"
@@ -355,22 +378,34 @@ def warm(group: int) -> None:
         with torch.inference_mode():
             x = _inputs(4, 1, 2)
             h0 = torch.zeros(4, 2, 128, 128, device="cuda")
-            for bv, w in ((16, 2), (16, 4), (32, 2), (32, 4), (64, 4), (64, 8), (128, 8)):
+            for bv, w in DECODE_VARIANTS:
                 fr.DecodeConfig.bv, fr.DecodeConfig.warps = bv, w
                 fused_recurrent_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], A_log=x["A_log"], dt_bias=x["dt_bias"],
                                     initial_state=h0, output_final_state=True, **K3_FLAGS)
             fr.DecodeConfig.bv, fr.DecodeConfig.warps = 32, 4
             fused_recurrent_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], A_log=x["A_log"], dt_bias=x["dt_bias"],
                                 initial_state=h0, ssm_state_indices=torch.arange(4, device="cuda"), **K3_FLAGS)
-    elif group in (6, 7, 8, 9):
-        bv, w, pw = {6: (64, 4, 8), 7: (32, 8, 8), 8: (64, 8, 8), 9: (32, 4, 4)}[group]
-        cf.FwdConfig.state_bv, cf.FwdConfig.state_warps, cf.FwdConfig.prep_warps = bv, w, pw
+    elif group in (6, 7, 8):
+        bv, w = STATE_VARIANTS[group - 5]
+        cf.FwdConfig.state_bv, cf.FwdConfig.state_warps = bv, w
         with torch.inference_mode():
             _ours_unsplit(_inputs(1, 300, 2))
-    elif group == 10:  # unbounded gate, no grad
+    elif group in (9, 10):
+        cf.FwdConfig.prep_warps = {9: 8, 10: 16}[group]
         with torch.inference_mode():
-            x = _inputs(1, 300, 2)
-            _ours(x, lower_bound=None, safe_gate=False)
+            _ours_unsplit(_inputs(1, 300, 2))
+    elif group == 11:  # unbounded gate, no grad
+        with torch.inference_mode():
+            _ours(_inputs(1, 300, 2), lower_bound=None, safe_gate=False)
+    elif group == 12:  # log-decay given directly (test of gates at the bound), bf16 and fp16
+        for dt in (torch.bfloat16, torch.float16):
+            x = _inputs(1, 300, 2, grad=True)
+            x = {n: (t.detach().to(dt).requires_grad_() if t.dtype == torch.bfloat16 else t) for n, t in x.items()}
+            x["g"] = (-x["g"].detach().abs()).requires_grad_()
+            o, h = chunk_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], output_final_state=True,
+                             use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True, safe_gate=True,
+                             lower_bound=-5.0)
+            (o.float().sum() + h.sum()).backward()
     torch.cuda.synchronize()
 
 

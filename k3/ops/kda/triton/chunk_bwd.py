@@ -33,14 +33,39 @@ from k3.ops.kda.triton._common import (
     next_pow2,
     store_dtype,
 )
-from k3.ops.kda.triton.chunk_fwd import (
-    _bcast_rows,
-    _block_first,
-    _gate_cumsum,
-    _load_beta,
-    _load_tile,
-    _place_rows,
-)
+from k3.ops.kda.triton.chunk_fwd import _load_rows, _load_tile, _store_rows, _sub_gate
+from k3.ops.kda.triton._common import _gate_fwd, _l2norm
+
+
+@triton.jit
+def _chunk_tile(x, i_h, bos, eos, H, K, BT: tl.constexpr, BK: tl.constexpr):
+    """Raw [BT, BK] chunk of x [T, H, K] (zeros outside)."""
+    o_t = tl.arange(0, BT)
+    o_k = tl.arange(0, BK)
+    m = ((bos + o_t) < eos)[:, None] & (o_k < K)[None, :]
+    return tl.load(x + (bos + o_t)[:, None] * (H * K) + i_h * K + o_k[None, :], mask=m, other=0.)
+
+
+@triton.jit
+def _chunk_gate_cumsum(g, i_h, bos, eos, A_log, dt_bias, H, K, lb, BT: tl.constexpr, BK: tl.constexpr,
+                       USE_GATE: tl.constexpr, HAS_LB: tl.constexpr, HAS_A: tl.constexpr, HAS_DT: tl.constexpr):
+    o_t = tl.arange(0, BT)
+    o_k = tl.arange(0, BK)
+    m_k = o_k < K
+    m = ((bos + o_t) < eos)[:, None] & m_k[None, :]
+    b_g = _gate_fwd(_chunk_tile(g, i_h, bos, eos, H, K, BT, BK).to(tl.float32), i_h, A_log, dt_bias, lb, o_k, m_k,
+                    K, USE_GATE, HAS_LB, HAS_A, HAS_DT)
+    return tl.cumsum(tl.where(m, b_g, 0.) * 1.4426950408889634, axis=0)
+
+
+@triton.jit
+def _chunk_beta(beta, i_h, bos, eos, H, BT: tl.constexpr, BETA_SIGMOID: tl.constexpr):
+    o_t = tl.arange(0, BT)
+    m_t = (bos + o_t) < eos
+    b_b = tl.load(beta + (bos + o_t) * H + i_h, mask=m_t, other=0.).to(tl.float32)
+    if BETA_SIGMOID:
+        b_b = _sigmoid(b_b)
+    return tl.where(m_t, b_b, 0.)
 
 
 class BwdConfig:
@@ -104,13 +129,15 @@ def _kda_bwd_state(
 def _kda_bwd_wy(
     k, v, g, beta, A_log, dt_bias, do,
     W, U, QG, TM, HS, DHS, DV,
-    dv, DQ, DK, DG, DB, DTT, DAQ,
+    dv, DQ, DK, DG, DB, DL, DAQ,
     cu, chunk_seq, chunk_off, NC, T, NT,
     H, K: tl.constexpr, V: tl.constexpr, scale, lb,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BVP: tl.constexpr,
     USE_GATE: tl.constexpr, HAS_LB: tl.constexpr, HAS_A: tl.constexpr, HAS_DT: tl.constexpr,
     L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr, IS_VARLEN: tl.constexpr, PREC: tl.constexpr,
 ):
+    # Two passes over V-blocks, each with few accumulators (register pressure). With T X = W and T Y = U:
+    # dX = Tᵀ dW = −dY Sᵀ and dL = −Tᵀ (dW Xᵀ + dV' Yᵀ) Tᵀ = −(dX Wᵀ + dY Uᵀ), so neither dT nor X is formed.
     i_c = tl.program_id(0)
     i_h = tl.program_id(1)
     DT: tl.constexpr = W.dtype.element_ty
@@ -120,137 +147,67 @@ def _kda_bwd_wy(
     o_k = tl.arange(0, BK)
     t = bos + o_t
     m_t = t < eos
-    b_k = _load_tile(k, i_h, bos, eos, H, K, 0, BT, BK).to(tl.float32)
-    if L2NORM:
-        b_k = b_k / tl.sqrt(tl.sum(b_k * b_k, axis=1) + 1e-6)[:, None]
-    G = _gate_cumsum(_load_tile(g, i_h, bos, eos, H, K, 0, BT, BK), i_h, 0, bos, eos, A_log, dt_bias, lb, K,
-                     BT, BK, USE_GATE, HAS_LB, HAS_A, HAS_DT)
-    b_b = _load_beta(beta, i_h, bos, eos, H, BT, BETA_SIGMOID)
+    b_b = _chunk_beta(beta, i_h, bos, eos, H, BT, BETA_SIGMOID)
     p_tk = (base * BT + o_t[:, None]) * BK + o_k[None, :]
     p_tt = (base * BT + o_t[:, None]) * BT + o_t[None, :]
-    b_w = tl.load(W + p_tk)
     b_tm = tl.load(TM + p_tt)
 
+    # pass 1 (through dV'): dY = Tᵀ dV' → dv, dβ; dqg = Σ dO Sᵀ; dX = −Σ dY Sᵀ; Σ dY Uᵀ
     dqg = tl.zeros([BT, BK], dtype=tl.float32)
-    dkg = tl.zeros([BT, BK], dtype=tl.float32)
-    dw = tl.zeros([BT, BK], dtype=tl.float32)
-    daq = tl.zeros([BT, BT], dtype=tl.float32)
-    dtt = tl.zeros([BT, BT], dtype=tl.float32)
-    dgam = tl.zeros([BK], dtype=tl.float32)
+    dx = tl.zeros([BT, BK], dtype=tl.float32)
+    dlu = tl.zeros([BT, BT], dtype=tl.float32)
     db = tl.zeros([BT], dtype=tl.float32)
     for i_v in range(0, BVP // BV):
         o_v = i_v * BV + tl.arange(0, BV)
-        m_v = o_v < V
-        p_kv = (base * BK + o_k[:, None]) * BVP + o_v[None, :]
-        p_tv = (base * BT + o_t[:, None]) * BVP + o_v[None, :]
-        b_s = tl.load(HS + p_kv)
-        b_ds = tl.load(DHS + p_kv)
-        b_vn = (tl.load(U + p_tv).to(tl.float32) - tl.dot(b_w, b_s, input_precision=PREC)).to(DT)
-        m_tv = m_t[:, None] & m_v[None, :]
+        m_tv = m_t[:, None] & (o_v < V)[None, :]
         p_v = (t * H + i_h)[:, None] * V + o_v[None, :]
+        p_tv = (base * BT + o_t[:, None]) * BVP + o_v[None, :]
+        b_s = tl.load(HS + (base * BK + o_k[:, None]) * BVP + o_v[None, :])
         b_do = tl.load(do + p_v, mask=m_tv, other=0.).to(DT)
-        b_dvn = tl.load(DV + p_tv)
-        dqg += tl.dot(b_do, tl.trans(b_s), input_precision=PREC)
-        daq += tl.dot(b_do, tl.trans(b_vn), input_precision=PREC)
-        dkg += tl.dot(b_vn, tl.trans(b_ds), input_precision=PREC)
-        dw -= tl.dot(b_dvn, tl.trans(b_s), input_precision=PREC)
-        b_dy = tl.dot(tl.trans(b_tm), b_dvn, input_precision=PREC)
+        b_dy = tl.dot(tl.trans(b_tm), tl.load(DV + p_tv), input_precision=PREC)
         b_vv = tl.load(v + p_v, mask=m_tv, other=0.).to(tl.float32)
         tl.store(dv + p_v, (b_dy * b_b[:, None]).to(dv.dtype.element_ty), mask=m_tv)
         db += tl.sum(b_dy * b_vv, axis=1)
-        dtt += tl.dot(b_dvn, tl.trans((b_vv * b_b[:, None]).to(DT)), input_precision=PREC)
-        dgam += tl.sum(b_s.to(tl.float32) * b_ds.to(tl.float32), axis=1)
-
-    Glast = _row(G, BT - 1, o_t)
+        b_dyd = b_dy.to(DT)
+        dqg += tl.dot(b_do, tl.trans(b_s), input_precision=PREC)
+        dx -= tl.dot(b_dyd, tl.trans(b_s), input_precision=PREC)
+        dlu += tl.dot(b_dyd, tl.trans(tl.load(U + p_tv)), input_precision=PREC)
+    b_w = tl.load(W + p_tk)
+    dL = -(tl.dot(dx.to(DT), tl.trans(b_w), input_precision=PREC) + dlu)
+    tl.store(DL + p_tt, tl.where(o_t[:, None] > o_t[None, :], dL, 0.))
+    b_k, _ = _l2norm(_chunk_tile(k, i_h, bos, eos, H, K, BT, BK).to(tl.float32), L2NORM)
+    G = _chunk_gate_cumsum(g, i_h, bos, eos, A_log, dt_bias, H, K, lb, BT, BK, USE_GATE, HAS_LB, HAS_A, HAS_DT)
     eG = tl.exp2(G)
-    eL = tl.exp2(Glast[None, :] - G)
-    b_x = b_k * eG * b_b[:, None]
-    b_dw = dw.to(DT)
-    dx = tl.dot(tl.trans(b_tm), b_dw, input_precision=PREC)
-    dtt += tl.dot(b_dw, tl.trans(b_x.to(DT)), input_precision=PREC)
-    b_qg = tl.load(QG + p_tk).to(tl.float32)
-    dG = dx * b_x - dkg * b_k * eL + dqg * b_qg
-    dG += tl.where((o_t == BT - 1)[:, None], (tl.sum(dkg * b_k * eL, axis=0) + tl.exp2(Glast) * dgam)[None, :], 0.)
     tl.store(DQ + p_tk, dqg * eG * scale)
-    tl.store(DK + p_tk, dx * eG * b_b[:, None] + dkg * eL)
-    tl.store(DG + p_tk, dG)
-    tl.store(DB + base * BT + o_t, db + tl.sum(dx * b_k * eG, axis=1))
-    tl.store(DTT + p_tt, dtt)
+    kb = b_k * eG * b_b[:, None]  # X = β K e^G
+    tl.store(DG + p_tk, dqg * tl.load(QG + p_tk).to(tl.float32) + dx * kb)
+    tl.store(DK + p_tk, dx * eG * b_b[:, None])
+    db += tl.sum(dx * b_k * eG, axis=1)
+
+    # pass 2 (through V'): V' = U − W S; dkg = Σ V' dS'ᵀ; dA_qk = Σ dO V'ᵀ; γ's share Σ S ⊙ dS'
+    dkg = tl.zeros([BT, BK], dtype=tl.float32)
+    daq = tl.zeros([BT, BT], dtype=tl.float32)
+    dgam = tl.zeros([BK], dtype=tl.float32)
+    for i_v in range(0, BVP // BV):
+        o_v = i_v * BV + tl.arange(0, BV)
+        m_tv = m_t[:, None] & (o_v < V)[None, :]
+        p_kv = (base * BK + o_k[:, None]) * BVP + o_v[None, :]
+        b_s = tl.load(HS + p_kv)
+        b_ds = tl.load(DHS + p_kv)
+        b_vn = (tl.load(U + (base * BT + o_t[:, None]) * BVP + o_v[None, :]).to(tl.float32)
+                - tl.dot(b_w, b_s, input_precision=PREC)).to(DT)
+        b_do = tl.load(do + (t * H + i_h)[:, None] * V + o_v[None, :], mask=m_tv, other=0.).to(DT)
+        dkg += tl.dot(b_vn, tl.trans(b_ds), input_precision=PREC)
+        daq += tl.dot(b_do, tl.trans(b_vn), input_precision=PREC)
+        dgam += tl.sum(b_s.to(tl.float32) * b_ds.to(tl.float32), axis=1)
     tl.store(DAQ + p_tt, tl.where(o_t[:, None] >= o_t[None, :], daq * scale, 0.))
-
-
-@triton.jit
-def _cols(x, J, NB: tl.constexpr, BC: tl.constexpr):
-    """Column block J of a [M, NB*BC] tensor → [M, BC]."""
-    M: tl.constexpr = x.shape[0]
-    o_b = tl.arange(0, NB)
-    return tl.sum(tl.where((o_b == J)[None, :, None], tl.reshape(x, (M, NB, BC)), 0.), axis=1)
-
-
-@triton.jit
-def _intra_bwd(b_q, b_k, G, dAq, dAk, dL, o_t, NB: tl.constexpr, BC: tl.constexpr, EXACT_DIAG: tl.constexpr,
-               PREC: tl.constexpr):
-    """Backward of A_qk = Σ q k e^{ΔG} (gradient dAq) and A_kk-like Ã = Σ k k e^{ΔG} (gradient dAk), with the
-    forward's column-block references. Returns dq, dk (row side), dk (column side), dβ share (Σ_j dL Ã)."""
-    BT_: tl.constexpr = NB * BC
-    BKS: tl.constexpr = G.shape[1]
-    blk = o_t // BC
-    Gf = _block_first(G, NB, BC)
-    Gfr = _bcast_rows(Gf, NB, BC)
-    e1 = tl.exp2(G - Gfr)
-    einv = tl.exp2(Gfr - G)
-    ql = b_q * e1
-    kl = b_k * e1
-    kd = b_k * einv
-    o_b = tl.arange(0, NB)
-    o_s = tl.arange(0, BC)
-    dq = tl.zeros([BT_, BKS], dtype=tl.float32)
-    dkr = tl.zeros([BT_, BKS], dtype=tl.float32)
-    dkc = tl.zeros([BT_, BKS], dtype=tl.float32)
-    db = tl.zeros([BT_], dtype=tl.float32)
-    for J in range(NB):
-        GJ = tl.sum(tl.where((o_b == J)[:, None], Gf, 0.), axis=0)
-        f = _bcast_rows(tl.exp2(tl.where((o_b >= J)[:, None], Gf - GJ[None, :], float("-inf"))), NB, BC)
-        kdJ = _rows(kd, J, NB, BC)
-        einvJ = _rows(einv, J, NB, BC)
-        dAqJ = _cols(dAq, J, NB, BC)
-        dAkJ = _cols(dAk, J, NB, BC)
-        dLJ = _cols(dL, J, NB, BC)
-        if EXACT_DIAG:
-            # factored products cover the rows below block J only; the diagonal block goes exact below
-            below = (blk > J)[:, None]
-            dAqJ_f = tl.where(below, dAqJ, 0.)
-            dAkJ_f = tl.where(below, dAkJ, 0.)
-            dLJ_f = tl.where(below, dLJ, 0.)
-        else:
-            dAqJ_f = dAqJ
-            dAkJ_f = dAkJ
-            dLJ_f = dLJ
-        qlf = ql * f
-        klf = kl * f
-        lf = e1 * f
-        dq += tl.dot(dAqJ_f, kdJ, input_precision=PREC) * lf
-        dkr += tl.dot(dAkJ_f, kdJ, input_precision=PREC) * lf
-        dkcJ = (tl.dot(tl.trans(dAqJ_f), qlf, input_precision=PREC) +
-                tl.dot(tl.trans(dAkJ_f), klf, input_precision=PREC)) * einvJ
-        db += tl.sum(dLJ_f * tl.dot(klf, tl.trans(kdJ), input_precision=PREC), axis=1)
-        if EXACT_DIAG:
-            gJ = _rows(G, J, NB, BC)
-            kJ = _rows(b_k, J, NB, BC)
-            qJ = _rows(b_q, J, NB, BC)
-            dAqd = _rows(dAqJ, J, NB, BC)  # [BC, BC] diagonal block
-            dAkd = _rows(dAkJ, J, NB, BC)
-            dLd = _rows(dLJ, J, NB, BC)
-            keep = o_s[:, None] >= o_s[None, :]
-            E = tl.exp2(tl.where(keep[:, :, None], gJ[:, None, :] - gJ[None, :, :], float("-inf")))
-            kE = kJ[None, :, :] * E  # [i, j, d] = k_j e^{G_i − G_j}
-            dq += _place_rows(tl.sum(dAqd[:, :, None] * kE, axis=1), J, NB, BC)
-            dkr += _place_rows(tl.sum(dAkd[:, :, None] * kE, axis=1), J, NB, BC)
-            dkcJ += tl.sum((dAqd[:, :, None] * qJ[:, None, :] + dAkd[:, :, None] * kJ[:, None, :]) * E, axis=0)
-            At = tl.sum(kJ[:, None, :] * kE, axis=2)  # Ã diagonal block
-            db += tl.reshape(tl.where((o_b == J)[:, None], tl.sum(dLd * At, axis=1)[None, :], 0.), (BT_,))
-        dkc += _place_rows(dkcJ, J, NB, BC)
-    return dq, dkr, dkc, db
+    Glast = _row(G, BT - 1, o_t)
+    eL = tl.exp2(Glast[None, :] - G)
+    kL = b_k * eL
+    dgl = tl.sum(dkg * kL, axis=0) + tl.exp2(Glast) * dgam
+    tl.store(DK + p_tk, tl.load(DK + p_tk) + dkg * eL)
+    tl.store(DG + p_tk, tl.load(DG + p_tk) - dkg * kL + tl.where((o_t == BT - 1)[:, None], dgl[None, :], 0.))
+    tl.store(DB + base * BT + o_t, db)
 
 
 @triton.jit
@@ -278,10 +235,139 @@ def _gate_bwd(dgt, b_f, i_h, A_log, dt_bias, lb, o_k, m_k, K,
     return df, dA
 
 
+@triton.jit
+def _sub_raw(q, k, i_h, bos, eos, H, K, I: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
+             L2NORM: tl.constexpr):
+    """Rows [I·BC, I·BC + BC): normalized q, k and their 1/‖·‖ (for the L2-norm backward)."""
+    o_s = tl.arange(0, BC)
+    o_k = tl.arange(0, BK)
+    t = bos + I * BC + o_s
+    m = (t < eos)[:, None] & (o_k < K)[None, :]
+    p = t[:, None] * (H * K) + i_h * K + o_k[None, :]
+    b_q, rq = _l2norm(tl.load(q + p, mask=m, other=0.).to(tl.float32), L2NORM)
+    b_k, rk = _l2norm(tl.load(k + p, mask=m, other=0.).to(tl.float32), L2NORM)
+    return b_q, b_k, rq, rk
+
+
+@triton.jit
+def _diag_bwd(dAq, dL, b_b, b_q, b_k, G, c, EXACT_DIAG: tl.constexpr, PREC: tl.constexpr):
+    """Backward of one diagonal sub-block (forward reference = carry c). Returns the row-side dq, dk, the
+    column-side dk (factor applied) and the β share Σ_j dL_ij Ã_ij."""
+    dAk = dL * b_b[:, None]
+    if EXACT_DIAG:
+        o_s = tl.arange(0, b_q.shape[0])
+        keep = o_s[:, None] >= o_s[None, :]
+        E = tl.exp2(tl.where(keep[:, :, None], G[:, None, :] - G[None, :, :], float("-inf")))
+        kE = b_k[None, :, :] * E  # [i, j, d] = k_jd e^{G_id − G_jd}
+        dq = tl.sum(dAq[:, :, None] * kE, axis=1)
+        dkr = tl.sum(dAk[:, :, None] * kE, axis=1)
+        dkc = tl.sum((dAq[:, :, None] * b_q[:, None, :] + dAk[:, :, None] * b_k[:, None, :]) * E, axis=0)
+        db = tl.sum(dL * tl.sum(b_k[:, None, :] * kE, axis=2), axis=1)
+    else:
+        e = tl.exp2(G - c[None, :])
+        einv = tl.exp2(c[None, :] - G)
+        kd = b_k * einv
+        kl = b_k * e
+        P = tl.dot(dL, kd, input_precision=PREC)  # Σ_j dL_ij kd_j: gives dk (×β) and dβ without forming Ã
+        dq = tl.dot(dAq, kd, input_precision=PREC) * e
+        dkr = P * b_b[:, None] * e
+        dkc = (tl.dot(tl.trans(dAq), b_q * e, input_precision=PREC)
+               + tl.dot(tl.trans(dAk), kl, input_precision=PREC)) * einv
+        db = tl.sum(P * kl, axis=1)  # Σ_j dL_ij Ã_ij = Σ_d kl_id (dL·kd)_id
+    return dq, dkr, dkc, db
+
+
+@triton.jit
+def _off_bwd(dAq, dL, b_b, ql, kl, e, kdJ, cI, cJ1, PREC: tl.constexpr):
+    """Backward of sub-block pair (I, J < I) with the forward's reference c_{J+1}. Returns row-side dq, dk for
+    block I, the column-side dk for block J WITHOUT its factor e^{c_{J+1} − G_J}, and block I's β share."""
+    s = tl.exp2(cI - cJ1)[None, :]
+    dAk = dL * b_b[:, None]
+    kls = kl * s
+    es = e * s
+    P = tl.dot(dL, kdJ, input_precision=PREC)
+    dq = tl.dot(dAq, kdJ, input_precision=PREC) * es
+    dkr = P * b_b[:, None] * es
+    dkc = tl.dot(tl.trans(dAq), ql * s, input_precision=PREC) + tl.dot(tl.trans(dAk), kls, input_precision=PREC)
+    db = tl.sum(P * kls, axis=1)
+    return dq, dkr, dkc, db
+
+
+@triton.jit
+def _finish_rows(DQ, DK, DG, DB, dq, dbeta, beta, base, i_h, bos, eos, H, K, q_hat, k_hat, rq,
+                 dq_a, dkr, dkcd, db_a, I: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
+                 L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr):
+    """Sub-block I once its row side is complete: write dq and dβ; fold the intra-chunk shares of dk and dG into
+    the DK / DG scratch rows (the column side of later blocks is still to come)."""
+    o_s = tl.arange(0, BC)
+    o_k = tl.arange(0, BK)
+    t = bos + I * BC + o_s
+    m_t = t < eos
+    m = m_t[:, None] & (o_k < K)[None, :]
+    b_dq = _load_rows(DQ, base, I, BT, BC, BK) + dq_a
+    if L2NORM:
+        b_dq = rq[:, None] * (b_dq - q_hat * tl.sum(b_dq * q_hat, axis=1)[:, None])
+    tl.store(dq + t[:, None] * (H * K) + i_h * K + o_k[None, :], b_dq.to(dq.dtype.element_ty), mask=m)
+    _store_rows(DK, base, _load_rows(DK, base, I, BT, BC, BK) + dkr + dkcd, I, BT, BC, BK)
+    _store_rows(DG, base, _load_rows(DG, base, I, BT, BC, BK) + q_hat * dq_a + k_hat * (dkr - dkcd), I, BT, BC, BK)
+    b_db = tl.load(DB + base * BT + I * BC + o_s) + db_a
+    if BETA_SIGMOID:
+        b_r = tl.load(beta + t * H + i_h, mask=m_t, other=0.).to(tl.float32)
+        b_db = b_db * _sigmoid(b_r) * _sigmoid(-b_r)
+    tl.store(dbeta + t * H + i_h, b_db.to(dbeta.dtype.element_ty), mask=m_t)
+
+
+@triton.jit
+def _finish_cols(DK, DG, dk, dg, g, A_log, dt_bias, base, i_h, bos, eos, H, K, lb, k_hat, rk, dkc, suffix,
+                 I: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
+                 USE_GATE: tl.constexpr, HAS_LB: tl.constexpr, HAS_A: tl.constexpr, HAS_DT: tl.constexpr,
+                 L2NORM: tl.constexpr):
+    """Sub-block I with every share in (visited last to first): dk, the reverse within-chunk cumsum dG → dg (suffix =
+    Σ dG of the later sub-blocks), the gate backward. Returns (new suffix, Σ_rows d raw f, Σ dA_log share)."""
+    o_s = tl.arange(0, BC)
+    o_k = tl.arange(0, BK)
+    t = bos + I * BC + o_s
+    m_k = o_k < K
+    m = (t < eos)[:, None] & m_k[None, :]
+    p = t[:, None] * (H * K) + i_h * K + o_k[None, :]
+    b_dk = _load_rows(DK, base, I, BT, BC, BK) + dkc
+    if L2NORM:
+        b_dk = rk[:, None] * (b_dk - k_hat * tl.sum(b_dk * k_hat, axis=1)[:, None])
+    tl.store(dk + p, b_dk.to(dk.dtype.element_ty), mask=m)
+    dG = _load_rows(DG, base, I, BT, BC, BK) - k_hat * dkc
+    dgt = tl.cumsum(dG, axis=0, reverse=True) + suffix[None, :]
+    b_f = tl.load(g + p, mask=m, other=0.).to(tl.float32)
+    df, dA = _gate_bwd(dgt, b_f, i_h, A_log, dt_bias, lb, o_k, m_k, K, USE_GATE, HAS_LB, HAS_A, HAS_DT)
+    df = tl.where(m, df, 0.)
+    tl.store(dg + p, df.to(dg.dtype.element_ty), mask=m)
+    return suffix + tl.sum(dG, axis=0), tl.sum(df, axis=0), tl.sum(tl.sum(tl.where(m, dA, 0.), axis=1), axis=0)
+
+
+@triton.jit
+def _sub_fwd(q, k, g, A_log, dt_bias, i_h, bos, eos, H, K, lb, c, I: tl.constexpr, BC: tl.constexpr,
+             BK: tl.constexpr, USE_GATE: tl.constexpr, HAS_LB: tl.constexpr, HAS_A: tl.constexpr,
+             HAS_DT: tl.constexpr, L2NORM: tl.constexpr):
+    b_q, b_k, rq, rk = _sub_raw(q, k, i_h, bos, eos, H, K, I, BC, BK, L2NORM)
+    b_g = _sub_gate(g, A_log, dt_bias, i_h, bos, eos, H, K, lb, I, BC, BK, USE_GATE, HAS_LB, HAS_A, HAS_DT)
+    G = c[None, :] + tl.cumsum(b_g, axis=0)
+    return b_q, b_k, rq, rk, G, c + tl.sum(b_g, axis=0)
+
+
+@triton.jit
+def _sub_beta(beta, i_h, bos, eos, H, I: tl.constexpr, BC: tl.constexpr, BETA_SIGMOID: tl.constexpr):
+    o_s = tl.arange(0, BC)
+    t = bos + I * BC + o_s
+    m_t = t < eos
+    b_b = tl.load(beta + t * H + i_h, mask=m_t, other=0.).to(tl.float32)
+    if BETA_SIGMOID:
+        b_b = _sigmoid(b_b)
+    return tl.where(m_t, b_b, 0.)
+
+
 @triton.jit(do_not_specialize=['NC', 'T', 'NT', 'H'])
 def _kda_bwd_intra(
     q, k, g, beta, A_log, dt_bias,
-    TM, DQ, DK, DG, DB, DTT, DAQ,
+    DQ, DK, DG, DB, DL, DAQ,
     dq, dk, dg, dbeta, DA, DDT,
     cu, chunk_seq, chunk_off, NC, T, NT,
     H, K: tl.constexpr, lb,
@@ -290,60 +376,96 @@ def _kda_bwd_intra(
     L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr, IS_VARLEN: tl.constexpr, EXACT_DIAG: tl.constexpr,
     PREC: tl.constexpr,
 ):
-    NB: tl.constexpr = BT // BC
+    # Sub-blocks in order (row side of every pair (I, J ≤ I) is done when block I is visited; column-side shares
+    # for blocks J < I accumulate in dkc_J), then backwards for dk, the reverse cumsum and the gate.
     i_c = tl.program_id(0)
     i_h = tl.program_id(1)
     bos, eos = _chunk_pos(i_c, cu, chunk_seq, chunk_off, T, NT, BT, IS_VARLEN)
     base = (i_h * NC + i_c).to(tl.int64)
-    o_t = tl.arange(0, BT)
-    o_k = tl.arange(0, BK)
-    m_t = (bos + o_t) < eos
-    m_k = o_k < K
-    m = m_t[:, None] & m_k[None, :]
-    p_tk = (base * BT + o_t[:, None]) * BK + o_k[None, :]
-    p_tt = (base * BT + o_t[:, None]) * BT + o_t[None, :]
-    b_kr = _load_tile(k, i_h, bos, eos, H, K, 0, BT, BK).to(tl.float32)
-    b_qr = _load_tile(q, i_h, bos, eos, H, K, 0, BT, BK).to(tl.float32)
-    if L2NORM:
-        rk = 1.0 / tl.sqrt(tl.sum(b_kr * b_kr, axis=1) + 1e-6)
-        rq = 1.0 / tl.sqrt(tl.sum(b_qr * b_qr, axis=1) + 1e-6)
-    else:
-        rk = tl.full([BT], 1.0, tl.float32)
-        rq = tl.full([BT], 1.0, tl.float32)
-    b_k = b_kr * rk[:, None]
-    b_q = b_qr * rq[:, None]
-    b_f = _load_tile(g, i_h, bos, eos, H, K, 0, BT, BK).to(tl.float32)
-    G = _gate_cumsum(b_f, i_h, 0, bos, eos, A_log, dt_bias, lb, K, BT, BK, USE_GATE, HAS_LB, HAS_A, HAS_DT)
-    b_b = _load_beta(beta, i_h, bos, eos, H, BT, BETA_SIGMOID)
+    c_0 = tl.zeros([BK], dtype=tl.float32)
 
-    Tm = tl.load(TM + p_tt).to(tl.float32)
-    dL = -tl.dot(tl.dot(tl.trans(Tm), tl.load(DTT + p_tt), input_precision=PREC), tl.trans(Tm),
-                 input_precision=PREC)
-    dL = tl.where(o_t[:, None] > o_t[None, :], dL, 0.)
-    dAq = tl.load(DAQ + p_tt)
-    dqi, dkr, dkc, dbi = _intra_bwd(b_q, b_k, G, dAq, dL * b_b[:, None], dL, o_t, NB, BC, EXACT_DIAG, PREC)
-    b_dq = tl.load(DQ + p_tk) + dqi
-    b_dk = tl.load(DK + p_tk) + dkr + dkc
-    dG = tl.load(DG + p_tk) + b_q * dqi + b_k * (dkr - dkc)
-    b_db = tl.load(DB + base * BT + o_t) + dbi
+    # ---- sub-block 0
+    q0, k0, rq, rk0, G0, c_1 = _sub_fwd(q, k, g, A_log, dt_bias, i_h, bos, eos, H, K, lb, c_0, 0, BC, BK, USE_GATE, HAS_LB, HAS_A, HAS_DT, L2NORM)
+    b0 = _sub_beta(beta, i_h, bos, eos, H, 0, BC, BETA_SIGMOID)
+    f0 = tl.exp2(c_1[None, :] - G0)
+    dqa, dkr, dkcd, dba = _diag_bwd(_load_tile(DAQ, base, 0, 0, BT, BC), _load_tile(DL, base, 0, 0, BT, BC), b0,
+                                    q0, k0, G0, c_0, EXACT_DIAG, PREC)
+    _finish_rows(DQ, DK, DG, DB, dq, dbeta, beta, base, i_h, bos, eos, H, K, q0, k0, rq, dqa, dkr, dkcd, dba, 0, BT, BC, BK, L2NORM, BETA_SIGMOID)
+    # ---- sub-block 1
+    q1, k1, rq, rk1, G1, c_2 = _sub_fwd(q, k, g, A_log, dt_bias, i_h, bos, eos, H, K, lb, c_1, 1, BC, BK, USE_GATE, HAS_LB, HAS_A, HAS_DT, L2NORM)
+    b1 = _sub_beta(beta, i_h, bos, eos, H, 1, BC, BETA_SIGMOID)
+    f1 = tl.exp2(c_2[None, :] - G1)
+    e = tl.exp2(G1 - c_1[None, :])
+    ql = q1 * e
+    kl = k1 * e
+    dqa, dkr, dkcd, dba = _diag_bwd(_load_tile(DAQ, base, 1, 1, BT, BC), _load_tile(DL, base, 1, 1, BT, BC), b1,
+                                    q1, k1, G1, c_1, EXACT_DIAG, PREC)
+    a, b, dkc0, d = _off_bwd(_load_tile(DAQ, base, 1, 0, BT, BC), _load_tile(DL, base, 1, 0, BT, BC), b1, ql, kl, e,
+                             k0 * f0, c_1, c_1, PREC)
+    _finish_rows(DQ, DK, DG, DB, dq, dbeta, beta, base, i_h, bos, eos, H, K, q1, k1, rq, dqa + a, dkr + b, dkcd,
+                 dba + d, 1, BT, BC, BK, L2NORM, BETA_SIGMOID)
+    # ---- sub-block 2
+    q2, k2, rq, rk2, G2, c_3 = _sub_fwd(q, k, g, A_log, dt_bias, i_h, bos, eos, H, K, lb, c_2, 2, BC, BK, USE_GATE, HAS_LB, HAS_A, HAS_DT, L2NORM)
+    b2 = _sub_beta(beta, i_h, bos, eos, H, 2, BC, BETA_SIGMOID)
+    f2 = tl.exp2(c_3[None, :] - G2)
+    e = tl.exp2(G2 - c_2[None, :])
+    ql = q2 * e
+    kl = k2 * e
+    dqa, dkr, dkcd, dba = _diag_bwd(_load_tile(DAQ, base, 2, 2, BT, BC), _load_tile(DL, base, 2, 2, BT, BC), b2,
+                                    q2, k2, G2, c_2, EXACT_DIAG, PREC)
+    a, b, c, d = _off_bwd(_load_tile(DAQ, base, 2, 0, BT, BC), _load_tile(DL, base, 2, 0, BT, BC), b2, ql, kl, e,
+                          k0 * f0, c_2, c_1, PREC)
+    dqa += a
+    dkr += b
+    dkc0 += c
+    dba += d
+    a, b, dkc1, d = _off_bwd(_load_tile(DAQ, base, 2, 1, BT, BC), _load_tile(DL, base, 2, 1, BT, BC), b2, ql, kl, e,
+                             k1 * f1, c_2, c_2, PREC)
+    _finish_rows(DQ, DK, DG, DB, dq, dbeta, beta, base, i_h, bos, eos, H, K, q2, k2, rq, dqa + a, dkr + b, dkcd,
+                 dba + d, 2, BT, BC, BK, L2NORM, BETA_SIGMOID)
+    # ---- sub-block 3
+    q3, k3, rq, rk3, G3, c_4 = _sub_fwd(q, k, g, A_log, dt_bias, i_h, bos, eos, H, K, lb, c_3, 3, BC, BK, USE_GATE, HAS_LB, HAS_A, HAS_DT, L2NORM)
+    b3 = _sub_beta(beta, i_h, bos, eos, H, 3, BC, BETA_SIGMOID)
+    e = tl.exp2(G3 - c_3[None, :])
+    ql = q3 * e
+    kl = k3 * e
+    dqa, dkr, dkcd, dba = _diag_bwd(_load_tile(DAQ, base, 3, 3, BT, BC), _load_tile(DL, base, 3, 3, BT, BC), b3,
+                                    q3, k3, G3, c_3, EXACT_DIAG, PREC)
+    a, b, c, d = _off_bwd(_load_tile(DAQ, base, 3, 0, BT, BC), _load_tile(DL, base, 3, 0, BT, BC), b3, ql, kl, e,
+                          k0 * f0, c_3, c_1, PREC)
+    dqa += a
+    dkr += b
+    dkc0 += c
+    dba += d
+    a, b, c, d = _off_bwd(_load_tile(DAQ, base, 3, 1, BT, BC), _load_tile(DL, base, 3, 1, BT, BC), b3, ql, kl, e,
+                          k1 * f1, c_3, c_2, PREC)
+    dqa += a
+    dkr += b
+    dkc1 += c
+    dba += d
+    a, b, dkc2, d = _off_bwd(_load_tile(DAQ, base, 3, 2, BT, BC), _load_tile(DL, base, 3, 2, BT, BC), b3, ql, kl, e,
+                             k2 * f2, c_3, c_3, PREC)
+    _finish_rows(DQ, DK, DG, DB, dq, dbeta, beta, base, i_h, bos, eos, H, K, q3, k3, rq, dqa + a, dkr + b, dkcd,
+                 dba + d, 3, BT, BC, BK, L2NORM, BETA_SIGMOID)
 
-    dgt = tl.cumsum(dG, axis=0, reverse=True)
-    df, dA = _gate_bwd(dgt, b_f, i_h, A_log, dt_bias, lb, o_k, m_k, K, USE_GATE, HAS_LB, HAS_A, HAS_DT)
-    df = tl.where(m, df, 0.)
-    p = (bos + o_t)[:, None] * (H * K) + i_h * K + o_k[None, :]
-    tl.store(dg + p, df.to(dg.dtype.element_ty), mask=m)
+    # ---- backwards: dk, dG → dg (reverse cumsum), gate
+    suffix, ddt, dA = _finish_cols(DK, DG, dk, dg, g, A_log, dt_bias, base, i_h, bos, eos, H, K, lb, k3, rk3,
+                                   tl.zeros_like(k3), c_0, 3, BT, BC, BK, USE_GATE, HAS_LB, HAS_A, HAS_DT, L2NORM)
+    suffix, x, y = _finish_cols(DK, DG, dk, dg, g, A_log, dt_bias, base, i_h, bos, eos, H, K, lb, k2, rk2,
+                                dkc2 * f2, suffix, 2, BT, BC, BK, USE_GATE, HAS_LB, HAS_A, HAS_DT, L2NORM)
+    ddt += x
+    dA += y
+    suffix, x, y = _finish_cols(DK, DG, dk, dg, g, A_log, dt_bias, base, i_h, bos, eos, H, K, lb, k1, rk1,
+                                dkc1 * f1, suffix, 1, BT, BC, BK, USE_GATE, HAS_LB, HAS_A, HAS_DT, L2NORM)
+    ddt += x
+    dA += y
+    suffix, x, y = _finish_cols(DK, DG, dk, dg, g, A_log, dt_bias, base, i_h, bos, eos, H, K, lb, k0, rk0,
+                                dkc0 * f0, suffix, 0, BT, BC, BK, USE_GATE, HAS_LB, HAS_A, HAS_DT, L2NORM)
+    ddt += x
+    dA += y
     if USE_GATE:
-        tl.store(DDT + base * BK + o_k, tl.sum(df, axis=0))
-        tl.store(DA + base, tl.sum(tl.sum(tl.where(m, dA, 0.), axis=1), axis=0))
-    if L2NORM:
-        b_dq = rq[:, None] * (b_dq - b_q * tl.sum(b_dq * b_q, axis=1)[:, None])
-        b_dk = rk[:, None] * (b_dk - b_k * tl.sum(b_dk * b_k, axis=1)[:, None])
-    tl.store(dq + p, b_dq.to(dq.dtype.element_ty), mask=m)
-    tl.store(dk + p, b_dk.to(dk.dtype.element_ty), mask=m)
-    if BETA_SIGMOID:
-        b_r = tl.load(beta + (bos + o_t) * H + i_h, mask=m_t, other=0.).to(tl.float32)
-        b_db = b_db * _sigmoid(b_r) * _sigmoid(-b_r)
-    tl.store(dbeta + (bos + o_t) * H + i_h, b_db.to(dbeta.dtype.element_ty), mask=m_t)
+        tl.store(DDT + base * BK + tl.arange(0, BK), ddt)
+        tl.store(DA + base, dA)
 
 
 def kda_bwd(q, k, v, g, beta, A_log, dt_bias, initial_state, scale: float, do, dht, saved: dict, tab: ChunkTable,
@@ -387,17 +509,17 @@ def kda_bwd(q, k, v, g, beta, A_log, dt_bias, initial_state, scale: float, do, d
 
     DQ, DK, DG = (torch.empty(H, NC, BT, BK, **f32) for _ in range(3))
     DB = torch.empty(H, NC, BT, **f32)
-    DTT, DAQ = (torch.empty(H, NC, BT, BT, **f32) for _ in range(2))
+    DL, DAQ = (torch.empty(H, NC, BT, BT, **f32) for _ in range(2))
     _kda_bwd_wy[(NC, H)](
         k, v, g, beta, a_log, dtb, do, s["W"], s["U"], s["QG"], s["TM"], s["HS"], DHS, DV,
-        dv, DQ, DK, DG, DB, DTT, DAQ, tab.cu, tab.chunk_seq, tab.chunk_off, NC, tab.T, tab.NT,
+        dv, DQ, DK, DG, DB, DL, DAQ, tab.cu, tab.chunk_seq, tab.chunk_off, NC, tab.T, tab.NT,
         H, K, V, scale, lb, BT=BT, BK=BK, BV=min(BwdConfig.wy_bv, BVP), BVP=BVP, PREC=prec, **flag_kw,
         num_warps=BwdConfig.wy_warps, num_stages=1)
 
     DAP = torch.empty(H, NC, **f32)
     DDT = torch.empty(H, NC, BK, **f32)
     _kda_bwd_intra[(NC, H)](
-        q, k, g, beta, a_log, dtb, s["TM"], DQ, DK, DG, DB, DTT, DAQ, dq, dk, dg, db, DAP, DDT,
+        q, k, g, beta, a_log, dtb, DQ, DK, DG, DB, DL, DAQ, dq, dk, dg, db, DAP, DDT,
         tab.cu, tab.chunk_seq, tab.chunk_off, NC, tab.T, tab.NT, H, K, lb, BT=BT, BC=BC, BK=BK,
         EXACT_DIAG=flags["exact_diag"], PREC=prec, **flag_kw,
         num_warps=BwdConfig.intra_warps, num_stages=1)

@@ -32,30 +32,13 @@ from k3.ops.kda.triton._common import (
     _chunk_pos,
     _chunk_range,
     _gate_fwd,
-    _row,
-    _rows,
+    _l2norm,
     _seq_bounds,
     _sigmoid,
     dot_precision,
     next_pow2,
     store_dtype,
 )
-
-
-@triton.jit
-def _place_rows(x, I, NB: tl.constexpr, BC: tl.constexpr):
-    """[BC, N] block → [NB*BC, N] tensor holding it at row block I, zeros elsewhere."""
-    N: tl.constexpr = x.shape[1]
-    o_b = tl.arange(0, NB)
-    return tl.reshape(tl.where((o_b == I)[:, None, None], x[None, :, :], 0.), (NB * BC, N))
-
-
-@triton.jit
-def _place_cols(x, I, NB: tl.constexpr, BC: tl.constexpr):
-    """[M, BC] block → [M, NB*BC] tensor holding it at column block I, zeros elsewhere."""
-    M: tl.constexpr = x.shape[0]
-    o_b = tl.arange(0, NB)
-    return tl.reshape(tl.where((o_b == I)[None, :, None], x[:, None, :], 0.), (M, NB * BC))
 
 
 @triton.jit
@@ -72,145 +55,146 @@ def _exact_diag(aI, bI, gI, STRICT: tl.constexpr):
 
 
 @triton.jit
-def _bcast_rows(t, NB: tl.constexpr, BC: tl.constexpr):
-    """[NB, N] per-block values → [NB*BC, N] (each block's row repeated over its BC rows)."""
-    N: tl.constexpr = t.shape[1]
-    return tl.reshape(tl.broadcast_to(t[:, None, :], (NB, BC, N)), (NB * BC, N))
-
-
-@triton.jit
-def _block_first(G, NB: tl.constexpr, BC: tl.constexpr):
-    """First row of every sub-block of G [NB*BC, N] → [NB, N]."""
-    N: tl.constexpr = G.shape[1]
+def _sub_gate(g, A_log, dt_bias, i_h, bos, eos, H, K, lb, I: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
+              USE_GATE: tl.constexpr, HAS_LB: tl.constexpr, HAS_A: tl.constexpr, HAS_DT: tl.constexpr):
+    """Activated log2 decay of rows [I·BC, I·BC + BC) of a chunk, fp32 [BC, BK]; zero on padding."""
     o_s = tl.arange(0, BC)
-    return tl.sum(tl.where((o_s == 0)[None, :, None], tl.reshape(G, (NB, BC, N)), 0.), axis=1)
-
-
-@triton.jit
-def _intra_A(b_q, b_k, G, o_t, NB: tl.constexpr, BC: tl.constexpr, EXACT_DIAG: tl.constexpr,
-             PREC: tl.constexpr):
-    """A_qk-like Σ_d q_id k_jd e^{G_id − G_jd} and A_kk-like (k for q) [BT, BT] fp32 for j ≤ i (zeros above).
-
-    Column block J uses reference row r = 16·J, a past row for every entry it serves (j ≥ r, i ≥ j):
-    left factor x_i e^{G_i − G_r} ≤ 1 for rows i ≥ r, right factor k_j e^{G_r − G_j} ∈ [1, e^{5·15}].
-    One [BT, BKS]·[BKS, BC] product per column block covers its diagonal and all rows below it.
-    With EXACT_DIAG the diagonal blocks are recomputed with exponents ≤ 0 only (unbounded gates)."""
-    BT_: tl.constexpr = NB * BC
-    blk = o_t // BC
-    Gf = _block_first(G, NB, BC)  # [NB, BKS]
-    Gfr = _bcast_rows(Gf, NB, BC)
-    e1 = tl.exp2(G - Gfr)  # ≤ 1: decay from the block's first row
-    ql = b_q * e1
-    kl = b_k * e1
-    kd = b_k * tl.exp2(Gfr - G)  # ≥ 1, ≤ e^{5·15} under the bounded gate
-    o_b = tl.arange(0, NB)
-    Aq = tl.zeros([BT_, BT_], dtype=tl.float32)
-    Ak = tl.zeros([BT_, BT_], dtype=tl.float32)
-    for J in range(NB):  # a run-time loop: unrolling hoists all four blocks' temporaries (register spills)
-        GJ = tl.sum(tl.where((o_b == J)[:, None], Gf, 0.), axis=0)
-        f = _bcast_rows(tl.exp2(tl.where((o_b >= J)[:, None], Gf - GJ[None, :], float("-inf"))), NB, BC)
-        kdJ = _rows(kd, J, NB, BC)
-        aq = tl.dot(ql * f, tl.trans(kdJ), input_precision=PREC)
-        ak = tl.dot(kl * f, tl.trans(kdJ), input_precision=PREC)
-        if EXACT_DIAG:
-            # the diagonal block again, exactly; the product above may have overflowed there
-            gJ = _rows(G, J, NB, BC)
-            kJ = _rows(b_k, J, NB, BC)
-            qJ = _rows(b_q, J, NB, BC)
-            ondiag = (blk == J)[:, None]
-            aq = tl.where(ondiag, _rows_place(_exact_diag(qJ, kJ, gJ, False), J, NB, BC), aq)
-            ak = tl.where(ondiag, _rows_place(_exact_diag(kJ, kJ, gJ, True), J, NB, BC), ak)
-        Aq += _place_cols(aq, J, NB, BC)
-        Ak += _place_cols(ak, J, NB, BC)
-    return Aq, Ak
-
-
-@triton.jit
-def _rows_place(x, I, NB: tl.constexpr, BC: tl.constexpr):
-    return _place_rows(x, I, NB, BC)
-
-
-@triton.jit
-def _solve_unit_lower(L, o_t, NB: tl.constexpr, BC: tl.constexpr, PREC: tl.constexpr):
-    """T = (I + L)^{-1} for strictly lower-triangular L [BT, BT] (fp32).
-
-    Forward substitution on the four 16×16 diagonal blocks at once (D = blockdiag inverse), then the block merge
-    T = (I + N)^{-1} D with N = D·L_offdiag nilpotent of order 4: (I + N)^{-1} = (I − N)(I + N²).
-    """
-    BT_: tl.constexpr = NB * BC
-    o_b = tl.arange(0, NB)
-    o_s = tl.arange(0, BC)
-    same = (o_b[:, None, None, None] == o_b[None, None, :, None])
-    Ld = tl.sum(tl.where(same, tl.reshape(L, (NB, BC, NB, BC)), 0.), axis=2)  # [NB, BC, BC]
-    eye = tl.where(o_s[:, None] == o_s[None, :], 1.0, 0.0)
-    Td = tl.zeros([NB, BC, BC], dtype=tl.float32) + eye[None, :, :]
-    for s in range(1, BC):
-        row = tl.sum(tl.where((o_s == s)[None, :, None], Ld, 0.), axis=1)  # [NB, BC] = Ld[:, s, :]
-        new = tl.where((o_s == s)[None, :], 1.0, 0.0) - tl.sum(row[:, :, None] * Td, axis=1)
-        Td = tl.where((o_s == s)[None, :, None], new[:, None, :], Td)
-    D = tl.reshape(tl.where(same, Td[:, :, None, :], 0.), (BT_, BT_))
-    blk = o_t // BC
-    Lo = tl.where(blk[:, None] != blk[None, :], L, 0.)
-    N1 = tl.dot(D, Lo, input_precision=PREC)
-    N2 = tl.dot(N1, N1, input_precision=PREC)
-    X1 = D + tl.dot(N2, D, input_precision=PREC)
-    return X1 - tl.dot(N1, X1, input_precision=PREC)
-
-
-@triton.jit
-def _load_tile(x, i_h, bos, eos, H, K, i_k, BT: tl.constexpr, BKS: tl.constexpr):
-    """Raw columns [i_k·BKS, (i_k+1)·BKS) of one chunk of x [T, H, K] (zeros outside)."""
-    o_t = tl.arange(0, BT)
-    o_k = i_k * BKS + tl.arange(0, BKS)
-    m = ((bos + o_t) < eos)[:, None] & (o_k < K)[None, :]
-    return tl.load(x + (bos + o_t)[:, None] * (H * K) + i_h * K + o_k[None, :], mask=m, other=0.)
-
-
-@triton.jit
-def _sumsq(x):
-    x = x.to(tl.float32)
-    return tl.sum(x * x, axis=1)
-
-
-@triton.jit
-def _gate_cumsum(b_f, i_h, i_k, bos, eos, A_log, dt_bias, lb, K, BT: tl.constexpr, BKS: tl.constexpr,
-                 USE_GATE: tl.constexpr, HAS_LB: tl.constexpr, HAS_A: tl.constexpr, HAS_DT: tl.constexpr):
-    """Gate activation + within-chunk cumsum, fp32, log2 units; padded rows/columns decay nothing."""
-    o_t = tl.arange(0, BT)
-    o_k = i_k * BKS + tl.arange(0, BKS)
+    o_k = tl.arange(0, BK)
+    t = bos + I * BC + o_s
     m_k = o_k < K
-    b_g = _gate_fwd(b_f.to(tl.float32), i_h, A_log, dt_bias, lb, o_k, m_k, K, USE_GATE, HAS_LB, HAS_A, HAS_DT)
-    m = ((bos + o_t) < eos)[:, None] & m_k[None, :]
-    return tl.cumsum(tl.where(m, b_g, 0.) * 1.4426950408889634, axis=0)
+    m = (t < eos)[:, None] & m_k[None, :]
+    b_f = tl.load(g + t[:, None] * (H * K) + i_h * K + o_k[None, :], mask=m, other=0.).to(tl.float32)
+    b_g = _gate_fwd(b_f, i_h, A_log, dt_bias, lb, o_k, m_k, K, USE_GATE, HAS_LB, HAS_A, HAS_DT)
+    return tl.where(m, b_g, 0.) * 1.4426950408889634
 
 
 @triton.jit
-def _load_beta(beta, i_h, bos, eos, H, BT: tl.constexpr, BETA_SIGMOID: tl.constexpr):
-    o_t = tl.arange(0, BT)
-    m_t = (bos + o_t) < eos
-    b_b = tl.load(beta + (bos + o_t) * H + i_h, mask=m_t, other=0.).to(tl.float32)
+def _sub_qkb(q, k, beta, i_h, bos, eos, H, K, I: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
+             L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr):
+    """Rows [I·BC, I·BC + BC): L2-normalized q, k [BC, BK] fp32 and β [BC] (zero on padding)."""
+    o_s = tl.arange(0, BC)
+    o_k = tl.arange(0, BK)
+    t = bos + I * BC + o_s
+    m_t = t < eos
+    m = m_t[:, None] & (o_k < K)[None, :]
+    p = t[:, None] * (H * K) + i_h * K + o_k[None, :]
+    b_k, _ = _l2norm(tl.load(k + p, mask=m, other=0.).to(tl.float32), L2NORM)
+    b_q, _ = _l2norm(tl.load(q + p, mask=m, other=0.).to(tl.float32), L2NORM)
+    b_b = tl.load(beta + t * H + i_h, mask=m_t, other=0.).to(tl.float32)
     if BETA_SIGMOID:
         b_b = _sigmoid(b_b)
-    return tl.where(m_t, b_b, 0.)
+    return b_q, b_k, tl.where(m_t, b_b, 0.)
 
 
 @triton.jit
-def _prep_cols(b_q, b_k, G, b_b, o_t, KG, QG, GAM, base, i_k, scale,
-               BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BKS: tl.constexpr,
-               EXACT_DIAG: tl.constexpr, PREC: tl.constexpr):
-    """One column slice: store kg, qg, γ; return its share of A_qk, A_kk and X = β k e^G (store dtype)."""
-    DT: tl.constexpr = KG.dtype.element_ty
-    NB: tl.constexpr = BT // BC
-    o_k = i_k * BKS + tl.arange(0, BKS)
-    p_tk = (base * BT + o_t[:, None]) * BK + o_k[None, :]
-    Glast = _row(G, BT - 1, o_t)
-    eG = tl.exp2(G)
-    tl.store(KG + p_tk, (b_k * tl.exp2(Glast[None, :] - G)).to(DT))
-    tl.store(QG + p_tk, (b_q * eG * scale).to(DT))
-    tl.store(GAM + base * BK + o_k, tl.exp2(Glast))
-    b_x = (b_k * eG * b_b[:, None]).to(DT)
-    aq, ak = _intra_A(b_q, b_k, G, o_t, NB, BC, EXACT_DIAG, PREC)
-    return aq, ak, b_x
+def _sub_state(q, k, g, beta, A_log, dt_bias, i_h, bos, eos, H, K, lb, c, I: tl.constexpr,
+               BC: tl.constexpr, BK: tl.constexpr,
+               USE_GATE: tl.constexpr, HAS_LB: tl.constexpr, HAS_A: tl.constexpr, HAS_DT: tl.constexpr,
+               L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr):
+    """One sub-block: normalized q, k, β, the gate cumsum G = c + cumsum(g) (log2) and the next carry."""
+    b_g = _sub_gate(g, A_log, dt_bias, i_h, bos, eos, H, K, lb, I, BC, BK, USE_GATE, HAS_LB, HAS_A, HAS_DT)
+    b_q, b_k, b_b = _sub_qkb(q, k, beta, i_h, bos, eos, H, K, I, BC, BK, L2NORM, BETA_SIGMOID)
+    G = c[None, :] + tl.cumsum(b_g, axis=0)
+    return b_q, b_k, b_b, G, c + tl.sum(b_g, axis=0)
+
+
+@triton.jit
+def _diag_A(b_q, b_k, G, c, EXACT_DIAG: tl.constexpr, PREC: tl.constexpr):
+    """Diagonal sub-block of A_qk-like (j ≤ i) and A_kk-like (j < i, without β). Reference = the last row of the
+    previous sub-block (a past row): (x_i e^{G_i − c}) · (k_j e^{c − G_j}), the right factor ≤ e^{5·16}."""
+    o_s = tl.arange(0, b_q.shape[0])
+    if EXACT_DIAG:
+        aq = _exact_diag(b_q, b_k, G, False)
+        ak = _exact_diag(b_k, b_k, G, True)
+    else:
+        e = tl.exp2(G - c[None, :])
+        kd = b_k * tl.exp2(c[None, :] - G)
+        aq = tl.dot(b_q * e, tl.trans(kd), input_precision=PREC)
+        ak = tl.dot(b_k * e, tl.trans(kd), input_precision=PREC)
+    aq = tl.where(o_s[:, None] >= o_s[None, :], aq, 0.)
+    ak = tl.where(o_s[:, None] > o_s[None, :], ak, 0.)
+    return aq, ak
+
+
+@triton.jit
+def _off_A(xl, kdJ, cI, cJ1, PREC: tl.constexpr):
+    """Off-diagonal sub-block (row block I > column block J), reference = last row of block J (carry c_{J+1});
+    both factors ≤ 1 for any gate: (x_i e^{G_i − c_I}) e^{c_I − c_{J+1}} · (k_j e^{c_{J+1} − G_j})."""
+    return tl.dot(xl * tl.exp2(cI - cJ1)[None, :], tl.trans(kdJ), input_precision=PREC)
+
+
+@triton.jit
+def _store_tile(ptr, base, x, I: tl.constexpr, J: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
+    """Store a [BC, BC] tile at sub-block (I, J) of the [BT, BT] chunk matrix number ``base``."""
+    o_s = tl.arange(0, BC)
+    tl.store(ptr + (base * BT + I * BC + o_s[:, None]) * BT + J * BC + o_s[None, :], x.to(ptr.dtype.element_ty))
+
+
+@triton.jit
+def _load_tile(ptr, base, I: tl.constexpr, J: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
+    o_s = tl.arange(0, BC)
+    return tl.load(ptr + (base * BT + I * BC + o_s[:, None]) * BT + J * BC + o_s[None, :]).to(tl.float32)
+
+
+@triton.jit
+def _store_rows(ptr, base, x, I: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, N: tl.constexpr):
+    """Store [BC, N] rows at sub-block I of the [BT, N] chunk tile number ``base``."""
+    o_s = tl.arange(0, BC)
+    o_n = tl.arange(0, N)
+    tl.store(ptr + (base * BT + I * BC + o_s[:, None]) * N + o_n[None, :], x.to(ptr.dtype.element_ty))
+
+
+@triton.jit
+def _load_rows(ptr, base, I: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, N: tl.constexpr):
+    o_s = tl.arange(0, BC)
+    o_n = tl.arange(0, N)
+    return tl.load(ptr + (base * BT + I * BC + o_s[:, None]) * N + o_n[None, :])
+
+
+@triton.jit
+def _inv16(L):
+    """(I + L)^{-1} of a strictly lower-triangular 16×16 block by forward substitution (fp32)."""
+    R: tl.constexpr = L.shape[0]
+    o_s = tl.arange(0, R)
+    Tm = tl.where(o_s[:, None] == o_s[None, :], 1.0, 0.0)
+    for s in range(1, R):
+        row = tl.sum(tl.where((o_s == s)[:, None], L, 0.), axis=0)  # L[s, :]
+        new = tl.where(o_s == s, 1.0, 0.0) - tl.sum(row[:, None] * Tm, axis=0)
+        Tm = tl.where((o_s == s)[:, None], new[None, :], Tm)
+    return Tm
+
+
+@triton.jit
+def _merge_T(D0, D1, D2, D3, L10, L20, L21, L30, L31, L32, PREC: tl.constexpr):
+    """Off-diagonal blocks of T = (I + L)^{-1}: T_IJ = −D_I Σ_{J≤M<I} L_IM T_MJ (T_JJ = D_J)."""
+    T10 = -tl.dot(D1, tl.dot(L10, D0, input_precision=PREC), input_precision=PREC)
+    T21 = -tl.dot(D2, tl.dot(L21, D1, input_precision=PREC), input_precision=PREC)
+    T32 = -tl.dot(D3, tl.dot(L32, D2, input_precision=PREC), input_precision=PREC)
+    T20 = -tl.dot(D2, tl.dot(L20, D0, input_precision=PREC) + tl.dot(L21, T10, input_precision=PREC),
+                  input_precision=PREC)
+    T31 = -tl.dot(D3, tl.dot(L31, D1, input_precision=PREC) + tl.dot(L32, T21, input_precision=PREC),
+                  input_precision=PREC)
+    T30 = -tl.dot(D3, tl.dot(L30, D0, input_precision=PREC) + tl.dot(L31, T10, input_precision=PREC)
+                  + tl.dot(L32, T20, input_precision=PREC), input_precision=PREC)
+    return T10, T20, T21, T30, T31, T32
+
+
+@triton.jit
+def _sub_v(v, i_h, bos, eos, H, V, b_b, I: tl.constexpr, BC: tl.constexpr, BVP: tl.constexpr, DT: tl.constexpr):
+    """β · V for rows [I·BC, I·BC + BC), in the store dtype."""
+    o_s = tl.arange(0, BC)
+    o_v = tl.arange(0, BVP)
+    t = bos + I * BC + o_s
+    b_v = tl.load(v + (t * H + i_h)[:, None] * V + o_v[None, :], mask=(t < eos)[:, None] & (o_v < V)[None, :],
+                  other=0.).to(tl.float32)
+    return (b_v * b_b[:, None]).to(DT)
+
+
+@triton.jit
+def _tx(t0, t1, t2, t3, x0, x1, x2, x3, PREC: tl.constexpr):
+    """Σ_J T_IJ X_J for one row block (t_J = T_IJ, zero tiles passed as None-equivalents by the caller)."""
+    return (tl.dot(t0, x0, input_precision=PREC) + tl.dot(t1, x1, input_precision=PREC)
+            + tl.dot(t2, x2, input_precision=PREC) + tl.dot(t3, x3, input_precision=PREC))
 
 
 @triton.jit(do_not_specialize=['c0', 'NCw', 'T', 'NT', 'H'])
@@ -219,67 +203,137 @@ def _kda_fwd_prep(
     W, U, KG, QG, AQK, GAM, TM,
     cu, chunk_seq, chunk_off, c0, NCw, T, NT,
     H, K: tl.constexpr, V: tl.constexpr, scale, lb,
-    BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BKS: tl.constexpr, BVP: tl.constexpr,
+    BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BVP: tl.constexpr,
     USE_GATE: tl.constexpr, HAS_LB: tl.constexpr, HAS_A: tl.constexpr, HAS_DT: tl.constexpr,
     L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr, IS_VARLEN: tl.constexpr, STORE_T: tl.constexpr,
     EXACT_DIAG: tl.constexpr, PREC: tl.constexpr,
 ):
-    # All raw loads are issued first (one memory latency per chunk); the columns are then processed in at most
-    # two BKS-wide slices to bound register pressure (A sums over d; G is per column).
-    NB: tl.constexpr = BT // BC
-    TWO: tl.constexpr = BK > BKS
+    # Explicit 16-row sub-blocks (BT = 4·BC): every tile is loaded straight from memory, nothing is sliced out of
+    # register tensors. Sub-block I has carry c_I = G at the last row of block I−1 (c_0 = 0).
     DT: tl.constexpr = W.dtype.element_ty
     i_c = tl.program_id(0)
     i_h = tl.program_id(1)
     bos, eos = _chunk_pos(c0 + i_c, cu, chunk_seq, chunk_off, T, NT, BT, IS_VARLEN)
-    o_t = tl.arange(0, BT)
     base = (i_h * NCw + i_c).to(tl.int64)
-    k0 = _load_tile(k, i_h, bos, eos, H, K, 0, BT, BKS)
-    q0 = _load_tile(q, i_h, bos, eos, H, K, 0, BT, BKS)
-    g0 = _load_tile(g, i_h, bos, eos, H, K, 0, BT, BKS)
-    if TWO:
-        k1 = _load_tile(k, i_h, bos, eos, H, K, 1, BT, BKS)
-        q1 = _load_tile(q, i_h, bos, eos, H, K, 1, BT, BKS)
-        g1 = _load_tile(g, i_h, bos, eos, H, K, 1, BT, BKS)
-    o_v = tl.arange(0, BVP)
-    m_t = (bos + o_t) < eos
-    b_v = tl.load(v + ((bos + o_t) * H + i_h)[:, None] * V + o_v[None, :],
-                  mask=m_t[:, None] & (o_v < V)[None, :], other=0.)
-    b_b = _load_beta(beta, i_h, bos, eos, H, BT, BETA_SIGMOID)
-    if L2NORM:
-        sk = _sumsq(k0)
-        sq = _sumsq(q0)
-        if TWO:
-            sk += _sumsq(k1)
-            sq += _sumsq(q1)
-        rk = 1.0 / tl.sqrt(sk + 1e-6)
-        rq = 1.0 / tl.sqrt(sq + 1e-6)
-    else:
-        rk = tl.full([BT], 1.0, tl.float32)
-        rq = tl.full([BT], 1.0, tl.float32)
+    o_k = tl.arange(0, BK)
+    c_0 = tl.zeros([BK], dtype=tl.float32)
 
-    G0 = _gate_cumsum(g0, i_h, 0, bos, eos, A_log, dt_bias, lb, K, BT, BKS, USE_GATE, HAS_LB, HAS_A, HAS_DT)
-    Aq, Ak, x0 = _prep_cols(q0.to(tl.float32) * rq[:, None], k0.to(tl.float32) * rk[:, None], G0, b_b, o_t,
-                            KG, QG, GAM, base, 0, scale, BT, BC, BK, BKS, EXACT_DIAG, PREC)
-    if TWO:
-        G1 = _gate_cumsum(g1, i_h, 1, bos, eos, A_log, dt_bias, lb, K, BT, BKS, USE_GATE, HAS_LB, HAS_A, HAS_DT)
-        aq, ak, x1 = _prep_cols(q1.to(tl.float32) * rq[:, None], k1.to(tl.float32) * rk[:, None], G1, b_b, o_t,
-                                KG, QG, GAM, base, 1, scale, BT, BC, BK, BKS, EXACT_DIAG, PREC)
-        Aq += aq
-        Ak += ak
-    p_tt = (base * BT + o_t[:, None]) * BT + o_t[None, :]
-    tl.store(AQK + p_tt, tl.where(o_t[:, None] >= o_t[None, :], Aq * scale, 0.).to(DT))
-    L = tl.where(o_t[:, None] > o_t[None, :], Ak * b_b[:, None], 0.)
-    b_tm = _solve_unit_lower(L, o_t, NB, BC, PREC).to(DT)
+    # ---- sub-block 0
+    q0, k0, b0, G0, c_1 = _sub_state(q, k, g, beta, A_log, dt_bias, i_h, bos, eos, H, K, lb, c_0, 0, BC, BK,
+                                     USE_GATE, HAS_LB, HAS_A, HAS_DT, L2NORM, BETA_SIGMOID)
+    e = tl.exp2(G0)
+    _store_rows(QG, base, q0 * e * scale, 0, BT, BC, BK)
+    x0 = (k0 * e * b0[:, None]).to(DT)
+    kd0 = k0 * tl.exp2(c_1[None, :] - G0)  # ≤ 1: reference = the block's last row
+    aq, L00 = _diag_A(q0, k0, G0, c_0, EXACT_DIAG, PREC)
+    _store_tile(AQK, base, aq * scale, 0, 0, BT, BC)
+    L00 = L00 * b0[:, None]
+    # ---- sub-block 1
+    q1, k1, b1, G1, c_2 = _sub_state(q, k, g, beta, A_log, dt_bias, i_h, bos, eos, H, K, lb, c_1, 1, BC, BK,
+                                     USE_GATE, HAS_LB, HAS_A, HAS_DT, L2NORM, BETA_SIGMOID)
+    e = tl.exp2(G1 - c_1[None, :])
+    ql = q1 * e
+    kl = k1 * e
+    _store_rows(QG, base, ql * tl.exp2(c_1)[None, :] * scale, 1, BT, BC, BK)
+    x1 = (kl * tl.exp2(c_1)[None, :] * b1[:, None]).to(DT)
+    kd1 = k1 * tl.exp2(c_2[None, :] - G1)
+    aq, L11 = _diag_A(q1, k1, G1, c_1, EXACT_DIAG, PREC)
+    _store_tile(AQK, base, aq * scale, 1, 1, BT, BC)
+    L11 = L11 * b1[:, None]
+    _store_tile(AQK, base, _off_A(ql, kd0, c_1, c_1, PREC) * scale, 1, 0, BT, BC)
+    L10 = _off_A(kl, kd0, c_1, c_1, PREC) * b1[:, None]
+    # ---- sub-block 2
+    q2, k2, b2, G2, c_3 = _sub_state(q, k, g, beta, A_log, dt_bias, i_h, bos, eos, H, K, lb, c_2, 2, BC, BK,
+                                     USE_GATE, HAS_LB, HAS_A, HAS_DT, L2NORM, BETA_SIGMOID)
+    e = tl.exp2(G2 - c_2[None, :])
+    ql = q2 * e
+    kl = k2 * e
+    _store_rows(QG, base, ql * tl.exp2(c_2)[None, :] * scale, 2, BT, BC, BK)
+    x2 = (kl * tl.exp2(c_2)[None, :] * b2[:, None]).to(DT)
+    kd2 = k2 * tl.exp2(c_3[None, :] - G2)
+    aq, L22 = _diag_A(q2, k2, G2, c_2, EXACT_DIAG, PREC)
+    _store_tile(AQK, base, aq * scale, 2, 2, BT, BC)
+    L22 = L22 * b2[:, None]
+    _store_tile(AQK, base, _off_A(ql, kd0, c_2, c_1, PREC) * scale, 2, 0, BT, BC)
+    _store_tile(AQK, base, _off_A(ql, kd1, c_2, c_2, PREC) * scale, 2, 1, BT, BC)
+    L20 = _off_A(kl, kd0, c_2, c_1, PREC) * b2[:, None]
+    L21 = _off_A(kl, kd1, c_2, c_2, PREC) * b2[:, None]
+    # ---- sub-block 3
+    q3, k3, b3, G3, c_4 = _sub_state(q, k, g, beta, A_log, dt_bias, i_h, bos, eos, H, K, lb, c_3, 3, BC, BK,
+                                     USE_GATE, HAS_LB, HAS_A, HAS_DT, L2NORM, BETA_SIGMOID)
+    e = tl.exp2(G3 - c_3[None, :])
+    ql = q3 * e
+    kl = k3 * e
+    _store_rows(QG, base, ql * tl.exp2(c_3)[None, :] * scale, 3, BT, BC, BK)
+    x3 = (kl * tl.exp2(c_3)[None, :] * b3[:, None]).to(DT)
+    kd3 = k3 * tl.exp2(c_4[None, :] - G3)
+    aq, L33 = _diag_A(q3, k3, G3, c_3, EXACT_DIAG, PREC)
+    _store_tile(AQK, base, aq * scale, 3, 3, BT, BC)
+    L33 = L33 * b3[:, None]
+    _store_tile(AQK, base, _off_A(ql, kd0, c_3, c_1, PREC) * scale, 3, 0, BT, BC)
+    _store_tile(AQK, base, _off_A(ql, kd1, c_3, c_2, PREC) * scale, 3, 1, BT, BC)
+    _store_tile(AQK, base, _off_A(ql, kd2, c_3, c_3, PREC) * scale, 3, 2, BT, BC)
+    L30 = _off_A(kl, kd0, c_3, c_1, PREC) * b3[:, None]
+    L31 = _off_A(kl, kd1, c_3, c_2, PREC) * b3[:, None]
+    L32 = _off_A(kl, kd2, c_3, c_3, PREC) * b3[:, None]
+    zt = tl.zeros([BC, BC], dtype=tl.float32)
+    _store_tile(AQK, base, zt, 0, 1, BT, BC)
+    _store_tile(AQK, base, zt, 0, 2, BT, BC)
+    _store_tile(AQK, base, zt, 0, 3, BT, BC)
+    _store_tile(AQK, base, zt, 1, 2, BT, BC)
+    _store_tile(AQK, base, zt, 1, 3, BT, BC)
+    _store_tile(AQK, base, zt, 2, 3, BT, BC)
+
+    # ---- kg = k e^{G_C − G} = (k e^{c_{J+1} − G}) · e^{G_C − c_{J+1}};  γ = e^{G_C}
+    _store_rows(KG, base, kd0 * tl.exp2(c_4 - c_1)[None, :], 0, BT, BC, BK)
+    _store_rows(KG, base, kd1 * tl.exp2(c_4 - c_2)[None, :], 1, BT, BC, BK)
+    _store_rows(KG, base, kd2 * tl.exp2(c_4 - c_3)[None, :], 2, BT, BC, BK)
+    _store_rows(KG, base, kd3, 3, BT, BC, BK)
+    tl.store(GAM + base * BK + o_k, tl.exp2(c_4))
+
+    # ---- T = (I + L)^{-1}: diagonal blocks by forward substitution, then the block merge
+    D0 = _inv16(L00)
+    D1 = _inv16(L11)
+    D2 = _inv16(L22)
+    D3 = _inv16(L33)
+    T10, T20, T21, T30, T31, T32 = _merge_T(D0, D1, D2, D3, L10, L20, L21, L30, L31, L32, PREC)
+    t00, t11, t22, t33 = D0.to(DT), D1.to(DT), D2.to(DT), D3.to(DT)
+    t10, t20, t21, t30, t31, t32 = T10.to(DT), T20.to(DT), T21.to(DT), T30.to(DT), T31.to(DT), T32.to(DT)
     if STORE_T:
-        tl.store(TM + p_tt, b_tm)
-    o_k = tl.arange(0, BKS)
-    tl.store(W + (base * BT + o_t[:, None]) * BK + o_k[None, :], tl.dot(b_tm, x0, input_precision=PREC).to(DT))
-    if TWO:
-        tl.store(W + (base * BT + o_t[:, None]) * BK + BKS + o_k[None, :],
-                 tl.dot(b_tm, x1, input_precision=PREC).to(DT))
-    b_u = tl.dot(b_tm, (b_v.to(tl.float32) * b_b[:, None]).to(DT), input_precision=PREC)
-    tl.store(U + (base * BT + o_t[:, None]) * BVP + o_v[None, :], b_u.to(DT))
+        _store_tile(TM, base, t00, 0, 0, BT, BC)
+        _store_tile(TM, base, t11, 1, 1, BT, BC)
+        _store_tile(TM, base, t22, 2, 2, BT, BC)
+        _store_tile(TM, base, t33, 3, 3, BT, BC)
+        _store_tile(TM, base, t10, 1, 0, BT, BC)
+        _store_tile(TM, base, t20, 2, 0, BT, BC)
+        _store_tile(TM, base, t21, 2, 1, BT, BC)
+        _store_tile(TM, base, t30, 3, 0, BT, BC)
+        _store_tile(TM, base, t31, 3, 1, BT, BC)
+        _store_tile(TM, base, t32, 3, 2, BT, BC)
+        _store_tile(TM, base, zt, 0, 1, BT, BC)
+        _store_tile(TM, base, zt, 0, 2, BT, BC)
+        _store_tile(TM, base, zt, 0, 3, BT, BC)
+        _store_tile(TM, base, zt, 1, 2, BT, BC)
+        _store_tile(TM, base, zt, 1, 3, BT, BC)
+        _store_tile(TM, base, zt, 2, 3, BT, BC)
+
+    # ---- W = T X, U = T (β V), by sub-block rows
+    _store_rows(W, base, tl.dot(t00, x0, input_precision=PREC), 0, BT, BC, BK)
+    _store_rows(W, base, tl.dot(t10, x0, input_precision=PREC) + tl.dot(t11, x1, input_precision=PREC),
+                1, BT, BC, BK)
+    _store_rows(W, base, tl.dot(t20, x0, input_precision=PREC) + tl.dot(t21, x1, input_precision=PREC)
+                + tl.dot(t22, x2, input_precision=PREC), 2, BT, BC, BK)
+    _store_rows(W, base, _tx(t30, t31, t32, t33, x0, x1, x2, x3, PREC), 3, BT, BC, BK)
+    y0 = _sub_v(v, i_h, bos, eos, H, V, b0, 0, BC, BVP, DT)
+    y1 = _sub_v(v, i_h, bos, eos, H, V, b1, 1, BC, BVP, DT)
+    y2 = _sub_v(v, i_h, bos, eos, H, V, b2, 2, BC, BVP, DT)
+    y3 = _sub_v(v, i_h, bos, eos, H, V, b3, 3, BC, BVP, DT)
+    _store_rows(U, base, tl.dot(t00, y0, input_precision=PREC), 0, BT, BC, BVP)
+    _store_rows(U, base, tl.dot(t10, y0, input_precision=PREC) + tl.dot(t11, y1, input_precision=PREC),
+                1, BT, BC, BVP)
+    _store_rows(U, base, tl.dot(t20, y0, input_precision=PREC) + tl.dot(t21, y1, input_precision=PREC)
+                + tl.dot(t22, y2, input_precision=PREC), 2, BT, BC, BVP)
+    _store_rows(U, base, _tx(t30, t31, t32, t33, y0, y1, y2, y3, PREC), 3, BT, BC, BVP)
 
 
 @triton.jit(do_not_specialize=['c0', 'c1', 'NCw', 'NCh', 'T', 'NT', 'H'])
@@ -339,7 +393,6 @@ class FwdConfig:
 
     prep_warps = 8
     prep_stages = 1
-    prep_bks = 64
     state_bv = 32
     state_warps = 4
     state_stages = 2
@@ -378,7 +431,7 @@ def launch_prep(q, k, v, g, beta, A_log, dt_bias, bufs: dict, tab: ChunkTable, c
         bufs["W"], bufs["U"], bufs["KG"], bufs["QG"], bufs["AQK"], bufs["GAM"], bufs["TM"],
         tab.cu, tab.chunk_seq, tab.chunk_off, c0, bufs["W"].shape[1], tab.T, tab.NT,
         H, K, V, scale, float(lower_bound) if lower_bound is not None else 0.0,
-        BT=BT, BC=BC, BK=BK, BKS=BK if BK <= FwdConfig.prep_bks else BK // 2, BVP=BVP,
+        BT=BT, BC=BC, BK=BK, BVP=BVP,
         USE_GATE=flags["use_gate"], HAS_LB=lower_bound is not None, HAS_A=A_log is not None,
         HAS_DT=dt_bias is not None, L2NORM=flags["l2norm"], BETA_SIGMOID=flags["beta_sigmoid"],
         IS_VARLEN=tab.varlen, STORE_T=store_t, EXACT_DIAG=flags["exact_diag"], PREC=dot_precision(q.dtype),
