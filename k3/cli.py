@@ -77,6 +77,8 @@ def _add_train(sub: Any) -> None:
     g.add_argument("--val-data", metavar="SRC", help="held-out data (default: the last 1%% of --data)")
     g.add_argument("--text-field", metavar="NAME", help="field/column holding the text in .jsonl/.parquet "
                    "(default: text)")
+    g.add_argument("--max-tokens", type=_nonneg_int, metavar="N", help="tokenize at most about N tokens of text "
+                   "data (default: all; hf: datasets 10M)")
     g.add_argument("--tokenizer", metavar="SPEC", help="'byte' (default), a tiktoken BPE file (tiktoken.model), "
                    "a Hugging Face tokenizer.json, or a directory holding one")
     g = p.add_argument_group("optimisation")

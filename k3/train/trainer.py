@@ -61,6 +61,7 @@ class TrainArgs:
     data: str = EMBEDDED  # "embedded", a file / directory / glob, or hf:NAME[:SPLIT]
     val_data: str | None = None
     text_field: str = "text"
+    max_tokens: int = 0  # 0: all of the text data (hf: datasets: 10M tokens)
     tokenizer: str = "byte"
     steps: int = 150
     batch_size: int = 8
@@ -94,7 +95,7 @@ class TrainArgs:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be a positive integer, got {v!r}")
-        for name in ("warmup", "save_every", "eval_every", "sample_tokens", "seed", "threads"):
+        for name in ("warmup", "save_every", "eval_every", "sample_tokens", "seed", "threads", "max_tokens"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be a non-negative integer, got {v!r}")
@@ -250,7 +251,7 @@ def build_data(args: TrainArgs, tok: Tokenizer, config: K3Config) -> _Data:
             raise ValueError("--task recall generates its own data; drop --data")
         task = RecallTask.for_seq_len(args.seq_len, config.vocab_size, tok.bos_id)
         return _Data(RecallLoader(task, args.batch_size, args.seed), None, task)
-    train, val = text_streams(args.data, tok, args.seq_len, args.val_data, args.text_field)
+    train, val = text_streams(args.data, tok, args.seq_len, args.val_data, args.text_field, args.max_tokens or None)
     return _Data(WindowLoader(train, args.batch_size, args.seq_len, args.seed), val, None)
 
 
