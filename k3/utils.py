@@ -10,6 +10,12 @@ from typing import Callable
 __all__ = ["atomic_write_bytes", "atomic_write_text", "atomic_write_with"]
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 def atomic_write_with(path: str | Path, write: Callable[[str], None]) -> None:
     """Call ``write(tmp_path)`` for a temporary file beside ``path``, fsync it, then rename it over ``path``.
 
@@ -23,6 +29,7 @@ def atomic_write_with(path: str | Path, write: Callable[[str], None]) -> None:
         write(tmp)
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
+        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600; give the file the mode open() would have
         os.replace(tmp, path)
     except BaseException:
         try:

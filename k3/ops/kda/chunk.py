@@ -20,6 +20,10 @@ from k3.ops.kda.naive import naive_chunk_kda
 
 __all__ = ["chunk_kda", "select_backend", "backend_fn"]
 
+# The torch form materialises [.., C, C, K] decay tensors per chunk: C = 16 moves 4x fewer bytes per token than 64
+# and trains the tiny model ~3x faster on a CPU (0.085 vs 0.25 s per fwd+bwd step, measured on 2 cores).
+_TORCH_CHUNK = 16
+
 _ENV = "K3_KDA_BACKEND"
 
 
@@ -112,7 +116,8 @@ def _chunk_kda_torch(
     qp, kp, gp, bp = _preprocess(q, k, g, beta, use_qk_l2norm_in_kernel, use_gate_in_kernel,
                                  use_beta_sigmoid_in_kernel, lower_bound, A_log, dt_bias)
     o, S = naive_chunk_kda(qp, kp, v.to(qp.dtype), gp, bp, scale=scale, initial_state=initial_state,
-                           output_final_state=output_final_state, cu_seqlens=cu_seqlens)
+                           output_final_state=output_final_state, cu_seqlens=cu_seqlens,
+                           chunk_size=_TORCH_CHUNK)
     return o.to(q.dtype), S
 
 
