@@ -82,7 +82,7 @@ def _add_train(sub: Any) -> None:
     g.add_argument("--tokenizer", metavar="SPEC", help="'byte' (default), a tiktoken BPE file (tiktoken.model), "
                    "a Hugging Face tokenizer.json, or a directory holding one")
     g = p.add_argument_group("optimisation")
-    g.add_argument("--steps", type=_positive_int, metavar="N", help="optimizer steps (default 150)")
+    g.add_argument("--steps", type=_positive_int, metavar="N", help="optimizer steps (default 400)")
     g.add_argument("--batch-size", type=_positive_int, metavar="N", help="sequences per micro-batch (default 8)")
     g.add_argument("--seq-len", type=_positive_int, metavar="N", help="tokens per sequence (default 64)")
     g.add_argument("--grad-accum", type=_positive_int, metavar="N", help="micro-batches per optimizer step (default 1)")

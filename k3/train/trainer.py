@@ -63,7 +63,7 @@ class TrainArgs:
     text_field: str = "text"
     max_tokens: int = 0  # 0: all of the text data (hf: datasets: 10M tokens)
     tokenizer: str = "byte"
-    steps: int = 150
+    steps: int = 400
     batch_size: int = 8
     seq_len: int = 64
     grad_accum: int = 1

@@ -76,3 +76,13 @@ def test_default_run_names_never_collide_and_empty_out_is_fine(tmp_path):
     assert code == 0, err
     code, out, err = k3_runs.run_cli("eval", "--run", str(tmp_path / "runs" / "t"))
     assert code == 0 and "val loss" in out, err
+
+
+def test_default_job_loss_falls_clearly(tmp_path):
+    """The default job's promise at a fraction of its steps: last-5 mean loss < 0.7 × first-5 mean."""
+    r = _k3("train", "--steps", "60", "--sample-tokens", "10", "--no-plot", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    losses = [json.loads(l)["loss"] for l in (tmp_path / "runs" / "tiny" / "metrics.jsonl").read_text().splitlines()]
+    assert len(losses) == 60
+    first, last = sum(losses[:5]) / 5, sum(losses[-5:]) / 5
+    assert last < 0.7 * first, (first, last)
