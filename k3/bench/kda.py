@@ -19,6 +19,7 @@ import json
 import os
 import platform
 import sys
+import time
 from typing import Any, Callable, Iterator
 
 import torch
@@ -114,9 +115,17 @@ def _timed_inference(fn: Callable[[], Any], rep_ms: float, out_bytes: int) -> di
     return dict(ms=ms, extra_gib=extra, beyond_out_gib=extra - out_bytes / GIB)
 
 
+_JSONL: list[str] = []  # path of the incremental log, when --out is given
+
+
 def _row(case: str, impl: str, **kw) -> dict:
+    """Print one result row as JSON (and append it to the --out log at once: a run cut short keeps its rows)."""
     r = dict(case=case, impl=impl, **kw)
-    print(json.dumps(r), flush=True)
+    line = json.dumps(r)
+    print(line, flush=True)
+    if _JSONL:
+        with open(_JSONL[0], "a") as f:
+            f.write(line + "\n")
     return r
 
 
@@ -443,8 +452,10 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m k3.bench kda", description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=None, help="folder for kda_bench.json / kda_bench.md")
     ap.add_argument("--no-fla", action="store_true")
-    ap.add_argument("--sections", default="prefill,train,decode",
-                    help="comma list of: prefill,train,decode,breakdown,sweep")
+    ap.add_argument("--sections", default="decode,prefill,train",
+                    help="comma list, run in this order, of: decode,prefill,train,breakdown,sweep")
+    ap.add_argument("--budget-s", type=float, default=None,
+                    help="start no new section after this many seconds (the rows so far are still written)")
     ap.add_argument("--T", type=int, nargs="+", default=[16384, 131072, 1048576])
     ap.add_argument("--H", type=int, nargs="+", default=[32, 8])
     ap.add_argument("--warm", type=int, default=None, help="compile one group of kernel variants and exit")
@@ -464,6 +475,12 @@ def main(argv: list[str] | None = None) -> int:
                   host=platform.node(), command="python -m k3.bench kda " + " ".join(argv or sys.argv[1:]))
     header["copy_TBps"] = copy_bandwidth()
     print(json.dumps(header), flush=True)
+    if a.out:
+        os.makedirs(a.out, exist_ok=True)
+        _JSONL[:] = [os.path.join(a.out, "kda_bench.jsonl")]
+        with open(_JSONL[0], "w") as f:
+            f.write(json.dumps(header) + "\n")
+    t0 = time.monotonic()
     with_fla = not a.no_fla
     rows: list[dict] = []
     runs = {"decode": lambda: decode_rows(with_fla),
@@ -472,6 +489,9 @@ def main(argv: list[str] | None = None) -> int:
             "sweep": sweep_rows,
             "prefill": lambda: prefill_rows([(h, t) for h in a.H for t in a.T], with_fla)}
     for name in a.sections.split(","):
+        if a.budget_s is not None and time.monotonic() - t0 > a.budget_s:
+            rows.append(_row(name, "section skipped", error=f"time budget of {a.budget_s:.0f} s spent"))
+            continue
         try:
             rows += runs[name]()
         except Exception as e:  # noqa: BLE001 — one broken section must not lose the others' numbers
