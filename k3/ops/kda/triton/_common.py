@@ -40,8 +40,6 @@ _fix_interpreter_scalar_index()
 BT = 64  # chunk length
 BC = 16  # sub-block length: the bounded gate (|g| ≤ 5) keeps e^{±5·15} inside fp32/bf16 range
 RCP_LN2 = 1.4426950408889634
-LN2 = 0.6931471805599453
-L2NORM_EPS = 1e-6  # q, k ← x / sqrt(Σx² + eps), as fla's in-kernel L2 norm
 
 
 def next_pow2(n: int, lo: int = 16) -> int:
@@ -184,23 +182,6 @@ def _l2norm(x, ENABLE: tl.constexpr):
         r = tl.full([x.shape[0]], 1.0, tl.float32)
         y = x
     return y, r
-
-
-@triton.jit
-def _cat_rows(a, b):
-    """[M, N], [M, N] → [2M, N] (a on top)."""
-    M: tl.constexpr = a.shape[0]
-    N: tl.constexpr = a.shape[1]
-    return tl.reshape(tl.permute(tl.join(a, b), (2, 0, 1)), (2 * M, N))
-
-
-@triton.jit
-def _rows(x, I, NB: tl.constexpr, BC: tl.constexpr):
-    """Row block I (rows I*BC .. I*BC+BC-1) of a [NB*BC, N] tensor → [BC, N]."""
-    N: tl.constexpr = x.shape[1]
-    x3 = tl.reshape(x, (NB, BC, N))
-    o_b = tl.arange(0, NB)
-    return tl.sum(tl.where((o_b == I)[:, None, None], x3, 0.), axis=0)
 
 
 @triton.jit

@@ -25,7 +25,6 @@ from k3.ops.kda.triton._common import (
     _chunk_pos,
     _chunk_range,
     _row,
-    _rows,
     _seq_bounds,
     _sigmoid,
     _softplus,
@@ -385,14 +384,17 @@ def _kda_bwd_intra(
     c_0 = tl.zeros([BK], dtype=tl.float32)
 
     # ---- sub-block 0
-    q0, k0, rq, rk0, G0, c_1 = _sub_fwd(q, k, g, A_log, dt_bias, i_h, bos, eos, H, K, lb, c_0, 0, BC, BK, USE_GATE, HAS_LB, HAS_A, HAS_DT, L2NORM)
+    q0, k0, rq, rk0, G0, c_1 = _sub_fwd(q, k, g, A_log, dt_bias, i_h, bos, eos, H, K, lb, c_0, 0, BC, BK,
+                                        USE_GATE, HAS_LB, HAS_A, HAS_DT, L2NORM)
     b0 = _sub_beta(beta, i_h, bos, eos, H, 0, BC, BETA_SIGMOID)
     f0 = tl.exp2(c_1[None, :] - G0)
     dqa, dkr, dkcd, dba = _diag_bwd(_load_tile(DAQ, base, 0, 0, BT, BC), _load_tile(DL, base, 0, 0, BT, BC), b0,
                                     q0, k0, G0, c_0, EXACT_DIAG, PREC)
-    _finish_rows(DQ, DK, DG, DB, dq, dbeta, beta, base, i_h, bos, eos, H, K, q0, k0, rq, dqa, dkr, dkcd, dba, 0, BT, BC, BK, L2NORM, BETA_SIGMOID)
+    _finish_rows(DQ, DK, DG, DB, dq, dbeta, beta, base, i_h, bos, eos, H, K, q0, k0, rq, dqa, dkr, dkcd, dba, 0,
+                 BT, BC, BK, L2NORM, BETA_SIGMOID)
     # ---- sub-block 1
-    q1, k1, rq, rk1, G1, c_2 = _sub_fwd(q, k, g, A_log, dt_bias, i_h, bos, eos, H, K, lb, c_1, 1, BC, BK, USE_GATE, HAS_LB, HAS_A, HAS_DT, L2NORM)
+    q1, k1, rq, rk1, G1, c_2 = _sub_fwd(q, k, g, A_log, dt_bias, i_h, bos, eos, H, K, lb, c_1, 1, BC, BK,
+                                        USE_GATE, HAS_LB, HAS_A, HAS_DT, L2NORM)
     b1 = _sub_beta(beta, i_h, bos, eos, H, 1, BC, BETA_SIGMOID)
     f1 = tl.exp2(c_2[None, :] - G1)
     e = tl.exp2(G1 - c_1[None, :])
@@ -405,7 +407,8 @@ def _kda_bwd_intra(
     _finish_rows(DQ, DK, DG, DB, dq, dbeta, beta, base, i_h, bos, eos, H, K, q1, k1, rq, dqa + a, dkr + b, dkcd,
                  dba + d, 1, BT, BC, BK, L2NORM, BETA_SIGMOID)
     # ---- sub-block 2
-    q2, k2, rq, rk2, G2, c_3 = _sub_fwd(q, k, g, A_log, dt_bias, i_h, bos, eos, H, K, lb, c_2, 2, BC, BK, USE_GATE, HAS_LB, HAS_A, HAS_DT, L2NORM)
+    q2, k2, rq, rk2, G2, c_3 = _sub_fwd(q, k, g, A_log, dt_bias, i_h, bos, eos, H, K, lb, c_2, 2, BC, BK,
+                                        USE_GATE, HAS_LB, HAS_A, HAS_DT, L2NORM)
     b2 = _sub_beta(beta, i_h, bos, eos, H, 2, BC, BETA_SIGMOID)
     f2 = tl.exp2(c_3[None, :] - G2)
     e = tl.exp2(G2 - c_2[None, :])
@@ -424,7 +427,8 @@ def _kda_bwd_intra(
     _finish_rows(DQ, DK, DG, DB, dq, dbeta, beta, base, i_h, bos, eos, H, K, q2, k2, rq, dqa + a, dkr + b, dkcd,
                  dba + d, 2, BT, BC, BK, L2NORM, BETA_SIGMOID)
     # ---- sub-block 3
-    q3, k3, rq, rk3, G3, c_4 = _sub_fwd(q, k, g, A_log, dt_bias, i_h, bos, eos, H, K, lb, c_3, 3, BC, BK, USE_GATE, HAS_LB, HAS_A, HAS_DT, L2NORM)
+    q3, k3, rq, rk3, G3, c_4 = _sub_fwd(q, k, g, A_log, dt_bias, i_h, bos, eos, H, K, lb, c_3, 3, BC, BK,
+                                        USE_GATE, HAS_LB, HAS_A, HAS_DT, L2NORM)
     b3 = _sub_beta(beta, i_h, bos, eos, H, 3, BC, BETA_SIGMOID)
     e = tl.exp2(G3 - c_3[None, :])
     ql = q3 * e
@@ -450,17 +454,21 @@ def _kda_bwd_intra(
 
     # ---- backwards: dk, dG → dg (reverse cumsum), gate
     suffix, ddt, dA = _finish_cols(DK, DG, dk, dg, g, A_log, dt_bias, base, i_h, bos, eos, H, K, lb, k3, rk3,
-                                   tl.zeros_like(k3), c_0, 3, BT, BC, BK, USE_GATE, HAS_LB, HAS_A, HAS_DT, L2NORM)
+                                   tl.zeros_like(k3), c_0, 3, BT, BC, BK,
+                                   USE_GATE, HAS_LB, HAS_A, HAS_DT, L2NORM)
     suffix, x, y = _finish_cols(DK, DG, dk, dg, g, A_log, dt_bias, base, i_h, bos, eos, H, K, lb, k2, rk2,
-                                dkc2 * f2, suffix, 2, BT, BC, BK, USE_GATE, HAS_LB, HAS_A, HAS_DT, L2NORM)
+                                dkc2 * f2, suffix, 2, BT, BC, BK,
+                                USE_GATE, HAS_LB, HAS_A, HAS_DT, L2NORM)
     ddt += x
     dA += y
     suffix, x, y = _finish_cols(DK, DG, dk, dg, g, A_log, dt_bias, base, i_h, bos, eos, H, K, lb, k1, rk1,
-                                dkc1 * f1, suffix, 1, BT, BC, BK, USE_GATE, HAS_LB, HAS_A, HAS_DT, L2NORM)
+                                dkc1 * f1, suffix, 1, BT, BC, BK,
+                                USE_GATE, HAS_LB, HAS_A, HAS_DT, L2NORM)
     ddt += x
     dA += y
     suffix, x, y = _finish_cols(DK, DG, dk, dg, g, A_log, dt_bias, base, i_h, bos, eos, H, K, lb, k0, rk0,
-                                dkc0 * f0, suffix, 0, BT, BC, BK, USE_GATE, HAS_LB, HAS_A, HAS_DT, L2NORM)
+                                dkc0 * f0, suffix, 0, BT, BC, BK,
+                                USE_GATE, HAS_LB, HAS_A, HAS_DT, L2NORM)
     ddt += x
     dA += y
     if USE_GATE:

@@ -27,7 +27,6 @@ import triton.language as tl
 from k3.ops.kda.triton._common import (
     BC,
     BT,
-    RCP_LN2,
     ChunkTable,
     _chunk_pos,
     _chunk_range,
