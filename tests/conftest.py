@@ -1,12 +1,37 @@
-"""Test-wide setup: with no GPU, Triton kernels run in the interpreter on CPU tensors (fp32/fp16 only).
+"""Test-wide setup.
 
-This must happen before any module decorates a kernel with @triton.jit, hence here at collection start.
+- With no GPU, Triton kernels run in the interpreter on CPU tensors (fp32/fp16 only). This must happen before any
+  module decorates a kernel with @triton.jit, hence here at collection start.
+- One intra-op thread: every test uses tiny shapes, whose thousands of small ops each pay an OpenMP barrier with
+  more threads — 3-10x slower on a busy 2-core machine.
+- Fixtures shared by the CLI/train/infer tests (helpers in ``tests/train/k3_runs.py``).
 """
 
+import importlib.util
 import os
+import sys
+from pathlib import Path
 
+import pytest
 import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
-torch.set_num_threads(min(2, os.cpu_count() or 1))
+torch.set_num_threads(1)
+
+_spec = importlib.util.spec_from_file_location("k3_runs", Path(__file__).parent / "train" / "k3_runs.py")
+k3_runs = sys.modules.setdefault("k3_runs", importlib.util.module_from_spec(_spec))
+if not hasattr(k3_runs, "run_cli"):
+    _spec.loader.exec_module(k3_runs)
+
+
+@pytest.fixture(scope="session")
+def runs_base(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.getbasetemp() / "k3_runs"
+
+
+@pytest.fixture(scope="session")
+def tiny_run(runs_base: Path) -> Path:
+    """A 4-step text run of preset tiny (checkpoint at step 4), trained once per session. Do not modify it."""
+    with k3_runs.one_thread():
+        return k3_runs.cached_run(runs_base, "tiny_text", "--steps", "4", *k3_runs.FAST)
