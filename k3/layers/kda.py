@@ -8,8 +8,8 @@
     y       = o_proj[ σ(g_proj x) ⊙ RMSNorm_head(o; o_norm) ]
 
 Prefill / training runs ``k3.ops.kda.chunk_kda``; decode (T == 1 with a state) runs ``fused_recurrent_kda``.
-Until those exist (or with ``impl="reference"``) the gate, L2 norm and sigmoid are computed here and the fp32
-token loop ``naive_recurrent_kda`` runs instead: same math.
+With ``impl="reference"`` the gate, L2 norm and sigmoid are computed here and the fp32 token loop
+``naive_recurrent_kda`` runs instead: same math, the layer tests' ground truth.
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ def kda_reference(
 
 
 class KimiDeltaAttention(nn.Module):
-    """KDA token mixer. ``impl``: "auto" (chunk/fused-recurrent ops when present) or "reference"."""
+    """KDA token mixer. ``impl``: "auto" (chunk / fused-recurrent ops) or "reference" (token loop)."""
 
     def __init__(self, config: K3Config, layer_idx: int = 0) -> None:
         super().__init__()
@@ -114,13 +114,11 @@ class KimiDeltaAttention(nn.Module):
     def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Tensor, b: torch.Tensor,
               S0: torch.Tensor | None, output_final_state: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Dispatch to the chunked / fused-recurrent op (in-kernel L2 norm, gate and β sigmoid) or the reference."""
-        chunk = getattr(kda_ops, "chunk_kda", None)
-        recurrent = getattr(kda_ops, "fused_recurrent_kda", None)
+        if self.impl == "reference":
+            return kda_reference(q, k, v, f, b, self.A_log, self.dt_bias, self.lower_bound, S0, output_final_state)
         # fused_recurrent_kda is forward-only: decode steps that need gradients take the chunked path.
         decode = q.shape[1] == 1 and S0 is not None and not torch.is_grad_enabled()
-        op = recurrent if decode else chunk
-        if self.impl == "reference" or op is None:
-            return kda_reference(q, k, v, f, b, self.A_log, self.dt_bias, self.lower_bound, S0, output_final_state)
+        op = kda_ops.fused_recurrent_kda if decode else kda_ops.chunk_kda
         return op(q, k, v, f, b, scale=self.head_dim ** -0.5, initial_state=S0,
                   output_final_state=output_final_state, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
                   use_beta_sigmoid_in_kernel=True, safe_gate=True, lower_bound=self.lower_bound,
