@@ -261,6 +261,7 @@ def breakdown_rows() -> list[dict]:
     args = (x["q"], x["k"], x["v"], x["g"], x["beta"], x["A_log"], x["dt_bias"])
     o_, ht_, saved = cf.kda_fwd(*args, 128**-0.5, None, tab, -5.0, flags, True)
     bufs = {n: saved[n] for n in ("W", "U", "KG", "QG", "AQK", "GAM", "TM")}
+    bufs["LD"] = torch.empty(H, tab.NC, 4, 16, 16, device="cuda")  # the prep kernel's scratch (not saved)
     o = torch.empty_like(x["v"])
     ht = torch.zeros(B, H, 128, 128, device="cuda")
     do = torch.randn_like(x["v"])

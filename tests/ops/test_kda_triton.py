@@ -24,6 +24,7 @@ from k3.ops.kda.triton import (  # noqa: E402
     fused_recurrent_kda_triton,
     span_summaries_triton,
 )
+from k3.ops.kda.triton.chunk_bwd import BwdConfig  # noqa: E402
 from k3.ops.kda.triton.chunk_fwd import FwdConfig  # noqa: E402
 
 CUDA = torch.cuda.is_available()
@@ -271,7 +272,71 @@ def test_span_summaries_affine_map():
     assert torch.equal(M[1], torch.eye(16).expand(2, 16, 16))
 
 
+# kernel variants (bench/kda_sweep.py times them; the defaults are its fastest correct choice). The bf16-operand
+# variant only differs from fp32 operands for bf16 inputs, which the interpreter cannot load: GPU tests below.
+PREP_VARIANTS = {
+    "reduction_inverse": dict(prep_inv_scratch=False, prep_split=False),
+    "scratch_inverse": dict(prep_inv_scratch=True, prep_split=False),
+    "split_prep": dict(prep_inv_scratch=True, prep_split=True),
+}
+
+
+def _set_variant(monkeypatch, variant: str) -> None:
+    for name, val in PREP_VARIANTS[variant].items():
+        monkeypatch.setattr(FwdConfig, name, val)
+
+
+@cpu_only
+@pytest.mark.parametrize("variant", list(PREP_VARIANTS))
+@pytest.mark.parametrize("B,T,H,K,V,kw,rkw", [CASES[5], CASES[7], (1, 70, 1, 128, 128, {}, {})])
+def test_prep_variants_match_recurrence(monkeypatch, variant, B, T, H, K, V, kw, rkw):
+    """Every prep-kernel variant: gates at the bound, β ≈ 1 with identical keys, K = V = 128."""
+    _set_variant(monkeypatch, variant)
+    x = make_inputs(B, T, H, K, V, **kw)
+    check_against_reference(x, 1e-4, **rkw)
+
+
+@cpu_only
+@pytest.mark.parametrize("variant", ["scratch_inverse", "split_prep"])
+def test_prep_variants_windows_varlen_causality(monkeypatch, variant):
+    """Windowed inference over a varlen batch (one chunk per window) equals the training path; bitwise causality."""
+    _set_variant(monkeypatch, variant)
+    x = make_inputs(1, 300, 2, 16, 16, N=3)
+    cu = [0, 130, 131, 300]
+    o_ref, h_ref, *_ = run_chunk(x, torch.float32, cu=cu, grad=False)
+    xr = {n: t.clone().requires_grad_() for n, t in x.items()}
+    ro, rh = reference(xr, 16 ** -0.5, True, True, True, -5.0, cu)
+    assert rel(o_ref, ro) < 1e-4 and rel(h_ref, rh) < 1e-4
+    monkeypatch.setattr(FwdConfig, "window_bytes", 1)
+    o, h, *_ = run_chunk(x, torch.float32, cu=cu, grad=False)
+    assert rel(o, o_ref) < 1e-6 and rel(h, h_ref) < 1e-6
+    _causality(130, 1, 16, 16, torch.float32, [17, 64, 127])
+
+
 # ---------------------------------------------------------------------------------------------- GPU (bf16)
+
+
+GPU_VARIANTS = {
+    "scratch_inverse": (dict(prep_inv_scratch=True), {}),
+    "bf16_operands": (dict(prep_inv_scratch=True, prep_ab_bf16=True), {}),
+    "split_bf16_4w": (dict(prep_inv_scratch=True, prep_ab_bf16=True, prep_split=True, prep_warps=4), {}),
+    "intra_bf16x3": ({}, dict(intra_prec_half="bf16x3", intra_warps=4)),
+}
+
+
+@gpu
+@pytest.mark.parametrize("variant", list(GPU_VARIANTS))
+@pytest.mark.parametrize("kw,rkw", [({}, {}), ({"gate": False, "g_override": -5.0}, {"gate": False}),
+                                    ({"beta_logit": 12.0, "repeat_keys": True}, {}), ({"beta_logit": -12.0}, {})])
+def test_gpu_bf16_variants(monkeypatch, variant, kw, rkw):
+    fwd, bwd = GPU_VARIANTS[variant]
+    for name, val in fwd.items():
+        monkeypatch.setattr(FwdConfig, name, val)
+    for name, val in bwd.items():
+        monkeypatch.setattr(BwdConfig, name, val)
+    x = make_inputs(1, 300, 2, 128, 128, **kw)
+    check_against_reference(x, 2e-2, dtype=torch.bfloat16, **rkw)
+
 
 
 @gpu

@@ -188,3 +188,34 @@ def _l2norm(x, ENABLE: tl.constexpr):
 def _row(x, i, o_r):
     """Row i of a [R, N] tensor → [N] (o_r = arange(0, R))."""
     return tl.sum(tl.where((o_r == i)[:, None], x, 0.), axis=0)
+
+
+@triton.jit
+def _chunk_tile(x, i_h, bos, eos, H, K, BT: tl.constexpr, BK: tl.constexpr):
+    """Raw [BT, BK] chunk of x [T, H, K] (zeros outside)."""
+    o_t = tl.arange(0, BT)
+    o_k = tl.arange(0, BK)
+    m = ((bos + o_t) < eos)[:, None] & (o_k < K)[None, :]
+    return tl.load(x + (bos + o_t)[:, None] * (H * K) + i_h * K + o_k[None, :], mask=m, other=0.)
+
+
+@triton.jit
+def _chunk_gate_cumsum(g, i_h, bos, eos, A_log, dt_bias, H, K, lb, BT: tl.constexpr, BK: tl.constexpr,
+                       USE_GATE: tl.constexpr, HAS_LB: tl.constexpr, HAS_A: tl.constexpr, HAS_DT: tl.constexpr):
+    o_t = tl.arange(0, BT)
+    o_k = tl.arange(0, BK)
+    m_k = o_k < K
+    m = ((bos + o_t) < eos)[:, None] & m_k[None, :]
+    b_g = _gate_fwd(_chunk_tile(g, i_h, bos, eos, H, K, BT, BK).to(tl.float32), i_h, A_log, dt_bias, lb, o_k, m_k,
+                    K, USE_GATE, HAS_LB, HAS_A, HAS_DT)
+    return tl.cumsum(tl.where(m, b_g, 0.) * 1.4426950408889634, axis=0)
+
+
+@triton.jit
+def _chunk_beta(beta, i_h, bos, eos, H, BT: tl.constexpr, BETA_SIGMOID: tl.constexpr):
+    o_t = tl.arange(0, BT)
+    m_t = (bos + o_t) < eos
+    b_b = tl.load(beta + (bos + o_t) * H + i_h, mask=m_t, other=0.).to(tl.float32)
+    if BETA_SIGMOID:
+        b_b = _sigmoid(b_b)
+    return tl.where(m_t, b_b, 0.)

@@ -22,6 +22,9 @@ from k3.ops.kda.triton._common import (
     BC,
     BT,
     ChunkTable,
+    _chunk_beta,
+    _chunk_gate_cumsum,
+    _chunk_tile,
     _chunk_pos,
     _chunk_range,
     _row,
@@ -36,44 +39,20 @@ from k3.ops.kda.triton.chunk_fwd import _load_rows, _load_tile, _store_rows, _su
 from k3.ops.kda.triton._common import _gate_fwd, _l2norm
 
 
-@triton.jit
-def _chunk_tile(x, i_h, bos, eos, H, K, BT: tl.constexpr, BK: tl.constexpr):
-    """Raw [BT, BK] chunk of x [T, H, K] (zeros outside)."""
-    o_t = tl.arange(0, BT)
-    o_k = tl.arange(0, BK)
-    m = ((bos + o_t) < eos)[:, None] & (o_k < K)[None, :]
-    return tl.load(x + (bos + o_t)[:, None] * (H * K) + i_h * K + o_k[None, :], mask=m, other=0.)
-
-
-@triton.jit
-def _chunk_gate_cumsum(g, i_h, bos, eos, A_log, dt_bias, H, K, lb, BT: tl.constexpr, BK: tl.constexpr,
-                       USE_GATE: tl.constexpr, HAS_LB: tl.constexpr, HAS_A: tl.constexpr, HAS_DT: tl.constexpr):
-    o_t = tl.arange(0, BT)
-    o_k = tl.arange(0, BK)
-    m_k = o_k < K
-    m = ((bos + o_t) < eos)[:, None] & m_k[None, :]
-    b_g = _gate_fwd(_chunk_tile(g, i_h, bos, eos, H, K, BT, BK).to(tl.float32), i_h, A_log, dt_bias, lb, o_k, m_k,
-                    K, USE_GATE, HAS_LB, HAS_A, HAS_DT)
-    return tl.cumsum(tl.where(m, b_g, 0.) * 1.4426950408889634, axis=0)
-
-
-@triton.jit
-def _chunk_beta(beta, i_h, bos, eos, H, BT: tl.constexpr, BETA_SIGMOID: tl.constexpr):
-    o_t = tl.arange(0, BT)
-    m_t = (bos + o_t) < eos
-    b_b = tl.load(beta + (bos + o_t) * H + i_h, mask=m_t, other=0.).to(tl.float32)
-    if BETA_SIGMOID:
-        b_b = _sigmoid(b_b)
-    return tl.where(m_t, b_b, 0.)
-
-
 class BwdConfig:
+    """Launch knobs (class attributes, switched by ``bench/kda_sweep.py``; defaults = its fastest correct choice)."""
+
     state_bv = 32
     state_warps = 4
     state_stages = 2
     wy_bv = 64
     wy_warps = 8
+    wy_stages = 1
     intra_warps = 8
+    intra_stages = 1
+    # precision of the intra-chunk backward's fp32 dots for half inputs: plain tf32 cost 4e-2 in dg with every gate
+    # at the bound (H200); 'tf32x3' and 'bf16x3' are the 3-pass splits (bf16x3 runs on the faster bf16 MMA)
+    intra_prec_half = "tf32x3"
 
 
 @triton.jit(do_not_specialize=['NC', 'T', 'NT', 'H'])
@@ -499,7 +478,7 @@ def kda_bwd(q, k, v, g, beta, A_log, dt_bias, initial_state, scale: float, do, d
     # dG is a sum of row and column shares that cancel strongly when decays are strong (all gates at the bound):
     # plain tf32 there cost 4e-2 relative error in dg on an H200 (fp16 and bf16 alike; ieee fp32 was fine), so the
     # intra-chunk backward uses 3-pass tf32 for half inputs.
-    prec_intra = "ieee" if prec == "ieee" else "tf32x3"
+    prec_intra = "ieee" if prec == "ieee" else BwdConfig.intra_prec_half
     s = saved
     flag_kw = dict(USE_GATE=flags["use_gate"], HAS_LB=lower_bound is not None, HAS_A=A_log is not None,
                    HAS_DT=dt_bias is not None, L2NORM=flags["l2norm"], BETA_SIGMOID=flags["beta_sigmoid"],
@@ -526,7 +505,7 @@ def kda_bwd(q, k, v, g, beta, A_log, dt_bias, initial_state, scale: float, do, d
         k, v, g, beta, a_log, dtb, do, s["W"], s["U"], s["QG"], s["TM"], s["HS"], DHS, DV,
         dv, DQ, DK, DG, DB, DL, DAQ, tab.cu, tab.chunk_seq, tab.chunk_off, NC, tab.T, tab.NT,
         H, K, V, scale, lb, BT=BT, BK=BK, BV=min(BwdConfig.wy_bv, BVP), BVP=BVP, PREC=prec, **flag_kw,
-        num_warps=BwdConfig.wy_warps, num_stages=1)
+        num_warps=BwdConfig.wy_warps, num_stages=BwdConfig.wy_stages)
 
     DAP = torch.empty(H, NC, **f32)
     DDT = torch.empty(H, NC, BK, **f32)
@@ -534,7 +513,7 @@ def kda_bwd(q, k, v, g, beta, A_log, dt_bias, initial_state, scale: float, do, d
         q, k, g, beta, a_log, dtb, DQ, DK, DG, DB, DL, DAQ, dq, dk, dg, db, DAP, DDT,
         tab.cu, tab.chunk_seq, tab.chunk_off, NC, tab.T, tab.NT, H, K, lb, BT=BT, BC=BC, BK=BK,
         EXACT_DIAG=flags["exact_diag"], PREC=prec_intra, **flag_kw,
-        num_warps=BwdConfig.intra_warps, num_stages=1)
+        num_warps=BwdConfig.intra_warps, num_stages=BwdConfig.intra_stages)
     if flags["use_gate"]:
         if dA is not None:
             dA = DAP.sum(1).to(A_log.dtype).reshape(A_log.shape)

@@ -28,6 +28,9 @@ from k3.ops.kda.triton._common import (
     BC,
     BT,
     ChunkTable,
+    _chunk_beta,
+    _chunk_gate_cumsum,
+    _chunk_tile,
     _chunk_pos,
     _chunk_range,
     _gate_fwd,
@@ -98,7 +101,17 @@ def _sub_state(q, k, g, beta, A_log, dt_bias, i_h, bos, eos, H, K, lb, c, I: tl.
 
 
 @triton.jit
-def _diag_A(b_q, b_k, G, c, EXACT_DIAG: tl.constexpr, PREC: tl.constexpr):
+def _opnd(x, AB_BF16: tl.constexpr):
+    """Tensor-core operand of the A-block products: bf16 (fp32 accumulation) when AB_BF16, else fp32 (tf32/ieee).
+    bf16 keeps fp32's exponent range, so the diagonal block's right factor (≤ e^{5·16} ≈ 6e34) stays finite."""
+    if AB_BF16:
+        return x.to(tl.bfloat16)
+    else:
+        return x
+
+
+@triton.jit
+def _diag_A(b_q, b_k, G, c, EXACT_DIAG: tl.constexpr, PREC: tl.constexpr, AB_BF16: tl.constexpr = False):
     """Diagonal sub-block of A_qk-like (j ≤ i) and A_kk-like (j < i, without β). Reference = the last row of the
     previous sub-block (a past row): (x_i e^{G_i − c}) · (k_j e^{c − G_j}), the right factor ≤ e^{5·16}."""
     o_s = tl.arange(0, b_q.shape[0])
@@ -107,19 +120,20 @@ def _diag_A(b_q, b_k, G, c, EXACT_DIAG: tl.constexpr, PREC: tl.constexpr):
         ak = _exact_diag(b_k, b_k, G, True)
     else:
         e = tl.exp2(G - c[None, :])
-        kd = b_k * tl.exp2(c[None, :] - G)
-        aq = tl.dot(b_q * e, tl.trans(kd), input_precision=PREC)
-        ak = tl.dot(b_k * e, tl.trans(kd), input_precision=PREC)
+        kd = _opnd(tl.trans(b_k * tl.exp2(c[None, :] - G)), AB_BF16)
+        aq = tl.dot(_opnd(b_q * e, AB_BF16), kd, input_precision=PREC)
+        ak = tl.dot(_opnd(b_k * e, AB_BF16), kd, input_precision=PREC)
     aq = tl.where(o_s[:, None] >= o_s[None, :], aq, 0.)
     ak = tl.where(o_s[:, None] > o_s[None, :], ak, 0.)
     return aq, ak
 
 
 @triton.jit
-def _off_A(xl, kdJ, cI, cJ1, PREC: tl.constexpr):
+def _off_A(xl, kdJ, cI, cJ1, PREC: tl.constexpr, AB_BF16: tl.constexpr = False):
     """Off-diagonal sub-block (row block I > column block J), reference = last row of block J (carry c_{J+1});
     both factors ≤ 1 for any gate: (x_i e^{G_i − c_I}) e^{c_I − c_{J+1}} · (k_j e^{c_{J+1} − G_j})."""
-    return tl.dot(xl * tl.exp2(cI - cJ1)[None, :], tl.trans(kdJ), input_precision=PREC)
+    return tl.dot(_opnd(xl * tl.exp2(cI - cJ1)[None, :], AB_BF16), _opnd(tl.trans(kdJ), AB_BF16),
+                  input_precision=PREC)
 
 
 @triton.jit
@@ -164,6 +178,40 @@ def _inv16(L):
 
 
 @triton.jit
+def _inv16x4(LD, base, BC: tl.constexpr):
+    """(I + L_I)^{-1} of the four strictly lower-triangular diagonal blocks, whose rows were stored to the fp32
+    scratch ``LD[base]`` ([4, BC, BC]) before a barrier. Same forward substitution as ``_inv16`` but built
+    transposed, column s of Dᵀ = e_s − Dᵀ L[s, :]ᵀ: the row L[s, :] comes straight from memory (an L1 hit) instead
+    of a cross-warp row extraction, and the remaining reduction runs along a tile row, inside one warp — no
+    barrier per step. The four blocks share each step (independent chains, more instructions in flight)."""
+    o_s = tl.arange(0, BC)
+    p = LD + base * (4 * BC * BC) + o_s
+    eye = tl.where(o_s[:, None] == o_s[None, :], 1.0, 0.0)
+    U0 = eye
+    U1 = eye
+    U2 = eye
+    U3 = eye
+    for s in tl.static_range(1, BC):
+        e_s = tl.where(o_s == s, 1.0, 0.0)
+        sel = (o_s == s)[None, :]
+        r0 = tl.load(p + s * BC)
+        r1 = tl.load(p + (BC * BC + s * BC))
+        r2 = tl.load(p + (2 * BC * BC + s * BC))
+        r3 = tl.load(p + (3 * BC * BC + s * BC))
+        U0 = tl.where(sel, (e_s - tl.sum(U0 * r0[None, :], axis=1))[:, None], U0)
+        U1 = tl.where(sel, (e_s - tl.sum(U1 * r1[None, :], axis=1))[:, None], U1)
+        U2 = tl.where(sel, (e_s - tl.sum(U2 * r2[None, :], axis=1))[:, None], U2)
+        U3 = tl.where(sel, (e_s - tl.sum(U3 * r3[None, :], axis=1))[:, None], U3)
+    return tl.trans(U0), tl.trans(U1), tl.trans(U2), tl.trans(U3)
+
+
+@triton.jit
+def _store_L(LD, base, x, I: tl.constexpr, BC: tl.constexpr):
+    o_s = tl.arange(0, BC)
+    tl.store(LD + (base * 4 + I) * (BC * BC) + o_s[:, None] * BC + o_s[None, :], x)
+
+
+@triton.jit
 def _merge_T(D0, D1, D2, D3, L10, L20, L21, L30, L31, L32, PREC: tl.constexpr):
     """Off-diagonal blocks of T = (I + L)^{-1}: T_IJ = −D_I Σ_{J≤M<I} L_IM T_MJ (T_JJ = D_J)."""
     T10 = -tl.dot(D1, tl.dot(L10, D0, input_precision=PREC), input_precision=PREC)
@@ -199,13 +247,14 @@ def _tx(t0, t1, t2, t3, x0, x1, x2, x3, PREC: tl.constexpr):
 @triton.jit(do_not_specialize=['c0', 'NCw', 'T', 'NT', 'H'])
 def _kda_fwd_prep(
     q, k, v, g, beta, A_log, dt_bias,
-    W, U, KG, QG, AQK, GAM, TM,
+    W, U, KG, QG, AQK, GAM, TM, LD,
     cu, chunk_seq, chunk_off, c0, NCw, T, NT,
     H, K: tl.constexpr, V: tl.constexpr, scale, lb,
     BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BVP: tl.constexpr,
     USE_GATE: tl.constexpr, HAS_LB: tl.constexpr, HAS_A: tl.constexpr, HAS_DT: tl.constexpr,
     L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr, IS_VARLEN: tl.constexpr, STORE_T: tl.constexpr,
-    EXACT_DIAG: tl.constexpr, PREC: tl.constexpr,
+    EXACT_DIAG: tl.constexpr, PREC: tl.constexpr, AB_BF16: tl.constexpr, INV_SCRATCH: tl.constexpr,
+    STORE_WU: tl.constexpr,
 ):
     # Explicit 16-row sub-blocks (BT = 4·BC): every tile is loaded straight from memory, nothing is sliced out of
     # register tensors. Sub-block I has carry c_I = G at the last row of block I−1 (c_0 = 0).
@@ -224,9 +273,11 @@ def _kda_fwd_prep(
     _store_rows(QG, base, q0 * e * scale, 0, BT, BC, BK)
     x0 = (k0 * e * b0[:, None]).to(DT)
     kd0 = k0 * tl.exp2(c_1[None, :] - G0)  # ≤ 1: reference = the block's last row
-    aq, L00 = _diag_A(q0, k0, G0, c_0, EXACT_DIAG, PREC)
+    aq, L00 = _diag_A(q0, k0, G0, c_0, EXACT_DIAG, PREC, AB_BF16)
     _store_tile(AQK, base, aq * scale, 0, 0, BT, BC)
     L00 = L00 * b0[:, None]
+    if INV_SCRATCH:  # only the inverse needs it: park it in the scratch now (fewer live registers)
+        _store_L(LD, base, L00, 0, BC)
     # ---- sub-block 1
     q1, k1, b1, G1, c_2 = _sub_state(q, k, g, beta, A_log, dt_bias, i_h, bos, eos, H, K, lb, c_1, 1, BC, BK,
                                      USE_GATE, HAS_LB, HAS_A, HAS_DT, L2NORM, BETA_SIGMOID)
@@ -236,11 +287,13 @@ def _kda_fwd_prep(
     _store_rows(QG, base, ql * tl.exp2(c_1)[None, :] * scale, 1, BT, BC, BK)
     x1 = (kl * tl.exp2(c_1)[None, :] * b1[:, None]).to(DT)
     kd1 = k1 * tl.exp2(c_2[None, :] - G1)
-    aq, L11 = _diag_A(q1, k1, G1, c_1, EXACT_DIAG, PREC)
+    aq, L11 = _diag_A(q1, k1, G1, c_1, EXACT_DIAG, PREC, AB_BF16)
     _store_tile(AQK, base, aq * scale, 1, 1, BT, BC)
     L11 = L11 * b1[:, None]
-    _store_tile(AQK, base, _off_A(ql, kd0, c_1, c_1, PREC) * scale, 1, 0, BT, BC)
-    L10 = _off_A(kl, kd0, c_1, c_1, PREC) * b1[:, None]
+    if INV_SCRATCH:
+        _store_L(LD, base, L11, 1, BC)
+    _store_tile(AQK, base, _off_A(ql, kd0, c_1, c_1, PREC, AB_BF16) * scale, 1, 0, BT, BC)
+    L10 = _off_A(kl, kd0, c_1, c_1, PREC, AB_BF16) * b1[:, None]
     # ---- sub-block 2
     q2, k2, b2, G2, c_3 = _sub_state(q, k, g, beta, A_log, dt_bias, i_h, bos, eos, H, K, lb, c_2, 2, BC, BK,
                                      USE_GATE, HAS_LB, HAS_A, HAS_DT, L2NORM, BETA_SIGMOID)
@@ -250,13 +303,15 @@ def _kda_fwd_prep(
     _store_rows(QG, base, ql * tl.exp2(c_2)[None, :] * scale, 2, BT, BC, BK)
     x2 = (kl * tl.exp2(c_2)[None, :] * b2[:, None]).to(DT)
     kd2 = k2 * tl.exp2(c_3[None, :] - G2)
-    aq, L22 = _diag_A(q2, k2, G2, c_2, EXACT_DIAG, PREC)
+    aq, L22 = _diag_A(q2, k2, G2, c_2, EXACT_DIAG, PREC, AB_BF16)
     _store_tile(AQK, base, aq * scale, 2, 2, BT, BC)
     L22 = L22 * b2[:, None]
-    _store_tile(AQK, base, _off_A(ql, kd0, c_2, c_1, PREC) * scale, 2, 0, BT, BC)
-    _store_tile(AQK, base, _off_A(ql, kd1, c_2, c_2, PREC) * scale, 2, 1, BT, BC)
-    L20 = _off_A(kl, kd0, c_2, c_1, PREC) * b2[:, None]
-    L21 = _off_A(kl, kd1, c_2, c_2, PREC) * b2[:, None]
+    if INV_SCRATCH:
+        _store_L(LD, base, L22, 2, BC)
+    _store_tile(AQK, base, _off_A(ql, kd0, c_2, c_1, PREC, AB_BF16) * scale, 2, 0, BT, BC)
+    _store_tile(AQK, base, _off_A(ql, kd1, c_2, c_2, PREC, AB_BF16) * scale, 2, 1, BT, BC)
+    L20 = _off_A(kl, kd0, c_2, c_1, PREC, AB_BF16) * b2[:, None]
+    L21 = _off_A(kl, kd1, c_2, c_2, PREC, AB_BF16) * b2[:, None]
     # ---- sub-block 3
     q3, k3, b3, G3, c_4 = _sub_state(q, k, g, beta, A_log, dt_bias, i_h, bos, eos, H, K, lb, c_3, 3, BC, BK,
                                      USE_GATE, HAS_LB, HAS_A, HAS_DT, L2NORM, BETA_SIGMOID)
@@ -266,15 +321,17 @@ def _kda_fwd_prep(
     _store_rows(QG, base, ql * tl.exp2(c_3)[None, :] * scale, 3, BT, BC, BK)
     x3 = (kl * tl.exp2(c_3)[None, :] * b3[:, None]).to(DT)
     kd3 = k3 * tl.exp2(c_4[None, :] - G3)
-    aq, L33 = _diag_A(q3, k3, G3, c_3, EXACT_DIAG, PREC)
+    aq, L33 = _diag_A(q3, k3, G3, c_3, EXACT_DIAG, PREC, AB_BF16)
     _store_tile(AQK, base, aq * scale, 3, 3, BT, BC)
     L33 = L33 * b3[:, None]
-    _store_tile(AQK, base, _off_A(ql, kd0, c_3, c_1, PREC) * scale, 3, 0, BT, BC)
-    _store_tile(AQK, base, _off_A(ql, kd1, c_3, c_2, PREC) * scale, 3, 1, BT, BC)
-    _store_tile(AQK, base, _off_A(ql, kd2, c_3, c_3, PREC) * scale, 3, 2, BT, BC)
-    L30 = _off_A(kl, kd0, c_3, c_1, PREC) * b3[:, None]
-    L31 = _off_A(kl, kd1, c_3, c_2, PREC) * b3[:, None]
-    L32 = _off_A(kl, kd2, c_3, c_3, PREC) * b3[:, None]
+    if INV_SCRATCH:
+        _store_L(LD, base, L33, 3, BC)
+    _store_tile(AQK, base, _off_A(ql, kd0, c_3, c_1, PREC, AB_BF16) * scale, 3, 0, BT, BC)
+    _store_tile(AQK, base, _off_A(ql, kd1, c_3, c_2, PREC, AB_BF16) * scale, 3, 1, BT, BC)
+    _store_tile(AQK, base, _off_A(ql, kd2, c_3, c_3, PREC, AB_BF16) * scale, 3, 2, BT, BC)
+    L30 = _off_A(kl, kd0, c_3, c_1, PREC, AB_BF16) * b3[:, None]
+    L31 = _off_A(kl, kd1, c_3, c_2, PREC, AB_BF16) * b3[:, None]
+    L32 = _off_A(kl, kd2, c_3, c_3, PREC, AB_BF16) * b3[:, None]
     zt = tl.zeros([BC, BC], dtype=tl.float32)
     _store_tile(AQK, base, zt, 0, 1, BT, BC)
     _store_tile(AQK, base, zt, 0, 2, BT, BC)
@@ -291,14 +348,18 @@ def _kda_fwd_prep(
     tl.store(GAM + base * BK + o_k, tl.exp2(c_4))
 
     # ---- T = (I + L)^{-1}: diagonal blocks by forward substitution, then the block merge
-    D0 = _inv16(L00)
-    D1 = _inv16(L11)
-    D2 = _inv16(L22)
-    D3 = _inv16(L33)
+    if INV_SCRATCH:
+        tl.debug_barrier()  # the scratch rows written above are read by other threads
+        D0, D1, D2, D3 = _inv16x4(LD, base, BC)
+    else:
+        D0 = _inv16(L00)
+        D1 = _inv16(L11)
+        D2 = _inv16(L22)
+        D3 = _inv16(L33)
     T10, T20, T21, T30, T31, T32 = _merge_T(D0, D1, D2, D3, L10, L20, L21, L30, L31, L32, PREC)
     t00, t11, t22, t33 = D0.to(DT), D1.to(DT), D2.to(DT), D3.to(DT)
     t10, t20, t21, t30, t31, t32 = T10.to(DT), T20.to(DT), T21.to(DT), T30.to(DT), T31.to(DT), T32.to(DT)
-    if STORE_T:
+    if STORE_T or not STORE_WU:  # split variant: ``_kda_fwd_wu`` forms W, U from the stored T
         _store_tile(TM, base, t00, 0, 0, BT, BC)
         _store_tile(TM, base, t11, 1, 1, BT, BC)
         _store_tile(TM, base, t22, 2, 2, BT, BC)
@@ -317,6 +378,17 @@ def _kda_fwd_prep(
         _store_tile(TM, base, zt, 2, 3, BT, BC)
 
     # ---- W = T X, U = T (β V), by sub-block rows
+    if STORE_WU:
+        _store_wu(v, W, U, base, i_h, bos, eos, H, V, x0, x1, x2, x3, b0, b1, b2, b3,
+                  t00, t10, t11, t20, t21, t22, t30, t31, t32, t33, BT, BC, BK, BVP, PREC)
+
+
+@triton.jit
+def _store_wu(v, W, U, base, i_h, bos, eos, H, V, x0, x1, x2, x3, b0, b1, b2, b3,
+              t00, t10, t11, t20, t21, t22, t30, t31, t32, t33,
+              BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BVP: tl.constexpr, PREC: tl.constexpr):
+    """W = T X and U = T (β V) by 16-row sub-blocks, from the T tiles held in registers (fused prep)."""
+    DT: tl.constexpr = W.dtype.element_ty
     _store_rows(W, base, tl.dot(t00, x0, input_precision=PREC), 0, BT, BC, BK)
     _store_rows(W, base, tl.dot(t10, x0, input_precision=PREC) + tl.dot(t11, x1, input_precision=PREC),
                 1, BT, BC, BK)
@@ -333,6 +405,39 @@ def _kda_fwd_prep(
     _store_rows(U, base, tl.dot(t20, y0, input_precision=PREC) + tl.dot(t21, y1, input_precision=PREC)
                 + tl.dot(t22, y2, input_precision=PREC), 2, BT, BC, BVP)
     _store_rows(U, base, _tx(t30, t31, t32, t33, y0, y1, y2, y3, PREC), 3, BT, BC, BVP)
+
+
+@triton.jit(do_not_specialize=['c0', 'NCw', 'T', 'NT', 'H'])
+def _kda_fwd_wu(
+    k, v, g, beta, A_log, dt_bias, W, U, TM,
+    cu, chunk_seq, chunk_off, c0, NCw, T, NT,
+    H, K: tl.constexpr, V: tl.constexpr, lb,
+    BT: tl.constexpr, BK: tl.constexpr, BVP: tl.constexpr,
+    USE_GATE: tl.constexpr, HAS_LB: tl.constexpr, HAS_A: tl.constexpr, HAS_DT: tl.constexpr,
+    L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr, IS_VARLEN: tl.constexpr, PREC: tl.constexpr,
+):
+    """Split prep, second half: W = T (β K e^G), U = T (β V) as two whole-chunk [BT, BT] × [BT, ·] products from
+    the T stored by ``_kda_fwd_prep`` (STORE_WU=False); the gate cumsum and L2 norm are recomputed (cheap)."""
+    DT: tl.constexpr = W.dtype.element_ty
+    i_c = tl.program_id(0)
+    i_h = tl.program_id(1)
+    bos, eos = _chunk_pos(c0 + i_c, cu, chunk_seq, chunk_off, T, NT, BT, IS_VARLEN)
+    base = (i_h * NCw + i_c).to(tl.int64)
+    o_t = tl.arange(0, BT)
+    o_k = tl.arange(0, BK)
+    o_v = tl.arange(0, BVP)
+    t = bos + o_t
+    b_t = tl.load(TM + (base * BT + o_t[:, None]) * BT + o_t[None, :])
+    b_b = _chunk_beta(beta, i_h, bos, eos, H, BT, BETA_SIGMOID)
+    b_v = tl.load(v + (t * H + i_h)[:, None] * V + o_v[None, :], mask=(t < eos)[:, None] & (o_v < V)[None, :],
+                  other=0.).to(tl.float32)
+    b_u = tl.dot(b_t, (b_v * b_b[:, None]).to(DT), input_precision=PREC)
+    tl.store(U + (base * BT + o_t[:, None]) * BVP + o_v[None, :], b_u.to(DT))
+    b_k, _ = _l2norm(_chunk_tile(k, i_h, bos, eos, H, K, BT, BK).to(tl.float32), L2NORM)
+    G = _chunk_gate_cumsum(g, i_h, bos, eos, A_log, dt_bias, H, K, lb, BT, BK, USE_GATE, HAS_LB, HAS_A, HAS_DT)
+    b_x = (b_k * tl.exp2(G) * b_b[:, None]).to(DT)
+    tl.store(W + (base * BT + o_t[:, None]) * BK + o_k[None, :],
+             tl.dot(b_t, b_x, input_precision=PREC).to(DT))
 
 
 @triton.jit(do_not_specialize=['c0', 'c1', 'NCw', 'NCh', 'T', 'NT', 'H'])
@@ -388,10 +493,16 @@ def _kda_fwd_state(
 
 
 class FwdConfig:
-    """Launch knobs (tuned on H200; overridable for benchmarking)."""
+    """Launch knobs and kernel variants (class attributes, so a benchmark can switch them; ``bench/kda_sweep.py``
+    measures them on an H200 and the defaults here are its fastest correct choice)."""
 
     prep_warps = 8
     prep_stages = 1
+    prep_ab_bf16 = False  # bf16 operands for the A-block products (bf16 inputs only)
+    prep_inv_scratch = False  # diagonal inverses through an fp32 scratch, no barrier per substitution step
+    prep_split = False  # two kernels: A blocks + T (+ A_qk, qg, kg, γ), then W, U from the stored T
+    wu_warps = 4
+    wu_stages = 1
     state_bv = 32
     state_warps = 4
     state_stages = 2
@@ -408,14 +519,17 @@ def alloc_chunk_buffers(H: int, NC: int, BK: int, BVP: int, dt: torch.dtype, dev
         "AQK": torch.empty(H, NC, BT, BT, **e),
         "GAM": torch.empty(H, NC, BK, dtype=torch.float32, device=device),
     }
-    bufs["TM"] = torch.empty(H, NC, BT, BT, **e) if store_t else bufs["AQK"]
+    bufs["TM"] = torch.empty(H, NC, BT, BT, **e) if store_t or FwdConfig.prep_split else bufs["AQK"]
+    # fp32 scratch for the diagonal blocks of L (``_inv16x4``), written and read back by the same program
+    bufs["LD"] = torch.empty(H, NC, BT // BC, BC, BC, dtype=torch.float32, device=device)
     return bufs
 
 
 def chunk_bytes(H: int, BK: int, BVP: int, dt: torch.dtype) -> int:
     """Bytes of intermediates per chunk (all heads)."""
     es = torch.finfo(dt).bits // 8
-    return H * (BT * (3 * BK + BVP + BT) * es + BK * 4)
+    t_bytes = BT * BT * es if FwdConfig.prep_split else 0  # the split prep hands T over through memory
+    return H * (BT * (3 * BK + BVP + BT) * es + BK * 4 + BT * BC * 4 + t_bytes)
 
 
 def launch_prep(q, k, v, g, beta, A_log, dt_bias, bufs: dict, tab: ChunkTable, c0: int, n: int, scale: float,
@@ -425,17 +539,31 @@ def launch_prep(q, k, v, g, beta, A_log, dt_bias, bufs: dict, tab: ChunkTable, c
     BK = bufs["W"].shape[-1]
     BVP = bufs["U"].shape[-1]
     dummy = bufs["GAM"]
+    split = bool(FwdConfig.prep_split)
+    if split and bufs["TM"] is bufs["AQK"]:
+        raise RuntimeError("prep_split needs a T buffer: allocate the chunk buffers after setting FwdConfig")
     _kda_fwd_prep[(n, H)](
         q, k, v, g, beta, A_log if A_log is not None else dummy, dt_bias if dt_bias is not None else dummy,
-        bufs["W"], bufs["U"], bufs["KG"], bufs["QG"], bufs["AQK"], bufs["GAM"], bufs["TM"],
+        bufs["W"], bufs["U"], bufs["KG"], bufs["QG"], bufs["AQK"], bufs["GAM"], bufs["TM"], bufs["LD"],
         tab.cu, tab.chunk_seq, tab.chunk_off, c0, bufs["W"].shape[1], tab.T, tab.NT,
         H, K, V, scale, float(lower_bound) if lower_bound is not None else 0.0,
         BT=BT, BC=BC, BK=BK, BVP=BVP,
         USE_GATE=flags["use_gate"], HAS_LB=lower_bound is not None, HAS_A=A_log is not None,
         HAS_DT=dt_bias is not None, L2NORM=flags["l2norm"], BETA_SIGMOID=flags["beta_sigmoid"],
         IS_VARLEN=tab.varlen, STORE_T=store_t, EXACT_DIAG=flags["exact_diag"], PREC=dot_precision(q.dtype),
+        AB_BF16=bool(FwdConfig.prep_ab_bf16) and q.dtype == torch.bfloat16,
+        INV_SCRATCH=bool(FwdConfig.prep_inv_scratch), STORE_WU=not split,
         num_warps=FwdConfig.prep_warps, num_stages=FwdConfig.prep_stages,
     )
+    if split:
+        _kda_fwd_wu[(n, H)](
+            k, v, g, beta, A_log if A_log is not None else dummy, dt_bias if dt_bias is not None else dummy,
+            bufs["W"], bufs["U"], bufs["TM"], tab.cu, tab.chunk_seq, tab.chunk_off, c0, bufs["W"].shape[1], tab.T,
+            tab.NT, H, K, V, float(lower_bound) if lower_bound is not None else 0.0, BT=BT, BK=BK, BVP=BVP,
+            USE_GATE=flags["use_gate"], HAS_LB=lower_bound is not None, HAS_A=A_log is not None,
+            HAS_DT=dt_bias is not None, L2NORM=flags["l2norm"], BETA_SIGMOID=flags["beta_sigmoid"],
+            IS_VARLEN=tab.varlen, PREC=dot_precision(q.dtype),
+            num_warps=FwdConfig.wu_warps, num_stages=FwdConfig.wu_stages)
 
 
 def launch_state(bufs: dict, o, hs, ht, tab: ChunkTable, c0: int, c1: int, H: int, K: int, V: int,
@@ -475,6 +603,7 @@ def kda_fwd(q, k, v, g, beta, A_log, dt_bias, scale: float, initial_state, tab: 
         hs = torch.empty(H, tab.NC, BK, BVP, dtype=dt, device=q.device)
         launch_prep(q, k, v, g, beta, A_log, dt_bias, bufs, tab, 0, tab.NC, scale, lower_bound, flags, True)
         launch_state(bufs, o, hs, ht, tab, 0, tab.NC, H, K, V)
+        bufs.pop("LD")  # the backward does not need it
         return o, ht, dict(bufs, HS=hs)
     ncw = max(1, min(tab.NC, FwdConfig.window_bytes // chunk_bytes(H, BK, BVP, dt)))
     bufs = alloc_chunk_buffers(H, ncw, BK, BVP, dt, q.device, store_t=False)

@@ -17,8 +17,11 @@ from k3.ops.kda.triton._common import _gate_fwd, _seq_bounds, _sigmoid, next_pow
 
 
 class DecodeConfig:
+    """Launch knobs (switched by ``bench/kda_sweep.py``; defaults = its fastest correct choice)."""
+
     bv = 32
     warps = 4
+    stages = 1
 
 
 @triton.jit(do_not_specialize=['T', 'H'])
@@ -128,7 +131,7 @@ def fused_recurrent_kda_triton(
         HAS_A=bool(use_gate_in_kernel) and A_log is not None, HAS_DT=bool(use_gate_in_kernel) and dt_bias is not None,
         L2NORM=bool(use_qk_l2norm_in_kernel), BETA_SIGMOID=bool(use_beta_sigmoid_in_kernel),
         IS_VARLEN=cu_seqlens is not None, USE_IDX=use_idx, USE_S0=s_in is not None, STORE_S=store,
-        num_warps=DecodeConfig.warps,
+        num_warps=DecodeConfig.warps, num_stages=DecodeConfig.stages,
     )
     if use_idx:
         return o, pool
