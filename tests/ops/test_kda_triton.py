@@ -297,6 +297,15 @@ def test_prep_variants_match_recurrence(monkeypatch, variant, B, T, H, K, V, kw,
 
 
 @cpu_only
+@pytest.mark.parametrize("B,T,H,K,V,kw,rkw", [CASES[5], CASES[7], (1, 70, 1, 128, 128, {}, {})])
+def test_intra_backward_recompute_variant(monkeypatch, B, T, H, K, V, kw, rkw):
+    """The intra-chunk backward that reloads k̂ and recomputes the gate factors instead of keeping them live."""
+    monkeypatch.setattr(BwdConfig, "intra_recompute", True)
+    x = make_inputs(B, T, H, K, V, **kw)
+    check_against_reference(x, 1e-4, **rkw)
+
+
+@cpu_only
 @pytest.mark.parametrize("variant", ["scratch_inverse", "split_prep"])
 def test_prep_variants_windows_varlen_causality(monkeypatch, variant):
     """Windowed inference over a varlen batch (one chunk per window) equals the training path; bitwise causality."""
@@ -320,7 +329,8 @@ GPU_VARIANTS = {
     "scratch_inverse": (dict(prep_inv_scratch=True), {}),
     "bf16_operands": (dict(prep_inv_scratch=True, prep_ab_bf16=True), {}),
     "split_bf16_4w": (dict(prep_inv_scratch=True, prep_ab_bf16=True, prep_split=True, prep_warps=4), {}),
-    "intra_bf16x3": ({}, dict(intra_prec_half="bf16x3", intra_warps=4)),
+    "intra_bf16x3": ({}, dict(intra_prec_half="bf16x3")),
+    "intra_recompute_bf16x3": ({}, dict(intra_prec_half="bf16x3", intra_recompute=True)),
 }
 
 

@@ -53,6 +53,7 @@ class BwdConfig:
     # precision of the intra-chunk backward's fp32 dots for half inputs: plain tf32 cost 4e-2 in dg with every gate
     # at the bound (H200); 'tf32x3' and 'bf16x3' are the 3-pass splits (bf16x3 runs on the faster bf16 MMA)
     intra_prec_half = "tf32x3"
+    intra_recompute = False  # reload k̂ and recompute G at the end instead of keeping them live (fewer spills)
 
 
 @triton.jit(do_not_specialize=['NC', 'T', 'NT', 'H'])
@@ -352,7 +353,7 @@ def _kda_bwd_intra(
     BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
     USE_GATE: tl.constexpr, HAS_LB: tl.constexpr, HAS_A: tl.constexpr, HAS_DT: tl.constexpr,
     L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr, IS_VARLEN: tl.constexpr, EXACT_DIAG: tl.constexpr,
-    PREC: tl.constexpr,
+    PREC: tl.constexpr, RECOMPUTE: tl.constexpr,
 ):
     # Sub-blocks in order (row side of every pair (I, J ≤ I) is done when block I is visited; column-side shares
     # for blocks J < I accumulate in dkc_J), then backwards for dk, the reverse cumsum and the gate.
@@ -367,6 +368,7 @@ def _kda_bwd_intra(
                                         USE_GATE, HAS_LB, HAS_A, HAS_DT, L2NORM)
     b0 = _sub_beta(beta, i_h, bos, eos, H, 0, BC, BETA_SIGMOID)
     f0 = tl.exp2(c_1[None, :] - G0)
+    kf0 = k0 * f0
     dqa, dkr, dkcd, dba = _diag_bwd(_load_tile(DAQ, base, 0, 0, BT, BC), _load_tile(DL, base, 0, 0, BT, BC), b0,
                                     q0, k0, G0, c_0, EXACT_DIAG, PREC)
     _finish_rows(DQ, DK, DG, DB, dq, dbeta, beta, base, i_h, bos, eos, H, K, q0, k0, rq, dqa, dkr, dkcd, dba, 0,
@@ -376,13 +378,14 @@ def _kda_bwd_intra(
                                         USE_GATE, HAS_LB, HAS_A, HAS_DT, L2NORM)
     b1 = _sub_beta(beta, i_h, bos, eos, H, 1, BC, BETA_SIGMOID)
     f1 = tl.exp2(c_2[None, :] - G1)
+    kf1 = k1 * f1
     e = tl.exp2(G1 - c_1[None, :])
     ql = q1 * e
     kl = k1 * e
     dqa, dkr, dkcd, dba = _diag_bwd(_load_tile(DAQ, base, 1, 1, BT, BC), _load_tile(DL, base, 1, 1, BT, BC), b1,
                                     q1, k1, G1, c_1, EXACT_DIAG, PREC)
     a, b, dkc0, d = _off_bwd(_load_tile(DAQ, base, 1, 0, BT, BC), _load_tile(DL, base, 1, 0, BT, BC), b1, ql, kl, e,
-                             k0 * f0, c_1, c_1, PREC)
+                             kf0, c_1, c_1, PREC)
     _finish_rows(DQ, DK, DG, DB, dq, dbeta, beta, base, i_h, bos, eos, H, K, q1, k1, rq, dqa + a, dkr + b, dkcd,
                  dba + d, 1, BT, BC, BK, L2NORM, BETA_SIGMOID)
     # ---- sub-block 2
@@ -390,19 +393,20 @@ def _kda_bwd_intra(
                                         USE_GATE, HAS_LB, HAS_A, HAS_DT, L2NORM)
     b2 = _sub_beta(beta, i_h, bos, eos, H, 2, BC, BETA_SIGMOID)
     f2 = tl.exp2(c_3[None, :] - G2)
+    kf2 = k2 * f2
     e = tl.exp2(G2 - c_2[None, :])
     ql = q2 * e
     kl = k2 * e
     dqa, dkr, dkcd, dba = _diag_bwd(_load_tile(DAQ, base, 2, 2, BT, BC), _load_tile(DL, base, 2, 2, BT, BC), b2,
                                     q2, k2, G2, c_2, EXACT_DIAG, PREC)
     a, b, c, d = _off_bwd(_load_tile(DAQ, base, 2, 0, BT, BC), _load_tile(DL, base, 2, 0, BT, BC), b2, ql, kl, e,
-                          k0 * f0, c_2, c_1, PREC)
+                          kf0, c_2, c_1, PREC)
     dqa += a
     dkr += b
     dkc0 += c
     dba += d
     a, b, dkc1, d = _off_bwd(_load_tile(DAQ, base, 2, 1, BT, BC), _load_tile(DL, base, 2, 1, BT, BC), b2, ql, kl, e,
-                             k1 * f1, c_2, c_2, PREC)
+                             kf1, c_2, c_2, PREC)
     _finish_rows(DQ, DK, DG, DB, dq, dbeta, beta, base, i_h, bos, eos, H, K, q2, k2, rq, dqa + a, dkr + b, dkcd,
                  dba + d, 2, BT, BC, BK, L2NORM, BETA_SIGMOID)
     # ---- sub-block 3
@@ -415,36 +419,53 @@ def _kda_bwd_intra(
     dqa, dkr, dkcd, dba = _diag_bwd(_load_tile(DAQ, base, 3, 3, BT, BC), _load_tile(DL, base, 3, 3, BT, BC), b3,
                                     q3, k3, G3, c_3, EXACT_DIAG, PREC)
     a, b, c, d = _off_bwd(_load_tile(DAQ, base, 3, 0, BT, BC), _load_tile(DL, base, 3, 0, BT, BC), b3, ql, kl, e,
-                          k0 * f0, c_3, c_1, PREC)
+                          kf0, c_3, c_1, PREC)
     dqa += a
     dkr += b
     dkc0 += c
     dba += d
     a, b, c, d = _off_bwd(_load_tile(DAQ, base, 3, 1, BT, BC), _load_tile(DL, base, 3, 1, BT, BC), b3, ql, kl, e,
-                          k1 * f1, c_3, c_2, PREC)
+                          kf1, c_3, c_2, PREC)
     dqa += a
     dkr += b
     dkc1 += c
     dba += d
     a, b, dkc2, d = _off_bwd(_load_tile(DAQ, base, 3, 2, BT, BC), _load_tile(DL, base, 3, 2, BT, BC), b3, ql, kl, e,
-                             k2 * f2, c_3, c_3, PREC)
+                             kf2, c_3, c_3, PREC)
     _finish_rows(DQ, DK, DG, DB, dq, dbeta, beta, base, i_h, bos, eos, H, K, q3, k3, rq, dqa + a, dkr + b, dkcd,
                  dba + d, 3, BT, BC, BK, L2NORM, BETA_SIGMOID)
 
     # ---- backwards: dk, dG → dg (reverse cumsum), gate
+    # With RECOMPUTE, k̂, 1/‖k‖ and the factors f_J are reloaded / recomputed just before each block's turn (same
+    # operations in the same order as above: bitwise the same values) instead of staying live through the row loop.
+    if RECOMPUTE:
+        _, k3, _, rk3, _, _ = _sub_fwd(q, k, g, A_log, dt_bias, i_h, bos, eos, H, K, lb, c_3, 3, BC, BK,
+                                       USE_GATE, HAS_LB, HAS_A, HAS_DT, L2NORM)
     suffix, ddt, dA = _finish_cols(DK, DG, dk, dg, g, A_log, dt_bias, base, i_h, bos, eos, H, K, lb, k3, rk3,
                                    tl.zeros_like(k3), c_0, 3, BT, BC, BK,
                                    USE_GATE, HAS_LB, HAS_A, HAS_DT, L2NORM)
+    if RECOMPUTE:
+        _, k2, _, rk2, G2, _ = _sub_fwd(q, k, g, A_log, dt_bias, i_h, bos, eos, H, K, lb, c_2, 2, BC, BK,
+                                        USE_GATE, HAS_LB, HAS_A, HAS_DT, L2NORM)
+        f2 = tl.exp2(c_3[None, :] - G2)
     suffix, x, y = _finish_cols(DK, DG, dk, dg, g, A_log, dt_bias, base, i_h, bos, eos, H, K, lb, k2, rk2,
                                 dkc2 * f2, suffix, 2, BT, BC, BK,
                                 USE_GATE, HAS_LB, HAS_A, HAS_DT, L2NORM)
     ddt += x
     dA += y
+    if RECOMPUTE:
+        _, k1, _, rk1, G1, _ = _sub_fwd(q, k, g, A_log, dt_bias, i_h, bos, eos, H, K, lb, c_1, 1, BC, BK,
+                                        USE_GATE, HAS_LB, HAS_A, HAS_DT, L2NORM)
+        f1 = tl.exp2(c_2[None, :] - G1)
     suffix, x, y = _finish_cols(DK, DG, dk, dg, g, A_log, dt_bias, base, i_h, bos, eos, H, K, lb, k1, rk1,
                                 dkc1 * f1, suffix, 1, BT, BC, BK,
                                 USE_GATE, HAS_LB, HAS_A, HAS_DT, L2NORM)
     ddt += x
     dA += y
+    if RECOMPUTE:
+        _, k0, _, rk0, G0, _ = _sub_fwd(q, k, g, A_log, dt_bias, i_h, bos, eos, H, K, lb, c_0, 0, BC, BK,
+                                        USE_GATE, HAS_LB, HAS_A, HAS_DT, L2NORM)
+        f0 = tl.exp2(c_1[None, :] - G0)
     suffix, x, y = _finish_cols(DK, DG, dk, dg, g, A_log, dt_bias, base, i_h, bos, eos, H, K, lb, k0, rk0,
                                 dkc0 * f0, suffix, 0, BT, BC, BK,
                                 USE_GATE, HAS_LB, HAS_A, HAS_DT, L2NORM)
@@ -512,7 +533,7 @@ def kda_bwd(q, k, v, g, beta, A_log, dt_bias, initial_state, scale: float, do, d
     _kda_bwd_intra[(NC, H)](
         q, k, g, beta, a_log, dtb, DQ, DK, DG, DB, DL, DAQ, dq, dk, dg, db, DAP, DDT,
         tab.cu, tab.chunk_seq, tab.chunk_off, NC, tab.T, tab.NT, H, K, lb, BT=BT, BC=BC, BK=BK,
-        EXACT_DIAG=flags["exact_diag"], PREC=prec_intra, **flag_kw,
+        EXACT_DIAG=flags["exact_diag"], PREC=prec_intra, RECOMPUTE=bool(BwdConfig.intra_recompute), **flag_kw,
         num_warps=BwdConfig.intra_warps, num_stages=BwdConfig.intra_stages)
     if flags["use_gate"]:
         if dA is not None:
