@@ -48,11 +48,12 @@ class BwdConfig:
     wy_bv = 64
     wy_warps = 8
     wy_stages = 1
-    intra_warps = 8
+    intra_warps = 4  # measured (v3 sweep): 4 warps + bf16x3 19.98 ms for the whole backward, v2 (8, tf32x3) 22.39
     intra_stages = 1
     # precision of the intra-chunk backward's fp32 dots for half inputs: plain tf32 cost 4e-2 in dg with every gate
-    # at the bound (H200); 'tf32x3' and 'bf16x3' are the 3-pass splits (bf16x3 runs on the faster bf16 MMA)
-    intra_prec_half = "tf32x3"
+    # at the bound (H200); 'tf32x3' and 'bf16x3' are the 3-pass splits (bf16x3 runs on the faster bf16 MMA; vs the
+    # fp32 path its worst error in the sweep's checks was 9.2e-3, dA_log with every gate at the bound; tf32x3 1.5e-3)
+    intra_prec_half = "bf16x3"
     intra_recompute = False  # reload k̂ and recompute G at the end instead of keeping them live (fewer spills)
 
 

@@ -496,16 +496,18 @@ class FwdConfig:
     """Launch knobs and kernel variants (class attributes, so a benchmark can switch them; ``bench/kda_sweep.py``
     measures them on an H200 and the defaults here are its fastest correct choice)."""
 
-    prep_warps = 8
+    # measured on one H200 (bench/results/kda_h200.md, v3 sweep): p7 = split + scratch inverse + bf16 A operands at
+    # 4 warps, 115 ms of prep per 1M tokens at H = 32 (v2: 182); the fused p2 at 8 warps was within 1 %
+    prep_warps = 4
     prep_stages = 1
-    prep_ab_bf16 = False  # bf16 operands for the A-block products (bf16 inputs only)
-    prep_inv_scratch = False  # diagonal inverses through an fp32 scratch, no barrier per substitution step
-    prep_split = False  # two kernels: A blocks + T (+ A_qk, qg, kg, γ), then W, U from the stored T
+    prep_ab_bf16 = True  # bf16 operands for the A-block products (bf16 inputs only)
+    prep_inv_scratch = True  # diagonal inverses through an fp32 scratch, no barrier per substitution step
+    prep_split = True  # two kernels: A blocks + T (+ A_qk, qg, kg, γ), then W, U from the stored T
     wu_warps = 4
     wu_stages = 1
-    state_bv = 32
+    state_bv = 32  # BV 64/128 re-read less but leave SMs idle at B·H = 32 (1M prefill 44–74 ms vs 31)
     state_warps = 4
-    state_stages = 2
+    state_stages = 3  # v2: 2; 3 stages: 39.6 → 31.2 ms per 1M, 1.14 → 0.81 ms at B=8 T=4096
     window_bytes = 1 << 30  # inference: bytes of chunk intermediates per window
 
 
