@@ -15,7 +15,7 @@ once, so a run cut short keeps its numbers):
 3. time: per-kernel medians (``triton.testing.do_bench``) per variant group — prep kernel (K1) on one inference
    window of the 1M-token H=32 prefill and on the training shape, state pass (K2) likewise, the backward at
    B=8 T=4096 H=32, the decode step B=64 H=32 — then the fastest correct variant of each group is combined.
-4. end to end, base (v2 defaults) vs best vs fla 0.6.0 in the same process: forward and forward+backward at
+4. end to end, v2 vs the current defaults vs the sweep's best vs fla 0.6.0 in the same process: forward and forward+backward at
    B=8 T=4096 H=32, prefill B=1 T=1M at H=32 and H=8, decode B=64 H=32.
 
 A short table is printed last; ``kda_sweep.json`` holds everything, ``best`` the chosen overrides.
@@ -56,24 +56,32 @@ TOL = 2e-2
 GIB = 2**30
 CLASSES = {"F": cf.FwdConfig, "B": cb.BwdConfig, "D": fr.DecodeConfig}
 
-# variant groups: name → overrides "Class.attr" → value ("F" FwdConfig, "B" BwdConfig, "D" DecodeConfig)
-PREP = {
-    "p0 base (8w, subst. by reductions, fp32 operands)": {},
-    "p1 scratch inverse": {"F.prep_inv_scratch": True},
-    "p2 scratch inv + bf16 A operands": {"F.prep_inv_scratch": True, "F.prep_ab_bf16": True},
-    "p3 p2 at 4 warps": {"F.prep_inv_scratch": True, "F.prep_ab_bf16": True, "F.prep_warps": 4},
-    "p4 bf16 A operands": {"F.prep_ab_bf16": True},
-    "p5 p2 split (A+T | W,U) wu 4w": {"F.prep_inv_scratch": True, "F.prep_ab_bf16": True, "F.prep_split": True},
-    "p6 p5 wu 8w": {"F.prep_inv_scratch": True, "F.prep_ab_bf16": True, "F.prep_split": True, "F.wu_warps": 8},
-    "p7 p5 at 4 warps": {"F.prep_inv_scratch": True, "F.prep_ab_bf16": True, "F.prep_split": True,
-                         "F.prep_warps": 4},
-    "p8 scratch inverse, 4 warps": {"F.prep_inv_scratch": True, "F.prep_warps": 4},
-}
+# variant groups: name → overrides "Class.attr" → value ("F" FwdConfig, "B" BwdConfig, "D" DecodeConfig). Each
+# variant spells out its whole group (v2's settings + its changes), so the labels stay true whatever the defaults.
+PREP_V2 = {"F.prep_warps": 8, "F.prep_ab_bf16": False, "F.prep_inv_scratch": False, "F.prep_split": False,
+           "F.wu_warps": 4}
+STATE_V2 = {"F.state_bv": 32, "F.state_warps": 4, "F.state_stages": 2}
+BWD_V2 = {"B.state_bv": 32, "B.state_warps": 4, "B.wy_bv": 64, "B.wy_warps": 8, "B.intra_warps": 8,
+          "B.intra_prec_half": "tf32x3", "B.intra_recompute": False}
+DEC_V2 = {"D.bv": 32, "D.warps": 4}
+V2 = {**PREP_V2, **STATE_V2, **BWD_V2, **DEC_V2}
+_INV, _AB, _SPLIT = {"F.prep_inv_scratch": True}, {"F.prep_ab_bf16": True}, {"F.prep_split": True}
+PREP = {name: {**PREP_V2, **ch} for name, ch in {
+    "p0 v2 (8w, subst. by reductions, fp32 operands)": {},
+    "p1 scratch inverse": _INV,
+    "p2 scratch inv + bf16 A operands": {**_INV, **_AB},
+    "p3 p2 at 4 warps": {**_INV, **_AB, "F.prep_warps": 4},
+    "p4 bf16 A operands": _AB,
+    "p5 p2 split (A+T | W,U) wu 4w": {**_INV, **_AB, **_SPLIT},
+    "p6 p5 wu 8w": {**_INV, **_AB, **_SPLIT, "F.wu_warps": 8},
+    "p7 p5 at 4 warps": {**_INV, **_AB, **_SPLIT, "F.prep_warps": 4},
+    "p8 scratch inverse, 4 warps": {**_INV, "F.prep_warps": 4},
+}.items()}
 STATE = {f"s bv={bv} w={w} st={st}": {"F.state_bv": bv, "F.state_warps": w, "F.state_stages": st}
          for bv, w, st in ((32, 4, 2), (16, 4, 2), (16, 2, 2), (32, 2, 2), (32, 4, 3), (32, 8, 2), (64, 4, 2),
                            (64, 8, 2), (64, 8, 3), (128, 8, 2))}
-BWD = {
-    "b0 base": {},
+BWD = {name: {**BWD_V2, **ch} for name, ch in {
+    "b0 v2": {},
     "b1 intra bf16x3": {"B.intra_prec_half": "bf16x3"},
     "b2 intra 4w": {"B.intra_warps": 4},
     "b3 intra 4w bf16x3": {"B.intra_warps": 4, "B.intra_prec_half": "bf16x3"},
@@ -85,7 +93,7 @@ BWD = {
     "b9 state bv16 w2": {"B.state_bv": 16, "B.state_warps": 2},
     "b10 intra recompute": {"B.intra_recompute": True},
     "b11 intra recompute bf16x3": {"B.intra_recompute": True, "B.intra_prec_half": "bf16x3"},
-}
+}.items()}
 DEC = {f"d bv={bv} w={w}": {"D.bv": bv, "D.warps": w}
        for bv, w in ((32, 4), (8, 1), (16, 1), (16, 2), (32, 1), (32, 2), (64, 2), (64, 4), (128, 4), (128, 8))}
 if DRY:  # keep the interpreter run short: one non-base variant per group
@@ -329,7 +337,7 @@ def warm(unit: str) -> None:
     sync()
 
 
-def warm_all(jobs: int, limit_s: float, deadline_s: float, log: Callable) -> set[str]:
+def warm_all(jobs: int, limit_s: float, deadline_s: float, log: Callable, fla_limit_s: float = 120.0) -> set[str]:
     """Run every warm unit in parallel subprocesses; returns the units that failed or were not started before
     ``deadline_s`` (those variants are skipped rather than compiled inside the timed phase)."""
     units = warm_units()
@@ -342,8 +350,8 @@ def warm_all(jobs: int, limit_s: float, deadline_s: float, log: Callable) -> set
             return u, -2, 0.0, "not started: warm deadline"
         try:
             cmd = [sys.executable, os.path.abspath(__file__), "--warm", u] + (["--dry"] if DRY else [])
-            p = subprocess.run(cmd, env=env, cwd=ROOT,
-                               capture_output=True, text=True, timeout=limit_s)
+            p = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True,
+                               timeout=fla_limit_s if u.startswith("fla") else limit_s)
             return u, p.returncode, time.monotonic() - t, (p.stderr or "")[-400:]
         except subprocess.TimeoutExpired:
             return u, -9, time.monotonic() - t, "timeout"
@@ -489,7 +497,7 @@ def main_run(a) -> int:
     run.log(header)
     failed = set()
     if not a.no_warm:
-        failed = warm_all(a.jobs, a.warm_limit_s, a.warm_deadline_s, run.log)
+        failed = warm_all(a.jobs, a.warm_limit_s, a.warm_deadline_s, run.log, a.fla_warm_limit_s)
     # ---- checks need fp32 references
     refs = check_refs()
     d_x = inputs(DEC_B, 1, DEC_H, seed=3)
@@ -501,7 +509,8 @@ def main_run(a) -> int:
         eo, eh = rel(o, d_ref[0]), rel(h, d_ref[1])
         return {"decode": ("o", eo, eo <= TOL), "decode_state": ("ht", eh, eh <= TOL)}
 
-    BASE_ERRS.update(check_errors(refs))  # the v2 defaults in bf16
+    with config(V2):
+        BASE_ERRS.update(check_errors(refs))  # v2 in bf16
     run.log(dict(phase="base_errors", errors={c: {n: round(e, 5) for n, e in d.items()} for c, d in
                                               BASE_ERRS.items()}))
 
@@ -579,7 +588,7 @@ def main_run(a) -> int:
     def row(case: str, impl: str, **kw) -> None:
         e2e.append(run.log(dict(phase="e2e", case=case, impl=impl, **kw)))
 
-    impls = [("k3 v2 (base)", {}, ours), ("k3 best", best_ov, ours)]
+    impls = [("k3 v2", V2, ours), ("k3 defaults", {}, ours), ("k3 best", best_ov, ours)]
     if fk is not None and "fla_train" not in failed:
         impls.append(("fla 0.6.0", None, fla))
     x = inputs(B, T, H, seed=4, grad=True)
@@ -598,7 +607,7 @@ def main_run(a) -> int:
             row(f"fwd+bwd B={B} T={T} H={H}", impl, ms=fb)
         except Exception as e:  # noqa: BLE001
             row(f"fwd+bwd B={B} T={T} H={H}", impl, error=repr(e)[:300])
-    dimpls = [("k3 v2 (base)", {}), ("k3 best", best_ov)]
+    dimpls = [("k3 v2", V2), ("k3 defaults", {}), ("k3 best", best_ov)]
     for impl, ov in dimpls:
         with config(ov):
             ms = bench(decode_call(d_x, d_h0), 100.0)
@@ -613,7 +622,7 @@ def main_run(a) -> int:
     for Hp, Tp in PREFILL:
         case = f"prefill B=1 H={Hp} T={Tp}"
         xp = inputs(1, Tp, Hp, seed=6)
-        pimpls = [("k3 best", best_ov, ours), ("k3 v2 (base)", {}, ours)]
+        pimpls = [("k3 best", best_ov, ours), ("k3 defaults", {}, ours), ("k3 v2", V2, ours)]
         if fk is not None and "fla_fwd" not in failed:
             pimpls.append(("fla 0.6.0", None, fla))
         for impl, ov, f in pimpls:
@@ -675,6 +684,8 @@ def main() -> int:
     ap.add_argument("--jobs", type=int, default=max(1, min(14, (os.cpu_count() or 2) - 2)))
     ap.add_argument("--warm-limit-s", type=float, default=80.0, help="per warm unit")
     ap.add_argument("--warm-deadline-s", type=float, default=70.0, help="start no warm unit after this")
+    ap.add_argument("--fla-warm-limit-s", type=float, default=120.0,
+                    help="fla's compile + autotune (run 3: > 80 s under 14 parallel compiles)")
     ap.add_argument("--warm", default=None, help="internal: compile one unit and exit")
     ap.add_argument("--no-warm", action="store_true")
     ap.add_argument("--dry", action="store_true", help="CPU interpreter, tiny shapes (checks the script itself)")

@@ -14,6 +14,8 @@ dS' = gradient of the state leaving it), with V' = U − W S, O = qg S + A_qk V'
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -501,6 +503,8 @@ def kda_bwd(q, k, v, g, beta, A_log, dt_bias, initial_state, scale: float, do, d
     # plain tf32 there cost 4e-2 relative error in dg on an H200 (fp16 and bf16 alike; ieee fp32 was fine), so the
     # intra-chunk backward uses 3-pass tf32 for half inputs.
     prec_intra = "ieee" if prec == "ieee" else BwdConfig.intra_prec_half
+    if prec_intra.startswith("bf16") and os.environ.get("TRITON_INTERPRET", "0") == "1":
+        prec_intra = "tf32x3"  # Triton's interpreter has no bf16x3 (it computes the dots in fp32 anyway)
     s = saved
     flag_kw = dict(USE_GATE=flags["use_gate"], HAS_LB=lower_bound is not None, HAS_A=A_log is not None,
                    HAS_DT=dt_bias is not None, L2NORM=flags["l2norm"], BETA_SIGMOID=flags["beta_sigmoid"],
