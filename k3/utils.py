@@ -1,13 +1,15 @@
-"""Small helpers shared across the package: atomic file writes."""
+"""Small helpers shared across the package: atomic file writes, file hashes, scoped environment variables."""
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import os
 import tempfile
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
-__all__ = ["atomic_write_bytes", "atomic_write_text", "atomic_write_with"]
+__all__ = ["atomic_write_bytes", "atomic_write_text", "atomic_write_with", "env_var", "sha256_file"]
 
 
 def _umask() -> int:
@@ -49,3 +51,29 @@ def atomic_write_bytes(path: str | Path, data: bytes) -> None:
 
 def atomic_write_text(path: str | Path, text: str) -> None:
     atomic_write_bytes(path, text.encode("utf-8"))
+
+
+def sha256_file(path: str | Path) -> str:
+    """Hex sha256 of a file, read in 1 MiB blocks."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+@contextlib.contextmanager
+def env_var(name: str, value: str | None) -> Iterator[None]:
+    """Set (or, with None, unset) environment variable ``name`` inside the block; restore it after."""
+    old = os.environ.get(name)
+    if value is None:
+        os.environ.pop(name, None)
+    else:
+        os.environ[name] = value
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = old

@@ -13,16 +13,17 @@ was resident before it (inputs), "beyond out" subtracts the output tensor too.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime
 import json
 import os
 import platform
 import sys
 import time
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import torch
+
+from k3.utils import env_var
 
 __all__ = ["main"]
 
@@ -38,22 +39,6 @@ def _bench(fn: Callable[[], Any], rep_ms: float = 200.0) -> float:
     import triton
 
     return float(triton.testing.do_bench(fn, warmup=max(10, int(rep_ms // 10)), rep=rep_ms, return_mode="median"))
-
-
-@contextlib.contextmanager
-def _env(name: str, value: str | None) -> Iterator[None]:
-    old = os.environ.get(name)
-    if value is None:
-        os.environ.pop(name, None)
-    else:
-        os.environ[name] = value
-    try:
-        yield
-    finally:
-        if old is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = old
 
 
 def _inputs(B: int, T: int, H: int, D: int = 128, grad: bool = False, seed: int = 0) -> dict:
@@ -141,7 +126,7 @@ def prefill_rows(shapes: list[tuple[int, int]], with_fla: bool) -> list[dict]:
         case = f"prefill B=1 H={H} T={T}"
         r_auto = _timed_inference(lambda: _ours(x), rep, out_bytes)
         rows.append(_row(case, "k3 chunk_kda (auto split)", **r_auto))
-        with _env("K3_KDA_SPLITS", "1"):
+        with env_var("K3_KDA_SPLITS", "1"):
             rows.append(_row(case, "k3 unsplit", **_timed_inference(lambda: _ours_unsplit(x), rep, out_bytes)))
         if with_fla and _fla_module() is not None:
             try:

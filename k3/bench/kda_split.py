@@ -9,29 +9,14 @@ kernel, in-kernel L2 norm and β sigmoid). Unsplit = ``K3_KDA_SPLITS=1``; split 
 from __future__ import annotations
 
 import argparse
-import contextlib
-import os
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import torch
 
+from k3.utils import env_var
+
+
 __all__ = ["split_rows", "check_rows", "main"]
-
-
-@contextlib.contextmanager
-def _env(name: str, value: str | None) -> Iterator[None]:
-    old = os.environ.get(name)
-    if value is None:
-        os.environ.pop(name, None)
-    else:
-        os.environ[name] = value
-    try:
-        yield
-    finally:
-        if old is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = old
 
 
 def _time_ms(fn: Callable[[], Any], warmup: int = 1, iters: int = 3) -> float:
@@ -90,10 +75,10 @@ def split_rows(
         P = splits or choose_splits(1, H, T, sm)
         run = lambda: chunk_kda(**x, **_FLAGS)  # noqa: E731
         with torch.no_grad():
-            with _env("K3_KDA_SPLITS", "1"):
+            with env_var("K3_KDA_SPLITS", "1"):
                 o_ref, s_ref = run()
                 t_un = _time_ms(run, iters=iters)
-            with _env("K3_KDA_SPLITS", str(P)):
+            with env_var("K3_KDA_SPLITS", str(P)):
                 o, s = run()
                 t_sp = _time_ms(run, iters=iters)
                 mem = _peak_extra_gib(run)
@@ -123,10 +108,10 @@ def check_rows(splits: tuple[int, ...] = (2, 3, 7), H: int = 8) -> list[dict[str
         h0 = torch.randn(len(lens), H, 128, 128, device="cuda")
         run = lambda: chunk_kda(**x, **_FLAGS, cu_seqlens=cu, initial_state=h0)  # noqa: E731
         with torch.no_grad():
-            with _env("K3_KDA_SPLITS", "1"):
+            with env_var("K3_KDA_SPLITS", "1"):
                 o_ref, s_ref = run()
             for P in splits:
-                with _env("K3_KDA_SPLITS", str(P)):
+                with env_var("K3_KDA_SPLITS", str(P)):
                     o, s = run()
                 rows.append(dict(dtype=str(dtype).split(".")[-1], P=P, finite=bool(torch.isfinite(o).all()),
                                  err=float((o.float() - o_ref.float()).norm() / o_ref.float().norm()),

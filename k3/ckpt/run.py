@@ -22,7 +22,6 @@ only after the new one is in place.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import random
@@ -35,7 +34,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from k3.utils import atomic_write_text, atomic_write_with
+from k3.utils import atomic_write_text, atomic_write_with, sha256_file
 
 __all__ = [
     "CheckpointError",
@@ -86,17 +85,9 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 
 # --- writing --------------------------------------------------------------------------------------------------------
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def _file_entry(path: Path) -> dict[str, Any]:
     size = path.stat().st_size
-    return {"size": size, "sha256": _sha256(path) if size <= _HASH_LIMIT else None}
+    return {"size": size, "sha256": sha256_file(path) if size <= _HASH_LIMIT else None}
 
 
 def _fsync_dir(path: Path) -> None:
@@ -211,7 +202,7 @@ def verify_checkpoint(ckpt: str | Path) -> dict[str, Any]:
         if size != want.get("size"):
             raise CheckpointError(f"checkpoint {ckpt}: {name} has {size} bytes, the manifest says "
                                   f"{want.get('size')} (truncated or corrupt); {hint}")
-        if want.get("sha256") and _sha256(f) != want["sha256"]:
+        if want.get("sha256") and sha256_file(f) != want["sha256"]:
             raise CheckpointError(f"checkpoint {ckpt}: {name} does not match its sha256 (corrupt); {hint}")
     return manifest
 

@@ -12,10 +12,11 @@ decoder in ``k3.infer.generate`` uses it so a character split across tokens is p
 from __future__ import annotations
 
 import base64
-import hashlib
 import shutil
 from pathlib import Path
 from typing import Any, Iterable
+
+from k3.utils import sha256_file
 
 __all__ = [
     "Tokenizer",
@@ -123,14 +124,6 @@ def read_tiktoken_ranks(path: str | Path) -> dict[bytes, int]:
     return ranks
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 class TiktokenTokenizer(Tokenizer):
     """A tiktoken BPE file plus special tokens appended after the last rank.
 
@@ -181,7 +174,7 @@ class TiktokenTokenizer(Tokenizer):
         return self.decode_bytes(ids).decode("utf-8", errors="replace")
 
     def to_dict(self) -> dict[str, Any]:
-        return {"kind": "tiktoken", "path": str(self.path), "sha256": _sha256(self.path), "specials": self.specials,
+        return {"kind": "tiktoken", "path": str(self.path), "sha256": sha256_file(self.path), "specials": self.specials,
                 "pattern": self.pattern, "bos": self._name(self.bos_id), "eos": self._name(self.eos_id),
                 "pad": self._name(self.pad_id)}
 
@@ -248,7 +241,7 @@ class HFTokenizer(Tokenizer):
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=True)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"kind": "hf", "path": str(self.path), "sha256": _sha256(self.path), "bos": self.bos_name,
+        return {"kind": "hf", "path": str(self.path), "sha256": sha256_file(self.path), "bos": self.bos_name,
                 "eos": self.eos_name, "pad": self.pad_name}
 
     def save(self, run_dir: str | Path) -> dict[str, Any]:
@@ -296,7 +289,7 @@ def tokenizer_from_dict(d: dict[str, Any], root: str | Path | None = None) -> To
         path = Path(root) / path
     if not path.is_file():
         raise ValueError(f"tokenizer file {path} named by the tokenizer spec is missing")
-    if d.get("sha256") and _sha256(path) != d["sha256"]:
+    if d.get("sha256") and sha256_file(path) != d["sha256"]:
         raise ValueError(f"tokenizer file {path} differs from the one the run trained with (sha256 mismatch)")
     if kind == "hf":
         return HFTokenizer(path, bos=d.get("bos"), eos=d.get("eos"), pad=d.get("pad"))

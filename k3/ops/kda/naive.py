@@ -65,7 +65,7 @@ def varlen_pad_index(cu_seqlens: torch.Tensor, chunk_size: int) -> tuple[torch.T
     """
     cs = [int(c) for c in cu_seqlens.detach().cpu().tolist()]
     lens = [b - a for a, b in zip(cs[:-1], cs[1:])]
-    N, total = len(lens), cs[-1]
+    total = cs[-1]
     T_pad = max(1, -(-max(lens + [1]) // chunk_size)) * chunk_size
     pos = torch.arange(T_pad)
     start = torch.tensor(cs[:-1], dtype=torch.long)[:, None]

@@ -38,7 +38,7 @@ from k3.ops.kda.triton._common import (
     store_dtype,
 )
 from k3.ops.kda.triton.chunk_fwd import _load_rows, _load_tile, _store_rows, _sub_gate
-from k3.ops.kda.triton._common import _gate_fwd, _l2norm
+from k3.ops.kda.triton._common import _l2norm
 
 
 class BwdConfig:
