@@ -37,6 +37,7 @@ from k3.config import K3Config
 from k3.data import EMBEDDED, IGNORE, RecallLoader, RecallTask, WindowLoader, load_tokenizer, text_streams
 from k3.data.loader import TokenStream, eval_windows
 from k3.data.tokenizers import Tokenizer
+from k3.distributed.data_parallel import DataParallel, all_reduce_grads, init_from_env, mean_over, rank_rows
 from k3.train.optim import SCHEDULES, build_optimizer, lr_factor
 from k3.train.plot import plot_loss
 from k3.train.progress import Progress
@@ -242,17 +243,19 @@ class _Data:
     task: RecallTask | None  # recall task
 
 
-def build_data(args: TrainArgs, tok: Tokenizer, config: K3Config) -> _Data:
-    """Loaders for ``args`` (raises ``ValueError`` for empty or too-small data, before anything is written)."""
+def build_data(args: TrainArgs, tok: Tokenizer, config: K3Config, world_size: int = 1) -> _Data:
+    """Loaders for ``args`` (raises ``ValueError`` for empty or too-small data, before anything is written).
+
+    With data parallel the loader draws the global batch (``batch_size × world_size`` rows) on every rank."""
     if args.seq_len > config.max_seq_len:
         raise ValueError(f"--seq-len {args.seq_len} exceeds the model's max_seq_len {config.max_seq_len}")
     if args.task == "recall":
         if args.data != EMBEDDED:
             raise ValueError("--task recall generates its own data; drop --data")
         task = RecallTask.for_seq_len(args.seq_len, config.vocab_size, tok.bos_id)
-        return _Data(RecallLoader(task, args.batch_size, args.seed), None, task)
+        return _Data(RecallLoader(task, args.batch_size * world_size, args.seed), None, task)
     train, val = text_streams(args.data, tok, args.seq_len, args.val_data, args.text_field, args.max_tokens or None)
-    return _Data(WindowLoader(train, args.batch_size, args.seq_len, args.seed), val, None)
+    return _Data(WindowLoader(train, args.batch_size * world_size, args.seq_len, args.seed), val, None)
 
 
 def _loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -358,9 +361,12 @@ def _read_metrics(path: Path) -> list[dict[str, Any]]:
 def train(args: TrainArgs, resume_from: Path | None = None, stdout: TextIO | None = None) -> TrainResult:
     """Run (or continue) training as ``args`` says. Raises ``ValueError`` on bad input before touching the disk."""
     args.validate()
-    device = resolve_device(args.device)
+    dp, device = init_from_env(resolve_device(args.device))  # torchrun: data parallel over WORLD_SIZE ranks
+    out = stdout if stdout is not None else sys.stdout
     with contextlib.ExitStack() as stack:  # holds the thread setting, entered once the model size is known
-        return _train(args, device, resume_from, stdout if stdout is not None else sys.stdout, stack)
+        if not dp.is_main:  # only rank 0 prints and writes; the others compute and all-reduce
+            out = stack.enter_context(open(os.devnull, "w"))
+        return _train(args, device, resume_from, out, stack, dp)
 
 
 @dataclass
@@ -374,34 +380,36 @@ class _Session:
     run_dir: Path
     start: int
     state: dict[str, Any] | None  # trainer.pt of the checkpoint resumed from
+    dp: DataParallel = field(default_factory=DataParallel)
 
 
-def _resume_session(args: TrainArgs, ckpt: Path, device: torch.device) -> _Session:
+def _resume_session(args: TrainArgs, ckpt: Path, device: torch.device, dp: DataParallel) -> _Session:
     state = load_trainer_state(ckpt)
     loaded = load_checkpoint(ckpt, device=device, model_factory=_fp32_model)
     start = int(state["step"])
     if args.steps <= start:
         raise ValueError(f"--steps {args.steps} must exceed the checkpoint's step {start} to continue; "
                          f"pass e.g. --steps {start + args.steps}")
-    data = build_data(args, loaded["tokenizer"], loaded["config"])
+    data = build_data(args, loaded["tokenizer"], loaded["config"], dp.world_size)
     data.loader.load_state_dict(state["data"])
-    return _Session(loaded["model"], loaded["config"], loaded["tokenizer"], data, Path(args.out), start, state)
+    return _Session(loaded["model"], loaded["config"], loaded["tokenizer"], data, Path(args.out), start, state, dp)
 
 
-def _fresh_session(args: TrainArgs, device: torch.device) -> _Session:
+def _fresh_session(args: TrainArgs, device: torch.device, dp: DataParallel) -> _Session:
     tok = load_tokenizer(args.tokenizer)
     config = _model_config(args, tok)
-    data = build_data(args, tok, config)
+    data = build_data(args, tok, config, dp.world_size)
     run_dir = _new_run_dir(args)
     with torch.device(device):
-        model = _fp32_model(config)
-    return _Session(model, config, tok, data, run_dir, 0, None)
+        model = _fp32_model(config)  # same seed on every rank: identical initial weights
+    return _Session(model, config, tok, data, run_dir, 0, None, dp)
 
 
 def _train(args: TrainArgs, device: torch.device, resume_from: Path | None, out: TextIO,
-           stack: contextlib.ExitStack) -> TrainResult:
+           stack: contextlib.ExitStack, dp: DataParallel) -> TrainResult:
     torch.manual_seed(args.seed)
-    s = _resume_session(args, resume_from, device) if resume_from is not None else _fresh_session(args, device)
+    s = (_resume_session(args, resume_from, device, dp) if resume_from is not None
+         else _fresh_session(args, device, dp))
     stack.enter_context(cpu_threads(device, s.config.hidden_size, args.threads))
     if args.activation_checkpointing:
         s.model.gradient_checkpointing_enable()
@@ -412,25 +420,26 @@ def _train(args: TrainArgs, device: torch.device, resume_from: Path | None, out:
         set_rng_state(s.state["rng"])
 
     # Nothing was written until here: every ValueError above leaves the disk as it was.
-    s.run_dir.mkdir(parents=True, exist_ok=True)
     run_args = {**args.to_dict(), "out": str(s.run_dir)}
-    atomic_write_text(s.run_dir / "run.json", json.dumps(run_args, indent=2) + "\n")
-    atomic_write_text(s.run_dir / "config.json", s.config.to_json() + "\n")
-    metrics_path = s.run_dir / "metrics.jsonl"
-    _rewind_metrics(metrics_path, s.start)
-    out.write(_headline(args, s.config, s.model, s.tok, s.run_dir, s.start, device) + "\n")
+    metrics_path = s.run_dir / "metrics.jsonl" if dp.is_main else Path(os.devnull)
+    if dp.is_main:
+        s.run_dir.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(s.run_dir / "run.json", json.dumps(run_args, indent=2) + "\n")
+        atomic_write_text(s.run_dir / "config.json", s.config.to_json() + "\n")
+        _rewind_metrics(metrics_path, s.start)
+    out.write(_headline(args, s.config, s.model, s.tok, s.run_dir, s.start, device, dp.world_size) + "\n")
     out.flush()
 
-    save = _saver(s.run_dir, s.model, s.config, s.tok, opt, s.data, run_args, args.keep)
+    save = _saver(s.run_dir, s.model, s.config, s.tok, opt, s.data, run_args, args.keep, dp.is_main)
     result = TrainResult(run_dir=s.run_dir, step=args.steps)
     final = _loop(s, opt, args, device, metrics_path, save, out, result)
     save(args.steps)
     result.val_loss, result.val_accuracy = final["val_loss"], final.get("val_accuracy")
     acc = f", recall accuracy {final['val_accuracy']:.1%}" if "val_accuracy" in final else ""
     out.write(f"k3: validation loss {final['val_loss']:.4f} (perplexity {final['val_ppl']:.2f}){acc}\n")
-    if args.plot:
+    if args.plot and dp.is_main:
         _plot(s.run_dir, metrics_path)
-    if args.sample_tokens and args.task == "text":
+    if args.sample_tokens and args.task == "text" and dp.is_main:
         result.sample = _sample(s.model, s.tok, args, device, out)
     run = shlex.quote(str(s.run_dir))
     nxt = (f"k3 eval --run {run}" if args.task == "recall" else
@@ -444,13 +453,14 @@ def _loop(s: _Session, opt: torch.optim.Optimizer, args: TrainArgs, device: torc
           save: Any, out: TextIO, result: TrainResult) -> dict[str, Any]:
     """Steps ``s.start+1 … args.steps``: one metrics line each (the last with the validation numbers)."""
     progress = Progress(args.steps, args.log_every, out, start=s.start)
-    tokens_per_step = args.batch_size * args.grad_accum * (s.data.task.seq_len if s.data.task else args.seq_len)
+    tokens_per_step = (args.batch_size * args.grad_accum * s.dp.world_size
+                       * (s.data.task.seq_len if s.data.task else args.seq_len))
     m: dict[str, Any] = {}
     try:
         with open(metrics_path, "a") as log:
             t_last = time.perf_counter()
             for step in range(s.start, args.steps):
-                m = _train_step(s.model, opt, s.data, args, step, device)
+                m = _train_step(s.model, opt, s.data, args, step, device, s.dp)
                 m["tok_per_s"] = tokens_per_step / max(time.perf_counter() - t_last, 1e-9)
                 m["tokens"] = tokens_per_step * (step + 1)
                 result.losses.append(m["loss"])
@@ -469,7 +479,7 @@ def _loop(s: _Session, opt: torch.optim.Optimizer, args: TrainArgs, device: torc
 
 
 def _headline(args: TrainArgs, config: K3Config, model: torch.nn.Module, tok: Tokenizer, run_dir: Path, start: int,
-              device: torch.device) -> str:
+              device: torch.device, world_size: int = 1) -> str:
     """``k3: training in runs/tiny/ — 4-layer tiny model, 0.40M params (0.27M active), …``"""
     verb = f"resuming from step {start}" if start else "training"
     name = "custom" if args.config else args.preset
@@ -479,18 +489,19 @@ def _headline(args: TrainArgs, config: K3Config, model: torch.nn.Module, tok: To
         data = "embedded corpus" if args.data == EMBEDDED else args.data
     return (f"k3: {verb} in {run_dir}/ — {config.num_layers}-layer {name} model, "
             f"{model.num_parameters() / 1e6:.2f}M params ({model.num_parameters(active=True) / 1e6:.2f}M active), "
-            f"{args.task} task, {data}, {tok.kind} tokenizer, {args.optimizer}, {device.type}")
+            f"{args.task} task, {data}, {tok.kind} tokenizer, {args.optimizer}, {device.type}"
+            + (f" × {world_size} ranks (data parallel)" if world_size > 1 else ""))
 
 
 def _train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, data: _Data, args: TrainArgs, step: int,
-                device: torch.device) -> dict[str, Any]:
+                device: torch.device, dp: DataParallel = DataParallel()) -> dict[str, Any]:
     """One optimizer step; returns its metrics (``step`` is 1-based in the log)."""
     factor = lr_factor(step, args.steps, args.warmup, args.schedule, args.min_lr_ratio)
     for g in opt.param_groups:
         g["lr"] = g["base_lr"] * factor
     loss_sum, correct, scored = 0.0, 0, 0
     for _ in range(args.grad_accum):
-        x, y = data.loader.next_batch()
+        x, y = (rank_rows(t, dp) for t in data.loader.next_batch())  # every rank draws the global batch
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
         with _autocast(autocast_dtype(model.config, device), device):
             logits = model(x).logits
@@ -501,22 +512,26 @@ def _train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, data: _Data,
             mask = y != IGNORE
             correct += int((logits.detach().argmax(-1)[mask] == y[mask]).sum())
             scored += int(mask.sum())
+    all_reduce_grads(model.parameters(), dp)  # data parallel: the mean gradient of the global batch
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
     opt.step()
     opt.zero_grad(set_to_none=True)
-    model.qb_step()  # once per optimizer step: the bias used from the next step on
+    model.qb_step(group=dp.group)  # once per optimizer step (pooled histograms): the bias used from the next step on
+    loss_sum = mean_over(loss_sum, dp)
     m: dict[str, Any] = {"step": step + 1, "loss": loss_sum / args.grad_accum, "lr": opt.param_groups[0]["lr"],
                          "grad_norm": float(grad_norm), "load_imbalance": model.load_imbalance()}
     if data.task is not None:
-        m["accuracy"] = correct / max(scored, 1)
+        m["accuracy"] = mean_over(correct, dp) / max(mean_over(scored, dp), 1e-9)
     if not math.isfinite(m["loss"]):
         raise FloatingPointError(f"loss became {m['loss']} at step {step + 1}; lower --lr or raise --warmup")
     return m
 
 
 def _saver(run_dir: Path, model: torch.nn.Module, config: K3Config, tok: Tokenizer, opt: torch.optim.Optimizer,
-           data: _Data, run_args: dict[str, Any], keep: int):  # noqa: ANN202 - a closure
+           data: _Data, run_args: dict[str, Any], keep: int, is_main: bool = True):  # noqa: ANN202 - a closure
     def save(step: int) -> Path:
+        if not is_main:  # every rank holds the same weights, optimizer and loader state: rank 0 writes them
+            return run_dir
         state = {"step": step, "optimizer": opt.state_dict(), "rng": rng_state(), "data": data.loader.state_dict(),
                  "torch_version": str(torch.__version__)}
         return save_checkpoint(run_dir, step, model, config, tok, state, run_args, keep=keep)
