@@ -12,7 +12,14 @@ import torch
 
 from k3.ops.moe._backend import use_triton
 
-__all__ = ["situ_glu", "situ_glu_packed", "situ_glu_reference"]
+__all__ = ["situ_glu", "situ_glu_packed", "situ_glu_reference", "situ_bound"]
+
+
+def situ_bound(beta1: float, beta2: float, dtype: torch.dtype) -> float:
+    """The largest ``dtype`` value strictly below β1·β2. Both tanh factors round to exactly 1 for large inputs, so
+    the formula alone would return ±β1·β2 and break the open bound |y| < β1·β2; outputs are clamped to this."""
+    top = torch.tensor(float(beta1) * float(beta2), dtype=dtype)
+    return float(torch.nextafter(top, torch.zeros((), dtype=dtype)))
 
 
 def _check_betas(beta1: float, beta2: float) -> None:
@@ -28,6 +35,8 @@ def situ_glu_reference(gate: torch.Tensor, up: torch.Tensor, beta1: float = 4.0,
     dtype = gate.dtype
     g, u = gate.float(), up.float()
     y = (beta1 * torch.tanh(g / beta1) * torch.sigmoid(g)) * (beta2 * torch.tanh(u / beta2))
+    lim = situ_bound(beta1, beta2, dtype)
+    y = y + (y.clamp(-lim, lim) - y).detach()  # value strictly inside the bound; gradient of the formula
     return y.to(dtype)
 
 

@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 from k3.ops.moe._backend import alloc
+from k3.ops.moe.situ import situ_bound
 
 __all__ = ["situ_glu_fused", "situ_glu_fused_packed"]
 
@@ -29,7 +30,7 @@ def _tanh(x):
 
 
 @triton.jit
-def _situ_fwd_kernel(g_ptr, u_ptr, y_ptr, M, F, s_g, s_u, s_y, beta1, beta2,
+def _situ_fwd_kernel(g_ptr, u_ptr, y_ptr, M, F, s_g, s_u, s_y, beta1, beta2, lim,
                      BM: tl.constexpr, BF: tl.constexpr):
     i_m, i_f = tl.program_id(0), tl.program_id(1)
     o_m = (i_m * BM + tl.arange(0, BM)).to(tl.int64)
@@ -39,6 +40,7 @@ def _situ_fwd_kernel(g_ptr, u_ptr, y_ptr, M, F, s_g, s_u, s_y, beta1, beta2,
     b_u = tl.load(u_ptr + o_m[:, None] * s_u + o_f[None, :], mask=m_x, other=0.0).to(tl.float32)
     b_sig = 1.0 / (1.0 + tl.exp(-b_g))
     b_y = (beta1 * _tanh(b_g / beta1) * b_sig) * (beta2 * _tanh(b_u / beta2))
+    b_y = tl.minimum(tl.maximum(b_y, -lim), lim)  # strictly inside ±β1·β2 in the output dtype (see situ_bound)
     tl.store(y_ptr + o_m[:, None] * s_y + o_f[None, :], b_y.to(y_ptr.dtype.element_ty), mask=m_x)
 
 
@@ -86,8 +88,8 @@ def _fwd(g: torch.Tensor, u: torch.Tensor, beta1: float, beta2: float) -> torch.
     if M and F:
         BM, BF, nw = _blocks(F)
         _situ_fwd_kernel[(triton.cdiv(M, BM), triton.cdiv(F, BF))](
-            g, u, y, M, F, g.stride(0), u.stride(0), y.stride(0), float(beta1), float(beta2), BM=BM, BF=BF,
-            num_warps=nw)
+            g, u, y, M, F, g.stride(0), u.stride(0), y.stride(0), float(beta1), float(beta2),
+            situ_bound(beta1, beta2, y.dtype), BM=BM, BF=BF, num_warps=nw)
     return y
 
 
