@@ -479,25 +479,46 @@ def _kda_bwd_intra(
         tl.store(DA + base, dA)
 
 
+def bwd_state_pass(do, dht, saved: dict, tab: ChunkTable, H: int, K: int, V: int, dtype: torch.dtype):
+    """The reverse state pass alone: ``(DHS, DV, dh0)`` — per-chunk state gradients, dV' and the gradient of each
+    sequence's initial state. Context parallel runs it first with ``dht = None`` to learn the entry-state gradient
+    it owes the previous rank, before the full backward."""
+    dev = do.device
+    N, NC = tab.N, tab.NC
+    BK, BVP = next_pow2(K), next_pow2(V)
+    dt = store_dtype(dtype)
+    dh0 = torch.zeros(N, H, K, V, dtype=torch.float32, device=dev)
+    DHS = torch.empty(H, NC, BK, BVP, dtype=dt, device=dev)
+    DV = torch.empty(H, NC, BT, BVP, dtype=dt, device=dev)
+    bv = min(BwdConfig.state_bv, BVP)
+    s = saved
+    _kda_bwd_state[(BVP // bv, N * H)](
+        do, s["AQK"], s["KG"], s["QG"], s["W"], s["GAM"], DHS, DV, dht if dht is not None else dh0, dh0,
+        tab.cu, tab.chunk_off, NC, tab.T, tab.NT, H, K, V, BT=BT, BK=BK, BV=bv, BVP=BVP,
+        USE_DHT=dht is not None, IS_VARLEN=tab.varlen, PREC=dot_precision(dtype),
+        num_warps=BwdConfig.state_warps, num_stages=BwdConfig.state_stages)
+    return DHS, DV, dh0
+
+
 def kda_bwd(q, k, v, g, beta, A_log, dt_bias, initial_state, scale: float, do, dht, saved: dict, tab: ChunkTable,
-            lower_bound, flags: dict):
-    """Gradients (dq, dk, dv, dg, dbeta, dA_log, ddt_bias, dh0) of chunk KDA; ``saved`` from the training forward."""
+            lower_bound, flags: dict, state_grads: tuple | None = None):
+    """Gradients (dq, dk, dv, dg, dbeta, dA_log, ddt_bias, dh0) of chunk KDA; ``saved`` from the training forward.
+    ``state_grads``: the result of :func:`bwd_state_pass` for this ``do``/``dht`` when the caller already ran it."""
     B, Tq, H, K = q.shape
     V = v.shape[-1]
     dev = q.device
     N, NC = tab.N, tab.NC
     dq, dk, dg = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(g)
     dv, db = torch.zeros_like(v), torch.zeros_like(beta)
-    dh0 = torch.zeros(N, H, K, V, dtype=torch.float32, device=dev)
     dA = torch.zeros_like(A_log) if A_log is not None else None
     ddt = torch.zeros_like(dt_bias) if dt_bias is not None else None
     if NC == 0:
+        dh0 = torch.zeros(N, H, K, V, dtype=torch.float32, device=dev)
         if dht is not None:
             dh0.copy_(dht)
         return dq, dk, dv, dg, db, dA, ddt, (dh0 if initial_state is not None else None)
     do = do.contiguous()
     BK, BVP = next_pow2(K), next_pow2(V)
-    dt = store_dtype(q.dtype)
     prec = dot_precision(q.dtype)
     # dG is a sum of row and column shares that cancel strongly when decays are strong (all gates at the bound):
     # plain tf32 there cost 4e-2 relative error in dg on an H200 (fp16 and bf16 alike; ieee fp32 was fine), so the
@@ -515,14 +536,9 @@ def kda_bwd(q, k, v, g, beta, A_log, dt_bias, initial_state, scale: float, do, d
     a_log = A_log if A_log is not None else dummy
     dtb = dt_bias if dt_bias is not None else dummy
 
-    DHS = torch.empty(H, NC, BK, BVP, dtype=dt, device=dev)
-    DV = torch.empty(H, NC, BT, BVP, dtype=dt, device=dev)
-    bv = min(BwdConfig.state_bv, BVP)
-    _kda_bwd_state[(BVP // bv, N * H)](
-        do, s["AQK"], s["KG"], s["QG"], s["W"], s["GAM"], DHS, DV, dht if dht is not None else dh0, dh0,
-        tab.cu, tab.chunk_off, NC, tab.T, tab.NT, H, K, V, BT=BT, BK=BK, BV=bv, BVP=BVP,
-        USE_DHT=dht is not None, IS_VARLEN=tab.varlen, PREC=prec,
-        num_warps=BwdConfig.state_warps, num_stages=BwdConfig.state_stages)
+    if state_grads is None:
+        state_grads = bwd_state_pass(do, dht, saved, tab, H, K, V, q.dtype)
+    DHS, DV, dh0 = state_grads
 
     DQ, DK, DG = (torch.empty(H, NC, BT, BK, **f32) for _ in range(3))
     DB = torch.empty(H, NC, BT, **f32)

@@ -583,6 +583,23 @@ def launch_state(bufs: dict, o, hs, ht, tab: ChunkTable, c0: int, c1: int, H: in
     )
 
 
+def prep_all(q, k, v, g, beta, A_log, dt_bias, scale: float, tab: ChunkTable, lower_bound, flags: dict) -> dict:
+    """Training: the chunk buffers (W, U, kg, qg, A_qk, γ, T) of every chunk at once, kept for the backward."""
+    BK, BVP = next_pow2(q.shape[-1]), next_pow2(v.shape[-1])
+    bufs = alloc_chunk_buffers(q.shape[2], tab.NC, BK, BVP, store_dtype(q.dtype), q.device, store_t=True)
+    launch_prep(q, k, v, g, beta, A_log, dt_bias, bufs, tab, 0, tab.NC, scale, lower_bound, flags, True)
+    bufs.pop("LD")  # the backward does not need it
+    return bufs
+
+
+def state_all(bufs: dict, o, ht, tab: ChunkTable, H: int, K: int, V: int) -> dict:
+    """Training: the state pass over every chunk from ``ht`` (updated in place to the final states), writing ``o``
+    and the per-chunk entry states; returns what the backward needs (the buffers plus ``HS``)."""
+    hs = torch.empty(H, tab.NC, bufs["W"].shape[-1], bufs["U"].shape[-1], dtype=bufs["W"].dtype, device=o.device)
+    launch_state(bufs, o, hs, ht, tab, 0, tab.NC, H, K, V)
+    return dict(bufs, HS=hs)
+
+
 def kda_fwd(q, k, v, g, beta, A_log, dt_bias, scale: float, initial_state, tab: ChunkTable, lower_bound,
             flags: dict, training: bool):
     """Run the forward. Returns (o [B,T,H,V], ht [N,H,K,V] fp32, saved dict or None).
@@ -601,12 +618,8 @@ def kda_fwd(q, k, v, g, beta, A_log, dt_bias, scale: float, initial_state, tab: 
     if tab.NC == 0:
         return o, ht, None
     if training:
-        bufs = alloc_chunk_buffers(H, tab.NC, BK, BVP, dt, q.device, store_t=True)
-        hs = torch.empty(H, tab.NC, BK, BVP, dtype=dt, device=q.device)
-        launch_prep(q, k, v, g, beta, A_log, dt_bias, bufs, tab, 0, tab.NC, scale, lower_bound, flags, True)
-        launch_state(bufs, o, hs, ht, tab, 0, tab.NC, H, K, V)
-        bufs.pop("LD")  # the backward does not need it
-        return o, ht, dict(bufs, HS=hs)
+        bufs = prep_all(q, k, v, g, beta, A_log, dt_bias, scale, tab, lower_bound, flags)
+        return o, ht, state_all(bufs, o, ht, tab, H, K, V)
     ncw = max(1, min(tab.NC, FwdConfig.window_bytes // chunk_bytes(H, BK, BVP, dt)))
     bufs = alloc_chunk_buffers(H, ncw, BK, BVP, dt, q.device, store_t=False)
     for c0 in range(0, tab.NC, ncw):
