@@ -36,7 +36,8 @@ class KDACPContext:
     cuts that slice into pieces of sequences; ``first_continues``: the first piece continues a sequence that began
     on an earlier rank; ``pre_ranks``: those earlier ranks, in order; ``last_continues``: the last piece goes on into
     the next rank; ``send_M``: the last piece is also the first and continues (its entry is nonzero, so later ranks
-    need its transition matrix M, not only S_ext).
+    need its transition matrix M, not only S_ext). ``last_continues_all`` / ``send_M_all``: those two flags of every
+    rank (the backward folds the entry-state gradients of the later ranks).
     """
 
     cu_seqlens: torch.Tensor
@@ -53,7 +54,10 @@ class KDACPContext:
     first_seq_start: int
     conv1d_kernel_size: int | None = None
     fingerprint: int = 0
+    last_continues_all: tuple[bool, ...] = ()
+    send_M_all: tuple[bool, ...] = ()
     last_bytes_sent: int = field(default=0)
+    last_bwd_bytes_sent: int = field(default=0)
     last_halo_bytes: int = field(default=0)
 
     def shard(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor:
@@ -96,15 +100,40 @@ def build_cp_context(
     L = T // W
     start, end = r * L, (r + 1) * L
     s = bisect.bisect_right(cs, start) - 1  # the sequence holding this rank's first token
-    first_continues = cs[s] < start
+    first_continues, last_continues, send_M = _slice_flags(cs, W, r)
     pre = tuple(range(cs[s] // L, r)) if first_continues else ()
     local = [0] + sorted({c - start for c in cs if start < c < end}) + [L]
-    last_continues = end < T and end not in cs
+    every = [_slice_flags(cs, W, j) for j in range(W)]
     return KDACPContext(
         cu_seqlens=torch.tensor(cs, dtype=torch.int64), group=group, world_size=W, rank=r, start=start, end=end,
         local_cu_seqlens=torch.tensor(local, dtype=torch.int64), first_continues=first_continues, pre_ranks=pre,
-        last_continues=last_continues, send_M=last_continues and first_continues and len(local) == 2,
-        first_seq_start=cs[s], conv1d_kernel_size=conv1d_kernel_size, fingerprint=_fingerprint(cs))
+        last_continues=last_continues, send_M=send_M, first_seq_start=cs[s], conv1d_kernel_size=conv1d_kernel_size,
+        fingerprint=_fingerprint(cs), last_continues_all=tuple(f[1] for f in every),
+        send_M_all=tuple(f[2] for f in every))
+
+
+def _slice_flags(cs: list[int], W: int, j: int) -> tuple[bool, bool, bool]:
+    """Rank ``j``'s (first_continues, last_continues, send_M) for the global cumulative lengths ``cs``."""
+    T = cs[-1]
+    L = T // W
+    start, end = j * L, (j + 1) * L
+    s = bisect.bisect_right(cs, start) - 1
+    first = cs[s] < start
+    last = end < T and end not in cs
+    inner = any(start < c < end for c in cs)
+    return first, last, last and first and not inner
+
+
+def _gather(x: torch.Tensor, group: Any, world: int) -> torch.Tensor:
+    """``x`` → ``[W, *x.shape]`` (no autograd): one all_gather."""
+    x = x.contiguous()
+    if dist.get_backend(group) == "nccl":
+        out = x.new_empty((world,) + tuple(x.shape))
+        dist.all_gather_into_tensor(out, x, group=group)
+        return out
+    parts = [torch.empty_like(x) for _ in range(world)]
+    dist.all_gather(parts, x, group=group)
+    return torch.stack(parts)
 
 
 class _AllGather(torch.autograd.Function):
@@ -113,14 +142,7 @@ class _AllGather(torch.autograd.Function):
     @staticmethod
     def forward(fctx: Any, x: torch.Tensor, group: Any, world: int, rank: int) -> torch.Tensor:
         fctx.group, fctx.rank = group, rank
-        x = x.contiguous()
-        if dist.get_backend(group) == "nccl":
-            out = x.new_empty((world,) + tuple(x.shape))
-            dist.all_gather_into_tensor(out, x, group=group)
-            return out
-        parts = [torch.empty_like(x) for _ in range(world)]
-        dist.all_gather(parts, x, group=group)
-        return torch.stack(parts)
+        return _gather(x, group, world)
 
     @staticmethod
     def backward(fctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, None, None, None]:
@@ -202,11 +224,25 @@ def cp_chunk_kda(
         isinstance(x, torch.Tensor) and x.requires_grad for x in (q, k, v, g, beta, A_log, dt_bias))
     problem = _local_problem(ctx, q, cu_seqlens)
     dev = q.device
+    if backend == "triton" and need_grad and problem is None:
+        if not use_gate_in_kernel:
+            A_log = dt_bias = None
+        o = _CPChunkTriton.apply(q, k, v, g, beta, A_log, dt_bias, ctx, float(scale), flags, lower_bound)
+        return o, None
+    local_cu = ctx.local_cu_seqlens.to(dev)
+    # Without gradients, a rank whose first piece starts fresh runs its forward first: the final state of its last
+    # piece IS that piece's S_ext (no summary pass, no second prep).
+    early = problem is None and not need_grad and not ctx.first_continues
+    if early:
+        o, ht = backend_fn(backend, "chunk_kda")(q, k, v, g, beta, scale, None, True, *flags[:3], lower_bound,
+                                                 local_cu, A_log, dt_bias)
 
     # 1. Summary of the last local piece, only where a later rank will read it.
     M = torch.zeros(H, K, K, dtype=acc, device=dev)
     E = torch.zeros(H, K, V, dtype=acc, device=dev)
-    if problem is None and ctx.last_continues:
+    if early:
+        E = ht[-1].to(acc)
+    elif problem is None and ctx.last_continues:
         a = int(ctx.local_cu_seqlens[-2])
         piece = [x[:, a:] for x in (q, k, v, g, beta)]
         Ms, Es = span_summaries(backend, *piece, scale, *flags[:3], lower_bound, None, A_log, dt_bias,
@@ -226,6 +262,8 @@ def cp_chunk_kda(
     gathered = _all_gather(packed, ctx)
     ctx.last_bytes_sent = packed.numel() * packed.element_size()
     _check_headers(gathered, ctx, problem)
+    if early:
+        return o, None
 
     # 2. Fold the earlier ranks' summaries into the exact entry state of the first local piece.
     body = gathered[:, :-_HEADER].reshape(ctx.world_size, H, K, V + K)
@@ -240,10 +278,121 @@ def cp_chunk_kda(
         h0 = h0.float()
 
     # 3. The local forward from the exact entry states.
-    local_cu = ctx.local_cu_seqlens.to(dev)
     o, _ = backend_fn(backend, "chunk_kda")(q, k, v, g, beta, scale, h0, False, *flags[:3], lower_bound, local_cu,
                                             A_log, dt_bias)
     return o, None
+
+
+def _header(ctx: KDACPContext, n_local: int, ok: bool, dev: torch.device) -> torch.Tensor:
+    return torch.tensor([float(n_local), float(ctx.world_size), float(ctx.fingerprint), 1.0 if ok else 0.0],
+                        dtype=torch.float32, device=dev)
+
+
+def _span_from_buffers(bufs: dict, tab: Any, H: int, K: int, V: int, need_M: bool
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per local piece ``(M [N, H, K, K], S_ext [N, H, K, V])`` fp32 from the training forward's kept chunk
+    buffers (no second prep): the extended state pass of ``span.py`` over every chunk at once; the M columns
+    only when ``need_M``."""
+    from k3.ops.kda.triton._common import BT, dot_precision  # noqa: PLC0415
+    from k3.ops.kda.triton.span import SpanConfig, _kda_span_state  # noqa: PLC0415
+
+    BK, BVP = bufs["W"].shape[-1], bufs["U"].shape[-1]
+    dev = bufs["W"].device
+    S_ext = torch.zeros(tab.N, H, K, V, dtype=torch.float32, device=dev)
+    M = torch.eye(K, dtype=torch.float32, device=dev).repeat(tab.N, H, 1, 1).contiguous()
+    bv = min(SpanConfig.bv, BVP, BK)
+    cols = BVP + (BK if need_M else 0)
+    _kda_span_state[(cols // bv, tab.N * H)](
+        bufs["W"], bufs["U"], bufs["KG"], bufs["GAM"], S_ext, M, tab.chunk_off, 0, tab.NC, tab.NC, tab.NT,
+        H, K, V, BT=BT, BK=BK, BV=bv, BVP=BVP, IS_VARLEN=tab.varlen, PREC=dot_precision(bufs["W"].dtype),
+        num_warps=SpanConfig.warps, num_stages=SpanConfig.stages)
+    return M, S_ext
+
+
+class _CPChunkTriton(torch.autograd.Function):
+    """Context-parallel training step on the Triton kernels, with every rank's backward running in parallel.
+
+    Forward: the prep of every local chunk (kept for the backward, as in the one-card training forward); the
+    summary of the last piece — a rank whose first piece starts fresh takes it from its own state pass (S_ext =
+    that piece's final state), a rank that continues a sequence from the kept buffers (no second prep) — then one
+    all_gather of ``[H, K, V+K]``, the fold of the earlier ranks into the entry state, and the state pass.
+
+    Backward (the transposed mirror): a rank whose first piece continues runs the reverse state pass alone to get
+    J = ∂L_own/∂S_entry (its own outputs' pull on the entry state); one all_gather of J ``[H, K, V]``; each rank folds
+    the later ranks' J from the right, ``dS_out(r) = J(r+1) + M(r+1)ᵀ dS_out(r+1)`` (the M term only where rank
+    r+1's one piece runs through), and runs its full backward with that as the gradient of its last piece's final
+    state. No rank waits on another's backward; each sends ``H·K·V·4`` bytes more (``ctx.last_bwd_bytes_sent``).
+    """
+
+    @staticmethod
+    def forward(fctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                A_log: torch.Tensor | None, dt_bias: torch.Tensor | None, ctx: KDACPContext, scale: float,
+                flags: tuple, lower_bound: float | None) -> torch.Tensor:
+        from k3.ops.kda.triton._common import make_chunk_table  # noqa: PLC0415
+        from k3.ops.kda.triton.chunk import _flags  # noqa: PLC0415
+        from k3.ops.kda.triton.chunk_fwd import prep_all, state_all  # noqa: PLC0415
+
+        q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
+        L, H, K, V, dev = q.shape[1], q.shape[2], q.shape[3], v.shape[3], q.device
+        kflags = _flags(*flags[:3], lower_bound)
+        tab = make_chunk_table(1, L, ctx.local_cu_seqlens.to(dev), dev)
+        bufs = prep_all(q, k, v, g, beta, A_log, dt_bias, scale, tab, lower_bound, kflags)
+        o = torch.empty(1, L, H, V, dtype=q.dtype, device=dev)
+        ht = torch.zeros(tab.N, H, K, V, dtype=torch.float32, device=dev)
+        M = torch.zeros(H, K, K, dtype=torch.float32, device=dev)
+        E = torch.zeros(H, K, V, dtype=torch.float32, device=dev)
+        saved = None
+        if not ctx.first_continues:
+            saved = state_all(bufs, o, ht, tab, H, K, V)
+            if ctx.last_continues:
+                E = ht[-1]
+        elif ctx.last_continues:
+            Ms, Es = _span_from_buffers(bufs, tab, H, K, V, need_M=ctx.send_M)
+            E, M = Es[-1], (Ms[-1] if ctx.send_M else M)
+        packed = torch.cat([torch.cat([E, M], -1).flatten(), _header(ctx, L, True, dev)])
+        gathered = _gather(packed, ctx.group, ctx.world_size)
+        ctx.last_bytes_sent = packed.numel() * packed.element_size()
+        _check_headers(gathered, ctx, None)
+        body = gathered[:, :-_HEADER].reshape(ctx.world_size, H, K, V + K)
+        if ctx.first_continues:
+            S = torch.zeros(H, K, V, dtype=torch.float32, device=dev)
+            for j in ctx.pre_ranks:
+                S = body[j, :, :, V:] @ S + body[j, :, :, :V]
+            ht[0] = S
+            saved = state_all(bufs, o, ht, tab, H, K, V)
+        fctx.save_for_backward(q, k, v, g, beta, A_log, dt_bias)
+        fctx.saved, fctx.tab, fctx.M_all = saved, tab, body[:, :, :, V:].contiguous()
+        fctx.cp, fctx.scale, fctx.kflags, fctx.lower_bound = ctx, scale, kflags, lower_bound
+        return o
+
+    @staticmethod
+    def backward(fctx: Any, do: torch.Tensor) -> tuple:
+        from k3.ops.kda.triton.chunk_bwd import bwd_state_pass, kda_bwd  # noqa: PLC0415
+
+        q, k, v, g, beta, A_log, dt_bias = fctx.saved_tensors
+        ctx, tab, saved = fctx.cp, fctx.tab, fctx.saved
+        H, K, V, dev = q.shape[2], q.shape[3], v.shape[3], q.device
+        do = do.contiguous()
+        first = None
+        J = torch.zeros(H, K, V, dtype=torch.float32, device=dev)
+        if ctx.first_continues:
+            first = bwd_state_pass(do, None, saved, tab, H, K, V, q.dtype)
+            J = first[2][0]
+        J_all = _gather(J, ctx.group, ctx.world_size)
+        ctx.last_bwd_bytes_sent = J.numel() * J.element_size()
+        dht = None
+        if ctx.last_continues:
+            dS = torch.zeros(H, K, V, dtype=torch.float32, device=dev)
+            for j in range(ctx.world_size - 1, ctx.rank, -1):  # dS = gradient on rank j's last final state
+                d_in = J_all[j] + (fctx.M_all[j].transpose(-1, -2) @ dS if ctx.send_M_all[j] else 0.0)
+                dS = d_in if ctx.last_continues_all[j - 1] else torch.zeros_like(dS)
+            dht = torch.zeros(tab.N, H, K, V, dtype=torch.float32, device=dev)
+            dht[-1] = dS
+            first = None  # the state pass must see dht
+        dq, dk, dv, dg, db, dA, ddt, _ = kda_bwd(q, k, v, g, beta, A_log, dt_bias, None, fctx.scale, do, dht, saved,
+                                                 tab, fctx.lower_bound, fctx.kflags, state_grads=first)
+        fctx.saved = None
+        return dq, dk, dv, dg, db, dA, ddt, None, None, None, None
 
 
 def cp_conv_halo(x_local: torch.Tensor, ctx: KDACPContext, kernel_size: int | None = None) -> torch.Tensor:
