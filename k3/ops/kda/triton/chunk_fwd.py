@@ -41,6 +41,7 @@ from k3.ops.kda.triton._common import (
     next_pow2,
     store_dtype,
 )
+from k3.ops.kda.triton.chunk_prep import launch_prep_rows
 
 
 @triton.jit
@@ -505,6 +506,14 @@ class FwdConfig:
     prep_split = True  # two kernels: A blocks + T (+ A_qk, qg, kg, γ), then W, U from the stored T
     wu_warps = 4
     wu_stages = 1
+    # "v3": ``_kda_fwd_prep`` (+ ``_kda_fwd_wu`` if prep_split), the knobs above. "rows": ``chunk_prep``'s two
+    # kernels — A by 16-row blocks, one light program per (row block, chunk, head), then T + W, U per (chunk, head)
+    # (prep_split / prep_inv_scratch / prep_warps do not apply; prep_ab_bf16 does). Not yet measured on a GPU.
+    prep_mode = "v3"
+    rows_warps = 2
+    rows_stages = 1
+    solve_warps = 4
+    solve_stages = 1
     state_bv = 32  # BV 64/128 re-read less but leave SMs idle at B·H = 32 (1M prefill 44–74 ms vs 31)
     state_warps = 4
     state_stages = 3  # v2: 2; 3 stages: 39.6 → 31.2 ms per 1M, 1.14 → 0.81 ms at B=8 T=4096
@@ -521,21 +530,33 @@ def alloc_chunk_buffers(H: int, NC: int, BK: int, BVP: int, dt: torch.dtype, dev
         "AQK": torch.empty(H, NC, BT, BT, **e),
         "GAM": torch.empty(H, NC, BK, dtype=torch.float32, device=device),
     }
-    bufs["TM"] = torch.empty(H, NC, BT, BT, **e) if store_t or FwdConfig.prep_split else bufs["AQK"]
-    # fp32 scratch for the diagonal blocks of L (``_inv16x4``), written and read back by the same program
-    bufs["LD"] = torch.empty(H, NC, BT // BC, BC, BC, dtype=torch.float32, device=device)
+    rows = FwdConfig.prep_mode == "rows"
+    need_t = store_t or (FwdConfig.prep_split and not rows)
+    bufs["TM"] = torch.empty(H, NC, BT, BT, **e) if need_t else bufs["AQK"]
+    # fp32 scratch: v3, the diagonal blocks of L (``_inv16x4``), written and read back by the same program;
+    # rows, the whole L = β A_kk handed from ``_prep_rows`` to ``_prep_solve``
+    shape = (H, NC, BT, BT) if rows else (H, NC, BT // BC, BC, BC)
+    bufs["LD"] = torch.empty(*shape, dtype=torch.float32, device=device)
     return bufs
 
 
 def chunk_bytes(H: int, BK: int, BVP: int, dt: torch.dtype) -> int:
     """Bytes of intermediates per chunk (all heads)."""
     es = torch.finfo(dt).bits // 8
+    if FwdConfig.prep_mode == "rows":  # T is not stored at inference; L goes through a [BT, BT] fp32 scratch
+        return H * (BT * (3 * BK + BVP + BT) * es + BK * 4 + BT * BT * 4)
     t_bytes = BT * BT * es if FwdConfig.prep_split else 0  # the split prep hands T over through memory
     return H * (BT * (3 * BK + BVP + BT) * es + BK * 4 + BT * BC * 4 + t_bytes)
 
 
 def launch_prep(q, k, v, g, beta, A_log, dt_bias, bufs: dict, tab: ChunkTable, c0: int, n: int, scale: float,
                 lower_bound, flags: dict, store_t: bool) -> None:
+    if FwdConfig.prep_mode == "rows":
+        launch_prep_rows(q, k, v, g, beta, A_log, dt_bias, bufs, tab, c0, n, scale, lower_bound, flags, store_t,
+                         FwdConfig)
+        return
+    if FwdConfig.prep_mode != "v3":
+        raise ValueError(f"FwdConfig.prep_mode: expected 'v3' or 'rows', got {FwdConfig.prep_mode!r}")
     _, _, H, K = q.shape
     V = v.shape[-1]
     BK = bufs["W"].shape[-1]

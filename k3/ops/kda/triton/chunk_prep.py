@@ -1,0 +1,303 @@
+"""Chunked KDA forward prep as two kernels with many small independent programs (``FwdConfig.prep_mode = "rows"``).
+
+Same outputs as ``chunk_fwd._kda_fwd_prep`` (+ ``_kda_fwd_wu``): per chunk of BT = 64 rows (four 16-row sub-blocks)
+A_qk, qg = scale·Q e^G, T = (I + A_kk)^{-1} (training), W = T(β K e^G), U = T(β V), kg = K e^{G_C − G}, γ = e^{G_C}.
+
+``_prep_rows`` — grid (4·chunks, H): one program per 16-row sub-block I of a chunk (a row block of A). Reference
+row = the last row of block I−1 (carry c_I), one for the whole row block:
+
+    A[i, j] = Σ_d (x_id e^{G_id − c_I}) · (k_jd e^{c_I − G_jd})
+
+The left factor is ≤ 1 for every row of block I; the right one is ≤ 1 for every earlier block J < I and
+≤ e^{5·15} (bounded gate) inside block I. Row i reads gates of rows ≤ i only, so future inputs cannot reach earlier
+outputs even through rounding (fla issue #1240). Exponents are partial sums taken directly (within-block cumsum s,
+block totals summed backwards from block I), never differences of whole-chunk cumsums. Unbounded gates
+(``EXACT_DIAG``) take an exact per-column loop for the diagonal block. Writes a row block of A_qk (bf16 tiles, zero
+above the diagonal), of L = β A_kk (fp32 scratch ``LK [BT, BT]``) and of qg. Programs: light (1–2 warps), many.
+
+``_prep_solve`` — grid (chunks, H): T = (I + L)^{-1} from the scratch: the four 16×16 diagonal inverses by forward
+substitution on one stacked [64, 16] tile (built transposed: column s of D_bᵀ = e_s − D_bᵀ L_b[s, :]ᵀ, the row read
+from memory, the reduction inside a tile row), D written back over L's diagonal blocks, then the block-nilpotent
+merge on whole [64, 64] tiles (M = D L_off, M⁴ = 0):
+
+    T = (I + D L_off)^{-1} D = (I − M)(I + M²) D
+
+then W = T X, U = T Y as [64, 64] × [64, 128] products, kg and γ from a fresh whole-chunk gate cumsum.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from k3.ops.kda.triton._common import (
+    BC,
+    BT,
+    ChunkTable,
+    _chunk_beta,
+    _chunk_pos,
+    _chunk_tile,
+    _gate_fwd,
+    _l2norm,
+    _sigmoid,
+    dot_precision,
+)
+
+
+@triton.jit
+def _rows_gate(g, A_log, dt_bias, i_h, t0, eos, H, K, lb, BC: tl.constexpr, BK: tl.constexpr,
+               USE_GATE: tl.constexpr, HAS_LB: tl.constexpr, HAS_A: tl.constexpr, HAS_DT: tl.constexpr):
+    """Activated log2 decay of tokens [t0, t0 + BC), fp32 [BC, BK]; zero past ``eos`` and past K."""
+    o_s = tl.arange(0, BC)
+    o_k = tl.arange(0, BK)
+    t = t0 + o_s
+    m_k = o_k < K
+    m = (t < eos)[:, None] & m_k[None, :]
+    b_f = tl.load(g + t[:, None] * (H * K) + i_h * K + o_k[None, :], mask=m, other=0.).to(tl.float32)
+    b_g = _gate_fwd(b_f, i_h, A_log, dt_bias, lb, o_k, m_k, K, USE_GATE, HAS_LB, HAS_A, HAS_DT)
+    return tl.where(m, b_g, 0.) * 1.4426950408889634
+
+
+@triton.jit
+def _rows_x(x, i_h, t0, eos, H, K, BC: tl.constexpr, BK: tl.constexpr, L2NORM: tl.constexpr):
+    """Tokens [t0, t0 + BC) of q or k [T, H, K], fp32 [BC, BK], L2-normalized if asked; zero outside."""
+    o_s = tl.arange(0, BC)
+    o_k = tl.arange(0, BK)
+    t = t0 + o_s
+    m = (t < eos)[:, None] & (o_k < K)[None, :]
+    b_x, _ = _l2norm(tl.load(x + t[:, None] * (H * K) + i_h * K + o_k[None, :], mask=m, other=0.).to(tl.float32),
+                     L2NORM)
+    return b_x
+
+
+@triton.jit
+def _rows_beta(beta, i_h, t0, eos, H, BC: tl.constexpr, BETA_SIGMOID: tl.constexpr):
+    t = t0 + tl.arange(0, BC)
+    m_t = t < eos
+    b_b = tl.load(beta + t * H + i_h, mask=m_t, other=0.).to(tl.float32)
+    if BETA_SIGMOID:
+        b_b = _sigmoid(b_b)
+    return tl.where(m_t, b_b, 0.)
+
+
+@triton.jit
+def _op(x, AB_BF16: tl.constexpr):
+    """Tensor-core operand: bf16 (fp32 accumulation) for bf16 inputs when asked; bf16 keeps fp32's exponent range,
+    so the diagonal block's right factor (≤ e^{5·15}) stays finite."""
+    if AB_BF16:
+        return x.to(tl.bfloat16)
+    else:
+        return x
+
+
+@triton.jit
+def _tile_ptr(ptr, base, r0, c0, BT: tl.constexpr, BC: tl.constexpr):
+    """Pointers of the [BC, BC] tile at rows r0.., columns c0.. of the [BT, BT] chunk matrix number ``base``."""
+    o_s = tl.arange(0, BC)
+    return ptr + (base * BT + r0 + o_s[:, None]) * BT + c0 + o_s[None, :]
+
+
+@triton.jit
+def _exact_diag_loop(qI, kI, sI, BC: tl.constexpr):
+    """Diagonal block without a reference row (unbounded gates): column by column,
+    aq[i, j] = Σ_d q_id k_jd e^{s_id − s_jd} (j ≤ i), ak the same with k_i (j < i); only exponents ≤ 0."""
+    o_s = tl.arange(0, BC)
+    aq = tl.zeros([BC, BC], dtype=tl.float32)
+    ak = tl.zeros([BC, BC], dtype=tl.float32)
+    for j in tl.static_range(BC):
+        sel = (o_s == j)[:, None]
+        k_j = tl.sum(tl.where(sel, kI, 0.), axis=0)
+        s_j = tl.sum(tl.where(sel, sI, 0.), axis=0)
+        keep = (o_s >= j)[:, None]
+        e = tl.exp2(tl.where(keep, sI - s_j[None, :], float("-inf"))) * k_j[None, :]
+        col = (o_s == j)[None, :]
+        aq = tl.where(col, tl.sum(qI * e, axis=1)[:, None], aq)
+        ak = tl.where(col, tl.sum(kI * e, axis=1)[:, None], ak)
+    return aq, ak
+
+
+@triton.jit(do_not_specialize=['c0', 'NCw', 'T', 'NT', 'H'])
+def _prep_rows(
+    q, k, g, beta, A_log, dt_bias, QG, AQK, LK,
+    cu, chunk_seq, chunk_off, c0, NCw, T, NT,
+    H, K: tl.constexpr, scale, lb,
+    BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
+    USE_GATE: tl.constexpr, HAS_LB: tl.constexpr, HAS_A: tl.constexpr, HAS_DT: tl.constexpr,
+    L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr, IS_VARLEN: tl.constexpr,
+    EXACT_DIAG: tl.constexpr, PREC: tl.constexpr, AB_BF16: tl.constexpr,
+):
+    NB: tl.constexpr = BT // BC
+    pid = tl.program_id(0)
+    i_c = pid // NB
+    I = pid % NB  # row block (adjacent programs share a chunk: its k, g tiles stay in L2)
+    i_h = tl.program_id(1)
+    bos, eos = _chunk_pos(c0 + i_c, cu, chunk_seq, chunk_off, T, NT, BT, IS_VARLEN)
+    base = (i_h * NCw + i_c).to(tl.int64)
+    o_s = tl.arange(0, BC)
+    r0 = I * BC
+    t0 = bos + r0
+
+    # ---- own rows: s = within-block cumsum of the log2 gate, so G_i − c_I = s_i exactly as summed
+    b_g = _rows_gate(g, A_log, dt_bias, i_h, t0, eos, H, K, lb, BC, BK, USE_GATE, HAS_LB, HAS_A, HAS_DT)
+    b_q = _rows_x(q, i_h, t0, eos, H, K, BC, BK, L2NORM)
+    b_k = _rows_x(k, i_h, t0, eos, H, K, BC, BK, L2NORM)
+    b_b = _rows_beta(beta, i_h, t0, eos, H, BC, BETA_SIGMOID)
+    s = tl.cumsum(b_g, axis=0)
+    e = tl.exp2(s)  # ≤ 1
+    ql = _op(b_q * e, AB_BF16)
+    kl = _op(b_k * e, AB_BF16)
+
+    # ---- diagonal block (I, I)
+    if EXACT_DIAG:
+        aq, ak = _exact_diag_loop(b_q, b_k, s, BC)
+    else:
+        kd = _op(tl.trans(b_k * tl.exp2(-s)), AB_BF16)  # ≤ e^{5·15} under the bounded gate
+        aq = tl.dot(ql, kd, input_precision=PREC)
+        ak = tl.dot(kl, kd, input_precision=PREC)
+    aq = tl.where(o_s[:, None] >= o_s[None, :], aq, 0.)
+    ak = tl.where(o_s[:, None] > o_s[None, :], ak, 0.)
+    tl.store(_tile_ptr(AQK, base, r0, r0, BT, BC), (aq * scale).to(AQK.dtype.element_ty))
+    tl.store(_tile_ptr(LK, base, r0, r0, BT, BC), ak * b_b[:, None])
+
+    # ---- earlier blocks J = I−1 … 0: right factor k_j e^{c_I − G_j} = k_j e^{(tot_J − s_j) + d}, d = Σ_{J<J'<I} tot_J'
+    d = tl.zeros([BK], dtype=tl.float32)
+    for jj in range(0, I):
+        J = I - 1 - jj
+        tJ = bos + J * BC
+        g_J = _rows_gate(g, A_log, dt_bias, i_h, tJ, eos, H, K, lb, BC, BK, USE_GATE, HAS_LB, HAS_A, HAS_DT)
+        k_J = _rows_x(k, i_h, tJ, eos, H, K, BC, BK, L2NORM)
+        tot = tl.sum(g_J, axis=0)
+        kr = _op(tl.trans(k_J * tl.exp2((tot[None, :] - tl.cumsum(g_J, axis=0)) + d[None, :])), AB_BF16)  # ≤ 1
+        tl.store(_tile_ptr(AQK, base, r0, J * BC, BT, BC),
+                 (tl.dot(ql, kr, input_precision=PREC) * scale).to(AQK.dtype.element_ty))
+        tl.store(_tile_ptr(LK, base, r0, J * BC, BT, BC), tl.dot(kl, kr, input_precision=PREC) * b_b[:, None])
+        d += tot
+    # d is now c_I (G at the last row of block I−1): qg = scale · q e^{c_I + s}
+    o_k = tl.arange(0, BK)
+    tl.store(QG + (base * BT + r0 + o_s[:, None]) * BK + o_k[None, :],
+             (b_q * tl.exp2(d[None, :] + s) * scale).to(QG.dtype.element_ty))
+    zt = tl.zeros([BC, BC], dtype=tl.float32).to(AQK.dtype.element_ty)
+    for J in range(I + 1, NB):  # A_qk is read whole by the state pass: zero above the diagonal
+        tl.store(_tile_ptr(AQK, base, r0, J * BC, BT, BC), zt)
+
+
+@triton.jit
+def _diag_inverses(LK, base, BT: tl.constexpr, BC: tl.constexpr):
+    """(I + L_b)^{-1} of the four strictly lower-triangular diagonal blocks of the scratch ``LK[base]`` by forward
+    substitution, all four stacked in one [BT, BC] tile: row (b, i), column m holds D_b[m, i] (built transposed,
+    column s of D_bᵀ = e_s − D_bᵀ L_b[s, :]ᵀ). The row L_b[s, :] is loaded (an L1 hit) instead of extracted by a
+    cross-warp reduction, and the remaining reduction runs along a tile row. Then D_b is written back over the
+    diagonal block (the caller reloads the whole matrix)."""
+    o_t = tl.arange(0, BT)
+    o_m = tl.arange(0, BC)
+    blk = (o_t // BC) * BC  # first row (= column) of the stacked row's diagonal block
+    ii = o_t % BC
+    p_row = LK + (base * BT + blk[:, None]) * BT + blk[:, None] + o_m[None, :]  # + s·BT: row s of block b
+    U = tl.where(ii[:, None] == o_m[None, :], 1.0, 0.0)
+    for s in tl.static_range(1, BC):
+        r = tl.load(p_row + s * BT)
+        new = tl.where(ii == s, 1.0, 0.0) - tl.sum(U * r, axis=1)
+        U = tl.where((o_m == s)[None, :], new[:, None], U)
+    tl.debug_barrier()  # every thread is done reading L's diagonal rows before D overwrites them
+    tl.store(LK + (base * BT + blk[:, None] + o_m[None, :]) * BT + blk[:, None] + ii[:, None], U)
+    tl.debug_barrier()  # ... and D is visible to every thread of the program before the reload
+
+
+@triton.jit
+def _block_merge(A, BT: tl.constexpr, BC: tl.constexpr, PREC: tl.constexpr):
+    """T = (I + L)^{-1} from A = D on the diagonal blocks, L below them (anything above):
+    (I + L) = (I + L_diag)(I + D L_off), M = D L_off is strictly block-lower (M⁴ = 0), so
+    T = (I − M + M² − M³) D = (I − M)(I + M²) D."""
+    o_t = tl.arange(0, BT)
+    rb = o_t // BC
+    Dm = tl.where(rb[:, None] == rb[None, :], A, 0.)
+    Lo = tl.where(rb[:, None] > rb[None, :], A, 0.)
+    eye = tl.where(o_t[:, None] == o_t[None, :], 1.0, 0.0)
+    M = tl.dot(Dm, Lo, input_precision=PREC)
+    M2 = tl.dot(M, M, input_precision=PREC)
+    P = tl.dot(eye - M, eye + M2, input_precision=PREC)
+    return tl.dot(P, Dm, input_precision=PREC)
+
+
+@triton.jit(do_not_specialize=['c0', 'NCw', 'T', 'NT', 'H'])
+def _prep_solve(
+    k, v, g, beta, A_log, dt_bias, W, U, KG, GAM, TM, LK,
+    cu, chunk_seq, chunk_off, c0, NCw, T, NT,
+    H, K: tl.constexpr, V: tl.constexpr, lb,
+    BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BVP: tl.constexpr,
+    USE_GATE: tl.constexpr, HAS_LB: tl.constexpr, HAS_A: tl.constexpr, HAS_DT: tl.constexpr,
+    L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr, IS_VARLEN: tl.constexpr, STORE_T: tl.constexpr,
+    PREC: tl.constexpr,
+):
+    DT: tl.constexpr = W.dtype.element_ty
+    i_c = tl.program_id(0)
+    i_h = tl.program_id(1)
+    bos, eos = _chunk_pos(c0 + i_c, cu, chunk_seq, chunk_off, T, NT, BT, IS_VARLEN)
+    base = (i_h * NCw + i_c).to(tl.int64)
+    o_t = tl.arange(0, BT)
+    o_k = tl.arange(0, BK)
+    o_v = tl.arange(0, BVP)
+
+    # ---- T
+    _diag_inverses(LK, base, BT, BC)
+    A = tl.load(LK + (base * BT + o_t[:, None]) * BT + o_t[None, :])
+    b_t = _block_merge(A, BT, BC, PREC).to(DT)
+    if STORE_T:
+        tl.store(TM + (base * BT + o_t[:, None]) * BT + o_t[None, :], b_t)
+
+    # ---- U = T (β V)
+    t = bos + o_t
+    b_b = _chunk_beta(beta, i_h, bos, eos, H, BT, BETA_SIGMOID)
+    b_v = tl.load(v + (t * H + i_h)[:, None] * V + o_v[None, :], mask=(t < eos)[:, None] & (o_v < V)[None, :],
+                  other=0.).to(tl.float32)
+    tl.store(U + (base * BT + o_t[:, None]) * BVP + o_v[None, :],
+             tl.dot(b_t, (b_v * b_b[:, None]).to(DT), input_precision=PREC).to(DT))
+
+    # ---- W = T (β K e^G), kg = K e^{G_C − G}, γ = e^{G_C}
+    m = (t < eos)[:, None] & (o_k < K)[None, :]
+    b_g = _gate_fwd(_chunk_tile(g, i_h, bos, eos, H, K, BT, BK).to(tl.float32), i_h, A_log, dt_bias, lb, o_k,
+                    o_k < K, K, USE_GATE, HAS_LB, HAS_A, HAS_DT)
+    b_g = tl.where(m, b_g, 0.) * 1.4426950408889634
+    G = tl.cumsum(b_g, axis=0)
+    gc = tl.sum(b_g, axis=0)
+    b_k, _ = _l2norm(_chunk_tile(k, i_h, bos, eos, H, K, BT, BK).to(tl.float32), L2NORM)
+    p_tk = (base * BT + o_t[:, None]) * BK + o_k[None, :]
+    tl.store(W + p_tk, tl.dot(b_t, (b_k * tl.exp2(G) * b_b[:, None]).to(DT), input_precision=PREC).to(DT))
+    tl.store(KG + p_tk, (b_k * tl.exp2(tl.minimum(gc[None, :] - G, 0.))).to(DT))
+    tl.store(GAM + base * BK + o_k, tl.exp2(gc))
+
+
+def launch_prep_rows(q, k, v, g, beta, A_log, dt_bias, bufs: dict, tab: ChunkTable, c0: int, n: int, scale: float,
+                     lower_bound, flags: dict, store_t: bool, cfg) -> None:
+    """Both kernels over chunks [c0, c0 + n) into the window buffers ``bufs`` (``LD`` = the fp32 [BT, BT] scratch).
+    ``cfg``: the FwdConfig class (rows_warps, rows_stages, solve_warps, solve_stages, prep_ab_bf16)."""
+    _, _, H, K = q.shape
+    V = v.shape[-1]
+    BK = bufs["W"].shape[-1]
+    BVP = bufs["U"].shape[-1]
+    LK = bufs["LD"]
+    if tuple(LK.shape[-2:]) != (BT, BT):
+        raise RuntimeError("prep_mode 'rows' needs the [BT, BT] scratch: allocate the chunk buffers after setting "
+                           "FwdConfig")
+    if store_t and bufs["TM"] is bufs["AQK"]:
+        raise RuntimeError("storing T needs its own buffer")
+    dummy = bufs["GAM"]
+    a_log = A_log if A_log is not None else dummy
+    dtb = dt_bias if dt_bias is not None else dummy
+    lb = float(lower_bound) if lower_bound is not None else 0.0
+    ncw = bufs["W"].shape[1]
+    common = dict(USE_GATE=flags["use_gate"], HAS_LB=lower_bound is not None, HAS_A=A_log is not None,
+                  HAS_DT=dt_bias is not None, L2NORM=flags["l2norm"], BETA_SIGMOID=flags["beta_sigmoid"],
+                  IS_VARLEN=tab.varlen, PREC=dot_precision(q.dtype))
+    _prep_rows[(n * (BT // BC), H)](
+        q, k, g, beta, a_log, dtb, bufs["QG"], bufs["AQK"], LK,
+        tab.cu, tab.chunk_seq, tab.chunk_off, c0, ncw, tab.T, tab.NT, H, K, scale, lb,
+        BT=BT, BC=BC, BK=BK, EXACT_DIAG=flags["exact_diag"],
+        AB_BF16=bool(cfg.prep_ab_bf16) and q.dtype == torch.bfloat16,
+        num_warps=cfg.rows_warps, num_stages=cfg.rows_stages, **common)
+    _prep_solve[(n, H)](
+        k, v, g, beta, a_log, dtb, bufs["W"], bufs["U"], bufs["KG"], bufs["GAM"], bufs["TM"], LK,
+        tab.cu, tab.chunk_seq, tab.chunk_off, c0, ncw, tab.T, tab.NT, H, K, V, lb,
+        BT=BT, BC=BC, BK=BK, BVP=BVP, STORE_T=store_t,
+        num_warps=cfg.solve_warps, num_stages=cfg.solve_stages, **common)

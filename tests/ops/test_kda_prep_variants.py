@@ -1,0 +1,245 @@
+"""The two-kernel ``rows`` prep of the Triton chunked KDA forward (``FwdConfig.prep_mode = "rows"``,
+k3/ops/kda/triton/chunk_prep.py) against the fp64 token recurrence, through the public ``k3.ops.kda.chunk_kda``.
+
+CPU: kernels in Triton's interpreter (fp32 / fp16). Inference (no grad, the windowed path): output and final state;
+training: output, final state and every input gradient (the backward consumes the prep's buffers W, U, T, qg, kg,
+A_qk, γ). Uninitialised memory is poisoned with NaN. GPU (skipped without CUDA): bf16 at K = V = 128.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+pytest.importorskip("triton")
+
+from k3.ops.kda import chunk_kda, naive_recurrent_kda  # noqa: E402
+from k3.ops.kda.triton import chunk_fwd as cf  # noqa: E402
+from k3.ops.kda.triton._common import make_chunk_table  # noqa: E402
+
+CUDA = torch.cuda.is_available()
+DEV = "cuda" if CUDA else "cpu"
+cpu_only = pytest.mark.skipif(CUDA, reason="interpreter-sized cases (CPU)")
+gpu = pytest.mark.skipif(not CUDA, reason="needs CUDA")
+
+
+@pytest.fixture(autouse=True)
+def rows_mode(monkeypatch):
+    """Every test runs the ``rows`` prep through the Triton backend, with NaN-poisoned torch.empty/empty_like."""
+    monkeypatch.setenv("K3_KDA_BACKEND", "triton")
+    monkeypatch.setattr(cf.FwdConfig, "prep_mode", "rows")
+    real_empty, real_like = torch.empty, torch.empty_like
+
+    def empty(*a, **kw):
+        x = real_empty(*a, **kw)
+        return x.fill_(float("nan")) if x.is_floating_point() else x
+
+    def empty_like(*a, **kw):
+        x = real_like(*a, **kw)
+        return x.fill_(float("nan")) if x.is_floating_point() else x
+
+    monkeypatch.setattr(torch, "empty", empty)
+    monkeypatch.setattr(torch, "empty_like", empty_like)
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.detach().double().cpu(), b.detach().double().cpu()
+    return float((a - b).norm() / b.norm().clamp_min(1e-300))
+
+
+def make_inputs(T: int, H: int, K: int, V: int, N: int = 1, seed: int = 0, g_const: float | None = None,
+                beta_logit: float | None = None, repeat_keys: bool = False) -> dict:
+    """fp64 inputs for B = 1 (or a packed batch of N sequences): raw gate pre-activations f, β logits."""
+    gen = torch.Generator().manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64)  # noqa: E731
+    x = dict(q=r(1, T, H, K), k=r(1, T, H, K), v=r(1, T, H, V), g=r(1, T, H, K), beta=r(1, T, H),
+             A=r(H) * 0.5, dt=r(H * K) * 0.5, s0=r(N, H, K, V))
+    if repeat_keys:
+        x["k"] = x["k"][:, :1].expand_as(x["k"]).clone()
+    if g_const is not None:
+        x["g"] = torch.full_like(x["g"], g_const)
+    if beta_logit is not None:
+        x["beta"] = torch.full_like(x["beta"], beta_logit)
+    return x
+
+
+def reference(x: dict, lb: float | None, gate: bool, cu: list[int] | None):
+    """fp64 recurrence on the activated inputs, per sequence → (o, final state)."""
+    H, K = x["q"].shape[-2:]
+    q = x["q"] / (x["q"].pow(2).sum(-1, keepdim=True) + 1e-6).sqrt()
+    k = x["k"] / (x["k"].pow(2).sum(-1, keepdim=True) + 1e-6).sqrt()
+    g = x["g"]
+    if gate:
+        f = g + x["dt"].view(H, K)
+        g = lb * torch.sigmoid(f * x["A"].exp()[:, None]) if lb is not None else \
+            -x["A"].exp()[:, None] * torch.nn.functional.softplus(f)
+    beta = x["beta"].sigmoid()
+    cu = cu or [0, q.shape[1]]
+    outs, states = [], []
+    for i in range(len(cu) - 1):
+        sl = slice(cu[i], cu[i + 1])
+        o, s = naive_recurrent_kda(q[:, sl], k[:, sl], x["v"][:, sl], g[:, sl], beta[:, sl], K ** -0.5,
+                                   x["s0"][i:i + 1], True)
+        outs.append(o)
+        states.append(s)
+    return torch.cat(outs, 1), torch.cat(states, 0)
+
+
+def run(x: dict, dtype: torch.dtype, lb: float | None, gate: bool, cu: list[int] | None, grad: bool):
+    """chunk_kda on a copy of x (states, A_log, dt_bias fp32); with ``grad`` also backward of a random projection."""
+    dx = {n: t.to(DEV, torch.float32 if n in ("A", "dt", "s0") else dtype).requires_grad_(grad)
+          for n, t in x.items()}
+    K = x["q"].shape[-1]
+    o, ht = chunk_kda(dx["q"], dx["k"], dx["v"], dx["g"], dx["beta"], scale=K ** -0.5, initial_state=dx["s0"],
+                      output_final_state=True, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=gate,
+                      use_beta_sigmoid_in_kernel=True, safe_gate=lb is not None and gate, lower_bound=lb,
+                      cu_seqlens=torch.tensor(cu, device=DEV) if cu is not None else None,
+                      A_log=dx["A"] if gate else None, dt_bias=dx["dt"] if gate else None)
+    if not grad:
+        return o, ht, None, {}
+    gen = torch.Generator().manual_seed(1)
+    proj = (torch.randn(o.shape, generator=gen, dtype=torch.float64),
+            torch.randn(ht.shape, generator=gen, dtype=torch.float64))
+    ((o.double() * proj[0].to(DEV)).sum() + (ht.double() * proj[1].to(DEV)).sum()).backward()
+    return o, ht, proj, {n: t.grad for n, t in dx.items() if t.grad is not None}
+
+
+def check(x: dict, tol: float, dtype=torch.float32, lb: float | None = -5.0, gate: bool = True,
+          cu: list[int] | None = None, grad: bool = True, tol_params: float | None = None) -> None:
+    o, ht, proj, grads = run(x, dtype, lb, gate, cu, grad)
+    xr = {n: t.clone().requires_grad_(grad) for n, t in x.items()}
+    ro, rh = reference(xr, lb, gate, cu)
+    errs = {"o": rel(o, ro), "ht": rel(ht, rh)}
+    if grad:
+        ((ro * proj[0]).sum() + (rh * proj[1]).sum()).backward()
+        for n, t in xr.items():
+            if n in ("A", "dt") and not gate:
+                continue
+            assert n in grads, f"no gradient for {n}"
+            errs["d" + n] = rel(grads[n], t.grad)
+    limit = {"dA": tol_params or tol, "ddt": tol_params or tol}
+    bad = {n: e for n, e in errs.items() if not e <= limit.get(n, tol)}  # NaN fails too
+    assert not bad, f"relative RMS error above {tol}: {bad} (all: {errs})"
+
+
+# ---------------------------------------------------------------------------------------------- CPU (interpreter)
+
+
+@cpu_only
+@pytest.mark.parametrize("T", [1, 63, 100, 300])
+def test_rows_inference_matches_recurrence(T):
+    """No grad: the windowed inference path, output and final state (H = 2, K = 16, V = 32)."""
+    check(make_inputs(T, 2, 16, 32, seed=T), 1e-4, grad=False)
+
+
+@cpu_only
+@pytest.mark.parametrize("T", [1, 63, 100])
+def test_rows_training_matches_recurrence(T):
+    """Training: output, final state and every gradient (q, k, v, f, β, A_log, dt_bias, initial state)."""
+    check(make_inputs(T, 1, 16, 16, seed=10 + T), 1e-4)
+
+
+@cpu_only
+@pytest.mark.parametrize("case", ["gates_at_bound", "unbounded_exact_diag", "beta_near_0", "beta_near_1_same_keys"])
+def test_rows_extremes_training(case):
+    """Gates at the bound (every log-decay −5), no lower bound (softplus gate, exact diagonal blocks), β ≈ 6e-6,
+    β ≈ 1 with identical keys (T = 100 spans two chunks)."""
+    if case == "gates_at_bound":
+        check(make_inputs(100, 1, 16, 16, g_const=-5.0), 1e-4, gate=False)
+    elif case == "unbounded_exact_diag":
+        check(make_inputs(100, 1, 16, 16, seed=4), 1e-4, lb=None)
+    elif case == "beta_near_0":
+        check(make_inputs(100, 1, 16, 16, beta_logit=-12.0), 1e-4)
+    else:
+        # dA_log is a sum whose terms cancel ~250-fold here, so its relative error is the dg error times that
+        # factor (same allowance as tests/ops/test_kda_triton.py)
+        check(make_inputs(100, 1, 16, 16, beta_logit=12.0, repeat_keys=True), 1e-4, tol_params=1e-3)
+
+
+@cpu_only
+def test_rows_varlen_training_and_windows(monkeypatch):
+    """Packed batch with an empty and a one-token sequence: training vs the recurrence; then the windowed inference
+    with one chunk per window equals the one-window result and the reference."""
+    cu = [0, 1, 64, 64, 130, 200]
+    x = make_inputs(200, 2, 16, 16, N=5, seed=5)
+    check(x, 1e-4, cu=cu)
+    o1, h1, *_ = run(x, torch.float32, -5.0, True, cu, False)
+    monkeypatch.setattr(cf.FwdConfig, "window_bytes", 1)
+    o2, h2, *_ = run(x, torch.float32, -5.0, True, cu, False)
+    assert rel(o2, o1) < 1e-6 and rel(h2, h1) < 1e-6
+    ro, rh = reference(x, -5.0, True, cu)
+    assert rel(o2, ro) < 1e-4 and rel(h2, rh) < 1e-4
+
+
+@cpu_only
+def test_rows_k128_training():
+    """K = V = 128 (the production head size), two chunks."""
+    check(make_inputs(70, 1, 128, 128, seed=6), 1e-4)
+
+
+@cpu_only
+def test_rows_fp16():
+    """fp16 inputs (half intermediates, tf32 products): forward and gradients within 2e-2, gates at the bound."""
+    check(make_inputs(100, 1, 32, 32, seed=8), 2e-2, dtype=torch.float16)
+    check(make_inputs(100, 1, 16, 16, g_const=-5.0), 2e-2, dtype=torch.float16, gate=False, grad=False)
+
+
+@cpu_only
+def test_rows_buffers_match_v3(monkeypatch):
+    """The buffers every consumer reads (W, U, kg, qg, A_qk, γ, T) equal the v3 prep's to fp32 rounding."""
+    x = make_inputs(150, 2, 16, 32, seed=9)
+    tab = make_chunk_table(1, 150, None, "cpu")
+    a = [x[n].float() for n in ("q", "k", "v", "g", "beta")] + [x["A"].float(), x["dt"].float()]
+    flags = dict(l2norm=True, use_gate=True, beta_sigmoid=True, exact_diag=False)
+    out = {}
+    for mode in ("v3", "rows"):
+        monkeypatch.setattr(cf.FwdConfig, "prep_mode", mode)
+        out[mode] = cf.prep_all(*a, 16 ** -0.5, tab, -5.0, flags)
+    for key in ("W", "U", "KG", "QG", "AQK", "GAM", "TM"):
+        assert rel(out["rows"][key], out["v3"][key]) < 1e-5, key
+
+
+@cpu_only
+def test_rows_causality_bitwise():
+    """Changing every input at positions ≥ t leaves the outputs before t bitwise unchanged (t inside a sub-block,
+    at sub-block and chunk edges)."""
+    x = make_inputs(130, 1, 16, 16, seed=7)
+    o, *_ = run(x, torch.float32, -5.0, True, None, False)
+    for t in (1, 17, 37, 64, 70, 127):
+        y = {n: v.clone() for n, v in x.items()}
+        gen = torch.Generator().manual_seed(t)
+        for n in ("q", "k", "v", "g", "beta"):
+            y[n][:, t:] = torch.randn(y[n][:, t:].shape, generator=gen, dtype=torch.float64) * 3
+        o2, *_ = run(y, torch.float32, -5.0, True, None, False)
+        assert torch.equal(o2[:, :t], o[:, :t]), f"outputs before t={t} changed"
+        assert not torch.equal(o2[:, t:], o[:, t:])
+
+
+def test_bad_prep_mode(monkeypatch):
+    monkeypatch.setattr(cf.FwdConfig, "prep_mode", "nope")
+    x = make_inputs(8, 1, 16, 16)
+    with pytest.raises(ValueError, match="prep_mode"):
+        run(x, torch.float32, -5.0, True, None, False)
+
+
+# ---------------------------------------------------------------------------------------------- GPU (bf16)
+
+
+@gpu
+@pytest.mark.parametrize("ab_bf16", [False, True])
+@pytest.mark.parametrize("case", ["random", "gates_at_bound", "beta_near_1_same_keys", "unbounded"])
+def test_gpu_rows_bf16(monkeypatch, ab_bf16, case):
+    monkeypatch.setattr(cf.FwdConfig, "prep_ab_bf16", ab_bf16)
+    if case == "gates_at_bound":
+        check(make_inputs(1000, 4, 128, 128, g_const=-5.0), 2e-2, torch.bfloat16, gate=False)
+    elif case == "beta_near_1_same_keys":
+        check(make_inputs(1000, 4, 128, 128, beta_logit=12.0, repeat_keys=True), 2e-2, torch.bfloat16)
+    elif case == "unbounded":
+        check(make_inputs(1000, 4, 128, 128), 2e-2, torch.bfloat16, lb=None)
+    else:
+        check(make_inputs(1000, 4, 128, 128, N=3), 2e-2, torch.bfloat16, cu=[0, 333, 334, 1000])
