@@ -77,8 +77,43 @@ def test_split_plan():
     assert pf.split_plan([1000], 7) == [[192, 192, 128, 128, 128, 128, 104]]
     assert pf.split_plan([100, 64, 1, 0], 3) == [[64, 36], [64], [1], [0]]
     assert all(sum(s) == L for s, L in zip(pf.split_plan([5000, 4096, 777], 5), [5000, 4096, 777]))
-    assert pf.choose_splits(1, 8, 1 << 20, 132) == 17 and pf.choose_splits(1, 32, 1 << 20, 132) == 5
+    assert pf.split_plan([10, 3], 0, align=1, seg_len=4) == [[4, 3, 3], [3]]
+    assert pf.balanced_cut([16, 5, 1], 4) == [[4, 4, 4, 4], [3, 2], [1]]
+
+
+def test_cost_model_choice():
+    """The automatic rule splits where the serial state pass leaves SMs idle (B=1, H=8: 32 programs on 132 SMs)
+    and not where it fills them (H=32: 128 programs) or where a split cannot amortise (short T)."""
+    m = pf.SplitCostModel()
+    n = (1 << 20) // 64
+    assert pf.choose_splits(1, 8, 1 << 20, 132) == 4 and pf.choose_splits(1, 8, 1 << 17, 132) == 4
+    assert pf.choose_splits(1, 32, 1 << 20, 132) == 1 and pf.choose_splits(1, 16, 1 << 20, 132) == 1
     assert pf.choose_splits(8, 32, 1 << 20, 132) == 1 and pf.choose_splits(1, 8, 4096, 132) == 1
+    # 4 segments: span 32 + 2·64 programs on 264 slots, state 128 programs on 132: one wave each
+    assert m.predict_us([[n]], 8, 128, 128) == pytest.approx(n * 1.8)
+    four = pf.balanced_cut([n], 4)
+    assert m.predict_us(four, 8, 128, 128) == pytest.approx(n / 4 * (1.8 + 1.6) + m.window_us + 2 * m.fold_step_us)
+    # one more segment needs a second wave of the state pass: slower
+    assert m.predict_us(pf.balanced_cut([n], 5), 8, 128, 128) > m.predict_us(four, 8, 128, 128)
+    assert pf._list_schedule_us([2.0] * 5, 2) == 6.0 and pf._list_schedule_us([5.0, 1.0, 1.0, 1.0], 2) == 5.0
+
+
+def test_auto_rule_on_cuda(monkeypatch):
+    """``_auto_splits`` on a (pretended) CUDA device: on by default, ``K3_KDA_SPLITS=1`` and ``AUTO_SPLIT`` off
+    disable it; the torch backend never splits on its own."""
+    monkeypatch.setattr(pf, "_sm_count", lambda index: 132)
+    cuda = torch.device("cuda", 0)
+    P, model = pf._auto_splits([1 << 20], 8, 128, 128, cuda, "triton")
+    assert P == 4 and model is not None
+    assert pf._auto_splits([1 << 20], 32, 128, 128, cuda, "triton")[0] == 1
+    assert pf._auto_splits([1 << 20] + [100] * 40, 8, 128, 128, cuda, "triton")[0] == 1  # SMs full already
+    assert pf._auto_splits([1 << 20], 8, 128, 128, cuda, "torch")[0] == 1
+    monkeypatch.setattr(pf, "AUTO_SPLIT", False)
+    assert pf._auto_splits([1 << 20], 8, 128, 128, cuda, "triton")[0] == 1
+    monkeypatch.setenv("K3_KDA_SPLITS", "auto")
+    assert pf._auto_splits([1 << 20], 8, 128, 128, cuda, "triton")[0] == 4
+    monkeypatch.setenv("K3_KDA_SPLITS", "1")
+    assert pf._auto_splits([1 << 20], 8, 128, 128, cuda, "triton") == (1, None)
 
 
 @pytest.mark.parametrize("P", [2, 3, 7])
@@ -144,19 +179,163 @@ def _triton_kernels():
     return _triton_module(required=False)
 
 
-@pytest.mark.skipif(_triton_kernels() is None, reason="k3.ops.kda.triton (KDA-TRITON's kernels) not present")
-@pytest.mark.parametrize("P", [2, 3])
-def test_split_triton_interpreter(P, monkeypatch):
+triton_only = pytest.mark.skipif(_triton_kernels() is None, reason="k3.ops.kda.triton not importable")
+
+
+@pytest.fixture
+def nan_empty(monkeypatch):
+    """Poison uninitialised memory: torch.empty/empty_like return NaN-filled float tensors, so anything the split
+    forgets to write (outputs, entry states) shows up."""
+    real_empty, real_like = torch.empty, torch.empty_like
+
+    def empty(*a, **kw):
+        x = real_empty(*a, **kw)
+        return x.fill_(float("nan")) if x.is_floating_point() else x
+
+    def empty_like(*a, **kw):
+        x = real_like(*a, **kw)
+        return x.fill_(float("nan")) if x.is_floating_point() else x
+
+    monkeypatch.setattr(torch, "empty", empty)
+    monkeypatch.setattr(torch, "empty_like", empty_like)
+
+
+def _fp64_reference(q, k, v, g, b, cu, S0, **kw):
+    """fp64 token recurrence per sequence (after the same in-kernel activations, in fp64)."""
+    from k3.ops.kda.chunk import _preprocess
+
+    lb = kw.get("lower_bound")
+    qp, kp, gp, bp = _preprocess(q.double(), k.double(), g.double(), b.double(),
+                                 kw.get("use_qk_l2norm_in_kernel", False), kw.get("use_gate_in_kernel", False),
+                                 kw.get("use_beta_sigmoid_in_kernel", False), lb,
+                                 None if kw.get("A_log") is None else kw["A_log"].double(),
+                                 None if kw.get("dt_bias") is None else kw["dt_bias"].double())
+    outs, states = [], []
+    for n in range(len(cu) - 1):
+        s = slice(int(cu[n]), int(cu[n + 1]))
+        o, S = naive_recurrent_kda(qp[:, s], kp[:, s], v[:, s].double(), gp[:, s], bp[:, s],
+                                   initial_state=None if S0 is None else S0[n:n + 1].double(),
+                                   output_final_state=True)
+        outs.append(o)
+        states.append(S)
+    return torch.cat(outs, 1), torch.cat(states, 0)
+
+
+_LENS = [200, 3, 130, 64, 0, 70]  # some shorter than a segment, one empty, one exactly a chunk
+
+
+@pytest.fixture(scope="module")
+def varlen_case():
+    """Inputs, the unsplit Triton result (fp32) and the fp64 reference, computed once for the module."""
+    os.environ["K3_KDA_BACKEND"] = "triton"
+    os.environ.pop("K3_KDA_SPLITS", None)
+    try:
+        cu = torch.tensor([0] + torch.tensor(_LENS).cumsum(0).tolist())
+        q, k, v, g, b, S0 = make(1, sum(_LENS), 1, 16, 16, N=len(_LENS))
+        kw = dict(initial_state=S0, output_final_state=True, cu_seqlens=cu)
+        with torch.no_grad():
+            ref = chunk_kda(q, k, v, g, b, **kw)
+        exact = _fp64_reference(q, k, v, g, b, cu, S0)
+    finally:
+        os.environ.pop("K3_KDA_BACKEND", None)
+    return (q, k, v, g, b), kw, ref, exact
+
+
+def _spy_split(monkeypatch) -> list:
+    """Record calls of the Triton split prefill (so a test knows the one-prep path ran)."""
+    from k3.ops.kda.triton import span
+
+    calls = []
+    real = span.split_prefill_triton
+    monkeypatch.setattr(span, "split_prefill_triton", lambda cut, *a: calls.append(cut) or real(cut, *a))
+    return calls
+
+
+@triton_only
+@pytest.mark.parametrize("P", [2, 3, 7])
+def test_split_triton_matches_unsplit(P, varlen_case, monkeypatch, nan_empty):
+    """Forced splits on the one-prep Triton path: outputs and final states equal the unsplit Triton path to fp32
+    rounding and the fp64 token recurrence to 1e-4 (varlen: long, short, empty sequences; initial states)."""
+    (q, k, v, g, b), kw, ref, exact = varlen_case
     monkeypatch.setenv("K3_KDA_BACKEND", "triton")
-    lens = [200, 3, 130]
-    cu = torch.tensor([0, 200, 203, 333])
-    q, k, v, g, b, S0 = make(1, 333, 1, 16, 16, N=3)
-    kw = dict(initial_state=S0, output_final_state=True, cu_seqlens=cu)
+    monkeypatch.setenv("K3_KDA_SPLITS", str(P))
+    calls = _spy_split(monkeypatch)
     with torch.no_grad():
-        ref = chunk_kda(q, k, v, g, b, **kw)
-        monkeypatch.setenv("K3_KDA_SPLITS", str(P))
         out = chunk_kda(q, k, v, g, b, **kw)
-        monkeypatch.setenv("K3_KDA_BACKEND", "torch")
-        exact = chunk_kda(q, k, v, g, b, **kw)
-    assert len(lens) == 3 and rel(ref[0], exact[0]) <= 1e-4
+    assert len(calls) == 1 and calls[0]([4, 1], 1) == pf.split_plan([4, 1], P, align=1)
+    assert rel(out[0], ref[0]) <= 1e-5 and rel(out[1], ref[1]) <= 1e-5
+    assert rel(out[0], exact[0]) <= 1e-4 and rel(out[1], exact[1]) <= 1e-4
+    assert rel(ref[0], out[0] * 0 + exact[0]) <= 1e-4  # (the unsplit path itself is exact)
+
+
+@triton_only
+def test_split_triton_detects_a_wrong_fold(varlen_case, monkeypatch):
+    """The comparison above can fail: entry states of segments after the first left at zero give a large error."""
+    from k3.ops.kda.triton import span
+
+    (q, k, v, g, b), kw, ref, _ = varlen_case
+    monkeypatch.setenv("K3_KDA_BACKEND", "triton")
+    monkeypatch.setenv("K3_KDA_SPLITS", "3")
+    real = span._span_and_fold
+
+    def wrong(bufs, ht, w, K, V, prec):
+        e = real(bufs, ht, w, K, V, prec)
+        e[w.i64["dst"]] = 0.0
+        return e
+
+    monkeypatch.setattr(span, "_span_and_fold", wrong)
+    with torch.no_grad():
+        out = chunk_kda(q, k, v, g, b, **kw)
+    assert rel(out[0], ref[0]) > 1e-2
+
+
+@triton_only
+def test_split_triton_windows_extreme_gates(monkeypatch, nan_empty):
+    """Sequences crossing several small windows (the state carried between windows, a piece per window), the K3
+    activations in the kernel, no initial state; gates at the bound and β near 0 / 1 (logits ±12), and a batch
+    with mild gates so states carry: split 3 equals unsplit and the fp64 recurrence."""
+    from k3.ops.kda.triton import span
+    from k3.ops.kda.triton._common import next_pow2, store_dtype
+    from k3.ops.kda.triton.chunk_fwd import chunk_bytes
+
+    monkeypatch.setenv("K3_KDA_BACKEND", "triton")
+    monkeypatch.setattr(span.SplitConfig, "window_bytes", 5 * chunk_bytes(1, next_pow2(16), next_pow2(16),
+                                                                           store_dtype(torch.float32)))
+    lens = [400, 20, 150]
+    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist())
+    q, k, v, g, b, _ = make(1, sum(lens), 1, 16, 16)
+    sign = torch.where(torch.arange(sum(lens)) % 3 == 0, 12.0, -12.0)[None, :, None]
+    cases = {"bound": (torch.full((16,), 30.0), b * 0 + sign),  # g = lb·σ(30) = lb; β = σ(±12)
+             "mild": (torch.full((16,), -6.5), b - 1.5)}  # g ≈ −0.01: long memory
+    for name, (dt_bias, beta) in cases.items():
+        kw = dict(output_final_state=True, cu_seqlens=cu, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+                  use_beta_sigmoid_in_kernel=True, lower_bound=-5.0, A_log=torch.zeros(1), dt_bias=dt_bias)
+        with torch.no_grad():
+            monkeypatch.setenv("K3_KDA_SPLITS", "1")
+            ref = chunk_kda(q, k, v, g, beta, **kw)
+            monkeypatch.setenv("K3_KDA_SPLITS", "3")
+            calls = _spy_split(monkeypatch)
+            out = chunk_kda(q, k, v, g, beta, **kw)
+        exact = _fp64_reference(q, k, v, g, beta, cu, None, **kw)
+        assert len(calls) == 1, name
+        assert rel(out[0], ref[0]) <= 1e-5 and rel(out[1], ref[1]) <= 1e-5, name
+        assert rel(out[0], exact[0]) <= 1e-4 and rel(out[1], exact[1]) <= 1e-4, name
+
+
+@triton_only
+def test_split_triton_dense_batch_model_cut(monkeypatch, nan_empty):
+    """A fixed-length batch (B = 2, no cu_seqlens) through the cost-model cut with a model made to favour
+    splitting (slow state steps): the cut is real (≥ 2 segments) and the result equals unsplit."""
+    monkeypatch.setenv("K3_KDA_BACKEND", "triton")
+    q, k, v, g, b, S0 = make(2, 300, 1, 16, 16)
+    model = pf.SplitCostModel(sm_count=64, state_step_us=100.0, span_step_us=1.0, window_us=0.0, fold_step_us=0.0,
+                              min_gain=0.0)
+    assert model.best([5, 5], 1, 16, 16, 8) > 1
+    args = (q, k, v, g, b, 16 ** -0.5, S0, True, False, False, False, None, None, None, None)
+    with torch.no_grad():
+        monkeypatch.setenv("K3_KDA_SPLITS", "1")
+        ref = chunk_kda(q, k, v, g, b, initial_state=S0, output_final_state=True)
+        calls = _spy_split(monkeypatch)
+        out = pf.split_chunk_kda("triton", 0, *args, model=model)
+    assert len(calls) == 1 and max(len(s) for s in calls[0]([5, 5], 1)) > 1
     assert rel(out[0], ref[0]) <= 1e-5 and rel(out[1], ref[1]) <= 1e-5

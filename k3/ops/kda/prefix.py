@@ -4,15 +4,22 @@ The state leaving a span is affine in the state entering it, ``S_out = M · S_in
 S_ext ``[K, V]`` = the span's output state from zero), and spans compose:
 ``(M₂, E₂) ∘ (M₁, E₁) = (M₂M₁, M₂E₁ + E₂)``. The split prefill cuts each long sequence into P chunk-aligned
 segments, summarises all segments in parallel, folds the summaries into every segment's exact entry state, and runs
-all segments' outputs in parallel (one varlen forward with per-segment initial states).
+all segments' outputs in parallel (one varlen state pass with per-segment initial states).
 
-Backend-agnostic: every step calls the backend's ``chunk_kda`` / ``span_summaries`` with one shared signature.
+Triton backend: ``k3.ops.kda.triton.span.split_prefill_triton`` runs the chunk prep ONCE per chunk (segments are
+chunk-aligned, so the chunks are the unsplit ones) and feeds the same buffers to the span pass and to one segmented
+state pass; the split pays off when the serial state pass, not the prep, bounds the unsplit time (few heads, long
+sequences). :class:`SplitCostModel` predicts both and the automatic rule splits only when it predicts a clear win.
+Torch backend (reference, CPU): summaries and outputs through its own chunked forward.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import os
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -20,11 +27,11 @@ from k3.ops.kda.chunk import _preprocess, backend_fn
 from k3.ops.kda.naive import naive_chunk_kda_summary
 
 __all__ = ["compose", "fold_entry_states", "span_summaries", "split_plan", "choose_splits", "split_chunk_kda",
-           "maybe_split_chunk_kda"]
+           "maybe_split_chunk_kda", "SplitCostModel", "balanced_cut"]
 
 _ENV_SPLITS = "K3_KDA_SPLITS"
 _ALIGN = 64  # segment boundaries on multiples of the chunk size from the sequence start: same chunking as unsplit
-_MIN_SEG = 16384  # tokens per segment in the automatic rule: the summary pass and the fold must amortise
+_MIN_SEG = 16384  # the automatic rule leaves sequences shorter than 2·_MIN_SEG whole: launches must amortise
 _MAX_SPLITS = 32
 
 
@@ -114,13 +121,104 @@ def fold_entry_states(M: torch.Tensor, E: torch.Tensor, S0: torch.Tensor | None)
 # ---------------------------------------------------------------- the split plan
 
 
-def choose_splits(B: int, H: int, T: int, sm_count: int) -> int:
-    """Automatic segment count for one sequence of T tokens when B·H heads share ``sm_count`` SMs: enough
-    segments that B·H·P fills every SM once, each segment at least ``_MIN_SEG`` tokens, only for sequences
-    ≥ 3·_MIN_SEG, at most ``_MAX_SPLITS``."""
-    if B * H >= sm_count or T < 3 * _MIN_SEG:
+def _pow2(n: int) -> int:
+    return max(16, 1 << (int(n) - 1).bit_length())
+
+
+def _list_schedule_us(durations: list[float], slots: int) -> float:
+    """Finish time of programs started in grid order on ``slots`` equal slots (the block scheduler hands the next
+    program to the first free slot)."""
+    if len(durations) <= slots:
+        return max(durations, default=0.0)
+    if len(durations) > 50_000:  # huge varlen batches: the bound work / slots (the scheduler packs them well)
+        return max(max(durations), sum(durations) / slots)
+    import heapq  # noqa: PLC0415
+
+    free = [0.0] * slots
+    for d in durations:
+        heapq.heapreplace(free, free[0] + d)
+    return max(free)
+
+
+@dataclass(frozen=True)
+class SplitCostModel:
+    """Predicted time (µs) of the serial part of an inference prefill window, unsplit vs cut into segments.
+
+    The prep (chunk-parallel, the same chunks either way) is left out: the split only changes the state pass and
+    adds the span pass, the fold and a few launches. Each program of either pass walks its chunks one
+    dependent step after the other; programs are list-scheduled on ``sm_count × per_sm`` slots in grid order.
+
+    Constants (one H200, kernels v3): state step 1.8 µs measured (B=1, H=8, T=1M: ~29 ms over 16384 chunks at
+    32 programs; H=32: 31.2 ms at 128 programs, so the step does not slow with one program per SM). CTAs per SM
+    from the sm_90 compile: the state pass at 3 stages holds 188 KiB of shared memory (1 per SM), the span pass
+    112 KiB (2 per SM), 144 / 128 registers at 4 warps. The span step (same two dependent products, 60 % of the
+    loads, two programs sharing an SM) is an assumption: 1.6 µs. The per-window and per-fold-step costs are
+    host/launch estimates."""
+
+    sm_count: int = 132
+    state_step_us: float = 1.8
+    span_step_us: float = 1.6
+    state_per_sm: int = 1
+    span_per_sm: int = 2
+    state_bv: int = 32
+    span_bv: int = 32
+    window_us: float = 80.0  # span launch, fold set-up, index copies of one split window
+    fold_step_us: float = 12.0  # one batched fp64 [K, K] × [K, V] product of the fold
+    min_gain: float = 0.15  # split only when the serial part is predicted ≥ 15 % shorter
+
+    def state_us(self, cuts: list[list[int]], H: int, V: int) -> float:
+        """The state pass over all segments (``cuts``: chunk counts of each piece's segments)."""
+        nv = max(1, _pow2(V) // min(self.state_bv, _pow2(V)))
+        durs = [m * self.state_step_us for segs in cuts for m in segs for _ in range(H * nv)]
+        return _list_schedule_us(durs, self.sm_count * self.state_per_sm)
+
+    def span_us(self, cuts: list[list[int]], H: int, K: int, V: int) -> float:
+        """The span pass: per piece of p ≥ 2 segments, segment 0 on the S columns only, segments 1 … p − 2 on
+        S and M (rows padded to the most segments; empty programs cost nothing)."""
+        bv = min(self.span_bv, _pow2(V), _pow2(K))
+        nv, nk = _pow2(V) // bv, _pow2(K) // bv
+        durs = []
+        for segs in cuts:
+            for j, m in enumerate(segs[:-1]):
+                durs += [m * self.span_step_us] * (H * (nv + (nk if j else 0)))
+        return _list_schedule_us(durs, self.sm_count * self.span_per_sm)
+
+    def predict_us(self, cuts: list[list[int]], H: int, K: int, V: int) -> float:
+        """Serial part of one window cut as ``cuts``."""
+        t = self.state_us(cuts, H, V)
+        p = max(len(s) for s in cuts)
+        if p > 1:
+            t += self.span_us(cuts, H, K, V) + self.window_us + self.fold_step_us * max(0, p - 2)
+        return t
+
+    def best(self, lens: list[int], H: int, K: int, V: int, max_splits: int) -> int:
+        """P for :func:`balanced_cut` of pieces of ``lens`` chunks: the fastest predicted, 1 unless it beats
+        unsplit by ``min_gain``; ties go to fewer segments."""
+        if not lens:
+            return 1
+        unsplit = self.predict_us([[n] for n in lens], H, K, V)
+        best_p, best_t = 1, unsplit
+        for p in range(2, min(max_splits, max(lens)) + 1):
+            t = self.predict_us(balanced_cut(lens, p), H, K, V)
+            if t < best_t * 0.999:
+                best_p, best_t = p, t
+        return best_p if best_t <= (1.0 - self.min_gain) * unsplit else 1
+
+
+def balanced_cut(lens: list[int], P: int) -> list[list[int]]:
+    """Segment chunk counts: the longest piece in P segments, every piece in segments no longer than those
+    (``ceil(n / L)`` of them, as even as possible), so short pieces are not cut for nothing."""
+    L = max(1, -(-max(lens, default=1) // max(1, P)))
+    return split_plan(lens, 0, align=1, seg_len=L)
+
+
+def choose_splits(B: int, H: int, T: int, sm_count: int, K: int = 128, V: int = 128) -> int:
+    """Automatic segment count for B sequences of T tokens and H heads on ``sm_count`` SMs: the
+    :class:`SplitCostModel`'s choice (1 = do not split)."""
+    if T < 2 * _MIN_SEG:
         return 1
-    return max(1, min(_MAX_SPLITS, math.ceil(sm_count / (B * H)), T // _MIN_SEG))
+    n = -(-T // _ALIGN)
+    return SplitCostModel(sm_count=sm_count).best([n] * B, H, K, V, _MAX_SPLITS)
 
 
 def _forced_splits() -> int | str | None:
@@ -139,13 +237,15 @@ def _forced_splits() -> int | str | None:
     return n
 
 
-def split_plan(lengths: list[int], P: int, align: int = _ALIGN) -> list[list[int]]:
+def split_plan(lengths: list[int], P: int, align: int = _ALIGN, seg_len: int | None = None) -> list[list[int]]:
     """Segment lengths per sequence: each sequence's ``ceil(L/align)`` chunks shared as evenly as possible among
-    ``min(P, chunks)`` segments (earlier segments take the extra chunk); the last segment takes the tail."""
+    ``min(P, chunks)`` segments (earlier segments take the extra chunk); the last segment takes the tail. With
+    ``seg_len`` (chunks), each sequence gets ``ceil(chunks / seg_len)`` segments instead."""
     plan = []
     for L in lengths:
         n_chunks = max(1, -(-L // align))
-        p = max(1, min(P, n_chunks))
+        p = -(-n_chunks // seg_len) if seg_len else P
+        p = max(1, min(p, n_chunks))
         per = [n_chunks // p + (1 if i < n_chunks % p else 0) for i in range(p)]
         seg = [c * align for c in per]
         seg[-1] = L - sum(seg[:-1])  # the ragged tail
@@ -153,23 +253,40 @@ def split_plan(lengths: list[int], P: int, align: int = _ALIGN) -> list[list[int
     return plan
 
 
-def _auto_splits(B: int, N: int, H: int, T_max: int, device: torch.device, backend: str) -> int:
-    """P for this call: ``K3_KDA_SPLITS=n`` forces n (any device); otherwise the SM rule on CUDA with the Triton
-    backend, when ``K3_KDA_SPLITS=auto`` or the Triton package sets ``AUTO_SPLIT = True``. Measured on one H200
-    with the kernels of 2026-11-29 (bench/results/kda_split_h200.md) the split was 0.62× the unsplit speed at
-    B=1, H=8, T=1M — the unsplit forward is not bound by its serial state pass there — so it stays off until the
-    kernels say otherwise."""
+AUTO_SPLIT = True  # the automatic rule on CUDA with the Triton backend (``K3_KDA_SPLITS=1`` turns it off)
+
+
+@functools.lru_cache(maxsize=256)
+def _best_splits(model: SplitCostModel, lens: tuple[int, ...], H: int, K: int, V: int) -> int:
+    """:meth:`SplitCostModel.best`, cached: every layer of a prefill asks the same question."""
+    return model.best(list(lens), H, K, V, _MAX_SPLITS)
+
+
+@functools.lru_cache(maxsize=8)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _auto_splits(lens: list[int], H: int, K: int, V: int, device: torch.device,
+                 backend: str) -> tuple[int, SplitCostModel | None]:
+    """``(P, model)`` for this call. ``K3_KDA_SPLITS=n`` forces n on any device (model None: even cuts).
+    Otherwise, on CUDA with the Triton backend while ``AUTO_SPLIT`` is on (or ``K3_KDA_SPLITS=auto``): the
+    :class:`SplitCostModel` on the sequences' chunk counts — P > 1 only when it predicts a clear win, which needs
+    few programs in the unsplit state pass (B·H·V/32 well under the SM count) and a sequence ≥ 2·16K tokens."""
     forced = _forced_splits()
     if isinstance(forced, int):
-        return forced
-    if device.type != "cuda" or backend != "triton":
-        return 1  # on CPU the torch path is serial anyway: splitting only adds the summary work
-    from k3.ops.kda.chunk import _triton_module  # noqa: PLC0415
-
-    if forced != "auto" and not getattr(_triton_module(required=False), "AUTO_SPLIT", False):
-        return 1
-    sm = torch.cuda.get_device_properties(device).multi_processor_count
-    return choose_splits(N, H, T_max, sm)
+        return forced, None
+    if device.type != "cuda" or backend != "triton" or (forced != "auto" and not AUTO_SPLIT):
+        return 1, None  # on CPU the torch path is serial anyway: splitting only adds the summary work
+    if max(lens, default=0) < 2 * _MIN_SEG:
+        return 1, None
+    model = SplitCostModel(sm_count=_sm_count(device.index if device.index is not None else
+                                              torch.cuda.current_device()))
+    slots = model.sm_count * model.state_per_sm
+    if sum(1 for n in lens if n) * H * max(1, _pow2(V) // model.state_bv) >= slots:
+        return 1, None  # the unsplit state pass fills every SM already
+    chunks = tuple(-(-n // _ALIGN) for n in lens if n)
+    return _best_splits(model, chunks, H, K, V), model
 
 
 # ---------------------------------------------------------------- the split forward
@@ -193,8 +310,49 @@ def split_chunk_kda(
     cu_seqlens: torch.Tensor | None,
     A_log: torch.Tensor | None,
     dt_bias: torch.Tensor | None,
+    model: SplitCostModel | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``chunk_kda`` with every sequence cut into up to P segments (validated inputs; same result to rounding)."""
+    """``chunk_kda`` with every sequence cut into chunk-aligned segments (validated inputs; the same result to
+    rounding). ``model`` None: every sequence in ``min(P, chunks)`` even segments; else the model picks the cut of
+    every window (Triton). Triton: :func:`k3.ops.kda.triton.span.split_prefill_triton` (one prep per chunk);
+    torch: :func:`_split_via_forward`."""
+    args = (q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, use_gate_in_kernel,
+            use_beta_sigmoid_in_kernel, lower_bound, cu_seqlens, A_log, dt_bias)
+    if backend != "triton":
+        return _split_via_forward(backend, P, *args)
+    from k3.ops.kda.triton.span import split_prefill_triton  # noqa: PLC0415 (triton is optional)
+
+    K, V = q.shape[-1], v.shape[-1]
+    if model is None:
+        def cut(lens: list[int], H: int) -> list[list[int]]:
+            return split_plan(lens, P, align=1)
+    else:
+        def cut(lens: list[int], H: int) -> list[list[int]]:
+            return balanced_cut(lens, _best_splits(model, tuple(lens), H, K, V))
+    return split_prefill_triton(cut, *args)
+
+
+def _split_via_forward(
+    backend: str,
+    P: int,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float,
+    initial_state: torch.Tensor | None,
+    output_final_state: bool,
+    use_qk_l2norm_in_kernel: bool,
+    use_gate_in_kernel: bool,
+    use_beta_sigmoid_in_kernel: bool,
+    lower_bound: float | None,
+    cu_seqlens: torch.Tensor | None,
+    A_log: torch.Tensor | None,
+    dt_bias: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The split through the backend's own forward and summaries (any backend; the torch reference path): every
+    sequence in up to P segments, summaries of all but each sequence's last, fold, one varlen forward."""
     B, T, H, K = q.shape
     V = v.shape[-1]
     if cu_seqlens is None:  # a fixed-length batch is a varlen stream of B equal sequences
@@ -256,7 +414,7 @@ def maybe_split_chunk_kda(
     backend: str, *args: object
 ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
     """The split path when it applies (inference only: no gradient needed; P > 1 from ``K3_KDA_SPLITS`` or the
-    SM rule on CUDA), else ``None``. ``args`` as the backend ``chunk_kda``."""
+    cost model on CUDA), else ``None``. ``args`` as the backend ``chunk_kda``."""
     q, k, v, g, beta = args[:5]
     A_log, dt_bias = args[13], args[14]
     needs_grad = torch.is_grad_enabled() and any(
@@ -264,13 +422,11 @@ def maybe_split_chunk_kda(
     if needs_grad:
         return None
     cu = args[12]
-    B, T, H, _ = q.shape
-    if cu is None:
-        N, T_max = B, T
-    else:
-        lens = (cu[1:] - cu[:-1]).detach().cpu()
-        N, T_max = int(lens.numel()), int(lens.max()) if lens.numel() else 0
-    P = _auto_splits(B, N, H, T_max, q.device, backend)
-    if P <= 1 or T_max <= _ALIGN:
+    B, T, H, K = q.shape
+    lens = [T] * B if cu is None else (cu[1:] - cu[:-1]).detach().cpu().tolist()
+    P, model = _auto_splits(lens, H, K, v.shape[-1], q.device, backend)
+    if P <= 1 or max(lens, default=0) <= _ALIGN:
         return None
-    return split_chunk_kda(backend, P, *args)
+    if model is None:
+        return split_chunk_kda(backend, P, *args)
+    return split_chunk_kda(backend, P, *args, model=model)

@@ -8,12 +8,23 @@ windowed like the inference forward (memory does not grow with T).
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+from typing import Callable
+
 import torch
 import triton
 import triton.language as tl
 
-from k3.ops.kda.triton._common import BT, _chunk_range, dot_precision, make_chunk_table, next_pow2, store_dtype
-from k3.ops.kda.triton.chunk_fwd import FwdConfig, alloc_chunk_buffers, chunk_bytes, launch_prep
+from k3.ops.kda.triton._common import (
+    BT,
+    ChunkTable,
+    _chunk_range,
+    dot_precision,
+    make_chunk_table,
+    next_pow2,
+    store_dtype,
+)
+from k3.ops.kda.triton.chunk_fwd import FwdConfig, alloc_chunk_buffers, chunk_bytes, launch_prep, launch_state
 
 
 class SpanConfig:
@@ -108,3 +119,264 @@ def span_summaries_triton(
             H, K, V, BT=BT, BK=BK, BV=bv, BVP=BVP, IS_VARLEN=tab.varlen, PREC=dot_precision(q.dtype),
             num_warps=SpanConfig.warps, num_stages=SpanConfig.stages)
     return M, S_ext
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# One-card split prefill: ONE prep per chunk, span summaries from the kept chunk buffers, one segmented state pass
+# ---------------------------------------------------------------------------------------------------------------
+
+
+class SplitConfig:
+    """Knobs of :func:`split_prefill_triton` (class attributes, so a benchmark can switch them)."""
+
+    span_bv = 32  # columns per span program (of [S | M], V + K columns)
+    span_warps = 4
+    span_stages = 3  # same loads as the state pass minus qg / A_qk; the state pass gained 2 → 3 stages (v3)
+    window_bytes: int | None = None  # chunk buffers per window; None: max(FwdConfig's, min(cap, share of free))
+    window_cap = 4 << 30
+    free_share = 0.25  # of the free device memory, at most
+
+
+@triton.jit(do_not_specialize=['c0', 'NCw', 'H'])
+def _kda_span_rows(
+    W, U, KG, GAM, SE, M,
+    row_cs, row_ce, row_m, c0, NCw,
+    H, K: tl.constexpr, V: tl.constexpr,
+    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BVP: tl.constexpr, PREC: tl.constexpr,
+):
+    """Extended state pass over the chunk range [row_cs[r], row_ce[r]) of each row r (global chunk numbers, inside
+    the window of buffers that starts at chunk c0), one program per (column block, row, head). Column blocks
+    [0, BVP) are S (``SE [R, H, K, V]``, started from its contents), blocks [BVP, BVP + BK) are M (``M [R, H, K,
+    K]``, started from its contents); rows with ``row_m[r] == 0`` skip their M blocks (their entry state is known,
+    so only S is needed). An empty range leaves the row as it was."""
+    i_b = tl.program_id(0)
+    i_rh = tl.program_id(1)
+    i_r = i_rh // H
+    i_h = i_rh % H
+    cs = tl.load(row_cs + i_r)
+    ce = tl.load(row_ce + i_r)
+    is_m = i_b * BV >= BVP  # this block holds columns of M (else of S)
+    live = (cs < ce) & ((tl.load(row_m + i_r) != 0) | (i_b * BV < BVP))
+    if live:
+        DT: tl.constexpr = W.dtype.element_ty
+        o_t = tl.arange(0, BT)
+        o_k = tl.arange(0, BK)
+        col = tl.where(is_m, i_b * BV - BVP, i_b * BV) + tl.arange(0, BV)
+        ncol = tl.where(is_m, K, V)
+        m_s = (o_k < K)[:, None] & (col < ncol)[None, :]
+        p_s = ((i_r * H + i_h).to(tl.int64) * K + o_k[:, None]) * ncol + col[None, :]
+        if is_m:
+            S = tl.load(M + p_s, mask=m_s, other=0.)
+        else:
+            S = tl.load(SE + p_s, mask=m_s, other=0.)
+        m_u = (col < BVP)[None, :] & (i_b * BV < BVP)  # M columns: V' = 0 − W M
+        for c in range(cs, ce):
+            base = (i_h * NCw + (c - c0)).to(tl.int64)
+            p_tk = (base * BT + o_t[:, None]) * BK + o_k[None, :]
+            b_w = tl.load(W + p_tk)
+            b_kg = tl.load(KG + p_tk)
+            b_gam = tl.load(GAM + base * BK + o_k)
+            b_u = tl.load(U + (base * BT + o_t[:, None]) * BVP + col[None, :], mask=m_u, other=0.)
+            b_vn = (b_u.to(tl.float32) - tl.dot(b_w, S.to(DT), input_precision=PREC)).to(DT)
+            S = S * b_gam[:, None] + tl.dot(tl.trans(b_kg), b_vn, input_precision=PREC)
+        if is_m:
+            tl.store(M + p_s, S, mask=m_s)
+        else:
+            tl.store(SE + p_s, S, mask=m_s)
+
+
+@dataclass
+class Piece:
+    """The part of sequence ``seq`` inside one window: chunks [c, c + n), tokens [t0, t1)."""
+
+    seq: int
+    c: int
+    n: int
+    t0: int
+    t1: int
+
+
+def window_pieces(tab: ChunkTable, c0: int, c1: int) -> list[Piece]:
+    """The sequences' pieces inside the window of chunks [c0, c1), in chunk order (empty sequences have none)."""
+    out = []
+    for s in range(tab.N):
+        a, b = max(tab.chunk_off_cpu[s], c0), min(tab.chunk_off_cpu[s + 1], c1)
+        if a < b:
+            t0 = tab.cu_cpu[s] + (a - tab.chunk_off_cpu[s]) * BT
+            out.append(Piece(s, a, b - a, t0, min(tab.cu_cpu[s + 1], t0 + (b - a) * BT)))
+    return out
+
+
+def split_window_bytes(device: torch.device) -> int:
+    """Bytes of chunk buffers per window of the split prefill (see :class:`SplitConfig`)."""
+    if SplitConfig.window_bytes is not None:
+        return int(SplitConfig.window_bytes)
+    cap = SplitConfig.window_cap
+    if device.type == "cuda":
+        cap = min(cap, int(SplitConfig.free_share * torch.cuda.mem_get_info(device)[0]))
+    return max(FwdConfig.window_bytes, cap)
+
+
+@dataclass
+class _Window:
+    """Host plan of one window: its chunks [c0, c0 + n), pieces, their segment cuts, and the integer tables
+    (lists here; device tensors after :func:`_upload`)."""
+
+    c0: int
+    n: int
+    pieces: list[Piece]
+    cuts: list[list[int]]
+    Q: int = 0  # pieces cut into ≥ 2 segments
+    R: int = 0  # span rows per such piece (the most segments − 1; shorter pieces padded with empty rows)
+    i32: dict = field(default_factory=dict)  # seg_cu, seg_off [S+1]; row_cs, row_ce, row_m [Q·R] (kernel args)
+    i64: dict = field(default_factory=dict)  # index tensors of the fold and the state hand-over
+
+
+def _plan_window(c0: int, n: int, pieces: list[Piece], cuts: list[list[int]]) -> _Window:
+    """Segment table (varlen over the packed tokens, global chunk numbers: segments of a piece are contiguous and
+    so are consecutive pieces, since a piece ends where its sequence ends unless it is the window's last), span
+    rows, and the indices that place piece entry states, fold results and final states."""
+    if [sum(x) for x in cuts] != [pc.n for pc in pieces] or min(min(x) for x in cuts) < 1:
+        raise RuntimeError(f"split cut {cuts} does not partition the pieces {[pc.n for pc in pieces]}")
+    w = _Window(c0, n, pieces, cuts)
+    seg_cu, seg_off, first, last = [], [], [], []
+    for pc, segs in zip(pieces, cuts):
+        first.append(len(seg_cu))
+        t, c = pc.t0, pc.c
+        for m in segs:
+            seg_cu.append(t)
+            seg_off.append(c)
+            t, c = min(t + m * BT, pc.t1), c + m
+        last.append(len(seg_cu) - 1)
+    seg_cu.append(pieces[-1].t1)
+    seg_off.append(c0 + n)
+    multi = [i for i, x in enumerate(cuts) if len(x) > 1]
+    w.Q, w.R = len(multi), max([len(cuts[i]) - 1 for i in multi], default=0)
+    cs, ce, has_m = [0] * (w.Q * w.R), [0] * (w.Q * w.R), [0] * (w.Q * w.R)
+    dst, src = [], []  # segment j + 1 of multi piece q takes fold row q·R + j
+    for q, i in enumerate(multi):
+        c = pieces[i].c
+        for j, m in enumerate(cuts[i][:-1]):
+            cs[q * w.R + j], ce[q * w.R + j], has_m[q * w.R + j] = c, c + m, int(j > 0)
+            dst.append(first[i] + j + 1)
+            src.append(q * w.R + j)
+            c += m
+    w.i32 = dict(seg_cu=seg_cu, seg_off=seg_off, row_cs=cs, row_ce=ce, row_m=has_m)
+    w.i64 = dict(first=first, last=last, seq=[pc.seq for pc in pieces], multi_seq=[pieces[i].seq for i in multi],
+                 dst=dst, src=src)
+    return w
+
+
+def _upload(windows: list[_Window], device: torch.device) -> None:
+    """All windows' integer tables to the device in two copies (int32, int64), asynchronous from pinned memory:
+    no host-device sync between the kernels of the windows."""
+    for attr, dtype in (("i32", torch.int32), ("i64", torch.int64)):
+        flat = [x for w in windows for lst in getattr(w, attr).values() for x in lst]
+        host = torch.tensor(flat, dtype=dtype)
+        if device.type == "cuda":
+            dev = host.pin_memory().to(device, non_blocking=True)
+        else:
+            dev = host
+        pos = 0
+        for w in windows:
+            tables = getattr(w, attr)
+            for key, lst in tables.items():
+                tables[key] = dev[pos:pos + len(lst)]
+                pos += len(lst)
+
+
+def _segment_table(w: _Window) -> ChunkTable:
+    """The window's segments as a varlen chunk table (the state pass reads cu and chunk_off only)."""
+    cu, off = w.i32["seg_cu"], w.i32["seg_off"]
+    return ChunkTable(cu.numel() - 1, w.n, 0, 0, True, cu, off, off, [], [])
+
+
+def _span_and_fold(bufs: dict, ht: torch.Tensor, w: _Window, K: int, V: int, prec: str) -> torch.Tensor:
+    """Entry state of every segment of the window, ``[n_segments, H, K, V]`` fp32 (segment order).
+
+    A piece cut into p ≥ 2 segments gets span rows 0 … p − 2: row 0 runs segment 0 from the piece's known entry
+    state (S only: its final state IS segment 1's entry), rows j ≥ 1 the affine map (E_j, M_j) of segment j from
+    [0 | I]. The fold S_{j+1} = M_j S_j + E_j runs in fp64 (a left fold: the exact recurrence; P tiny matmuls)."""
+    H, dev = ht.shape[1], ht.device
+    BK, BVP = bufs["W"].shape[-1], bufs["U"].shape[-1]
+    ix = w.i64
+    entries = torch.empty(w.i32["seg_cu"].numel() - 1, H, K, V, dtype=torch.float32, device=dev)
+    entries[ix["first"]] = ht[ix["seq"]]
+    if w.Q == 0:
+        return entries
+    SE = torch.zeros(w.Q, w.R, H, K, V, dtype=torch.float32, device=dev)
+    SE[:, 0] = ht[ix["multi_seq"]]
+    Mt = torch.eye(K, dtype=torch.float32, device=dev).repeat(w.Q, w.R, H, 1, 1)
+    bv = min(SplitConfig.span_bv, BVP, BK)
+    _kda_span_rows[((BVP + BK) // bv, w.Q * w.R * H)](
+        bufs["W"], bufs["U"], bufs["KG"], bufs["GAM"], SE, Mt, w.i32["row_cs"], w.i32["row_ce"], w.i32["row_m"],
+        w.c0, bufs["W"].shape[1], H, K, V, BT=BT, BK=BK, BV=bv, BVP=BVP, PREC=prec,
+        num_warps=SplitConfig.span_warps, num_stages=SplitConfig.span_stages)
+    S = SE[:, 0].double()  # segment 1's entry (padded rows: M = I, E = 0 keep S; their results are not used)
+    fold = [S]
+    for j in range(1, w.R):
+        S = torch.matmul(Mt[:, j].double(), S) + SE[:, j].double()
+        fold.append(S)
+    entries[ix["dst"]] = torch.stack(fold, 1).flatten(0, 1)[ix["src"]].float()
+    return entries
+
+
+def split_prefill_triton(
+    cut: Callable[[list[int], int], list[list[int]]],
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float,
+    initial_state: torch.Tensor | None,
+    output_final_state: bool,
+    use_qk_l2norm_in_kernel: bool,
+    use_gate_in_kernel: bool,
+    use_beta_sigmoid_in_kernel: bool,
+    lower_bound: float | None,
+    cu_seqlens: torch.Tensor | None,
+    A_log: torch.Tensor | None,
+    dt_bias: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Inference ``chunk_kda`` with the sequences cut into chunk-aligned segments; forward only, validated inputs.
+
+    Segments never cut a chunk, so every chunk and all its prep outputs are the same as unsplit. Per window of
+    chunks: the prep runs ONCE into the window's buffers; the span pass reads them for every segment but each
+    piece's last; the fp64 fold gives every segment's exact entry state; ONE state pass over the segment table
+    writes all outputs and the final states. ``cut(piece_chunks, H)`` → the chunk counts of each piece's
+    segments (a sequence longer than a window is one piece per window; its state carries between windows as in
+    the unsplit path). Shapes as ``chunk_kda_triton``: returns ``(o [B, T, H, V], final_state [N, H, K, V] fp32
+    or None)``."""
+    B, Tq, H, K = q.shape
+    V = v.shape[-1]
+    q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
+    tab = make_chunk_table(B, Tq, cu_seqlens, q.device)
+    BK, BVP = next_pow2(K), next_pow2(V)
+    dt = store_dtype(q.dtype)
+    o = torch.empty(B, Tq, H, V, dtype=q.dtype, device=q.device)
+    if initial_state is not None:
+        ht = initial_state.detach().to(torch.float32).clone()
+    else:
+        ht = torch.zeros(tab.N, H, K, V, dtype=torch.float32, device=q.device)
+    if tab.NC == 0:
+        return o, (ht if output_final_state else None)
+    flags = dict(l2norm=bool(use_qk_l2norm_in_kernel), use_gate=bool(use_gate_in_kernel),
+                 beta_sigmoid=bool(use_beta_sigmoid_in_kernel), exact_diag=lower_bound is None)
+    if not use_gate_in_kernel:
+        A_log = dt_bias = None
+    ncw = max(1, min(tab.NC, split_window_bytes(q.device) // chunk_bytes(H, BK, BVP, dt)))
+    windows = []
+    for c0 in range(0, tab.NC, ncw):
+        n = min(ncw, tab.NC - c0)
+        pieces = window_pieces(tab, c0, c0 + n)
+        windows.append(_plan_window(c0, n, pieces, cut([pc.n for pc in pieces], H)))
+    _upload(windows, q.device)
+    bufs = alloc_chunk_buffers(H, ncw, BK, BVP, dt, q.device, store_t=False)
+    for w in windows:
+        launch_prep(q, k, v, g, beta, A_log, dt_bias, bufs, tab, w.c0, w.n, float(scale), lower_bound, flags,
+                    False)
+        hs = _span_and_fold(bufs, ht, w, K, V, dot_precision(q.dtype))
+        launch_state(bufs, o, None, hs, _segment_table(w), w.c0, w.c0 + w.n, H, K, V)
+        ht[w.i64["seq"]] = hs[w.i64["last"]]
+    return o, (ht if output_final_state else None)
