@@ -375,6 +375,19 @@ def test_gpu_fp16_gates_at_bound():
 
 
 @gpu
+def test_gpu_overlapped_windows_bitwise(monkeypatch):
+    """Prep on a side stream one window ahead of the state pass: the same kernels in the same order per window,
+    so the result is bitwise that of the serial windows (several windows, varlen, a sequence across windows)."""
+    x = make_inputs(1, 5000, 2, 128, 128, N=3)
+    cu = [0, 1500, 1501, 5000]
+    monkeypatch.setattr(FwdConfig, "window_bytes", 1 << 20)
+    o_ref, h_ref, *_ = run_chunk(x, torch.bfloat16, cu=cu, grad=False)
+    monkeypatch.setattr(FwdConfig, "overlap_windows", True)
+    o, h, *_ = run_chunk(x, torch.bfloat16, cu=cu, grad=False)
+    assert torch.equal(o, o_ref) and torch.equal(h, h_ref)
+
+
+@gpu
 def test_gpu_fp32_tight():
     x = make_inputs(1, 300, 2, 64, 64)
     check_against_reference(x, 1e-4, dtype=torch.float32)
