@@ -53,14 +53,18 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def make_inputs(T: int, H: int, K: int, V: int, N: int = 1, seed: int = 0, g_const: float | None = None,
-                beta_logit: float | None = None, repeat_keys: bool = False) -> dict:
-    """fp64 inputs for B = 1 (or a packed batch of N sequences): raw gate pre-activations f, β logits."""
+                beta_logit: float | None = None, repeat_keys: bool = False, mild: float | None = None) -> dict:
+    """fp64 inputs for B = 1 (or a packed batch of N sequences): raw gate pre-activations f, β logits.
+    ``mild``: g = −mild·|N(0,1)| instead, a log-decay for ``gate=False`` slow enough that every block of the chunk
+    reaches every later one (the activated random gates decay ~e^{−2.5} per step, which hides the far blocks)."""
     gen = torch.Generator().manual_seed(seed)
     r = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64)  # noqa: E731
     x = dict(q=r(1, T, H, K), k=r(1, T, H, K), v=r(1, T, H, V), g=r(1, T, H, K), beta=r(1, T, H),
              A=r(H) * 0.5, dt=r(H * K) * 0.5, s0=r(N, H, K, V))
     if repeat_keys:
         x["k"] = x["k"][:, :1].expand_as(x["k"]).clone()
+    if mild is not None:
+        x["g"] = -mild * x["g"].abs()
     if g_const is not None:
         x["g"] = torch.full_like(x["g"], g_const)
     if beta_logit is not None:
@@ -145,6 +149,15 @@ def test_rows_training_matches_recurrence(T):
 
 
 @cpu_only
+@pytest.mark.parametrize("lb", [-5.0, None])
+def test_rows_slow_decay_training(lb):
+    """Slow decay (log-decay given directly, |g| ~ 0.02): the far off-diagonal blocks and every term of the block
+    merge matter; with and without a lower bound (reference-row and exact diagonal blocks). β ≈ 1, so T is far
+    from the identity."""
+    check(make_inputs(128, 1, 16, 16, seed=12, mild=0.02, beta_logit=4.0), 1e-4, lb=lb, gate=False)
+
+
+@cpu_only
 @pytest.mark.parametrize("case", ["gates_at_bound", "unbounded_exact_diag", "beta_near_0", "beta_near_1_same_keys"])
 def test_rows_extremes_training(case):
     """Gates at the bound (every log-decay −5), no lower bound (softplus gate, exact diagonal blocks), β ≈ 6e-6,
@@ -190,12 +203,14 @@ def test_rows_fp16():
 
 
 @cpu_only
-def test_rows_buffers_match_v3(monkeypatch):
-    """The buffers every consumer reads (W, U, kg, qg, A_qk, γ, T) equal the v3 prep's to fp32 rounding."""
-    x = make_inputs(150, 2, 16, 32, seed=9)
+@pytest.mark.parametrize("gate", [True, False])
+def test_rows_buffers_match_v3(monkeypatch, gate):
+    """The buffers every consumer reads (W, U, kg, qg, A_qk, γ, T) equal the v3 prep's to fp32 rounding (activated
+    gate; slow decay given directly)."""
+    x = make_inputs(150, 2, 16, 32, seed=9, mild=None if gate else 0.02)
     tab = make_chunk_table(1, 150, None, "cpu")
     a = [x[n].float() for n in ("q", "k", "v", "g", "beta")] + [x["A"].float(), x["dt"].float()]
-    flags = dict(l2norm=True, use_gate=True, beta_sigmoid=True, exact_diag=False)
+    flags = dict(l2norm=True, use_gate=gate, beta_sigmoid=True, exact_diag=False)
     out = {}
     for mode in ("v3", "rows"):
         monkeypatch.setattr(cf.FwdConfig, "prep_mode", mode)
