@@ -93,6 +93,7 @@ BWD = {name: {**BWD_V2, **ch} for name, ch in {
     "b9 state bv16 w2": {"B.state_bv": 16, "B.state_warps": 2},
     "b10 intra recompute": {"B.intra_recompute": True},
     "b11 intra recompute bf16x3": {"B.intra_recompute": True, "B.intra_prec_half": "bf16x3"},
+    "b12 v3 + state 3 stages": {"B.intra_warps": 4, "B.intra_prec_half": "bf16x3", "B.state_stages": 3},
 }.items()}
 DEC = {f"d bv={bv} w={w}": {"D.bv": bv, "D.warps": w}
        for bv, w in ((32, 4), (8, 1), (16, 1), (16, 2), (32, 1), (32, 2), (64, 2), (64, 4), (128, 4), (128, 8))}
@@ -622,7 +623,8 @@ def main_run(a) -> int:
     for Hp, Tp in PREFILL:
         case = f"prefill B=1 H={Hp} T={Tp}"
         xp = inputs(1, Tp, Hp, seed=6)
-        pimpls = [("k3 best", best_ov, ours), ("k3 defaults", {}, ours), ("k3 v2", V2, ours)]
+        pimpls = [("k3 best", best_ov, ours), ("k3 best + overlapped windows", {**best_ov, "F.overlap_windows": True},
+                                               ours), ("k3 defaults", {}, ours), ("k3 v2", V2, ours)]
         if fk is not None and "fla_fwd" not in failed:
             pimpls.append(("fla 0.6.0", None, fla))
         for impl, ov, f in pimpls:
