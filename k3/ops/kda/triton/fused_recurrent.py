@@ -1,4 +1,5 @@
-"""Recurrent (token-by-token) KDA for decoding: one program per (V-block, sequence, head), fp32 state in registers.
+"""Recurrent (token-by-token) KDA for decoding: fp32 state tiles ``[BK, BV]`` in registers, one tile per program
+(or, with ``DecodeConfig.persist``, a persistent grid that loops over tiles with the next tiles' loads in flight).
 
 Per token: S ← Diag(e^g) S;  S ← S + β k (v − Sᵀk)ᵀ;  o = Sᵀ (scale · q), with the gate, L2 norm and β sigmoid fused.
 A decode step is bound by reading and writing the state once (64 KiB per head at K = V = 128, fp32): the grid
@@ -13,16 +14,106 @@ import torch
 import triton
 import triton.language as tl
 
-from k3.ops.kda.triton._common import _gate_fwd, _seq_bounds, _sigmoid, next_pow2
+from k3.ops.kda.triton._common import _gate_fwd, _seq_bounds, _sigmoid
 
 
 class DecodeConfig:
-    """Launch knobs (switched by ``bench/kda_sweep.py``). Kept at v2's: the sweep's fastest (BV 32, 1 warp: 0.092 ms
-    vs 0.099) was 0.104 vs 0.102 when timed again in the same run — within the decode step's run-to-run spread."""
+    """Launch knobs (switched by ``bench/kda_sweep.py``). The defaults are v2's design: the sweep's fastest (BV 32,
+    1 warp: 0.092 ms vs 0.099) was 0.104 vs 0.102 when timed again in the same run — within the decode step's
+    run-to-run spread. The knobs below ``stages`` are v4 variants, off until measured:
+
+    - ``fused_out``: Sᵀ(e^g∘k) and Sᵀ(e^g∘q) from the LOADED state in one pass, o = scale·(Sᵀ(e^g∘q) + βr·(k·q));
+      one reduction phase per token instead of two dependent ones (the state store no longer waits on o's sum).
+    - ``base_ptr``: one int64 base pointer per (slot, head) plus int32 tile offsets, instead of int64 offsets per
+      element (fewer address registers; loads/stores keep their immediate row offsets).
+    - ``evict``: ``evict_first`` on the state load and store (each byte is touched once per step).
+    - ``persist``: > 0 → persistent grid of ``persist`` programs per SM, each looping over (V-block, sequence, head)
+      tiles with a ``persist_stages``-deep cp.async pipeline, so the next tiles' state is in flight (in shared
+      memory, not registers) while one is computed. Dense T = 1 decode only (other calls use the tiled kernel).
+    """
 
     bv = 32
     warps = 4
     stages = 1
+    fused_out = False
+    base_ptr = False
+    evict = False
+    persist = 0
+    persist_stages = 3
+
+
+_SM_COUNT: dict[int, int] = {}
+
+
+def _sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device (cached: the query costs microseconds per decode step); 2 for
+    the interpreter, so that its programs still loop over several tiles."""
+    if device.type != "cuda":
+        return 2
+    i = device.index if device.index is not None else torch.cuda.current_device()
+    if i not in _SM_COUNT:
+        _SM_COUNT[i] = torch.cuda.get_device_properties(i).multi_processor_count
+    return _SM_COUNT[i]
+
+
+def _pow2(n: int, lo: int = 16) -> int:
+    """Smallest power of two ≥ max(n, lo), in plain Python (``triton.next_power_of_2`` is a constexpr function
+    costing microseconds per host call)."""
+    return max(lo, 1 << (int(n) - 1).bit_length())
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# @triton.jit pieces
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _state_ptrs(s, slot, i_h, H, o_k, o_v, K: tl.constexpr, V: tl.constexpr, BASE_PTR: tl.constexpr):
+    """Pointers of the state tile rows o_k, columns o_v of (slot, head i_h); ``slot`` is int64."""
+    if BASE_PTR:
+        return s + (slot * H + i_h) * (K * V) + (o_k[:, None] * V + o_v[None, :])
+    else:
+        return s + ((slot * H + i_h) * K + o_k[:, None]) * V + o_v[None, :]
+
+
+@triton.jit
+def _token_inputs(q, k, v, g, beta, A_log, dt_bias, t, i_h, H, o_k, o_v, m_k, m_v, lb,
+                  K: tl.constexpr, V: tl.constexpr, USE_GATE: tl.constexpr, HAS_LB: tl.constexpr,
+                  HAS_A: tl.constexpr, HAS_DT: tl.constexpr, L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr):
+    """Token t, head i_h in fp32: (q̂, k̂ [BK] (L2-normalised if asked), decay e^g [BK] (1 on padding), v [BV], β)."""
+    p = (t * H + i_h) * K + o_k
+    b_k = tl.load(k + p, mask=m_k, other=0.).to(tl.float32)
+    b_q = tl.load(q + p, mask=m_k, other=0.).to(tl.float32)
+    b_f = tl.load(g + p, mask=m_k, other=0.).to(tl.float32)
+    b_v = tl.load(v + (t * H + i_h) * V + o_v, mask=m_v, other=0.).to(tl.float32)
+    b_b = tl.load(beta + t * H + i_h).to(tl.float32)
+    if L2NORM:
+        b_k = b_k / tl.sqrt(tl.sum(b_k * b_k) + 1e-6)
+        b_q = b_q / tl.sqrt(tl.sum(b_q * b_q) + 1e-6)
+    if BETA_SIGMOID:
+        b_b = _sigmoid(b_b)
+    b_g = tl.sum(_gate_fwd(b_f[None, :], i_h, A_log, dt_bias, lb, o_k, m_k, K, USE_GATE, HAS_LB, HAS_A, HAS_DT),
+                 axis=0)
+    b_a = tl.exp(tl.where(m_k, b_g, 0.))
+    return b_q, b_k, b_a, b_v, b_b
+
+
+@triton.jit
+def _token_update(S, b_q, b_k, b_a, b_v, b_b, scale, FUSED: tl.constexpr):
+    """One token on the state tile S [BK, BV]: returns (new S, o [BV])."""
+    if FUSED:
+        # S' = D S + k (β r)ᵀ with r = v − (D S)ᵀk  ⇒  S'ᵀq = (D S)ᵀq + β r (k·q): both sums read the loaded S
+        u = tl.sum(S * (b_k * b_a)[:, None], axis=0)
+        w = tl.sum(S * (b_q * b_a)[:, None], axis=0)
+        r = (b_v - u) * b_b
+        S = S * b_a[:, None] + b_k[:, None] * r[None, :]
+        b_o = (w + r * tl.sum(b_k * b_q)) * scale
+    else:
+        S = S * b_a[:, None]
+        r = b_v - tl.sum(S * b_k[:, None], axis=0)
+        S += b_k[:, None] * (b_b * r)[None, :]
+        b_o = tl.sum(S * (b_q * scale)[:, None], axis=0)
+    return S, b_o
 
 
 @triton.jit(do_not_specialize=['T', 'H'])
@@ -33,7 +124,9 @@ def _kda_recurrent(
     USE_GATE: tl.constexpr, HAS_LB: tl.constexpr, HAS_A: tl.constexpr, HAS_DT: tl.constexpr,
     L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr, IS_VARLEN: tl.constexpr, USE_IDX: tl.constexpr,
     USE_S0: tl.constexpr, STORE_S: tl.constexpr,
+    FUSED: tl.constexpr, BASE_PTR: tl.constexpr, EVICT: tl.constexpr,
 ):
+    """Grid (V-blocks, N·H): one state tile per program, all tokens of its sequence."""
     i_v = tl.program_id(0)
     i_nh = tl.program_id(1)
     i_n = i_nh // H
@@ -49,32 +142,66 @@ def _kda_recurrent(
         m_s = m_s & (slot >= 0)
     else:
         slot = i_n.to(tl.int64)
-    p_s = ((slot * H + i_h) * K + o_k[:, None]) * V + o_v[None, :]
     if USE_S0:
-        S = tl.load(s_in + p_s, mask=m_s, other=0.).to(tl.float32)
+        S = tl.load(_state_ptrs(s_in, slot, i_h, H, o_k, o_v, K, V, BASE_PTR), mask=m_s, other=0.,
+                    eviction_policy=EVICT).to(tl.float32)
     else:
         S = tl.zeros([BK, BV], dtype=tl.float32)
     for t in range(bos, eos):
-        p = (t * H + i_h) * K + o_k
-        b_k = tl.load(k + p, mask=m_k, other=0.).to(tl.float32)
-        b_q = tl.load(q + p, mask=m_k, other=0.).to(tl.float32)
-        b_f = tl.load(g + p, mask=m_k, other=0.).to(tl.float32)
-        b_v = tl.load(v + (t * H + i_h) * V + o_v, mask=m_v, other=0.).to(tl.float32)
-        b_b = tl.load(beta + t * H + i_h).to(tl.float32)
-        if L2NORM:
-            b_k = b_k / tl.sqrt(tl.sum(b_k * b_k) + 1e-6)
-            b_q = b_q / tl.sqrt(tl.sum(b_q * b_q) + 1e-6)
-        if BETA_SIGMOID:
-            b_b = _sigmoid(b_b)
-        b_g = tl.sum(_gate_fwd(b_f[None, :], i_h, A_log, dt_bias, lb, o_k, m_k, K, USE_GATE, HAS_LB, HAS_A, HAS_DT),
-                     axis=0)
-        S = S * tl.exp(tl.where(m_k, b_g, 0.))[:, None]
-        r = b_v - tl.sum(S * b_k[:, None], axis=0)
-        S += b_k[:, None] * (b_b * r)[None, :]
-        b_o = tl.sum(S * (b_q * scale)[:, None], axis=0)
+        b_q, b_k, b_a, b_v, b_b = _token_inputs(q, k, v, g, beta, A_log, dt_bias, t, i_h, H, o_k, o_v, m_k, m_v,
+                                                lb, K, V, USE_GATE, HAS_LB, HAS_A, HAS_DT, L2NORM, BETA_SIGMOID)
+        S, b_o = _token_update(S, b_q, b_k, b_a, b_v, b_b, scale, FUSED)
         tl.store(o + (t * H + i_h) * V + o_v, b_o.to(o.dtype.element_ty), mask=m_v)
     if STORE_S:
-        tl.store(s_out + p_s, S, mask=m_s)
+        tl.store(_state_ptrs(s_out, slot, i_h, H, o_k, o_v, K, V, BASE_PTR), S, mask=m_s, eviction_policy=EVICT)
+
+
+@triton.jit(do_not_specialize=['H', 'n_tiles', 'NP'])
+def _kda_decode_persistent(
+    q, k, v, g, beta, A_log, dt_bias, o, s_in, s_out, idx, n_tiles, NP,
+    H, K: tl.constexpr, V: tl.constexpr, scale, lb,
+    BK: tl.constexpr, BV: tl.constexpr, NV: tl.constexpr,
+    USE_GATE: tl.constexpr, HAS_LB: tl.constexpr, HAS_A: tl.constexpr, HAS_DT: tl.constexpr,
+    L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr, USE_IDX: tl.constexpr,
+    USE_S0: tl.constexpr, STORE_S: tl.constexpr,
+    FUSED: tl.constexpr, BASE_PTR: tl.constexpr, EVICT: tl.constexpr, STAGES: tl.constexpr,
+):
+    """Dense T = 1: NP programs loop over the n_tiles = N·H·NV tiles (tile i: V-block i % NV of sequence-head
+    i // NV; sequence n's token is row n). The loop body has no inner loop, so the compiler software-pipelines it:
+    the loads of the next STAGES − 1 tiles go to shared memory by cp.async while this one is reduced and stored."""
+    o_k = tl.arange(0, BK)
+    m_k = o_k < K
+    for i in tl.range(tl.program_id(0), n_tiles, NP, num_stages=STAGES):
+        i_v = i % NV
+        i_nh = i // NV
+        i_n = i_nh // H
+        i_h = i_nh % H
+        o_v = i_v * BV + tl.arange(0, BV)
+        m_v = o_v < V
+        m_s = m_k[:, None] & m_v[None, :]
+        if USE_IDX:
+            slot = tl.load(idx + i_n).to(tl.int64)
+            m_s = m_s & (slot >= 0)
+        else:
+            slot = i_n.to(tl.int64)
+        if USE_S0:
+            S = tl.load(_state_ptrs(s_in, slot, i_h, H, o_k, o_v, K, V, BASE_PTR), mask=m_s, other=0.,
+                        eviction_policy=EVICT).to(tl.float32)
+        else:
+            S = tl.zeros([BK, BV], dtype=tl.float32)
+        t = i_n.to(tl.int64)
+        b_q, b_k, b_a, b_v, b_b = _token_inputs(q, k, v, g, beta, A_log, dt_bias, t, i_h, H, o_k, o_v, m_k, m_v,
+                                                lb, K, V, USE_GATE, HAS_LB, HAS_A, HAS_DT, L2NORM, BETA_SIGMOID)
+        S, b_o = _token_update(S, b_q, b_k, b_a, b_v, b_b, scale, FUSED)
+        tl.store(o + (t * H + i_h) * V + o_v, b_o.to(o.dtype.element_ty), mask=m_v)
+        if STORE_S:
+            tl.store(_state_ptrs(s_out, slot, i_h, H, o_k, o_v, K, V, BASE_PTR), S, mask=m_s,
+                     eviction_policy=EVICT)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# host wrapper
+# ---------------------------------------------------------------------------------------------------------------
 
 
 def fused_recurrent_kda_triton(
@@ -100,10 +227,13 @@ def fused_recurrent_kda_triton(
     Without ``ssm_state_indices``: ``initial_state [N, H, K, V]`` is read (not modified) and a new final state is
     returned when ``output_final_state``. With ``ssm_state_indices [N]``: ``initial_state`` is a pool
     ``[P, H, K, V]`` fp32 updated in place at those slots and returned as the final state.
+    Host cost per call (a decode step is ~0.1 ms of GPU time): the output (and final state) allocations and the
+    launch; no other torch op runs for contiguous inputs.
     """
     B, T, H, K = q.shape
     V = v.shape[-1]
-    q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
+    # no-ops (no launch) for the contiguous tensors of a decode step
+    q, k, v, g, beta = q.contiguous(), k.contiguous(), v.contiguous(), g.contiguous(), beta.contiguous()
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
     use_idx = ssm_state_indices is not None
     o = torch.empty(B, T, H, V, dtype=q.dtype, device=q.device)
@@ -112,28 +242,42 @@ def fused_recurrent_kda_triton(
         if not pool.is_contiguous():
             raise ValueError("initial_state (the state pool) must be contiguous to be updated in place")
         s_in = s_out = pool
-        idx = ssm_state_indices.to(device=q.device, dtype=torch.int64).contiguous()
+        idx = ssm_state_indices
+        if idx.device != q.device or idx.dtype not in (torch.int32, torch.int64) or not idx.is_contiguous():
+            idx = idx.to(device=q.device, dtype=torch.int64).contiguous()
         store = True
     else:
         s_in = initial_state.contiguous() if initial_state is not None else None
         s_out = torch.empty(N, H, K, V, dtype=torch.float32, device=q.device) if output_final_state else None
         idx = None
         store = output_final_state
-    BK = next_pow2(K)
-    BV = min(DecodeConfig.bv, next_pow2(V))
+    cfg = DecodeConfig
+    BK = _pow2(K)
+    BV = min(cfg.bv, _pow2(V))
     dummy = o
-    cu = cu_seqlens.to(device=q.device, dtype=torch.int32).contiguous() if cu_seqlens is not None else o
-    _kda_recurrent[(triton.cdiv(V, BV), N * H)](
-        q, k, v, g, beta, A_log if A_log is not None else dummy, dt_bias if dt_bias is not None else dummy, o,
-        s_in if s_in is not None else dummy, s_out if s_out is not None else dummy,
-        idx if idx is not None else dummy, cu, T, H, K, V, float(scale),
-        float(lower_bound) if lower_bound is not None else 0.0, BK=BK, BV=BV,
-        USE_GATE=bool(use_gate_in_kernel), HAS_LB=lower_bound is not None,
-        HAS_A=bool(use_gate_in_kernel) and A_log is not None, HAS_DT=bool(use_gate_in_kernel) and dt_bias is not None,
-        L2NORM=bool(use_qk_l2norm_in_kernel), BETA_SIGMOID=bool(use_beta_sigmoid_in_kernel),
-        IS_VARLEN=cu_seqlens is not None, USE_IDX=use_idx, USE_S0=s_in is not None, STORE_S=store,
-        num_warps=DecodeConfig.warps, num_stages=DecodeConfig.stages,
-    )
+    flags = dict(USE_GATE=bool(use_gate_in_kernel), HAS_LB=lower_bound is not None,
+                 HAS_A=bool(use_gate_in_kernel) and A_log is not None,
+                 HAS_DT=bool(use_gate_in_kernel) and dt_bias is not None,
+                 L2NORM=bool(use_qk_l2norm_in_kernel), BETA_SIGMOID=bool(use_beta_sigmoid_in_kernel),
+                 USE_IDX=use_idx, USE_S0=s_in is not None, STORE_S=store,
+                 FUSED=bool(cfg.fused_out), BASE_PTR=bool(cfg.base_ptr), EVICT="evict_first" if cfg.evict else "")
+    ptrs = (q, k, v, g, beta, A_log.contiguous() if A_log is not None else dummy,
+            dt_bias.contiguous() if dt_bias is not None else dummy, o,
+            s_in if s_in is not None else dummy, s_out if s_out is not None else dummy,
+            idx if idx is not None else dummy)
+    scale, lb = float(scale), float(lower_bound) if lower_bound is not None else 0.0
+    NV = -(-V // BV)
+    if cfg.persist > 0 and cu_seqlens is None and T == 1 and N > 0:
+        n_tiles = N * H * NV
+        NP = min(n_tiles, cfg.persist * _sm_count(q.device))
+        _kda_decode_persistent[(NP,)](*ptrs, n_tiles, NP, H, K, V, scale, lb, BK=BK, BV=BV, NV=NV,
+                                      STAGES=cfg.persist_stages, **flags, num_warps=cfg.warps,
+                                      num_stages=cfg.persist_stages)
+    else:
+        cu = cu_seqlens.to(device=q.device, dtype=torch.int32).contiguous() if cu_seqlens is not None else dummy
+        _kda_recurrent[(NV, N * H)](*ptrs, cu, T, H, K, V, scale, lb, BK=BK, BV=BV,
+                                    IS_VARLEN=cu_seqlens is not None, **flags, num_warps=cfg.warps,
+                                    num_stages=cfg.stages)
     if use_idx:
         return o, pool
     return o, s_out

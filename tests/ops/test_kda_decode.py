@@ -1,0 +1,280 @@
+"""KDA decode (``fused_recurrent_kda`` on the Triton backend) against the fp64 token recurrence, for every
+``DecodeConfig`` variant; and the host side of one decode call (what it validates, how many torch ops it runs).
+
+CPU: the kernels run in Triton's interpreter (TRITON_INTERPRET=1, fp32/fp16, small K/V). Outputs and states are
+allocated inside the calls; ``torch.empty`` is poisoned with NaN so an element a kernel forgets to write shows up.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+triton = pytest.importorskip("triton")
+
+import k3.ops.kda.triton.fused_recurrent as fr  # noqa: E402
+from k3.ops.kda import fused_recurrent_kda, naive_recurrent_kda  # noqa: E402
+from k3.ops.kda.checks import check_kda_call  # noqa: E402
+from k3.ops.kda.fused_recurrent import _fast_checks  # noqa: E402
+from k3.ops.kda.gate import kda_gate_fused  # noqa: E402
+from k3.ops.kda.triton import fused_recurrent_kda_triton  # noqa: E402
+
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter-sized cases (CPU)")
+
+H, K, V = 2, 16, 32
+LB = -5.0
+# DecodeConfig overrides, as the sweep spells them ("D.<knob>"); "v2" = the defaults.
+VARIANTS = {
+    "v2": {},
+    "fused+base_ptr+evict": dict(fused_out=True, base_ptr=True, evict=True),
+    "bv16 fused": dict(bv=16, fused_out=True, base_ptr=True),
+    "persistent": dict(persist=2, persist_stages=3, fused_out=True, base_ptr=True, evict=True),
+    "persistent bv16 unfused": dict(persist=1, persist_stages=2, bv=16),
+}
+
+
+@pytest.fixture(params=list(VARIANTS))
+def variant(request, monkeypatch):
+    """Apply one variant's knobs (monkeypatch restores them) and force the Triton backend on CPU tensors."""
+    for name, val in VARIANTS[request.param].items():
+        assert hasattr(fr.DecodeConfig, name), name
+        monkeypatch.setattr(fr.DecodeConfig, name, val)
+    monkeypatch.setenv("K3_KDA_BACKEND", "triton")
+    return request.param
+
+
+@pytest.fixture
+def nan_empty(monkeypatch):
+    """torch.empty returns NaN-filled float tensors (outputs the kernels must overwrite)."""
+    real = torch.empty
+
+    def empty(*a, **kw):
+        x = real(*a, **kw)
+        return x.fill_(float("nan")) if x.is_floating_point() else x
+
+    monkeypatch.setattr(torch, "empty", empty)
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.detach().double(), b.detach().double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-300))
+
+
+def make(B: int, T: int, N: int | None = None, seed: int = 0, g_raw: float | None = None,
+         beta_logit: float | None = None, repeat_keys: bool = False) -> dict:
+    """fp64 inputs in the K3 setting: raw gate pre-activations, β logits, A_log [H], dt_bias [H·K], state s0."""
+    gen = torch.Generator().manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64)  # noqa: E731
+    x = dict(q=r(B, T, H, K), k=r(B, T, H, K), v=r(B, T, H, V), g=r(B, T, H, K), beta=r(B, T, H),
+             A=0.5 * r(H), dt=0.5 * r(H * K), s0=r(N or B, H, K, V))
+    if repeat_keys:
+        x["k"] = x["k"][:, :1].expand_as(x["k"]).clone()
+    if g_raw is not None:  # λ·σ(e^A (60 + dt)) rounds to λ: every log-decay at the bound
+        x["g"] = torch.full_like(x["g"], g_raw)
+    if beta_logit is not None:
+        x["beta"] = torch.full_like(x["beta"], beta_logit)
+    return x
+
+
+def cast(x: dict, dtype: torch.dtype) -> dict:
+    """Inputs in ``dtype`` (states and gate parameters fp32), and the same values back in fp64 for the reference."""
+    lo = {n: t.to(torch.float32 if n in ("A", "dt", "s0") else dtype) for n, t in x.items()}
+    return lo, {n: t.double() for n, t in lo.items()}
+
+
+def reference(x: dict, cu: list[int] | None = None, h0: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp64: L2 norm of q/k, bounded gate, β sigmoid, then the token recurrence per sequence."""
+    nrm = lambda t: t / (t.pow(2).sum(-1, keepdim=True) + 1e-6).sqrt()  # noqa: E731
+    q, k, v = nrm(x["q"]), nrm(x["k"]), x["v"]
+    g, b = kda_gate_fused(x["g"], x["A"], x["dt"], LB), x["beta"].sigmoid()
+    s0 = x["s0"] if h0 else torch.zeros_like(x["s0"])
+    if cu is None:
+        return naive_recurrent_kda(q, k, v, g, b, K ** -0.5, s0, True)
+    outs, states = [], []
+    for i in range(len(cu) - 1):
+        sl = slice(cu[i], cu[i + 1])
+        o, s = naive_recurrent_kda(q[:, sl], k[:, sl], v[:, sl], g[:, sl], b[:, sl], K ** -0.5, s0[i:i + 1], True)
+        outs.append(o)
+        states.append(s)
+    return torch.cat(outs, 1), torch.cat(states, 0)
+
+
+def ours(x: dict, h0: bool = True, cu: list[int] | None = None, **kw) -> tuple:
+    """The public API with the K3 flags (gate, L2 norm and β sigmoid in the kernel)."""
+    return fused_recurrent_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=x["s0"] if h0 else None,
+                               output_final_state=True, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+                               use_beta_sigmoid_in_kernel=True, safe_gate=True, lower_bound=LB, A_log=x["A"],
+                               dt_bias=x["dt"], cu_seqlens=torch.tensor(cu) if cu is not None else None, **kw)
+
+
+def assert_close(o, s, ro, rs, tol_o: float, tol_s: float = 1e-5) -> None:
+    eo, es = rel(o, ro), rel(s, rs)
+    assert eo <= tol_o and es <= tol_s, f"o {eo:.2e} (tol {tol_o}), state {es:.2e} (tol {tol_s})"  # NaN fails
+
+
+# ------------------------------------------------------------------------------------------------ kernels
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("h0", [True, False])
+def test_decode_step(variant, nan_empty, dtype, h0):
+    """One token (B = 3), with and without an initial state: output and final state."""
+    lo, hi = cast(make(3, 1, seed=1), dtype)
+    o, s = ours(lo, h0=h0)
+    assert o.dtype == dtype and s.dtype == torch.float32
+    ro, rs = reference(hi, h0=h0)
+    assert_close(o, s, ro, rs, 1e-5 if dtype == torch.float32 else 2e-3)
+
+
+def test_decode_few_tokens_dense_and_varlen(variant, nan_empty):
+    """T = 5 dense, and a varlen batch with an empty sequence (tiled kernel: the persistent one is T = 1 only)."""
+    lo, hi = cast(make(2, 5, seed=2), torch.float32)
+    assert_close(*ours(lo), *reference(hi), 1e-5)
+    cu = [0, 2, 2, 7]
+    lo, hi = cast(make(1, 7, N=3, seed=3), torch.float32)
+    assert_close(*ours(lo, cu=cu), *reference(hi, cu=cu), 1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_decode_extremes(variant, nan_empty, dtype):
+    """Every log-decay at the bound with β ≈ 1 and identical keys; β ≈ 0 (3 tokens, so the state feeds back)."""
+    for beta_logit, rep in ((12.0, True), (-12.0, False)):
+        lo, hi = cast(make(3, 3, seed=4, g_raw=60.0, beta_logit=beta_logit, repeat_keys=rep), dtype)
+        assert bool((kda_gate_fused(hi["g"], hi["A"], hi["dt"], LB) == LB).all())
+        assert_close(*ours(lo), *reference(hi), 1e-5 if dtype == torch.float32 else 2e-3)
+
+
+def test_decode_pool_in_place(variant, nan_empty):
+    """State pool: slots read and written in place (int64 and int32 indices), a negative slot starts from zero
+    and writes nothing, every other slot stays bitwise unchanged."""
+    lo, hi = cast(make(3, 1, seed=5), torch.float32)
+    ro, rs = reference(hi)
+    ro0, _ = reference(hi, h0=False)
+    for idx_dtype in (torch.int64, torch.int32):
+        pool = torch.randn(6, H, K, V)
+        pool[4], pool[1] = lo["s0"][0], lo["s0"][2]
+        before = pool.clone()
+        args = (lo["q"], lo["k"], lo["v"], lo["g"], lo["beta"], K ** -0.5, pool, False, True, True, True, LB, None,
+                lo["A"], lo["dt"])
+        o, p = fused_recurrent_kda_triton(*args, ssm_state_indices=torch.tensor([4, -1, 1], dtype=idx_dtype))
+        assert p is pool
+        assert rel(pool[4], rs[0]) <= 1e-5 and rel(pool[1], rs[2]) <= 1e-5
+        assert torch.equal(pool[[0, 2, 3, 5]], before[[0, 2, 3, 5]])
+        assert rel(o[[0, 2]], ro[[0, 2]]) <= 1e-5 and rel(o[1], ro0[1]) <= 1e-5
+    # the public spelling (fla/vLLM style) returns the pool itself as the final state
+    pool = torch.zeros(5, H, K, V)
+    idx = torch.tensor([3, 0, 2])
+    pool[idx] = lo["s0"]
+    o, p = ours(dict(lo, s0=pool), ssm_state_indices=idx)
+    assert p is pool
+    assert_close(o, pool[idx], ro, rs, 1e-5)
+    assert torch.count_nonzero(pool[[1, 4]]) == 0
+
+
+# ------------------------------------------------------------------------------------------------ host side
+
+
+def _args(**over) -> dict:
+    """A valid K3 decode call (B = 3, T = 1) as check_kda_call's arguments, with overrides."""
+    x = make(3, 1)
+    a = dict(q=x["q"].float(), k=x["k"].float(), v=x["v"].float(), g=x["g"].float(), beta=x["beta"].float(),
+             scale=None, initial_state=x["s0"].float(), use_gate_in_kernel=True, safe_gate=True, lower_bound=LB,
+             A_log=x["A"].float(), dt_bias=x["dt"].float())
+    a.update(over)
+    return a
+
+
+def test_fast_checks_agree_with_full_checks():
+    """The fast predicate answers only for calls the full checks accept, with the same (scale, lower_bound)."""
+    a = _args()
+    assert _fast_checks(**a) == check_kda_call(**a, cu_seqlens=None) == (K ** -0.5, LB)  # the fast path is taken
+    meta = {n: t.to("meta") for n, t in a.items() if isinstance(t, torch.Tensor)}
+    mutations = [
+        dict(q=a["q"].double()), dict(k=a["k"][..., :-1]), dict(v=a["v"][:, :, :1]), dict(g=a["g"][:1]),
+        dict(beta=a["beta"][..., None]), dict(q=a["q"][0]), dict(v=a["v"].half()), dict(k=a["k"].bfloat16()),
+        dict(beta=a["beta"].to(torch.int32)), dict(initial_state=a["initial_state"].double()),
+        dict(initial_state=a["initial_state"][:2]), dict(initial_state=None), dict(initial_state=meta["initial_state"]),
+        dict(k=meta["k"]), dict(A_log=meta["A_log"]), dict(scale=0.0), dict(scale=-1.0), dict(scale=float("inf")),
+        dict(scale=float("nan")), dict(scale=2), dict(scale=0.5), dict(scale="x"), dict(lower_bound=-6.0),
+        dict(lower_bound=0.0), dict(lower_bound=-5), dict(lower_bound=-0.5), dict(lower_bound=True),
+        dict(lower_bound=None), dict(lower_bound=None, safe_gate=False), dict(lower_bound=None, A_log=None),
+        dict(A_log=a["A_log"][:1]), dict(dt_bias=a["dt_bias"][:-1]), dict(A_log=a["A_log"].to(torch.int64)),
+        dict(A_log=None), dict(dt_bias=None), dict(use_gate_in_kernel=False, A_log=a["A_log"][:1]),
+        dict(dt_bias=a["dt_bias"].view(H, K)), dict(q=torch.nn.Parameter(a["q"])), dict(A_log=[0.0, 0.0]),
+    ]
+    answered = 0
+    for m in mutations:
+        b = dict(a, **m)
+        fast = _fast_checks(**b)
+        try:
+            full = check_kda_call(**b, cu_seqlens=None)
+        except ValueError:
+            full = "ValueError"
+        assert fast is None or fast == full, f"{list(m)}: fast {fast} vs full {full}"
+        answered += fast is not None
+    assert answered >= 8  # the valid variants do take the fast path
+
+
+def test_public_errors_name_the_argument(monkeypatch):
+    """Bad decode calls still raise ValueError naming the argument (through the fast path's fallback)."""
+    monkeypatch.setenv("K3_KDA_BACKEND", "triton")
+    a = _args()
+    x = dict(q=a["q"], k=a["k"], v=a["v"], g=a["g"], beta=a["beta"], s0=a["initial_state"], A=a["A_log"],
+             dt=a["dt_bias"])
+    for over, name in ((dict(k=a["k"][..., :-1]), "k"), (dict(beta=a["beta"][0]), "beta"),
+                       (dict(s0=a["initial_state"].double()), "initial_state"), (dict(dt=a["dt_bias"][:3]), "dt_bias"),
+                       (dict(v=a["v"].to("meta")), "v")):
+        with pytest.raises(ValueError, match=name):
+            ours(dict(x, **over))
+    with pytest.raises(ValueError, match="lower_bound"):
+        fused_recurrent_kda(a["q"], a["k"], a["v"], a["g"], a["beta"], lower_bound=-7.0)
+    with pytest.raises(ValueError, match="scale"):
+        fused_recurrent_kda(a["q"], a["k"], a["v"], a["g"], a["beta"], scale=-1.0)
+
+
+class _Count(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts the aten ops dispatched inside the block."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops[str(func)] += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("persist", [0, 2])
+def test_host_ops_per_decode_call(monkeypatch, persist):
+    """One decode call (kernel launch stubbed) runs no torch op beside allocating its outputs: no casts, copies,
+    zero-fills or host syncs (each would be a launch or a sync per step). Before v4 it also built ~20 error
+    messages per call; that is timed in the report, not here."""
+    launches = []
+
+    class Stub:
+        def __getitem__(self, grid):
+            return lambda *args, **kw: launches.append(grid)
+
+    monkeypatch.setattr(fr, "_kda_recurrent", Stub())
+    monkeypatch.setattr(fr, "_kda_decode_persistent", Stub())
+    monkeypatch.setattr(fr.DecodeConfig, "persist", persist)
+    monkeypatch.setenv("K3_KDA_BACKEND", "triton")
+    a = _args(q=make(3, 1)["q"].half(), k=make(3, 1)["k"].half())
+    kw = dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
+              safe_gate=True, lower_bound=LB, A_log=a["A_log"], dt_bias=a["dt_bias"])
+    with _Count() as c:
+        fused_recurrent_kda(a["q"], a["k"], a["v"], a["g"], a["beta"], initial_state=a["initial_state"],
+                            output_final_state=True, **kw)
+    assert dict(c.ops) == {"aten.empty.memory_format": 2}  # o and the final state
+    pool, idx = torch.zeros(5, H, K, V), torch.tensor([3, 0, 2])
+    with _Count() as c:  # the Triton function itself (CPU indices get value checks in the public wrapper)
+        fused_recurrent_kda_triton(a["q"], a["k"], a["v"], a["g"], a["beta"], 0.25, pool, False, True, True, True,
+                                   LB, None, a["A_log"], a["dt_bias"], ssm_state_indices=idx)
+    assert dict(c.ops) == {"aten.empty.memory_format": 1}  # o only: the pool is updated in place
+    assert len(launches) == 2 and all(len(g) == (1 if persist else 2) for g in launches)
