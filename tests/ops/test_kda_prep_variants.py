@@ -235,6 +235,19 @@ def test_rows_causality_bitwise():
         assert not torch.equal(o2[:, t:], o[:, t:])
 
 
+@cpu_only
+@pytest.mark.parametrize("case", ["slow_bounded", "slow_exact", "k128_wide_slices"])
+def test_rows_unstacked_variant(monkeypatch, case):
+    """``rows_stack=False`` (separate q and k products, ``_prep_rows``) and one-slice W/kg (``solve_bkw=128``)."""
+    monkeypatch.setattr(cf.FwdConfig, "rows_stack", False)
+    if case == "k128_wide_slices":
+        monkeypatch.setattr(cf.FwdConfig, "solve_bkw", 128)
+        check(make_inputs(70, 1, 128, 128, seed=6), 1e-4)
+    else:
+        check(make_inputs(128, 1, 16, 16, seed=12, mild=0.02, beta_logit=4.0), 1e-4,
+              lb=-5.0 if case == "slow_bounded" else None, gate=False)
+
+
 def test_bad_prep_mode(monkeypatch):
     monkeypatch.setattr(cf.FwdConfig, "prep_mode", "nope")
     x = make_inputs(8, 1, 16, 16)

@@ -510,10 +510,12 @@ class FwdConfig:
     # kernels — A by 16-row blocks, one light program per (row block, chunk, head), then T + W, U per (chunk, head)
     # (prep_split / prep_inv_scratch / prep_warps do not apply; prep_ab_bf16 does). Not yet measured on a GPU.
     prep_mode = "v3"
-    rows_warps = 2
+    rows_stack = True  # rows: q and k of a row block as one [32, K] left operand (one product per block pair)
+    rows_warps = 4
     rows_stages = 1
     solve_warps = 4
     solve_stages = 1
+    solve_bkw = 32  # rows: W, kg formed by K-column slices of this width (fewer live registers)
     state_bv = 32  # BV 64/128 re-read less but leave SMs idle at B·H = 32 (1M prefill 44–74 ms vs 31)
     state_warps = 4
     state_stages = 3  # v2: 2; 3 stages: 39.6 → 31.2 ms per 1M, 1.14 → 0.81 ms at B=8 T=4096

@@ -183,6 +183,134 @@ def _prep_rows(
 
 
 @triton.jit
+def _rows_qk(q, k, i_h, t0, eos, H, K, R: tl.constexpr, BK: tl.constexpr, L2NORM: tl.constexpr):
+    """[2·R, BK] fp32, rows interleaved: row 2i = q, row 2i+1 = k of token t0 + i (L2-normalized; zero outside)."""
+    o_r = tl.arange(0, 2 * R)
+    o_k = tl.arange(0, BK)
+    t = t0 + o_r // 2
+    m = (t < eos)[:, None] & (o_k < K)[None, :]
+    off = t[:, None] * (H * K) + i_h * K + o_k[None, :]
+    p = tl.where((o_r % 2 == 0)[:, None], q + off, k + off)
+    b_x, _ = _l2norm(tl.load(p, mask=m, other=0.).to(tl.float32), L2NORM)
+    return b_x
+
+
+@triton.jit
+def _rows_gate2(g, A_log, dt_bias, i_h, t0, eos, H, K, lb, R: tl.constexpr, BK: tl.constexpr,
+                USE_GATE: tl.constexpr, HAS_LB: tl.constexpr, HAS_A: tl.constexpr, HAS_DT: tl.constexpr):
+    """Log2 decay of tokens t0 + i on rows 2i and ZERO on rows 2i+1, [2·R, BK]: its cumsum along rows is the
+    within-block cumsum of token i on both rows 2i and 2i+1 (same bits: the odd rows add exact zeros)."""
+    o_r = tl.arange(0, 2 * R)
+    o_k = tl.arange(0, BK)
+    t = t0 + o_r // 2
+    m_k = o_k < K
+    m = ((t < eos) & (o_r % 2 == 0))[:, None] & m_k[None, :]
+    b_f = tl.load(g + t[:, None] * (H * K) + i_h * K + o_k[None, :], mask=m, other=0.).to(tl.float32)
+    b_g = _gate_fwd(b_f, i_h, A_log, dt_bias, lb, o_k, m_k, K, USE_GATE, HAS_LB, HAS_A, HAS_DT)
+    return tl.where(m, b_g, 0.) * 1.4426950408889634
+
+
+@triton.jit
+def _exact_diag_stacked(x, s, BC: tl.constexpr):
+    """Diagonal block without a reference row (unbounded gates) on the interleaved rows (q_i on 2i, k_i on 2i+1):
+    out[r, j] = Σ_d x_rd k_jd e^{s_rd − s_jd} for token(r) ≥ j, column by column; only exponents ≤ 0."""
+    o_r = tl.arange(0, 2 * BC)
+    o_j = tl.arange(0, BC)
+    out = tl.zeros([2 * BC, BC], dtype=tl.float32)
+    for j in tl.static_range(BC):
+        sel = (o_r == 2 * j + 1)[:, None]
+        k_j = tl.sum(tl.where(sel, x, 0.), axis=0)
+        s_j = tl.sum(tl.where(sel, s, 0.), axis=0)
+        e = tl.exp2(tl.where((o_r // 2 >= j)[:, None], s - s_j[None, :], float("-inf"))) * k_j[None, :]
+        out = tl.where((o_j == j)[None, :], tl.sum(x * e, axis=1)[:, None], out)
+    return out
+
+
+@triton.jit
+def _store_qk_rows(AQK, LK, base, r0, c0, val, b_b2, scale, keep, col, colmask, BT: tl.constexpr, BC: tl.constexpr):
+    """Interleaved [2·BC, N] result → A_qk rows (even rows, × scale, half) and L rows (odd rows, × β, fp32) of the
+    tile at (r0, c0); result column n lands in tile column ``col[n]`` where ``colmask[n]``; entries outside
+    ``keep`` are written as zeros."""
+    o_r = tl.arange(0, 2 * BC)
+    off = (base * BT + r0 + o_r // 2)[:, None] * BT + c0 + col[None, :]
+    even = (o_r % 2 == 0)[:, None]
+    tl.store(AQK + off, tl.where(keep, val * scale, 0.).to(AQK.dtype.element_ty), mask=even & colmask[None, :])
+    tl.store(LK + off, tl.where(keep, val * b_b2[:, None], 0.), mask=(o_r % 2 == 1)[:, None] & colmask[None, :])
+
+
+@triton.jit(do_not_specialize=['c0', 'NCw', 'T', 'NT', 'H'])
+def _prep_rows_qk(
+    q, k, g, beta, A_log, dt_bias, QG, AQK, LK,
+    cu, chunk_seq, chunk_off, c0, NCw, T, NT,
+    H, K: tl.constexpr, scale, lb,
+    BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
+    USE_GATE: tl.constexpr, HAS_LB: tl.constexpr, HAS_A: tl.constexpr, HAS_DT: tl.constexpr,
+    L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr, IS_VARLEN: tl.constexpr,
+    EXACT_DIAG: tl.constexpr, PREC: tl.constexpr, AB_BF16: tl.constexpr,
+):
+    """``_prep_rows`` with q and k of the row block stacked into ONE [32, K] left operand (rows interleaved), so
+    each product is [32, K] × [K, 16]: one tensor-core product per block pair instead of two, and at 2 warps each
+    warp owns 16 rows of the left operand instead of every warp holding all of it."""
+    NB: tl.constexpr = BT // BC
+    pid = tl.program_id(0)
+    i_c = pid // NB
+    I = pid % NB
+    i_h = tl.program_id(1)
+    bos, eos = _chunk_pos(c0 + i_c, cu, chunk_seq, chunk_off, T, NT, BT, IS_VARLEN)
+    base = (i_h * NCw + i_c).to(tl.int64)
+    o_r = tl.arange(0, 2 * BC)
+    o_j = tl.arange(0, BC)
+    tok = o_r // 2
+    r0 = I * BC
+    t0 = bos + r0
+    b_b2 = tl.load(beta + (t0 + tok) * H + i_h, mask=(t0 + tok) < eos, other=0.).to(tl.float32)  # β of token(r)
+    if BETA_SIGMOID:
+        b_b2 = _sigmoid(b_b2)
+
+    # ---- own rows: s = within-block cumsum (G_i − c_I exactly as summed), the same on rows 2i and 2i+1
+    x = _rows_qk(q, k, i_h, t0, eos, H, K, BC, BK, L2NORM)
+    s = tl.cumsum(_rows_gate2(g, A_log, dt_bias, i_h, t0, eos, H, K, lb, BC, BK, USE_GATE, HAS_LB, HAS_A, HAS_DT),
+                  axis=0)
+    xl = x * tl.exp2(s)  # ≤ 1; kept in fp32 for qg
+    xo = _op(xl, AB_BF16)
+
+    # ---- diagonal block: columns = the k rows (odd) of the same tile
+    if EXACT_DIAG:
+        keep = tok[:, None] >= o_j[None, :]
+        keep = keep & ((o_r % 2 == 0)[:, None] | (tok[:, None] > o_j[None, :]))  # A_kk strictly lower
+        _store_qk_rows(AQK, LK, base, r0, r0, _exact_diag_stacked(x, s, BC), b_b2, scale, keep, o_j, o_j >= 0,
+                       BT, BC)
+    else:
+        # [2BC, 2BC] = x_r · (x_r' e^{−s_r'}), right factor ≤ e^{5·15}; only the odd (k) columns r' = 2j+1 are kept
+        dg = tl.dot(xo, _op(tl.trans(x * tl.exp2(-s)), AB_BF16), input_precision=PREC)
+        tc = o_r // 2
+        keep = (tok[:, None] >= tc[None, :]) & ((o_r % 2 == 0)[:, None] | (tok[:, None] > tc[None, :]))
+        _store_qk_rows(AQK, LK, base, r0, r0, dg, b_b2, scale, keep, tc, o_r % 2 == 1, BT, BC)
+
+    # ---- earlier blocks J = I−1 … 0 (right factor ≤ 1, see _prep_rows)
+    d = tl.zeros([BK], dtype=tl.float32)
+    allk = (o_r >= 0)[:, None] & (o_j >= 0)[None, :]
+    for jj in range(0, I):
+        J = I - 1 - jj
+        tJ = bos + J * BC
+        g_J = _rows_gate(g, A_log, dt_bias, i_h, tJ, eos, H, K, lb, BC, BK, USE_GATE, HAS_LB, HAS_A, HAS_DT)
+        k_J = _rows_x(k, i_h, tJ, eos, H, K, BC, BK, L2NORM)
+        tot = tl.sum(g_J, axis=0)
+        kr = _op(tl.trans(k_J * tl.exp2((tot[None, :] - tl.cumsum(g_J, axis=0)) + d[None, :])), AB_BF16)
+        _store_qk_rows(AQK, LK, base, r0, J * BC, tl.dot(xo, kr, input_precision=PREC), b_b2, scale, allk, o_j,
+                       o_j >= 0, BT, BC)
+        d += tot
+    # qg = scale · q e^{c_I + s} from the even rows (d = c_I now)
+    o_k = tl.arange(0, BK)
+    tl.store(QG + (base * BT + r0 + tok[:, None]) * BK + o_k[None, :],
+             (xl * tl.exp2(d)[None, :] * scale).to(QG.dtype.element_ty),
+             mask=(o_r % 2 == 0)[:, None] & (o_k >= 0)[None, :])
+    zt = tl.zeros([BC, BC], dtype=tl.float32).to(AQK.dtype.element_ty)
+    for J in range(I + 1, NB):  # A_qk is read whole by the state pass: zero above the diagonal
+        tl.store(_tile_ptr(AQK, base, r0, J * BC, BT, BC), zt)
+
+
+@triton.jit
 def _diag_inverses(LK, base, BT: tl.constexpr, BC: tl.constexpr):
     """(I + L_b)^{-1} of the four strictly lower-triangular diagonal blocks of the scratch ``LK[base]`` by forward
     substitution, all four stacked in one [BT, BC] tile: row (b, i), column m holds D_b[m, i] (built transposed,
@@ -225,7 +353,7 @@ def _prep_solve(
     k, v, g, beta, A_log, dt_bias, W, U, KG, GAM, TM, LK,
     cu, chunk_seq, chunk_off, c0, NCw, T, NT,
     H, K: tl.constexpr, V: tl.constexpr, lb,
-    BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BVP: tl.constexpr,
+    BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BVP: tl.constexpr, BKW: tl.constexpr,
     USE_GATE: tl.constexpr, HAS_LB: tl.constexpr, HAS_A: tl.constexpr, HAS_DT: tl.constexpr,
     L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr, IS_VARLEN: tl.constexpr, STORE_T: tl.constexpr,
     PREC: tl.constexpr,
@@ -254,24 +382,32 @@ def _prep_solve(
     tl.store(U + (base * BT + o_t[:, None]) * BVP + o_v[None, :],
              tl.dot(b_t, (b_v * b_b[:, None]).to(DT), input_precision=PREC).to(DT))
 
-    # ---- W = T (β K e^G), kg = K e^{G_C − G}, γ = e^{G_C}
-    m = (t < eos)[:, None] & (o_k < K)[None, :]
-    b_g = _gate_fwd(_chunk_tile(g, i_h, bos, eos, H, K, BT, BK).to(tl.float32), i_h, A_log, dt_bias, lb, o_k,
-                    o_k < K, K, USE_GATE, HAS_LB, HAS_A, HAS_DT)
-    b_g = tl.where(m, b_g, 0.) * 1.4426950408889634
-    G = tl.cumsum(b_g, axis=0)
-    gc = tl.sum(b_g, axis=0)
-    b_k, _ = _l2norm(_chunk_tile(k, i_h, bos, eos, H, K, BT, BK).to(tl.float32), L2NORM)
-    p_tk = (base * BT + o_t[:, None]) * BK + o_k[None, :]
-    tl.store(W + p_tk, tl.dot(b_t, (b_k * tl.exp2(G) * b_b[:, None]).to(DT), input_precision=PREC).to(DT))
-    tl.store(KG + p_tk, (b_k * tl.exp2(tl.minimum(gc[None, :] - G, 0.))).to(DT))
-    tl.store(GAM + base * BK + o_k, tl.exp2(gc))
+    # ---- W = T (β K e^G), kg = K e^{G_C − G}, γ = e^{G_C}: by column slices of BKW (gate and cumsum are per
+    # column; the L2 norm needs the whole row first), fewer live registers
+    rstd = tl.full([BT], 1.0, tl.float32)
+    if L2NORM:
+        _, rstd = _l2norm(_chunk_tile(k, i_h, bos, eos, H, K, BT, BK).to(tl.float32), True)
+    for sl in tl.static_range(BK // BKW):
+        o_k = sl * BKW + tl.arange(0, BKW)
+        m_k = o_k < K
+        m = (t < eos)[:, None] & m_k[None, :]
+        p_in = (t * H + i_h)[:, None] * K + o_k[None, :]
+        b_g = _gate_fwd(tl.load(g + p_in, mask=m, other=0.).to(tl.float32), i_h, A_log, dt_bias, lb, o_k, m_k, K,
+                        USE_GATE, HAS_LB, HAS_A, HAS_DT)
+        b_g = tl.where(m, b_g, 0.) * 1.4426950408889634
+        G = tl.cumsum(b_g, axis=0)
+        gc = tl.sum(b_g, axis=0)
+        b_k = tl.load(k + p_in, mask=m, other=0.).to(tl.float32) * rstd[:, None]
+        p_tk = (base * BT + o_t[:, None]) * BK + o_k[None, :]
+        tl.store(W + p_tk, tl.dot(b_t, (b_k * tl.exp2(G) * b_b[:, None]).to(DT), input_precision=PREC).to(DT))
+        tl.store(KG + p_tk, (b_k * tl.exp2(tl.minimum(gc[None, :] - G, 0.))).to(DT))
+        tl.store(GAM + base * BK + o_k, tl.exp2(gc))
 
 
 def launch_prep_rows(q, k, v, g, beta, A_log, dt_bias, bufs: dict, tab: ChunkTable, c0: int, n: int, scale: float,
                      lower_bound, flags: dict, store_t: bool, cfg) -> None:
     """Both kernels over chunks [c0, c0 + n) into the window buffers ``bufs`` (``LD`` = the fp32 [BT, BT] scratch).
-    ``cfg``: the FwdConfig class (rows_warps, rows_stages, solve_warps, solve_stages, prep_ab_bf16)."""
+    ``cfg``: the FwdConfig class (rows_stack, rows_warps, rows_stages, solve_warps, solve_stages, prep_ab_bf16)."""
     _, _, H, K = q.shape
     V = v.shape[-1]
     BK = bufs["W"].shape[-1]
@@ -290,7 +426,8 @@ def launch_prep_rows(q, k, v, g, beta, A_log, dt_bias, bufs: dict, tab: ChunkTab
     common = dict(USE_GATE=flags["use_gate"], HAS_LB=lower_bound is not None, HAS_A=A_log is not None,
                   HAS_DT=dt_bias is not None, L2NORM=flags["l2norm"], BETA_SIGMOID=flags["beta_sigmoid"],
                   IS_VARLEN=tab.varlen, PREC=dot_precision(q.dtype))
-    _prep_rows[(n * (BT // BC), H)](
+    kernel = _prep_rows_qk if cfg.rows_stack else _prep_rows
+    kernel[(n * (BT // BC), H)](
         q, k, g, beta, a_log, dtb, bufs["QG"], bufs["AQK"], LK,
         tab.cu, tab.chunk_seq, tab.chunk_off, c0, ncw, tab.T, tab.NT, H, K, scale, lb,
         BT=BT, BC=BC, BK=BK, EXACT_DIAG=flags["exact_diag"],
@@ -299,5 +436,5 @@ def launch_prep_rows(q, k, v, g, beta, A_log, dt_bias, bufs: dict, tab: ChunkTab
     _prep_solve[(n, H)](
         k, v, g, beta, a_log, dtb, bufs["W"], bufs["U"], bufs["KG"], bufs["GAM"], bufs["TM"], LK,
         tab.cu, tab.chunk_seq, tab.chunk_off, c0, ncw, tab.T, tab.NT, H, K, V, lb,
-        BT=BT, BC=BC, BK=BK, BVP=BVP, STORE_T=store_t,
+        BT=BT, BC=BC, BK=BK, BVP=BVP, BKW=min(BK, cfg.solve_bkw), STORE_T=store_t,
         num_warps=cfg.solve_warps, num_stages=cfg.solve_stages, **common)
