@@ -1,51 +1,69 @@
-"""Split prefill vs unsplit (and fla when importable) for long B=1 KDA prefill on one GPU.
+"""KDA split prefill on one card: auto and forced splits vs unsplit (vs fla when importable), time and memory.
 
-``python -m k3.bench.kda_split [--T 131072 1048576] [--H 8 32]`` prints a table; ``split_rows(...)`` returns the
-rows for ``k3.bench.kda`` to merge into its table. Inputs are the K3 setting (bf16, bounded gate fused in the
-kernel, in-kernel L2 norm and β sigmoid). Unsplit = ``K3_KDA_SPLITS=1``; split = the automatic SM rule (or
-``--splits``). "err" is the relative RMS difference of the split output against the unsplit one.
+``python -m k3.bench kda_split`` times, for B=1 and each H in ``--H`` (8 32) and T in ``--T`` (128K 1M), the K3
+inference call (bf16, bounded gate fused in the kernel, in-kernel L2 norm and β sigmoid, final state, no grad):
+
+- ``unsplit``   ``K3_KDA_SPLITS=1``: windowed prep + one serial state pass per sequence;
+- ``auto``      the default: the cost model (``k3.ops.kda.prefix.SplitCostModel``) picks P (1 = no split);
+- ``split n``   ``K3_KDA_SPLITS=n`` for n in ``--splits`` (2 4 8 16): one prep per chunk, span pass, fold, one
+  segmented state pass;
+- ``fla``       fla's ``chunk_kda`` (same arguments), when importable.
+
+Each row: median ms (CUDA events), peak memory beyond the inputs (GiB, includes the output), relative RMS error of
+output and final state against unsplit, and the cost model's prediction (measured unsplit − its predicted serial
+part + its predicted serial part for that cut). ``--check`` first compares forced splits 2, 3, 7 with unsplit on a
+varlen batch in fp32 and bf16. The summary table is printed last (and written to ``--out`` as markdown).
+``--cpu-smoke`` runs the whole script on CPU with the Triton interpreter at tiny shapes (a wiring check, no
+meaningful times).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import time
 from typing import Any, Callable
 
 import torch
 
-from k3.utils import env_var
+from k3.utils import atomic_write_text, env_var
 
-
-__all__ = ["split_rows", "check_rows", "main"]
-
-
-def _time_ms(fn: Callable[[], Any], warmup: int = 1, iters: int = 3) -> float:
-    """Median CUDA-event time of ``fn`` in ms."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b))
-    return sorted(times)[len(times) // 2]
-
-
-def _inputs(T: int, H: int, K: int = 128, device: str = "cuda", seed: int = 0) -> dict[str, Any]:
-    gen = torch.Generator(device=device).manual_seed(seed)
-    r = lambda *s: torch.randn(*s, generator=gen, device=device, dtype=torch.bfloat16)  # noqa: E731
-    return dict(q=r(1, T, H, K), k=r(1, T, H, K), v=r(1, T, H, K), g=r(1, T, H, K), beta=r(1, T, H),
-                A_log=torch.zeros(H, device=device), dt_bias=torch.zeros(H * K, device=device))
-
+__all__ = ["split_rows", "check_rows", "format_rows", "main"]
 
 _FLAGS = dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
               safe_gate=True, lower_bound=-5.0, output_final_state=True)
 
 
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _time_ms(fn: Callable[[], Any], warmup: int = 1, iters: int = 3) -> float:
+    """Median time of ``fn`` in ms (CUDA events on a GPU, wall clock otherwise)."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        if torch.cuda.is_available():
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            torch.cuda.synchronize()
+            times.append(a.elapsed_time(b))
+        else:
+            t = time.perf_counter()
+            fn()
+            times.append(1e3 * (time.perf_counter() - t))
+    return sorted(times)[len(times) // 2]
+
+
 def _peak_extra_gib(fn: Callable[[], Any]) -> float:
+    """Peak device memory of one call beyond what was allocated before it (GiB; NaN on CPU)."""
+    if not torch.cuda.is_available():
+        fn()
+        return float("nan")
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
@@ -54,58 +72,106 @@ def _peak_extra_gib(fn: Callable[[], Any]) -> float:
     return (torch.cuda.max_memory_allocated() - base) / 2**30
 
 
+def _inputs(T: int, H: int, K: int, device: str, dtype: torch.dtype, seed: int = 0) -> dict[str, Any]:
+    gen = torch.Generator(device=device).manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=gen, device=device, dtype=dtype)  # noqa: E731
+    return dict(q=r(1, T, H, K), k=r(1, T, H, K), v=r(1, T, H, K), g=r(1, T, H, K), beta=r(1, T, H),
+                A_log=torch.zeros(H, device=device), dt_bias=torch.zeros(H * K, device=device))
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30))
+
+
+def _model_ms(unsplit_ms: float, H: int, T: int, K: int, P: int | None) -> float:
+    """Cost-model prediction for a cut of one sequence of T tokens into P segments (None: the model's own P):
+    measured unsplit time minus the model's unsplit serial part plus its serial part for that cut (one window;
+    the prep is the same either way)."""
+    from k3.ops.kda.prefix import SplitCostModel, balanced_cut
+
+    sm = torch.cuda.get_device_properties(0).multi_processor_count if torch.cuda.is_available() else 132
+    m = SplitCostModel(sm_count=sm)
+    n = -(-T // 64)
+    P = m.best([n], H, K, K, 32) if P is None else P
+    return unsplit_ms + (m.predict_us(balanced_cut([n], P), H, K, K) - m.predict_us([[n]], H, K, K)) / 1e3
+
+
+def _fla() -> Callable[..., Any] | None:
+    try:
+        from fla.ops.kda import chunk_kda  # type: ignore[import-not-found]
+    except Exception:  # noqa: BLE001 — optional, and any import failure means "not available"
+        return None
+    return chunk_kda
+
+
 def split_rows(
-    shapes: list[tuple[int, int]] | None = None, splits: int | None = None, with_fla: bool = True,
-    iters: int = 3,
+    shapes: list[tuple[int, int]], splits: list[int], with_fla: bool = True, iters: int = 3, K: int = 128,
+    device: str = "cuda", dtype: torch.dtype = torch.bfloat16, log: Callable[[str], None] = print,
 ) -> list[dict[str, Any]]:
-    """Rows ``{H, T, P, unsplit_ms, split_ms, fla_ms, speedup, err, split_extra_gib}`` for B=1 prefill."""
+    """Rows ``{H, T, impl, P, ms, extra_gib, err, state_err, model_ms}`` for B=1 prefill (see the module doc)."""
     from k3.ops.kda import chunk_kda
     from k3.ops.kda.prefix import choose_splits
 
-    fla = None
-    if with_fla:
-        try:
-            from fla.ops.kda import chunk_kda as fla  # type: ignore[no-redef]
-        except ImportError:
-            fla = None
-    sm = torch.cuda.get_device_properties(0).multi_processor_count
+    fla = _fla() if with_fla else None
+    sm = torch.cuda.get_device_properties(0).multi_processor_count if device == "cuda" else 132
     rows = []
-    for H, T in shapes or [(8, 131072), (8, 1048576), (32, 131072), (32, 1048576)]:
-        x = _inputs(T, H)
-        P = splits or choose_splits(1, H, T, sm)
+    for H, T in shapes:
+        x = _inputs(T, H, K, device, dtype)
         run = lambda: chunk_kda(**x, **_FLAGS)  # noqa: E731
+        auto_p = choose_splits(1, H, T, sm, K, K)
+        variants: list[tuple[str, str, int | None]] = [("unsplit", "1", 1), ("auto", "", auto_p)]
+        variants += [(f"split {n}", str(n), n) for n in splits]
+        ref = None
+        unsplit_ms = float("nan")
         with torch.no_grad():
-            with env_var("K3_KDA_SPLITS", "1"):
-                o_ref, s_ref = run()
-                t_un = _time_ms(run, iters=iters)
-            with env_var("K3_KDA_SPLITS", str(P)):
-                o, s = run()
-                t_sp = _time_ms(run, iters=iters)
-                mem = _peak_extra_gib(run)
-            err = float((o.float() - o_ref.float()).norm() / o_ref.float().norm())
-            err_s = float((s - s_ref).norm() / s_ref.norm())
-            del o, s, o_ref, s_ref
-            t_fla = float("nan")
+            for impl, env, P in variants:
+                with env_var("K3_KDA_SPLITS", env or None):
+                    o, s = run()
+                    if ref is None:
+                        ref = (o, s)
+                    err, state_err = _rel(o, ref[0]), _rel(s, ref[1])
+                    del o, s
+                    ms = _time_ms(run, iters=iters)
+                    mem = _peak_extra_gib(run)
+                if impl == "unsplit":
+                    unsplit_ms = ms
+                row = dict(H=H, T=T, impl=impl, P=P, ms=ms, extra_gib=mem, err=err, state_err=state_err,
+                           model_ms=_model_ms(unsplit_ms, H, T, K, P))
+                rows.append(row)
+                log(f"H={H} T={T} {impl:9s} P={P}: {ms:8.2f} ms (model {row['model_ms']:.2f}), "
+                    f"+{mem:.2f} GiB, err {err:.1e} / {state_err:.1e}")
             if fla is not None:
-                t_fla = _time_ms(lambda: fla(**x, **_FLAGS), iters=iters)
-        rows.append(dict(H=H, T=T, P=P, unsplit_ms=t_un, split_ms=t_sp, fla_ms=t_fla, speedup=t_un / t_sp,
-                         err=err, state_err=err_s, split_extra_gib=mem))
-        del x
-        torch.cuda.empty_cache()
+                try:
+                    o, s = fla(**x, **_FLAGS)
+                    err, state_err = _rel(o, ref[0]), _rel(s, ref[1])
+                    del o, s
+                    ms = _time_ms(lambda: fla(**x, **_FLAGS), iters=iters)
+                    mem = _peak_extra_gib(lambda: fla(**x, **_FLAGS))
+                    rows.append(dict(H=H, T=T, impl="fla", P=1, ms=ms, extra_gib=mem, err=err, state_err=state_err,
+                                     model_ms=float("nan")))
+                    log(f"H={H} T={T} fla: {ms:8.2f} ms, +{mem:.2f} GiB, err {err:.1e} / {state_err:.1e}")
+                except torch.OutOfMemoryError as e:
+                    log(f"H={H} T={T} fla: OOM ({str(e)[:100]})")
+        del x, ref
+        if device == "cuda":
+            torch.cuda.empty_cache()
     return rows
 
 
-def check_rows(splits: tuple[int, ...] = (2, 3, 7), H: int = 8) -> list[dict[str, Any]]:
-    """Forced splits against the unsplit path on a varlen batch (fp32 and bf16): relative RMS of o and states."""
+def check_rows(splits: tuple[int, ...] = (2, 3, 7), H: int = 8, K: int = 128, lens: list[int] | None = None,
+               device: str = "cuda", dtypes: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16),
+               ) -> list[dict[str, Any]]:
+    """Forced splits against the unsplit path on a varlen batch with initial states (g ≈ −0.01, so states carry
+    across segment boundaries): relative RMS of outputs and final states."""
     from k3.ops.kda import chunk_kda
 
-    lens = [100_000, 3, 200_000, 777]
-    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), device="cuda")
+    lens = lens or [100_000, 3, 200_000, 777]
+    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), device=device)
     rows = []
-    for dtype in (torch.float32, torch.bfloat16):
-        x = {n: (t.to(dtype) if t.dtype == torch.bfloat16 else t) for n, t in _inputs(sum(lens), H).items()}
-        x["dt_bias"] = torch.full_like(x["dt_bias"], -6.5)  # g ≈ −0.01: states carry across segment boundaries
-        h0 = torch.randn(len(lens), H, 128, 128, device="cuda")
+    for dtype in dtypes:
+        x = _inputs(sum(lens), H, K, device, dtype)
+        x["dt_bias"] = torch.full_like(x["dt_bias"], -6.5)
+        h0 = torch.randn(len(lens), H, K, K, device=device)
         run = lambda: chunk_kda(**x, **_FLAGS, cu_seqlens=cu, initial_state=h0)  # noqa: E731
         with torch.no_grad():
             with env_var("K3_KDA_SPLITS", "1"):
@@ -114,38 +180,59 @@ def check_rows(splits: tuple[int, ...] = (2, 3, 7), H: int = 8) -> list[dict[str
                 with env_var("K3_KDA_SPLITS", str(P)):
                     o, s = run()
                 rows.append(dict(dtype=str(dtype).split(".")[-1], P=P, finite=bool(torch.isfinite(o).all()),
-                                 err=float((o.float() - o_ref.float()).norm() / o_ref.float().norm()),
-                                 state_err=float((s - s_ref).norm() / s_ref.norm())))
+                                 err=_rel(o, o_ref), state_err=_rel(s, s_ref)))
     return rows
 
 
 def format_rows(rows: list[dict[str, Any]]) -> str:
-    head = "| B | H | T | P | unsplit ms | split ms | fla ms | split speedup | out err | state err | split extra GiB |"
-    out = [head, "|" + "---|" * 11]
+    """Markdown table: one line per (H, T, impl), speed-up against unsplit."""
+    base = {(r["H"], r["T"]): r["ms"] for r in rows if r["impl"] == "unsplit"}
+    out = ["| B | H | T | impl | P | ms | vs unsplit | model ms | extra GiB | out err | state err |",
+           "|" + "---|" * 11]
     for r in rows:
-        out.append(f"| 1 | {r['H']} | {r['T']:,} | {r['P']} | {r['unsplit_ms']:.2f} | {r['split_ms']:.2f} | "
-                   f"{r['fla_ms']:.2f} | {r['speedup']:.2f}x | {r['err']:.1e} | {r['state_err']:.1e} | "
-                   f"{r['split_extra_gib']:.2f} |")
+        sp = base.get((r["H"], r["T"]), float("nan")) / r["ms"]
+        out.append(f"| 1 | {r['H']} | {r['T']:,} | {r['impl']} | {r['P']} | {r['ms']:.2f} | {sp:.2f}x | "
+                   f"{r['model_ms']:.2f} | {r['extra_gib']:.2f} | {r['err']:.1e} | {r['state_err']:.1e} |")
     return "\n".join(out)
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--T", type=int, nargs="+", default=[131072, 1048576])
-    ap.add_argument("--H", type=int, nargs="+", default=[8, 32])
-    ap.add_argument("--splits", type=int, default=None, help="force P (default: the automatic SM rule)")
-    ap.add_argument("--no-fla", action="store_true")
-    ap.add_argument("--iters", type=int, default=3)
+    ap = argparse.ArgumentParser(prog="python -m k3.bench kda_split", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--T", type=int, nargs="+", default=[131072, 1048576], help="sequence lengths (B = 1)")
+    ap.add_argument("--H", type=int, nargs="+", default=[8, 32], help="head counts")
+    ap.add_argument("--splits", type=int, nargs="*", default=[2, 4, 8, 16], help="forced segment counts")
+    ap.add_argument("--no-fla", action="store_true", help="skip fla even when importable")
+    ap.add_argument("--iters", type=int, default=3, help="timed calls per row (median)")
     ap.add_argument("--check", action="store_true", help="first compare forced splits 2, 3, 7 with unsplit")
+    ap.add_argument("--out", default=None, help="also write the summary table (markdown) here")
+    ap.add_argument("--cpu-smoke", action="store_true",
+                    help="tiny shapes on CPU through the Triton interpreter: checks the script end to end")
     a = ap.parse_args(argv)
-    if not torch.cuda.is_available():
-        raise SystemExit("kda_split needs a CUDA GPU")
+    K, device, dtype = 128, "cuda", torch.bfloat16
+    if a.cpu_smoke:
+        if torch.cuda.is_available():
+            raise SystemExit("--cpu-smoke is for machines without a GPU")
+        if os.environ.get("TRITON_INTERPRET") != "1":
+            raise SystemExit("--cpu-smoke needs TRITON_INTERPRET=1 set before Python starts")
+        os.environ["K3_KDA_BACKEND"] = "triton"
+        K, device, dtype = 16, "cpu", torch.float32
+        a.T, a.H, a.iters = [300], [2], 1
+        a.splits = [s for s in a.splits if s <= 4] or [2]
+    elif not torch.cuda.is_available():
+        raise SystemExit("kda_split needs a CUDA GPU (or --cpu-smoke)")
     if a.check:
-        for r in check_rows():
+        lens = [200, 3, 130] if a.cpu_smoke else None
+        for r in check_rows(K=K, lens=lens, device=device, dtypes=(torch.float32,) if a.cpu_smoke else
+                            (torch.float32, torch.bfloat16)):
             print(f"check {r['dtype']} P={r['P']}: out rel err {r['err']:.2e}, state rel err {r['state_err']:.2e},"
                   f" finite={r['finite']}", flush=True)
-    rows = split_rows([(h, t) for h in a.H for t in a.T], a.splits, not a.no_fla, a.iters)
-    print(format_rows(rows))
+    rows = split_rows([(h, t) for h in a.H for t in a.T], a.splits, not a.no_fla and not a.cpu_smoke, a.iters,
+                      K=K, device=device, dtype=dtype, log=lambda s: print(s, flush=True))
+    table = format_rows(rows)
+    print(table)
+    if a.out:
+        atomic_write_text(a.out, table + "\n")
 
 
 if __name__ == "__main__":

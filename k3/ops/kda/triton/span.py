@@ -1,9 +1,15 @@
-"""Span summaries for the exact parallel prefix (SPEC §2): per sequence, the affine map S_out = M·S_in + S_ext.
+"""Span summaries for the exact parallel prefix (SPEC §2): per sequence, the affine map S_out = M·S_in + S_ext,
+and the one-card split prefill built on them.
 
 The state pass runs on the extended columns [S_ext | M] (``[K, V + K]``): chunk by chunk
 V' = [U | 0] − W [S_ext | M];  [S_ext | M] ← Diag(γ) [S_ext | M] + kgᵀ V', from [0 | I]. Column blocks of the
 extended state are independent programs, so the M chain costs one more state pass of K columns. fp32 state,
 windowed like the inference forward (memory does not grow with T).
+
+``span_summaries_triton``: per-sequence summaries (its own prep; used by context parallel).
+``split_prefill_triton``: the split prefill. Segments are chunk-aligned, so each window's prep runs once and its
+buffers feed both the span pass (``_kda_span_rows``, explicit chunk ranges per row) and one state pass over the
+segment table (``chunk_fwd.launch_state``) that starts every segment from its exact entry state.
 """
 
 from __future__ import annotations
