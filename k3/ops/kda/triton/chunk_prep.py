@@ -196,6 +196,12 @@ def _rows_qk(q, k, i_h, t0, eos, H, K, R: tl.constexpr, BK: tl.constexpr, L2NORM
 
 
 @triton.jit
+def _rows2(y, R: tl.constexpr, BK: tl.constexpr):
+    """[R, BK] → [2·R, BK] with row i repeated on rows 2i and 2i+1 (bit-exact copies)."""
+    return tl.reshape(tl.broadcast_to(y[:, None, :], [R, 2, BK]), [2 * R, BK])
+
+
+@triton.jit
 def _rows_gate2(g, A_log, dt_bias, i_h, t0, eos, H, K, lb, R: tl.constexpr, BK: tl.constexpr,
                 USE_GATE: tl.constexpr, HAS_LB: tl.constexpr, HAS_A: tl.constexpr, HAS_DT: tl.constexpr):
     """Log2 decay of tokens t0 + i on rows 2i and ZERO on rows 2i+1, [2·R, BK]: its cumsum along rows is the
@@ -267,25 +273,23 @@ def _prep_rows_qk(
     if BETA_SIGMOID:
         b_b2 = _sigmoid(b_b2)
 
-    # ---- own rows: s = within-block cumsum (G_i − c_I exactly as summed), the same on rows 2i and 2i+1
+    # ---- own rows: s = within-block cumsum (G_i − c_I exactly as summed); gate and exponentials on the 16
+    # tokens, then repeated onto rows 2i and 2i+1 of the interleaved tile
+    s16 = tl.cumsum(_rows_gate(g, A_log, dt_bias, i_h, t0, eos, H, K, lb, BC, BK, USE_GATE, HAS_LB, HAS_A, HAS_DT),
+                    axis=0)
     x = _rows_qk(q, k, i_h, t0, eos, H, K, BC, BK, L2NORM)
-    s = tl.cumsum(_rows_gate2(g, A_log, dt_bias, i_h, t0, eos, H, K, lb, BC, BK, USE_GATE, HAS_LB, HAS_A, HAS_DT),
-                  axis=0)
-    xl = x * tl.exp2(s)  # ≤ 1; kept in fp32 for qg
+    xl = x * _rows2(tl.exp2(s16), BC, BK)  # ≤ 1; kept in fp32 for qg
     xo = _op(xl, AB_BF16)
 
-    # ---- diagonal block: columns = the k rows (odd) of the same tile
+    # ---- diagonal block (columns = the block's own k rows)
+    o_k = tl.arange(0, BK)
+    keep = (tok[:, None] >= o_j[None, :]) & ((o_r % 2 == 0)[:, None] | (tok[:, None] > o_j[None, :]))
     if EXACT_DIAG:
-        keep = tok[:, None] >= o_j[None, :]
-        keep = keep & ((o_r % 2 == 0)[:, None] | (tok[:, None] > o_j[None, :]))  # A_kk strictly lower
-        _store_qk_rows(AQK, LK, base, r0, r0, _exact_diag_stacked(x, s, BC), b_b2, scale, keep, o_j, o_j >= 0,
-                       BT, BC)
+        dg = _exact_diag_stacked(x, _rows2(s16, BC, BK), BC)
     else:
-        # [2BC, 2BC] = x_r · (x_r' e^{−s_r'}), right factor ≤ e^{5·15}; only the odd (k) columns r' = 2j+1 are kept
-        dg = tl.dot(xo, _op(tl.trans(x * tl.exp2(-s)), AB_BF16), input_precision=PREC)
-        tc = o_r // 2
-        keep = (tok[:, None] >= tc[None, :]) & ((o_r % 2 == 0)[:, None] | (tok[:, None] > tc[None, :]))
-        _store_qk_rows(AQK, LK, base, r0, r0, dg, b_b2, scale, keep, tc, o_r % 2 == 1, BT, BC)
+        k16 = _rows_x(k, i_h, t0, eos, H, K, BC, BK, L2NORM)
+        dg = tl.dot(xo, _op(tl.trans(k16 * tl.exp2(-s16)), AB_BF16), input_precision=PREC)  # right ≤ e^{5·15}
+    _store_qk_rows(AQK, LK, base, r0, r0, dg, b_b2, scale, keep, o_j, o_j >= 0, BT, BC)
 
     # ---- earlier blocks J = I−1 … 0 (right factor ≤ 1, see _prep_rows)
     d = tl.zeros([BK], dtype=tl.float32)
@@ -301,7 +305,6 @@ def _prep_rows_qk(
                        o_j >= 0, BT, BC)
         d += tot
     # qg = scale · q e^{c_I + s} from the even rows (d = c_I now)
-    o_k = tl.arange(0, BK)
     tl.store(QG + (base * BT + r0 + tok[:, None]) * BK + o_k[None, :],
              (xl * tl.exp2(d)[None, :] * scale).to(QG.dtype.element_ty),
              mask=(o_r % 2 == 0)[:, None] & (o_k >= 0)[None, :])
