@@ -95,6 +95,9 @@ def test_cost_model_choice():
     assert m.predict_us(four, 8, 128, 128) == pytest.approx(n / 4 * (1.8 + 1.6) + m.window_us + 2 * m.fold_step_us)
     # one more segment needs a second wave of the state pass: slower
     assert m.predict_us(pf.balanced_cut([n], 5), 8, 128, 128) > m.predict_us(four, 8, 128, 128)
+    # against the overlapped unsplit path (prep beside the 32-SM state pass: ~38 ms vs the split's ~43) no split
+    assert pf.choose_splits(1, 8, 1 << 20, 132, overlap=True) == 1
+    assert m.unsplit_total_us([n], 8, 128, 128, overlap=True) == pytest.approx(m.prep_us([n], 8) * 132 / 100)
     assert pf._list_schedule_us([2.0] * 5, 2) == 6.0 and pf._list_schedule_us([5.0, 1.0, 1.0, 1.0], 2) == 5.0
 
 
@@ -108,6 +111,11 @@ def test_auto_rule_on_cuda(monkeypatch):
     assert pf._auto_splits([1 << 20], 32, 128, 128, cuda, "triton")[0] == 1
     assert pf._auto_splits([1 << 20] + [100] * 40, 8, 128, 128, cuda, "triton")[0] == 1  # SMs full already
     assert pf._auto_splits([1 << 20], 8, 128, 128, cuda, "torch")[0] == 1
+    from k3.ops.kda.triton.chunk_fwd import FwdConfig
+
+    monkeypatch.setattr(FwdConfig, "overlap_windows", True, raising=False)  # the unsplit path would overlap
+    assert pf._auto_splits([1 << 20], 8, 128, 128, cuda, "triton")[0] == 1
+    monkeypatch.setattr(FwdConfig, "overlap_windows", False, raising=False)
     monkeypatch.setattr(pf, "AUTO_SPLIT", False)
     assert pf._auto_splits([1 << 20], 8, 128, 128, cuda, "triton")[0] == 1
     monkeypatch.setenv("K3_KDA_SPLITS", "auto")

@@ -142,10 +142,10 @@ def _list_schedule_us(durations: list[float], slots: int) -> float:
 
 @dataclass(frozen=True)
 class SplitCostModel:
-    """Predicted time (µs) of the serial part of an inference prefill window, unsplit vs cut into segments.
+    """Predicted time (µs) of an inference prefill, unsplit vs cut into segments.
 
-    The prep (chunk-parallel, the same chunks either way) is left out: the split only changes the state pass and
-    adds the span pass, the fold and a few launches. Each program of either pass walks its chunks one
+    The prep (chunk-parallel) is the same chunks either way: the split only changes the state pass and adds the
+    span pass, the fold and a few launches (:meth:`predict_us`, the serial part of one window). Each program of either pass walks its chunks one
     dependent step after the other; programs are list-scheduled on ``sm_count × per_sm`` slots in grid order.
 
     Constants (one H200, kernels v3): state step 1.8 µs measured (B=1, H=8, T=1M: ~29 ms over 16384 chunks at
@@ -153,7 +153,8 @@ class SplitCostModel:
     from the sm_90 compile: the state pass at 3 stages holds 188 KiB of shared memory (1 per SM), the span pass
     112 KiB (2 per SM), 144 / 128 registers at 4 warps. The span step (same two dependent products, 60 % of the
     loads, two programs sharing an SM) is an assumption: 1.6 µs. The per-window and per-fold-step costs are
-    host/launch estimates."""
+    host/launch estimates. The prep (to compare whole calls, and for the overlapped unsplit path): 29.2 SM·µs
+    per chunk and head (v3: 115 ms per 1M tokens at H = 32)."""
 
     sm_count: int = 132
     state_step_us: float = 1.8
@@ -164,7 +165,8 @@ class SplitCostModel:
     span_bv: int = 32
     window_us: float = 80.0  # span launch, fold set-up, index copies of one split window
     fold_step_us: float = 12.0  # one batched fp64 [K, K] × [K, V] product of the fold
-    min_gain: float = 0.15  # split only when the serial part is predicted ≥ 15 % shorter
+    prep_sm_us: float = 29.2  # SM·µs per chunk and head: v3 prep, ~29 ms for 16384 chunks × 8 heads on 132 SMs
+    min_gain: float = 0.10  # split only when the whole call is predicted ≥ 10 % shorter
 
     def state_us(self, cuts: list[list[int]], H: int, V: int) -> float:
         """The state pass over all segments (``cuts``: chunk counts of each piece's segments)."""
@@ -191,18 +193,34 @@ class SplitCostModel:
             t += self.span_us(cuts, H, K, V) + self.window_us + self.fold_step_us * max(0, p - 2)
         return t
 
-    def best(self, lens: list[int], H: int, K: int, V: int, max_splits: int) -> int:
-        """P for :func:`balanced_cut` of pieces of ``lens`` chunks: the fastest predicted, 1 unless it beats
-        unsplit by ``min_gain``; ties go to fewer segments."""
+    def prep_us(self, lens: list[int], H: int) -> float:
+        """The chunk prep over every chunk and head, all SMs busy (the same with or without a split)."""
+        return sum(lens) * H * self.prep_sm_us / self.sm_count
+
+    def unsplit_total_us(self, lens: list[int], H: int, K: int, V: int, overlap: bool = False) -> float:
+        """Prep + state pass unsplit. ``overlap`` (``FwdConfig.overlap_windows`` with several windows): the prep
+        of the next window runs beside the state pass, on the SMs its programs leave free."""
+        prep, serial = self.prep_us(lens, H), self.predict_us([[n] for n in lens], H, K, V)
+        if not overlap:
+            return prep + serial
+        nv = max(1, _pow2(V) // min(self.state_bv, _pow2(V)))
+        busy = min(self.sm_count - 1, -(-sum(1 for n in lens if n) * H * nv // self.state_per_sm))
+        return min(prep + serial, max(prep * self.sm_count / (self.sm_count - busy), serial))
+
+    def best(self, lens: list[int], H: int, K: int, V: int, max_splits: int, overlap: bool = False) -> int:
+        """P for :func:`balanced_cut` of pieces of ``lens`` chunks: the fastest predicted total (prep + serial
+        passes), 1 unless it beats the unsplit total (overlapped or not, see :meth:`unsplit_total_us`) by
+        ``min_gain``; ties go to fewer segments."""
         if not lens:
             return 1
-        unsplit = self.predict_us([[n] for n in lens], H, K, V)
-        best_p, best_t = 1, unsplit
+        prep = self.prep_us(lens, H)
+        unsplit = self.unsplit_total_us(lens, H, K, V, overlap)
+        best_p, best_t = 1, prep + self.predict_us([[n] for n in lens], H, K, V)
         for p in range(2, min(max_splits, max(lens)) + 1):
-            t = self.predict_us(balanced_cut(lens, p), H, K, V)
+            t = prep + self.predict_us(balanced_cut(lens, p), H, K, V)
             if t < best_t * 0.999:
                 best_p, best_t = p, t
-        return best_p if best_t <= (1.0 - self.min_gain) * unsplit else 1
+        return best_p if best_p > 1 and best_t <= (1.0 - self.min_gain) * unsplit else 1
 
 
 def balanced_cut(lens: list[int], P: int) -> list[list[int]]:
@@ -212,13 +230,13 @@ def balanced_cut(lens: list[int], P: int) -> list[list[int]]:
     return split_plan(lens, 0, align=1, seg_len=L)
 
 
-def choose_splits(B: int, H: int, T: int, sm_count: int, K: int = 128, V: int = 128) -> int:
+def choose_splits(B: int, H: int, T: int, sm_count: int, K: int = 128, V: int = 128, overlap: bool = False) -> int:
     """Automatic segment count for B sequences of T tokens and H heads on ``sm_count`` SMs: the
-    :class:`SplitCostModel`'s choice (1 = do not split)."""
+    :class:`SplitCostModel`'s choice (1 = do not split); ``overlap``: against the overlapped unsplit path."""
     if T < 2 * _MIN_SEG:
         return 1
     n = -(-T // _ALIGN)
-    return SplitCostModel(sm_count=sm_count).best([n] * B, H, K, V, _MAX_SPLITS)
+    return SplitCostModel(sm_count=sm_count).best([n] * B, H, K, V, _MAX_SPLITS, overlap)
 
 
 def _forced_splits() -> int | str | None:
@@ -257,9 +275,21 @@ AUTO_SPLIT = True  # the automatic rule on CUDA with the Triton backend (``K3_KD
 
 
 @functools.lru_cache(maxsize=256)
-def _best_splits(model: SplitCostModel, lens: tuple[int, ...], H: int, K: int, V: int) -> int:
+def _best_splits(model: SplitCostModel, lens: tuple[int, ...], H: int, K: int, V: int, overlap: bool = False) -> int:
     """:meth:`SplitCostModel.best`, cached: every layer of a prefill asks the same question."""
-    return model.best(list(lens), H, K, V, _MAX_SPLITS)
+    return model.best(list(lens), H, K, V, _MAX_SPLITS, overlap)
+
+
+def _unsplit_overlaps(lens: list[int], H: int, K: int, V: int, dtype: torch.dtype) -> bool:
+    """Whether the unsplit Triton inference forward would overlap prep and state pass (its knob is on and the
+    call needs more than one window)."""
+    from k3.ops.kda.triton._common import next_pow2, store_dtype  # noqa: PLC0415 (triton is optional)
+    from k3.ops.kda.triton.chunk_fwd import FwdConfig, chunk_bytes  # noqa: PLC0415
+
+    if not getattr(FwdConfig, "overlap_windows", False):
+        return False
+    ncw = max(1, FwdConfig.window_bytes // chunk_bytes(H, next_pow2(K), next_pow2(V), store_dtype(dtype)))
+    return sum(-(-n // _ALIGN) for n in lens) > ncw
 
 
 @functools.lru_cache(maxsize=8)
@@ -267,8 +297,8 @@ def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-def _auto_splits(lens: list[int], H: int, K: int, V: int, device: torch.device,
-                 backend: str) -> tuple[int, SplitCostModel | None]:
+def _auto_splits(lens: list[int], H: int, K: int, V: int, device: torch.device, backend: str,
+                 dtype: torch.dtype = torch.bfloat16) -> tuple[int, SplitCostModel | None]:
     """``(P, model)`` for this call. ``K3_KDA_SPLITS=n`` forces n on any device (model None: even cuts).
     Otherwise, on CUDA with the Triton backend while ``AUTO_SPLIT`` is on (or ``K3_KDA_SPLITS=auto``): the
     :class:`SplitCostModel` on the sequences' chunk counts — P > 1 only when it predicts a clear win, which needs
@@ -286,7 +316,7 @@ def _auto_splits(lens: list[int], H: int, K: int, V: int, device: torch.device,
     if sum(1 for n in lens if n) * H * max(1, _pow2(V) // model.state_bv) >= slots:
         return 1, None  # the unsplit state pass fills every SM already
     chunks = tuple(-(-n // _ALIGN) for n in lens if n)
-    return _best_splits(model, chunks, H, K, V), model
+    return _best_splits(model, chunks, H, K, V, _unsplit_overlaps(lens, H, K, V, dtype)), model
 
 
 # ---------------------------------------------------------------- the split forward
@@ -424,7 +454,7 @@ def maybe_split_chunk_kda(
     cu = args[12]
     B, T, H, K = q.shape
     lens = [T] * B if cu is None else (cu[1:] - cu[:-1]).detach().cpu().tolist()
-    P, model = _auto_splits(lens, H, K, v.shape[-1], q.device, backend)
+    P, model = _auto_splits(lens, H, K, v.shape[-1], q.device, backend, q.dtype)
     if P <= 1 or max(lens, default=0) <= _ALIGN:
         return None
     if model is None:
