@@ -34,7 +34,7 @@ VARIANTS = {
     "v2": {},
     "fused+base_ptr+evict": dict(fused_out=True, base_ptr=True, evict=True),
     "bv16 fused": dict(bv=16, fused_out=True, base_ptr=True),
-    "persistent": dict(persist=2, persist_stages=3, fused_out=True, base_ptr=True, evict=True),
+    "persistent": dict(persist=2, persist_stages=3, fused_out=True, base_ptr=True, evict=True, maxnreg=96),
     "persistent bv16 unfused": dict(persist=1, persist_stages=2, bv=16),
 }
 
@@ -67,7 +67,7 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def make(B: int, T: int, N: int | None = None, seed: int = 0, g_raw: float | None = None,
-         beta_logit: float | None = None, repeat_keys: bool = False) -> dict:
+         beta_logit: float | None = None, repeat_keys: bool = False, K: int = K, V: int = V) -> dict:
     """fp64 inputs in the K3 setting: raw gate pre-activations, β logits, A_log [H], dt_bias [H·K], state s0."""
     gen = torch.Generator().manual_seed(seed)
     r = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64)  # noqa: E731
@@ -94,12 +94,13 @@ def reference(x: dict, cu: list[int] | None = None, h0: bool = True) -> tuple[to
     q, k, v = nrm(x["q"]), nrm(x["k"]), x["v"]
     g, b = kda_gate_fused(x["g"], x["A"], x["dt"], LB), x["beta"].sigmoid()
     s0 = x["s0"] if h0 else torch.zeros_like(x["s0"])
+    scale = q.shape[-1] ** -0.5
     if cu is None:
-        return naive_recurrent_kda(q, k, v, g, b, K ** -0.5, s0, True)
+        return naive_recurrent_kda(q, k, v, g, b, scale, s0, True)
     outs, states = [], []
     for i in range(len(cu) - 1):
         sl = slice(cu[i], cu[i + 1])
-        o, s = naive_recurrent_kda(q[:, sl], k[:, sl], v[:, sl], g[:, sl], b[:, sl], K ** -0.5, s0[i:i + 1], True)
+        o, s = naive_recurrent_kda(q[:, sl], k[:, sl], v[:, sl], g[:, sl], b[:, sl], scale, s0[i:i + 1], True)
         outs.append(o)
         states.append(s)
     return torch.cat(outs, 1), torch.cat(states, 0)
@@ -130,6 +131,12 @@ def test_decode_step(variant, nan_empty, dtype, h0):
     assert o.dtype == dtype and s.dtype == torch.float32
     ro, rs = reference(hi, h0=h0)
     assert_close(o, s, ro, rs, 1e-5 if dtype == torch.float32 else 2e-3)
+
+
+def test_decode_odd_head_dims(variant, nan_empty):
+    """K = 12, V = 20: padded tiles (masked rows and columns; two V-blocks with BV 16)."""
+    lo, hi = cast(make(2, 1, seed=6, K=12, V=20), torch.float32)
+    assert_close(*ours(lo), *reference(hi), 1e-5)
 
 
 def test_decode_few_tokens_dense_and_varlen(variant, nan_empty):
@@ -278,3 +285,18 @@ def test_host_ops_per_decode_call(monkeypatch, persist):
                                    LB, None, a["A_log"], a["dt_bias"], ssm_state_indices=idx)
     assert dict(c.ops) == {"aten.empty.memory_format": 1}  # o only: the pool is updated in place
     assert len(launches) == 2 and all(len(g) == (1 if persist else 2) for g in launches)
+
+
+def test_persistent_grid_fits_in_one_wave():
+    """Every persistent program is resident at once: registers (at the derived cap) and pipeline buffers of
+    per_sm programs fit one SM, so no program waits for a slot and then runs its whole share of tiles late."""
+    for persist in (1, 2, 3, 4, 5, 6, 8, 16):
+        for warps in (1, 2, 4, 8):
+            for stages in (2, 3, 4):
+                for BV in (16, 32, 64, 128):
+                    per_sm, cap = fr._persistent_fit(persist, warps, stages, 128, BV, None)
+                    assert 1 <= per_sm <= persist and cap >= 8
+                    assert per_sm * warps * 32 * cap <= fr._REGS_PER_SM or per_sm == 1
+                    assert per_sm == 1 or per_sm * ((stages - 1) * 128 * BV * 4 + 1024) <= fr._SMEM_PER_SM
+    assert fr._persistent_fit(4, 4, 3, 128, 32, None) == (4, 128)  # the proposed default: no spills on sm_90
+    assert fr._persistent_fit(4, 4, 3, 128, 32, 96) == (4, 96)

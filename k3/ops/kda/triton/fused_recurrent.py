@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from k3.ops.kda.triton._common import _gate_fwd, _seq_bounds, _sigmoid
+from k3.ops.kda.triton._common import _seq_bounds, _sigmoid, _softplus
 
 
 class DecodeConfig:
@@ -30,6 +30,10 @@ class DecodeConfig:
     - ``persist``: > 0 → persistent grid of ``persist`` programs per SM, each looping over (V-block, sequence, head)
       tiles with a ``persist_stages``-deep cp.async pipeline, so the next tiles' state is in flight (in shared
       memory, not registers) while one is computed. Dense T = 1 decode only (other calls use the tiled kernel).
+      The register cap follows from ``persist`` (every program must be resident: 4 programs of 4 warps → 128).
+    - ``maxnreg``: register cap per thread (None = the compiler's choice for the tiled kernel, the fitting cap for
+      the persistent one); e.g. 80 gives the tiled kernel (BV 32, 4 warps, base_ptr) 6 programs per SM instead of
+      5 (sm_90: 32 B of spill stack).
     """
 
     bv = 32
@@ -40,6 +44,7 @@ class DecodeConfig:
     evict = False
     persist = 0
     persist_stages = 3
+    maxnreg: int | None = None
 
 
 _SM_COUNT: dict[int, int] = {}
@@ -54,6 +59,24 @@ def _sm_count(device: torch.device) -> int:
     if i not in _SM_COUNT:
         _SM_COUNT[i] = torch.cuda.get_device_properties(i).multi_processor_count
     return _SM_COUNT[i]
+
+
+# sm_90 per-SM limits: 64 K registers (allocated per warp in units of 256, i.e. 8 per thread), 228 KiB of shared
+# memory of which 1 KiB is reserved per resident program
+_REGS_PER_SM = 65536
+_SMEM_PER_SM = 233472
+
+
+def _persistent_fit(persist: int, warps: int, stages: int, BK: int, BV: int,
+                    maxnreg: int | None) -> tuple[int, int]:
+    """(programs per SM, register cap) for the persistent grid. Every program must be resident at once — a
+    program that waits for a free slot would run its whole share of tiles after the others — so the register cap
+    is derived from ``persist`` (unless given) and the count is lowered to what the pipeline buffers'
+    shared memory allows ((stages − 1) state tiles in flight, fp32, plus ≤ 4 KiB of vectors and scratch)."""
+    smem = (max(stages, 2) - 1) * BK * BV * 4 + 4096 + 1024
+    per_sm = max(1, min(persist, _SMEM_PER_SM // smem, 64 // warps, 32))
+    cap = min(255, _REGS_PER_SM // (per_sm * warps * 32) // 8 * 8)
+    return per_sm, cap if maxnreg is None else min(cap, maxnreg)
 
 
 def _pow2(n: int, lo: int = 16) -> int:
@@ -77,6 +100,30 @@ def _state_ptrs(s, slot, i_h, H, o_k, o_v, K: tl.constexpr, V: tl.constexpr, BAS
 
 
 @triton.jit
+def _gate_1d(b_f, i_h, A_log, dt_bias, lb, o_k, m_k, K: tl.constexpr, USE_GATE: tl.constexpr, HAS_LB: tl.constexpr,
+             HAS_A: tl.constexpr, HAS_DT: tl.constexpr):
+    """Natural-log decay g [BK] from raw f [BK] (fp32), the same arithmetic as ``_gate_fwd`` on a vector: bounded
+    lb·σ(e^{A}(f+dt)) or unbounded −e^{A}·softplus(f+dt). (``_gate_fwd`` on a [1, BK] row costs three layout
+    conversions through shared memory per token here.)"""
+    if USE_GATE:
+        x = b_f
+        if HAS_DT:
+            x = x + tl.load(dt_bias + i_h * K + o_k, mask=m_k, other=0.).to(tl.float32)
+        if HAS_LB:
+            if HAS_A:
+                x = x * tl.exp(tl.load(A_log + i_h).to(tl.float32))
+            g = lb * _sigmoid(x)
+        else:
+            a = 1.0
+            if HAS_A:
+                a = tl.exp(tl.load(A_log + i_h).to(tl.float32))
+            g = -a * _softplus(x)
+    else:
+        g = b_f
+    return g
+
+
+@triton.jit
 def _token_inputs(q, k, v, g, beta, A_log, dt_bias, t, i_h, H, o_k, o_v, m_k, m_v, lb,
                   K: tl.constexpr, V: tl.constexpr, USE_GATE: tl.constexpr, HAS_LB: tl.constexpr,
                   HAS_A: tl.constexpr, HAS_DT: tl.constexpr, L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr):
@@ -92,9 +139,8 @@ def _token_inputs(q, k, v, g, beta, A_log, dt_bias, t, i_h, H, o_k, o_v, m_k, m_
         b_q = b_q / tl.sqrt(tl.sum(b_q * b_q) + 1e-6)
     if BETA_SIGMOID:
         b_b = _sigmoid(b_b)
-    b_g = tl.sum(_gate_fwd(b_f[None, :], i_h, A_log, dt_bias, lb, o_k, m_k, K, USE_GATE, HAS_LB, HAS_A, HAS_DT),
-                 axis=0)
-    b_a = tl.exp(tl.where(m_k, b_g, 0.))
+    b_a = tl.exp(tl.where(m_k, _gate_1d(b_f, i_h, A_log, dt_bias, lb, o_k, m_k, K, USE_GATE, HAS_LB, HAS_A, HAS_DT),
+                          0.))
     return b_q, b_k, b_a, b_v, b_b
 
 
@@ -266,18 +312,19 @@ def fused_recurrent_kda_triton(
             s_in if s_in is not None else dummy, s_out if s_out is not None else dummy,
             idx if idx is not None else dummy)
     scale, lb = float(scale), float(lower_bound) if lower_bound is not None else 0.0
+    launch = dict(num_warps=cfg.warps) if cfg.maxnreg is None else dict(num_warps=cfg.warps, maxnreg=cfg.maxnreg)
     NV = -(-V // BV)
     if cfg.persist > 0 and cu_seqlens is None and T == 1 and N > 0:
         n_tiles = N * H * NV
-        NP = min(n_tiles, cfg.persist * _sm_count(q.device))
+        per_sm, maxnreg = _persistent_fit(cfg.persist, cfg.warps, cfg.persist_stages, BK, BV, cfg.maxnreg)
+        NP = min(n_tiles, per_sm * _sm_count(q.device))
         _kda_decode_persistent[(NP,)](*ptrs, n_tiles, NP, H, K, V, scale, lb, BK=BK, BV=BV, NV=NV,
-                                      STAGES=cfg.persist_stages, **flags, num_warps=cfg.warps,
+                                      STAGES=cfg.persist_stages, **flags, num_warps=cfg.warps, maxnreg=maxnreg,
                                       num_stages=cfg.persist_stages)
     else:
         cu = cu_seqlens.to(device=q.device, dtype=torch.int32).contiguous() if cu_seqlens is not None else dummy
         _kda_recurrent[(NV, N * H)](*ptrs, cu, T, H, K, V, scale, lb, BK=BK, BV=BV,
-                                    IS_VARLEN=cu_seqlens is not None, **flags, num_warps=cfg.warps,
-                                    num_stages=cfg.stages)
+                                    IS_VARLEN=cu_seqlens is not None, **flags, **launch, num_stages=cfg.stages)
     if use_idx:
         return o, pool
     return o, s_out
