@@ -4,6 +4,7 @@
 inference call (bf16, bounded gate fused in the kernel, in-kernel L2 norm and β sigmoid, final state, no grad):
 
 - ``unsplit``   ``K3_KDA_SPLITS=1``: windowed prep + one serial state pass per sequence;
+- ``unsplit+overlap`` the same with ``FwdConfig.overlap_windows`` (prep of the next window on a side stream);
 - ``auto``      the default: the cost model (``k3.ops.kda.prefix.SplitCostModel``) picks P (1 = no split);
 - ``split n``   ``K3_KDA_SPLITS=n`` for n in ``--splits`` (2 4 8 16): one prep per chunk, span pass, fold, one
   segmented state pass;
@@ -20,9 +21,10 @@ meaningful times).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -83,17 +85,33 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30))
 
 
-def _model_ms(unsplit_ms: float, H: int, T: int, K: int, P: int | None) -> float:
-    """Cost-model prediction for a cut of one sequence of T tokens into P segments (None: the model's own P):
-    measured unsplit time minus the model's unsplit serial part plus its serial part for that cut (one window;
-    the prep is the same either way)."""
+def _model_ms(unsplit_ms: float, H: int, T: int, K: int, P: int, impl: str) -> float:
+    """Cost-model prediction for a row: the measured unsplit time moved by the model's difference between that
+    row's path (P segments of one T-token sequence, or the overlapped unsplit path) and the plain unsplit path."""
     from k3.ops.kda.prefix import SplitCostModel, balanced_cut
 
     sm = torch.cuda.get_device_properties(0).multi_processor_count if torch.cuda.is_available() else 132
     m = SplitCostModel(sm_count=sm)
     n = -(-T // 64)
-    P = m.best([n], H, K, K, 32) if P is None else P
-    return unsplit_ms + (m.predict_us(balanced_cut([n], P), H, K, K) - m.predict_us([[n]], H, K, K)) / 1e3
+    base = m.unsplit_total_us([n], H, K, K)
+    if impl == "unsplit+overlap":
+        return unsplit_ms + (m.unsplit_total_us([n], H, K, K, overlap=True) - base) / 1e3
+    return unsplit_ms + (m.prep_us([n], H) + m.predict_us(balanced_cut([n], P), H, K, K) - base) / 1e3
+
+
+@contextlib.contextmanager
+def _overlap(on: bool) -> Iterator[None]:
+    """``FwdConfig.overlap_windows`` set inside the block (when the kernels have that knob)."""
+    from k3.ops.kda.triton.chunk_fwd import FwdConfig
+
+    old = getattr(FwdConfig, "overlap_windows", None)
+    if old is not None:
+        FwdConfig.overlap_windows = on
+    try:
+        yield
+    finally:
+        if old is not None:
+            FwdConfig.overlap_windows = old
 
 
 def _fla() -> Callable[..., Any] | None:
@@ -110,7 +128,8 @@ def split_rows(
 ) -> list[dict[str, Any]]:
     """Rows ``{H, T, impl, P, ms, extra_gib, err, state_err, model_ms}`` for B=1 prefill (see the module doc)."""
     from k3.ops.kda import chunk_kda
-    from k3.ops.kda.prefix import choose_splits
+    from k3.ops.kda.prefix import _unsplit_overlaps, choose_splits
+    from k3.ops.kda.triton.chunk_fwd import FwdConfig
 
     fla = _fla() if with_fla else None
     sm = torch.cuda.get_device_properties(0).multi_processor_count if device == "cuda" else 132
@@ -118,14 +137,17 @@ def split_rows(
     for H, T in shapes:
         x = _inputs(T, H, K, device, dtype)
         run = lambda: chunk_kda(**x, **_FLAGS)  # noqa: E731
-        auto_p = choose_splits(1, H, T, sm, K, K)
+        auto_p = choose_splits(1, H, T, sm, K, K, overlap=_unsplit_overlaps([T], H, K, K, dtype))
         variants: list[tuple[str, str, int | None]] = [("unsplit", "1", 1), ("auto", "", auto_p)]
+        if device == "cuda" and hasattr(FwdConfig, "overlap_windows"):
+            variants.append(("unsplit+overlap", "1", 1))  # prep of window w+1 beside the state pass of window w
         variants += [(f"split {n}", str(n), n) for n in splits]
         ref = None
         unsplit_ms = float("nan")
         with torch.no_grad():
             for impl, env, P in variants:
-                with env_var("K3_KDA_SPLITS", env or None):
+                overlap = getattr(FwdConfig, "overlap_windows", False)
+                with env_var("K3_KDA_SPLITS", env or None), _overlap(impl == "unsplit+overlap" or overlap):
                     o, s = run()
                     if ref is None:
                         ref = (o, s)
@@ -136,9 +158,9 @@ def split_rows(
                 if impl == "unsplit":
                     unsplit_ms = ms
                 row = dict(H=H, T=T, impl=impl, P=P, ms=ms, extra_gib=mem, err=err, state_err=state_err,
-                           model_ms=_model_ms(unsplit_ms, H, T, K, P))
+                           model_ms=_model_ms(unsplit_ms, H, T, K, P, impl))
                 rows.append(row)
-                log(f"H={H} T={T} {impl:9s} P={P}: {ms:8.2f} ms (model {row['model_ms']:.2f}), "
+                log(f"H={H} T={T} {impl:15s} P={P}: {ms:8.2f} ms (model {row['model_ms']:.2f}), "
                     f"+{mem:.2f} GiB, err {err:.1e} / {state_err:.1e}")
             if fla is not None:
                 try:

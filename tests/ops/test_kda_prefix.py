@@ -347,3 +347,38 @@ def test_split_triton_dense_batch_model_cut(monkeypatch, nan_empty):
         out = pf.split_chunk_kda("triton", 0, *args, model=model)
     assert len(calls) == 1 and max(len(s) for s in calls[0]([5, 5], 1)) > 1
     assert rel(out[0], ref[0]) <= 1e-5 and rel(out[1], ref[1]) <= 1e-5
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_split_gpu_matches_unsplit(dtype, monkeypatch):
+    """GPU, K = V = 128, the K3 activations, varlen with initial states and long memory: forced 2, 3, 7 and the
+    automatic rule (made to consider these short sequences) equal unsplit (fp32: 1e-5; bf16 storage: 2e-2)."""
+    monkeypatch.delenv("K3_KDA_BACKEND", raising=False)
+    lens = [20000, 3, 9000, 777]
+    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), device="cuda")
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    r = lambda *s: torch.randn(*s, generator=gen, device="cuda")  # noqa: E731
+    T, H = sum(lens), 4
+    x = dict(q=r(1, T, H, 128).to(dtype), k=r(1, T, H, 128).to(dtype), v=r(1, T, H, 128).to(dtype),
+             g=r(1, T, H, 128).to(dtype), beta=r(1, T, H).to(dtype))
+    kw = dict(initial_state=r(len(lens), H, 128, 128), output_final_state=True, cu_seqlens=cu,
+              use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
+              lower_bound=-5.0, A_log=torch.zeros(H, device="cuda"), dt_bias=torch.full((H * 128,), -6.5,
+                                                                                        device="cuda"))
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    with torch.no_grad():
+        monkeypatch.setenv("K3_KDA_SPLITS", "1")
+        ref = chunk_kda(**x, **kw)
+        for P in ("2", "3", "7", "auto"):
+            monkeypatch.setenv("K3_KDA_SPLITS", P)
+            if P == "auto":
+                monkeypatch.setattr(pf, "_MIN_SEG", 1024)
+                monkeypatch.setattr(pf, "_sm_count", lambda index: 132)
+                assert pf.SplitCostModel().best([313, 1, 141, 13], H, 128, 128, 32) > 1
+                calls = _spy_split(monkeypatch)
+            out = chunk_kda(**x, **kw)
+            if P == "auto":
+                assert len(calls) == 1
+            assert torch.isfinite(out[0]).all(), P
+            assert rel(out[0].float(), ref[0].float()) <= tol and rel(out[1], ref[1]) <= tol, P
