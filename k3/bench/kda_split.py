@@ -95,7 +95,12 @@ def _model_ms(unsplit_ms: float, H: int, T: int, K: int, P: int, impl: str) -> f
     n = -(-T // 64)
     base = m.unsplit_total_us([n], H, K, K)
     if impl == "unsplit+overlap":
-        return unsplit_ms + (m.unsplit_total_us([n], H, K, K, overlap=True) - base) / 1e3
+        from k3.ops.kda.prefix import _unsplit_overlaps
+        from k3.ops.kda.triton.chunk_fwd import FwdConfig
+
+        with _overlap(True):
+            windows = _unsplit_overlaps([T], H, K, K, torch.bfloat16)
+        return unsplit_ms + (m.unsplit_total_us([n], H, K, K, windows=windows) - base) / 1e3
     return unsplit_ms + (m.prep_us([n], H) + m.predict_us(balanced_cut([n], P), H, K, K) - base) / 1e3
 
 

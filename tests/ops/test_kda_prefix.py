@@ -96,8 +96,12 @@ def test_cost_model_choice():
     # one more segment needs a second wave of the state pass: slower
     assert m.predict_us(pf.balanced_cut([n], 5), 8, 128, 128) > m.predict_us(four, 8, 128, 128)
     # against the overlapped unsplit path (prep beside the 32-SM state pass: ~38 ms vs the split's ~43) no split
-    assert pf.choose_splits(1, 8, 1 << 20, 132, overlap=True) == 1
-    assert m.unsplit_total_us([n], 8, 128, 128, overlap=True) == pytest.approx(m.prep_us([n], 8) * 132 / 100)
+    assert pf.choose_splits(1, 8, 1 << 20, 132, overlap=11) == 1
+    side = m.prep_us([n], 8) * 132 / 100
+    assert m.unsplit_total_us([n], 8, 128, 128, windows=11) == pytest.approx(
+        (m.unsplit_total_us([n], 8, 128, 128) + 10 * side) / 11)
+    # few windows: the first prep and the last state pass stay alone, so less is hidden
+    assert m.unsplit_total_us([n], 8, 128, 128, windows=2) > m.unsplit_total_us([n], 8, 128, 128, windows=11)
     assert pf._list_schedule_us([2.0] * 5, 2) == 6.0 and pf._list_schedule_us([5.0, 1.0, 1.0, 1.0], 2) == 5.0
 
 

@@ -197,20 +197,22 @@ class SplitCostModel:
         """The chunk prep over every chunk and head, all SMs busy (the same with or without a split)."""
         return sum(lens) * H * self.prep_sm_us / self.sm_count
 
-    def unsplit_total_us(self, lens: list[int], H: int, K: int, V: int, overlap: bool = False) -> float:
-        """Prep + state pass unsplit. ``overlap`` (``FwdConfig.overlap_windows`` with several windows): the prep
-        of the next window runs beside the state pass, on the SMs its programs leave free."""
+    def unsplit_total_us(self, lens: list[int], H: int, K: int, V: int, windows: int = 1) -> float:
+        """Prep + state pass unsplit. ``windows`` > 1: the overlapped path (``FwdConfig.overlap_windows``) over that
+        many equal windows: the prep of window w + 1 runs beside the state pass of window w, on the SMs its
+        programs leave free (first prep and last state pass alone)."""
         prep, serial = self.prep_us(lens, H), self.predict_us([[n] for n in lens], H, K, V)
-        if not overlap:
+        if windows <= 1:
             return prep + serial
         nv = max(1, _pow2(V) // min(self.state_bv, _pow2(V)))
         busy = min(self.sm_count - 1, -(-sum(1 for n in lens if n) * H * nv // self.state_per_sm))
-        return min(prep + serial, max(prep * self.sm_count / (self.sm_count - busy), serial))
+        side = min(prep + serial, max(prep * self.sm_count / (self.sm_count - busy), serial))
+        return (prep + serial + (windows - 1) * side) / windows
 
-    def best(self, lens: list[int], H: int, K: int, V: int, max_splits: int, overlap: bool = False) -> int:
+    def best(self, lens: list[int], H: int, K: int, V: int, max_splits: int, overlap: int = 1) -> int:
         """P for :func:`balanced_cut` of pieces of ``lens`` chunks: the fastest predicted total (prep + serial
-        passes), 1 unless it beats the unsplit total (overlapped or not, see :meth:`unsplit_total_us`) by
-        ``min_gain``; ties go to fewer segments."""
+        passes), 1 unless it beats the unsplit total (``overlap`` = its window count when the unsplit path
+        overlaps, see :meth:`unsplit_total_us`) by ``min_gain``; ties go to fewer segments."""
         if not lens:
             return 1
         prep = self.prep_us(lens, H)
@@ -230,9 +232,10 @@ def balanced_cut(lens: list[int], P: int) -> list[list[int]]:
     return split_plan(lens, 0, align=1, seg_len=L)
 
 
-def choose_splits(B: int, H: int, T: int, sm_count: int, K: int = 128, V: int = 128, overlap: bool = False) -> int:
+def choose_splits(B: int, H: int, T: int, sm_count: int, K: int = 128, V: int = 128, overlap: int = 1) -> int:
     """Automatic segment count for B sequences of T tokens and H heads on ``sm_count`` SMs: the
-    :class:`SplitCostModel`'s choice (1 = do not split); ``overlap``: against the overlapped unsplit path."""
+    :class:`SplitCostModel`'s choice (1 = do not split); ``overlap`` > 1: against the overlapped unsplit path
+    with that many windows."""
     if T < 2 * _MIN_SEG:
         return 1
     n = -(-T // _ALIGN)
@@ -275,21 +278,21 @@ AUTO_SPLIT = True  # the automatic rule on CUDA with the Triton backend (``K3_KD
 
 
 @functools.lru_cache(maxsize=256)
-def _best_splits(model: SplitCostModel, lens: tuple[int, ...], H: int, K: int, V: int, overlap: bool = False) -> int:
+def _best_splits(model: SplitCostModel, lens: tuple[int, ...], H: int, K: int, V: int, overlap: int = 1) -> int:
     """:meth:`SplitCostModel.best`, cached: every layer of a prefill asks the same question."""
     return model.best(list(lens), H, K, V, _MAX_SPLITS, overlap)
 
 
-def _unsplit_overlaps(lens: list[int], H: int, K: int, V: int, dtype: torch.dtype) -> bool:
-    """Whether the unsplit Triton inference forward would overlap prep and state pass (its knob is on and the
-    call needs more than one window)."""
+def _unsplit_overlaps(lens: list[int], H: int, K: int, V: int, dtype: torch.dtype) -> int:
+    """Windows of the unsplit Triton inference forward when it overlaps prep and state pass (its knob is on and
+    the call needs more than one window), else 1."""
     from k3.ops.kda.triton._common import next_pow2, store_dtype  # noqa: PLC0415 (triton is optional)
     from k3.ops.kda.triton.chunk_fwd import FwdConfig, chunk_bytes  # noqa: PLC0415
 
     if not getattr(FwdConfig, "overlap_windows", False):
-        return False
+        return 1
     ncw = max(1, FwdConfig.window_bytes // chunk_bytes(H, next_pow2(K), next_pow2(V), store_dtype(dtype)))
-    return sum(-(-n // _ALIGN) for n in lens) > ncw
+    return -(-sum(-(-n // _ALIGN) for n in lens) // ncw)
 
 
 @functools.lru_cache(maxsize=8)
