@@ -37,6 +37,7 @@ from k3.ops.kda.triton._common import (
     next_pow2,
     store_dtype,
 )
+from k3.ops.kda.triton.chunk_bwd_intra import _gate_bwd, launch_intra_split
 from k3.ops.kda.triton.chunk_fwd import _load_rows, _load_tile, _store_rows, _sub_gate
 from k3.ops.kda.triton._common import _l2norm
 
@@ -57,6 +58,15 @@ class BwdConfig:
     # fp32 path its worst error in the sweep's checks was 9.2e-3, dA_log with every gate at the bound; tf32x3 1.5e-3)
     intra_prec_half = "bf16x3"
     intra_recompute = False  # reload k̂ and recompute G at the end instead of keeping them live (fewer spills)
+    # split intra backward (chunk_bwd_intra.py): one light program per (16-row sub-block, chunk, head) for the
+    # A_qk / A_kk backward, then the reverse cumsum + gate backward per (chunk, head, K-slice). Not yet measured.
+    intra_split = False
+    intra_split_warps = 4
+    intra_split_stages = 1
+    intra_split_bk = 64  # K-slice walked at a time by the split kernel (128 = all of K: fewer loads, more registers)
+    intra_split_maxnreg = 0  # > 0: cap the split kernel's registers (ptxas maxnreg) to fit more programs per SM
+    intra_dg_bk = 32  # K-slice of the dG → dg pass
+    intra_dg_warps = 4
 
 
 @triton.jit(do_not_specialize=['NC', 'T', 'NT', 'H'])
@@ -109,7 +119,7 @@ def _kda_bwd_state(
 
 @triton.jit(do_not_specialize=['NC', 'T', 'NT', 'H'])
 def _kda_bwd_wy(
-    k, v, g, beta, A_log, dt_bias, do,
+    q, k, v, g, beta, A_log, dt_bias, do, RN, GS,
     W, U, QG, TM, HS, DHS, DV,
     dv, DQ, DK, DG, DB, DL, DAQ,
     cu, chunk_seq, chunk_off, NC, T, NT,
@@ -117,6 +127,7 @@ def _kda_bwd_wy(
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BVP: tl.constexpr,
     USE_GATE: tl.constexpr, HAS_LB: tl.constexpr, HAS_A: tl.constexpr, HAS_DT: tl.constexpr,
     L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr, IS_VARLEN: tl.constexpr, PREC: tl.constexpr,
+    STORE_RN: tl.constexpr, STORE_G: tl.constexpr,
 ):
     # Two passes over V-blocks, each with few accumulators (register pressure). With T X = W and T Y = U:
     # dX = Tᵀ dW = −dY Sᵀ and dL = −Tᵀ (dW Xᵀ + dV' Yᵀ) Tᵀ = −(dX Wᵀ + dY Uᵀ), so neither dT nor X is formed.
@@ -157,8 +168,14 @@ def _kda_bwd_wy(
     b_w = tl.load(W + p_tk)
     dL = -(tl.dot(dx.to(DT), tl.trans(b_w), input_precision=PREC) + dlu)
     tl.store(DL + p_tt, tl.where(o_t[:, None] > o_t[None, :], dL, 0.))
-    b_k, _ = _l2norm(_chunk_tile(k, i_h, bos, eos, H, K, BT, BK).to(tl.float32), L2NORM)
+    b_k, rk = _l2norm(_chunk_tile(k, i_h, bos, eos, H, K, BT, BK).to(tl.float32), L2NORM)
+    if STORE_RN:  # per-row 1/‖q‖, 1/‖k‖ for the split intra backward, which walks K in slices
+        _, rq = _l2norm(_chunk_tile(q, i_h, bos, eos, H, K, BT, BK).to(tl.float32), L2NORM)
+        tl.store(RN + base * (2 * BT) + o_t, rq)
+        tl.store(RN + base * (2 * BT) + BT + o_t, rk)
     G = _chunk_gate_cumsum(g, i_h, bos, eos, A_log, dt_bias, H, K, lb, BT, BK, USE_GATE, HAS_LB, HAS_A, HAS_DT)
+    if STORE_G:  # the split intra backward reads G instead of recomputing the gate and its cumsum
+        tl.store(GS + p_tk, G)
     eG = tl.exp2(G)
     tl.store(DQ + p_tk, dqg * eG * scale)
     kb = b_k * eG * b_b[:, None]  # X = β K e^G
@@ -190,31 +207,6 @@ def _kda_bwd_wy(
     tl.store(DK + p_tk, tl.load(DK + p_tk) + dkg * eL)
     tl.store(DG + p_tk, tl.load(DG + p_tk) - dkg * kL + tl.where((o_t == BT - 1)[:, None], dgl[None, :], 0.))
     tl.store(DB + base * BT + o_t, db)
-
-
-@triton.jit
-def _gate_bwd(dgt, b_f, i_h, A_log, dt_bias, lb, o_k, m_k, K,
-              USE_GATE: tl.constexpr, HAS_LB: tl.constexpr, HAS_A: tl.constexpr, HAS_DT: tl.constexpr):
-    """Gradient through the gate activation. Returns (d raw f, per-element share of dA_log)."""
-    if USE_GATE:
-        x = b_f
-        if HAS_DT:
-            x = x + tl.load(dt_bias + i_h * K + o_k, mask=m_k, other=0.).to(tl.float32)[None, :]
-        a = 1.0
-        if HAS_A:
-            a = tl.exp(tl.load(A_log + i_h).to(tl.float32))
-        if HAS_LB:
-            z = x * a
-            dz = dgt * lb * _sigmoid(z) * _sigmoid(-z)  # σ(z)σ(−z), not s(1 − s): no cancellation near |z| ≫ 1
-            df = dz * a
-            dA = dz * z
-        else:
-            df = dgt * (-a) * _sigmoid(x)
-            dA = dgt * (-a) * _softplus(x)
-    else:
-        df = dgt
-        dA = tl.zeros_like(dgt)
-    return df, dA
 
 
 @triton.jit
@@ -543,22 +535,30 @@ def kda_bwd(q, k, v, g, beta, A_log, dt_bias, initial_state, scale: float, do, d
     DQ, DK, DG = (torch.empty(H, NC, BT, BK, **f32) for _ in range(3))
     DB = torch.empty(H, NC, BT, **f32)
     DL, DAQ = (torch.empty(H, NC, BT, BT, **f32) for _ in range(2))
+    split = bool(BwdConfig.intra_split)
+    RN = torch.empty(H, NC, 2, BT, **f32) if split and flags["l2norm"] else dummy
+    GS = torch.empty(H, NC, BT, BK, **f32) if split else dummy
     _kda_bwd_wy[(NC, H)](
-        k, v, g, beta, a_log, dtb, do, s["W"], s["U"], s["QG"], s["TM"], s["HS"], DHS, DV,
+        q, k, v, g, beta, a_log, dtb, do, RN, GS, s["W"], s["U"], s["QG"], s["TM"], s["HS"], DHS, DV,
         dv, DQ, DK, DG, DB, DL, DAQ, tab.cu, tab.chunk_seq, tab.chunk_off, NC, tab.T, tab.NT,
-        H, K, V, scale, lb, BT=BT, BK=BK, BV=min(BwdConfig.wy_bv, BVP), BVP=BVP, PREC=prec, **flag_kw,
+        H, K, V, scale, lb, BT=BT, BK=BK, BV=min(BwdConfig.wy_bv, BVP), BVP=BVP, PREC=prec,
+        STORE_RN=split and flags["l2norm"], STORE_G=split, **flag_kw,
         num_warps=BwdConfig.wy_warps, num_stages=BwdConfig.wy_stages)
 
-    DAP = torch.empty(H, NC, **f32)
-    DDT = torch.empty(H, NC, BK, **f32)
-    _kda_bwd_intra[(NC, H)](
-        q, k, g, beta, a_log, dtb, DQ, DK, DG, DB, DL, DAQ, dq, dk, dg, db, DAP, DDT,
-        tab.cu, tab.chunk_seq, tab.chunk_off, NC, tab.T, tab.NT, H, K, lb, BT=BT, BC=BC, BK=BK,
-        EXACT_DIAG=flags["exact_diag"], PREC=prec_intra, RECOMPUTE=bool(BwdConfig.intra_recompute), **flag_kw,
-        num_warps=BwdConfig.intra_warps, num_stages=BwdConfig.intra_stages)
+    if split:
+        DAP, DDT = launch_intra_split(q, k, g, beta, a_log, dtb, RN, GS, DQ, DK, DG, DB, DL, DAQ, dq, dk, dg, db, tab, H, K,
+                                      lb, BT, BC, BK, prec_intra, flag_kw, flags["exact_diag"], BwdConfig)
+    else:
+        DAP = torch.empty(H, NC, **f32)
+        DDT = torch.empty(H, NC, BK, **f32)
+        _kda_bwd_intra[(NC, H)](
+            q, k, g, beta, a_log, dtb, DQ, DK, DG, DB, DL, DAQ, dq, dk, dg, db, DAP, DDT,
+            tab.cu, tab.chunk_seq, tab.chunk_off, NC, tab.T, tab.NT, H, K, lb, BT=BT, BC=BC, BK=BK,
+            EXACT_DIAG=flags["exact_diag"], PREC=prec_intra, RECOMPUTE=bool(BwdConfig.intra_recompute), **flag_kw,
+            num_warps=BwdConfig.intra_warps, num_stages=BwdConfig.intra_stages)
     if flags["use_gate"]:
         if dA is not None:
-            dA = DAP.sum(1).to(A_log.dtype).reshape(A_log.shape)
+            dA = DAP.reshape(H, -1).sum(1).to(A_log.dtype).reshape(A_log.shape)
         if ddt is not None:
             ddt = DDT.sum(1)[:, :K].to(dt_bias.dtype).reshape(dt_bias.shape)
     return dq, dk, dv, dg, db, dA, ddt, (dh0 if initial_state is not None else None)

@@ -1,0 +1,299 @@
+"""Intra-chunk KDA backward as two light kernels (``BwdConfig.intra_split``): fla's shape, our own code.
+
+The fused ``_kda_bwd_intra`` walks a whole chunk per program and keeps every sub-block's accumulators live
+(255 registers, spills, ~490 barriers per program). Here the WY kernel also stores the chunk's gate cumsum G (fp32,
+log2 units) and the per-row 1/‖q‖, 1/‖k‖, so nothing below recomputes the gate, its cumsum or a norm:
+
+``_kda_bwd_intra_sub`` — one program per (16-row sub-block I, chunk, head); grid axis 0 = chunk·4 + I, so the four
+programs of a chunk run side by side and share its q, k, G through L2. K is walked in slices of ``BKS`` columns
+(everything except the L2-norm and β reductions is column-local) and, per slice, the blocks J = 0…3 once, with two
+[16, BKS] accumulators at a time (c_J = G at the last row of block J − 1, c_0 = 0, as in the forward):
+
+* row side (rows of block I of A_qk and A_kk, column blocks J ≤ I), reference c_I: with kd_J = k̂_J e^{c_I − G_J}
+  (≤ 1 for J < I), dq_I = e^{G_I − c_I} ⊙ Σ_J dA_qk[I, J] kd_J and R_I = e^{G_I − c_I} ⊙ Σ_J dL[I, J] kd_J;
+  dk (row share) = β R, dβ = Σ_d k̂ ⊙ R.
+* column side (columns of block I, row blocks M ≥ I), reference c_{I+1}:
+  dk (column share) = e^{c_{I+1} − G_I} ⊙ Σ_M dA_qk[M, I]ᵀ (q̂_M e^{G_M − c_{I+1}}) + dL[M, I]ᵀ (β_M k̂_M e^{G_M − c_{I+1}}),
+  every factor ≤ 1 except inside the diagonal block, where the bounded gate keeps it ≤ e^{5·16} (unbounded gates
+  take the exact per-element diagonal, ``EXACT_DIAG``).
+
+dG = DG + q̂ ⊙ dq_intra + k̂ ⊙ (dk_row − dk_col) goes back in place into the ``DG`` scratch rows (no other program
+touches them), the pre-norm dq, dk into ``DQ`` / ``DK``; after a barrier the full rows go through the L2-norm
+backward and dβ through the β-sigmoid backward.
+
+``_kda_bwd_dg`` — one program per (chunk, head, K-slice): the reverse within-chunk cumsum dG → dg, the gate
+backward, and the per-chunk partial sums of dA_log and ddt_bias (summed on the host).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from k3.ops.kda.triton._common import _chunk_pos, _gate_fwd, _l2norm, _sigmoid, _softplus
+
+
+@triton.jit
+def _gate_bwd(dgt, b_f, i_h, A_log, dt_bias, lb, o_k, m_k, K,
+              USE_GATE: tl.constexpr, HAS_LB: tl.constexpr, HAS_A: tl.constexpr, HAS_DT: tl.constexpr):
+    """Gradient through the gate activation. Returns (d raw f, per-element share of dA_log)."""
+    if USE_GATE:
+        x = b_f
+        if HAS_DT:
+            x = x + tl.load(dt_bias + i_h * K + o_k, mask=m_k, other=0.).to(tl.float32)[None, :]
+        a = 1.0
+        if HAS_A:
+            a = tl.exp(tl.load(A_log + i_h).to(tl.float32))
+        if HAS_LB:
+            z = x * a
+            dz = dgt * lb * _sigmoid(z) * _sigmoid(-z)  # σ(z)σ(−z), not s(1 − s): no cancellation near |z| ≫ 1
+            df = dz * a
+            dA = dz * z
+        else:
+            df = dgt * (-a) * _sigmoid(x)
+            dA = dgt * (-a) * _softplus(x)
+    else:
+        df = dgt
+        dA = tl.zeros_like(dgt)
+    return df, dA
+
+
+@triton.jit
+def _tile(ptr, I, J, BT: tl.constexpr, BC: tl.constexpr):
+    """Tile (I, J) of a [BT, BT] chunk matrix at ``ptr`` (I, J may be run-time values)."""
+    o_s = tl.arange(0, BC)
+    return tl.load(ptr + (I * BC + o_s[:, None]) * BT + J * BC + o_s[None, :]).to(tl.float32)
+
+
+@triton.jit
+def _tile_t(ptr, I, J, BT: tl.constexpr, BC: tl.constexpr):
+    """Tile (I, J) transposed by the addressing (no shuffle)."""
+    o_s = tl.arange(0, BC)
+    return tl.load(ptr + (I * BC + o_s[None, :]) * BT + J * BC + o_s[:, None]).to(tl.float32)
+
+
+@triton.jit
+def _blk_x(xb, rn, L, HK, K, J, o_k, BC: tl.constexpr, L2NORM: tl.constexpr):
+    """Chunk rows [J·BC, J·BC + BC), columns o_k, of q or k, L2-normalized with the stored per-row 1/‖·‖ ``rn``
+    (fp32 [BC, len(o_k)], 0 on padding)."""
+    r = J * BC + tl.arange(0, BC)
+    m = (r < L)[:, None] & (o_k < K)[None, :]
+    x = tl.load(xb + r[:, None] * HK + o_k[None, :], mask=m, other=0.).to(tl.float32)
+    if L2NORM:
+        x = x * tl.load(rn + r)[:, None]
+    return x
+
+
+@triton.jit
+def _blk_beta(bb, L, H, J, BC: tl.constexpr, BETA_SIGMOID: tl.constexpr):
+    r = J * BC + tl.arange(0, BC)
+    m_t = r < L
+    b_b = tl.load(bb + r * H, mask=m_t, other=0.).to(tl.float32)
+    if BETA_SIGMOID:
+        b_b = _sigmoid(b_b)
+    return tl.where(m_t, b_b, 0.)
+
+
+@triton.jit
+def _exact_diag_bwd(dAq, dL, b_q, b_k, b_b, G):
+    """Diagonal sub-block, exact per element (unbounded gates): only exponents ≤ 0. Returns the row-side dq, the
+    row-side R = Σ_j dL_ij k_j e^{G_i − G_j} (no β), the column-side dk."""
+    o_s = tl.arange(0, b_q.shape[0])
+    keep = o_s[:, None] >= o_s[None, :]
+    E = tl.exp2(tl.where(keep[:, :, None], G[:, None, :] - G[None, :, :], float("-inf")))
+    kE = b_k[None, :, :] * E  # [i, j, d] = k_jd e^{G_id − G_jd}
+    dq = tl.sum(dAq[:, :, None] * kE, axis=1)
+    r = tl.sum(dL[:, :, None] * kE, axis=1)
+    dkc = tl.sum((dAq[:, :, None] * b_q[:, None, :] + (dL * b_b[:, None])[:, :, None] * b_k[:, None, :]) * E,
+                 axis=0)
+    return dq, r, dkc
+
+
+@triton.jit
+def _intra_block(q, k, beta, RN, GS, DQ, DK, DG, DB, DL, DAQ, dq, dk, dbeta,
+                 base, i_h, bos, eos, H, K, I,
+                 BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BKS: tl.constexpr,
+                 L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr, EXACT_DIAG: tl.constexpr, PREC: tl.constexpr):
+    """Sub-block I of one chunk: see the module docstring. Register economy: K is walked in slices of BKS columns
+    (everything but the L2-norm and β reductions is column-local), the block walks are run-time loops (one
+    block's loads in flight at a time), addresses are a scalar base + 32-bit offsets. The pre-norm dq, dk land in
+    their fp32 scratch rows; after a barrier the full rows go through the L2-norm backward."""
+    o_s = tl.arange(0, BC)
+    HK = H * K
+    L = tl.minimum(eos - bos, BT).to(tl.int32)  # valid rows of this chunk
+    row0 = bos * HK + i_h * K  # int64 element offset of the chunk's first row of this head
+    qb = q + row0
+    kb = k + row0
+    bb = beta + bos * H + i_h
+    rnq = RN + base * (2 * BT)  # per-row 1/‖q‖, then 1/‖k‖
+    rnk = rnq + BT
+    sk = base * (BT * BK)  # chunk scratch rows [BT, BK]
+    sa = base * (BT * BT)  # chunk matrices [BT, BT]
+    Gb = GS + sk  # the chunk's gate cumsum G (log2), stored by the WY kernel
+    r = I * BC + o_s
+    m_t = r < L
+    bI = _blk_beta(bb, L, H, I, BC, BETA_SIGMOID)
+    dAq = _tile(DAQ + sa, I, I, BT, BC)
+    dL = _tile(DL + sa, I, I, BT, BC)
+    db = tl.load(DB + base * BT + r)
+    for ks in range(0, BK // BKS):
+        o_k = ks * BKS + tl.arange(0, BKS)
+        cI = tl.load(Gb + (I * BC - 1) * BK + o_k, mask=(o_k < BK) & (I > 0), other=0.)  # c_I (0 for I = 0)
+        cI1 = tl.load(Gb + (I * BC + BC - 1) * BK + o_k)  # c_{I+1}
+        accq = tl.zeros([BC, BKS], dtype=tl.float32)
+        accr = tl.zeros([BC, BKS], dtype=tl.float32)
+        # ---- row side, column blocks J < I (reference c_I: kd ≤ 1)
+        for J in range(0, I):
+            o_j = (J * BC + o_s)[:, None] * BK + o_k[None, :]
+            kd = _blk_x(kb, rnk, L, HK, K, J, o_k, BC, L2NORM) * tl.exp2(cI[None, :] - tl.load(Gb + o_j))
+            accq = tl.dot(_tile(DAQ + sa, I, J, BT, BC), kd, accq, input_precision=PREC)
+            accr = tl.dot(_tile(DL + sa, I, J, BT, BC), kd, accr, input_precision=PREC)
+        # ---- the diagonal block: finish the row side
+        o_sk = r[:, None] * BK + o_k[None, :]
+        qI = _blk_x(qb, rnq, L, HK, K, I, o_k, BC, L2NORM)
+        kI = _blk_x(kb, rnk, L, HK, K, I, o_k, BC, L2NORM)
+        GI = tl.load(Gb + o_sk)
+        e = tl.exp2(GI - cI[None, :])  # ≤ 1
+        if EXACT_DIAG:
+            dq_d, r_d, dkc_d = _exact_diag_bwd(dAq, dL, qI, kI, bI, GI)
+            dq_a = accq * e + dq_d
+            R = accr * e + r_d
+            cacc = tl.zeros([BC, BKS], dtype=tl.float32)
+        else:
+            kd = kI * tl.exp2(cI[None, :] - GI)  # ≤ e^{5·16} under the bounded gate
+            dq_a = tl.dot(dAq, kd, accq, input_precision=PREC) * e
+            R = tl.dot(dL, kd, accr, input_precision=PREC) * e
+            up = tl.exp2(GI - cI1[None, :])  # ≥ 1, ≤ e^{5·16}: the column side's reference is c_{I+1}
+            cacc = tl.dot(_tile_t(DAQ + sa, I, I, BT, BC), qI * up, input_precision=PREC)
+            cacc = tl.dot(_tile_t(DL + sa, I, I, BT, BC), kI * (bI[:, None] * up), cacc, input_precision=PREC)
+        dkr = R * bI[:, None]
+        db += tl.sum(R * kI, axis=1)
+        tl.store(DQ + sk + o_sk, tl.load(DQ + sk + o_sk) + dq_a)
+        dg_part = tl.load(DG + sk + o_sk) + qI * dq_a + kI * dkr
+        dk_part = tl.load(DK + sk + o_sk) + dkr
+        fI = tl.exp2(cI1[None, :] - GI)  # ≤ 1
+        # ---- column side, row blocks M > I (reference c_{I+1}: every factor ≤ 1)
+        for M in range(I + 1, BT // BC):
+            o_m = (M * BC + o_s)[:, None] * BK + o_k[None, :]
+            lf = tl.exp2(tl.load(Gb + o_m) - cI1[None, :])
+            qM = _blk_x(qb, rnq, L, HK, K, M, o_k, BC, L2NORM)
+            kM = _blk_x(kb, rnk, L, HK, K, M, o_k, BC, L2NORM)
+            bM = _blk_beta(bb, L, H, M, BC, BETA_SIGMOID)
+            cacc = tl.dot(_tile_t(DAQ + sa, M, I, BT, BC), qM * lf, cacc, input_precision=PREC)
+            cacc = tl.dot(_tile_t(DL + sa, M, I, BT, BC), kM * (bM[:, None] * lf), cacc, input_precision=PREC)
+        dkc = cacc * fI
+        if EXACT_DIAG:
+            dkc += dkc_d
+        tl.store(DK + sk + o_sk, dk_part + dkc)
+        tl.store(DG + sk + o_sk, dg_part - kI * dkc)
+    # ---- full rows: L2-norm backward of dq, dk; β (sigmoid) backward
+    if BETA_SIGMOID:
+        b_r = tl.load(bb + r * H, mask=m_t, other=0.).to(tl.float32)
+        db = db * _sigmoid(b_r) * _sigmoid(-b_r)
+    tl.store(dbeta + bos * H + i_h + r * H, db.to(dbeta.dtype.element_ty), mask=m_t)
+    tl.debug_barrier()  # the scratch rows were written in K-slices, possibly by other threads
+    o_k = tl.arange(0, BK)
+    m = m_t[:, None] & (o_k < K)[None, :]
+    o_x = r[:, None] * HK + o_k[None, :]
+    o_sk = r[:, None] * BK + o_k[None, :]
+    b_dq = tl.load(DQ + sk + o_sk)
+    b_dk = tl.load(DK + sk + o_sk)
+    if L2NORM:
+        qI = tl.load(qb + o_x, mask=m, other=0.).to(tl.float32)
+        rq = tl.load(rnq + r)
+        qI = qI * rq[:, None]
+        b_dq = rq[:, None] * (b_dq - qI * tl.sum(b_dq * qI, axis=1)[:, None])
+        kI = tl.load(kb + o_x, mask=m, other=0.).to(tl.float32)
+        rk = tl.load(rnk + r)
+        kI = kI * rk[:, None]
+        b_dk = rk[:, None] * (b_dk - kI * tl.sum(b_dk * kI, axis=1)[:, None])
+    tl.store(dq + row0 + o_x, b_dq.to(dq.dtype.element_ty), mask=m)
+    tl.store(dk + row0 + o_x, b_dk.to(dk.dtype.element_ty), mask=m)
+
+
+@triton.jit(do_not_specialize=['NC', 'T', 'NT', 'H'])
+def _kda_bwd_intra_sub(
+    q, k, beta, RN, GS,
+    DQ, DK, DG, DB, DL, DAQ,
+    dq, dk, dbeta,
+    cu, chunk_seq, chunk_off, NC, T, NT,
+    H, K: tl.constexpr,
+    BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BKS: tl.constexpr,
+    L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr, IS_VARLEN: tl.constexpr, EXACT_DIAG: tl.constexpr,
+    PREC: tl.constexpr,
+):
+    NB: tl.constexpr = BT // BC
+    i_ci = tl.program_id(0)
+    i_h = tl.program_id(1)
+    i_c = i_ci // NB
+    i_i = i_ci % NB
+    bos, eos = _chunk_pos(i_c, cu, chunk_seq, chunk_off, T, NT, BT, IS_VARLEN)
+    base = (i_h * NC + i_c).to(tl.int64)
+    # A sub-block made only of padding has q̂ = k̂ = 0: no share, and its DG rows (which may carry γ's share at the
+    # chunk's last row) are already right; the dg pass reads them as they are.
+    if bos + i_i * BC < eos:
+        _intra_block(q, k, beta, RN, GS, DQ, DK, DG, DB, DL, DAQ, dq, dk, dbeta, base, i_h, bos, eos, H, K, i_i,
+                     BT, BC, BK, BKS, L2NORM, BETA_SIGMOID, EXACT_DIAG, PREC)
+
+
+@triton.jit(do_not_specialize=['NC', 'T', 'NT', 'H'])
+def _kda_bwd_dg(
+    g, A_log, dt_bias, DG, dg, DA, DDT,
+    cu, chunk_seq, chunk_off, NC, T, NT,
+    H, K: tl.constexpr, lb,
+    BT: tl.constexpr, BK: tl.constexpr, BKG: tl.constexpr,
+    USE_GATE: tl.constexpr, HAS_LB: tl.constexpr, HAS_A: tl.constexpr, HAS_DT: tl.constexpr,
+    IS_VARLEN: tl.constexpr,
+):
+    """dg = gate backward of the reverse within-chunk cumsum of dG, for one K-slice of one chunk-head."""
+    i_c = tl.program_id(0)
+    i_h = tl.program_id(1)
+    i_k = tl.program_id(2)
+    bos, eos = _chunk_pos(i_c, cu, chunk_seq, chunk_off, T, NT, BT, IS_VARLEN)
+    base = (i_h * NC + i_c).to(tl.int64)
+    o_t = tl.arange(0, BT)
+    o_k = i_k * BKG + tl.arange(0, BKG)
+    m_k = o_k < K
+    t = bos + o_t
+    m = (t < eos)[:, None] & m_k[None, :]
+    dG = tl.load(DG + (base * BT + o_t[:, None]) * BK + o_k[None, :])
+    dgt = tl.cumsum(dG, axis=0, reverse=True)
+    p = t[:, None] * (H * K) + i_h * K + o_k[None, :]
+    b_f = tl.load(g + p, mask=m, other=0.).to(tl.float32)
+    df, dA = _gate_bwd(dgt, b_f, i_h, A_log, dt_bias, lb, o_k, m_k, K, USE_GATE, HAS_LB, HAS_A, HAS_DT)
+    df = tl.where(m, df, 0.)
+    tl.store(dg + p, df.to(dg.dtype.element_ty), mask=m)
+    if USE_GATE:
+        tl.store(DDT + base * BK + o_k, tl.sum(df, axis=0))
+        tl.store(DA + base * tl.num_programs(2) + i_k, tl.sum(tl.sum(tl.where(m, dA, 0.), axis=1), axis=0))
+
+
+def launch_intra_split(q: torch.Tensor, k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, a_log: torch.Tensor,
+                       dtb: torch.Tensor, RN: torch.Tensor, GS: torch.Tensor, DQ: torch.Tensor, DK: torch.Tensor,
+                       DG: torch.Tensor, DB: torch.Tensor, DL: torch.Tensor, DAQ: torch.Tensor, dq: torch.Tensor,
+                       dk: torch.Tensor, dg: torch.Tensor, db: torch.Tensor, tab, H: int, K: int, lb: float, BT: int,
+                       BC: int, BK: int, prec: str, flag_kw: dict, exact_diag: bool,
+                       cfg) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run the two kernels on the WY kernel's scratch (``RN [H, NC, 2, BT]`` 1/‖q‖, 1/‖k‖; ``GS``, ``DQ``, ``DK``,
+    ``DG [H, NC, BT, BK]``; ``DB [H, NC, BT]``; ``DL``, ``DAQ [H, NC, BT, BT]``, all fp32), writing dq, dk, dg, db.
+    Returns the per-chunk partial sums ``(DAP [H, NC, NKG], DDT [H, NC, BK])`` (fp32; meaningful only with the
+    fused gate). ``cfg`` is ``BwdConfig``. DQ, DK, DG are overwritten (DG becomes dG)."""
+    NC = tab.NC
+    cap = {"maxnreg": int(cfg.intra_split_maxnreg)} if cfg.intra_split_maxnreg else {}
+    _kda_bwd_intra_sub[(NC * (BT // BC), H)](
+        q, k, beta, RN, GS, DQ, DK, DG, DB, DL, DAQ, dq, dk, db,
+        tab.cu, tab.chunk_seq, tab.chunk_off, NC, tab.T, tab.NT, H, K, BT=BT, BC=BC, BK=BK,
+        BKS=min(int(cfg.intra_split_bk), BK), EXACT_DIAG=exact_diag, PREC=prec,
+        L2NORM=flag_kw["L2NORM"], BETA_SIGMOID=flag_kw["BETA_SIGMOID"], IS_VARLEN=flag_kw["IS_VARLEN"],
+        num_warps=cfg.intra_split_warps, num_stages=cfg.intra_split_stages, **cap)
+    bkg = min(int(cfg.intra_dg_bk), BK)
+    nkg = BK // bkg
+    f32 = dict(dtype=torch.float32, device=q.device)
+    DAP = torch.empty(H, NC, nkg, **f32)
+    DDT = torch.empty(H, NC, BK, **f32)
+    gate_kw = {n: flag_kw[n] for n in ("USE_GATE", "HAS_LB", "HAS_A", "HAS_DT", "IS_VARLEN")}
+    _kda_bwd_dg[(NC, H, nkg)](
+        g, a_log, dtb, DG, dg, DAP, DDT, tab.cu, tab.chunk_seq, tab.chunk_off, NC, tab.T, tab.NT, H, K, lb,
+        BT=BT, BK=BK, BKG=bkg, **gate_kw, num_warps=cfg.intra_dg_warps)
+    return DAP, DDT
