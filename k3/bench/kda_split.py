@@ -7,7 +7,7 @@ inference call (bf16, bounded gate fused in the kernel, in-kernel L2 norm and β
 - ``unsplit+overlap`` the same with ``FwdConfig.overlap_windows`` (prep of the next window on a side stream);
 - ``auto``      the default: the cost model (``k3.ops.kda.prefix.SplitCostModel``) picks P (1 = no split);
 - ``split n``   ``K3_KDA_SPLITS=n`` for n in ``--splits`` (2 4 8 16): one prep per chunk, span pass, fold, one
-  segmented state pass;
+  segmented state pass; ``split n bv64`` for n in ``--bv64-splits`` (8): that state pass at BV 64;
 - ``fla``       fla's ``chunk_kda`` (same arguments), when importable.
 
 Each row: median ms (CUDA events), peak memory beyond the inputs (GiB, includes the output), relative RMS error of
@@ -94,6 +94,8 @@ def _model_ms(unsplit_ms: float, H: int, T: int, K: int, P: int, impl: str) -> f
     m = SplitCostModel(sm_count=sm)
     n = -(-T // 64)
     base = m.unsplit_total_us([n], H, K, K)
+    if impl.endswith("bv64"):  # BV 64: 2.7 µs per step in the v3 sweep (2 stages; the split runs 3)
+        m = SplitCostModel(sm_count=sm, state_bv=64, state_step_us=2.7)
     if impl == "unsplit+overlap":
         from k3.ops.kda.prefix import _unsplit_overlaps
         from k3.ops.kda.triton.chunk_fwd import FwdConfig
@@ -102,6 +104,20 @@ def _model_ms(unsplit_ms: float, H: int, T: int, K: int, P: int, impl: str) -> f
             windows = _unsplit_overlaps([T], H, K, K, torch.bfloat16)
         return unsplit_ms + (m.unsplit_total_us([n], H, K, K, windows=windows) - base) / 1e3
     return unsplit_ms + (m.prep_us([n], H) + m.predict_us(balanced_cut([n], P), H, K, K) - base) / 1e3
+
+
+@contextlib.contextmanager
+def _split_state_bv(bv: int | None) -> Iterator[None]:
+    """``SplitConfig.state_bv`` (the split's segmented state pass) set inside the block when ``bv`` is given."""
+    from k3.ops.kda.triton.span import SplitConfig
+
+    old = SplitConfig.state_bv
+    if bv is not None:
+        SplitConfig.state_bv = bv
+    try:
+        yield
+    finally:
+        SplitConfig.state_bv = old
 
 
 @contextlib.contextmanager
@@ -130,6 +146,7 @@ def _fla() -> Callable[..., Any] | None:
 def split_rows(
     shapes: list[tuple[int, int]], splits: list[int], with_fla: bool = True, iters: int = 3, K: int = 128,
     device: str = "cuda", dtype: torch.dtype = torch.bfloat16, log: Callable[[str], None] = print,
+    bv64_splits: list[int] = (),
 ) -> list[dict[str, Any]]:
     """Rows ``{H, T, impl, P, ms, extra_gib, err, state_err, model_ms}`` for B=1 prefill (see the module doc)."""
     from k3.ops.kda import chunk_kda
@@ -147,12 +164,14 @@ def split_rows(
         if device == "cuda" and hasattr(FwdConfig, "overlap_windows"):
             variants.append(("unsplit+overlap", "1", 1))  # prep of window w+1 beside the state pass of window w
         variants += [(f"split {n}", str(n), n) for n in splits]
+        variants += [(f"split {n} bv64", str(n), n) for n in bv64_splits]
         ref = None
         unsplit_ms = float("nan")
         with torch.no_grad():
             for impl, env, P in variants:
                 overlap = getattr(FwdConfig, "overlap_windows", False)
-                with env_var("K3_KDA_SPLITS", env or None), _overlap(impl == "unsplit+overlap" or overlap):
+                with env_var("K3_KDA_SPLITS", env or None), _overlap(impl == "unsplit+overlap" or overlap), \
+                        _split_state_bv(64 if impl.endswith("bv64") else None):
                     o, s = run()
                     if ref is None:
                         ref = (o, s)
@@ -229,6 +248,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--T", type=int, nargs="+", default=[131072, 1048576], help="sequence lengths (B = 1)")
     ap.add_argument("--H", type=int, nargs="+", default=[8, 32], help="head counts")
     ap.add_argument("--splits", type=int, nargs="*", default=[2, 4, 8, 16], help="forced segment counts")
+    ap.add_argument("--bv64-splits", type=int, nargs="*", default=[8],
+                    help="forced segment counts also timed with the split's state pass at BV 64 (SplitConfig.state_bv)")
     ap.add_argument("--no-fla", action="store_true", help="skip fla even when importable")
     ap.add_argument("--iters", type=int, default=3, help="timed calls per row (median)")
     ap.add_argument("--check", action="store_true", help="first compare forced splits 2, 3, 7 with unsplit")
@@ -246,6 +267,7 @@ def main(argv: list[str] | None = None) -> None:
         K, device, dtype = 16, "cpu", torch.float32
         a.T, a.H, a.iters = [300], [2], 1
         a.splits = [s for s in a.splits if s <= 4] or [2]
+        a.bv64_splits = [2]
     elif not torch.cuda.is_available():
         raise SystemExit("kda_split needs a CUDA GPU (or --cpu-smoke)")
     if a.check:
@@ -255,7 +277,7 @@ def main(argv: list[str] | None = None) -> None:
             print(f"check {r['dtype']} P={r['P']}: out rel err {r['err']:.2e}, state rel err {r['state_err']:.2e},"
                   f" finite={r['finite']}", flush=True)
     rows = split_rows([(h, t) for h in a.H for t in a.T], a.splits, not a.no_fla and not a.cpu_smoke, a.iters,
-                      K=K, device=device, dtype=dtype, log=lambda s: print(s, flush=True))
+                      K=K, device=device, dtype=dtype, log=lambda s: print(s, flush=True), bv64_splits=a.bv64_splits)
     table = format_rows(rows)
     print(table)
     if a.out:

@@ -337,20 +337,27 @@ def test_split_triton_windows_extreme_gates(monkeypatch, nan_empty):
 @triton_only
 def test_split_triton_dense_batch_model_cut(monkeypatch, nan_empty):
     """A fixed-length batch (B = 2, no cu_seqlens) through the cost-model cut with a model made to favour
-    splitting (slow state steps): the cut is real (≥ 2 segments) and the result equals unsplit."""
+    splitting (slow state steps), V = 32 with the split's state pass at BV 16 (``SplitConfig.state_bv``): the cut
+    is real (≥ 2 segments) and the result equals unsplit."""
+    from k3.ops.kda.triton import span
+    from k3.ops.kda.triton.chunk_fwd import FwdConfig
+
+    bv_before = FwdConfig.state_bv
     monkeypatch.setenv("K3_KDA_BACKEND", "triton")
-    q, k, v, g, b, S0 = make(2, 300, 1, 16, 16)
+    q, k, v, g, b, S0 = make(2, 300, 1, 16, 32)
     model = pf.SplitCostModel(sm_count=64, state_step_us=100.0, span_step_us=1.0, window_us=0.0, fold_step_us=0.0,
                               min_gain=0.0)
-    assert model.best([5, 5], 1, 16, 16, 8) > 1
+    assert model.best([5, 5], 1, 16, 32, 8) > 1
     args = (q, k, v, g, b, 16 ** -0.5, S0, True, False, False, False, None, None, None, None)
     with torch.no_grad():
         monkeypatch.setenv("K3_KDA_SPLITS", "1")
         ref = chunk_kda(q, k, v, g, b, initial_state=S0, output_final_state=True)
         calls = _spy_split(monkeypatch)
+        monkeypatch.setattr(span.SplitConfig, "state_bv", 16)
         out = pf.split_chunk_kda("triton", 0, *args, model=model)
     assert len(calls) == 1 and max(len(s) for s in calls[0]([5, 5], 1)) > 1
     assert rel(out[0], ref[0]) <= 1e-5 and rel(out[1], ref[1]) <= 1e-5
+    assert FwdConfig.state_bv == bv_before  # the override was for the split's launch only
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -14,8 +14,9 @@ segment table (``chunk_fwd.launch_state``) that starts every segment from its ex
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 import triton
@@ -139,8 +140,13 @@ class SplitConfig:
     span_warps = 4
     span_stages = 3  # same loads as the state pass minus qg / A_qk; the state pass gained 2 → 3 stages (v3)
     window_bytes: int | None = None  # chunk buffers per window; None: max(FwdConfig's, min(cap, share of free))
-    window_cap = 4 << 30
+    window_cap = 2 << 30  # larger windows only save per-window launches (~0.1 ms each)
     free_share = 0.25  # of the free device memory, at most
+    # the segmented state pass: None = FwdConfig's. With P segments its programs fill the SMs, where BV 64 moves
+    # more columns per SM-µs (v3 sweep: 64 columns per 2.7 µs step vs 32 per 1.9); not yet measured in the split
+    state_bv: int | None = None
+    state_warps: int | None = None
+    state_stages: int | None = None
 
 
 @triton.jit(do_not_specialize=['c0', 'NCw', 'H'])
@@ -327,6 +333,22 @@ def _span_and_fold(bufs: dict, ht: torch.Tensor, w: _Window, K: int, V: int, pre
     return entries
 
 
+@contextlib.contextmanager
+def _state_knobs() -> Iterator[None]:
+    """``FwdConfig.state_*`` replaced by the non-None ``SplitConfig.state_*`` for one launch of the state pass."""
+    saved = {}
+    for name in ("state_bv", "state_warps", "state_stages"):
+        value = getattr(SplitConfig, name)
+        if value is not None:
+            saved[name] = getattr(FwdConfig, name)
+            setattr(FwdConfig, name, value)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(FwdConfig, name, value)
+
+
 def split_prefill_triton(
     cut: Callable[[list[int], int], list[list[int]]],
     q: torch.Tensor,
@@ -383,6 +405,7 @@ def split_prefill_triton(
         launch_prep(q, k, v, g, beta, A_log, dt_bias, bufs, tab, w.c0, w.n, float(scale), lower_bound, flags,
                     False)
         hs = _span_and_fold(bufs, ht, w, K, V, dot_precision(q.dtype))
-        launch_state(bufs, o, None, hs, _segment_table(w), w.c0, w.c0 + w.n, H, K, V)
+        with _state_knobs():
+            launch_state(bufs, o, None, hs, _segment_table(w), w.c0, w.c0 + w.n, H, K, V)
         ht[w.i64["seq"]] = hs[w.i64["last"]]
     return o, (ht if output_final_state else None)
