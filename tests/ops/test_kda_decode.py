@@ -25,7 +25,8 @@ from k3.ops.kda.fused_recurrent import _fast_checks  # noqa: E402
 from k3.ops.kda.gate import kda_gate_fused  # noqa: E402
 from k3.ops.kda.triton import fused_recurrent_kda_triton  # noqa: E402
 
-pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter-sized cases (CPU)")
+cpu_only = pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter-sized cases (CPU)")
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 H, K, V = 2, 16, 32
 LB = -5.0
@@ -122,6 +123,7 @@ def assert_close(o, s, ro, rs, tol_o: float, tol_s: float = 1e-5) -> None:
 # ------------------------------------------------------------------------------------------------ kernels
 
 
+@cpu_only
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("h0", [True, False])
 def test_decode_step(variant, nan_empty, dtype, h0):
@@ -133,12 +135,14 @@ def test_decode_step(variant, nan_empty, dtype, h0):
     assert_close(o, s, ro, rs, 1e-5 if dtype == torch.float32 else 2e-3)
 
 
+@cpu_only
 def test_decode_odd_head_dims(variant, nan_empty):
     """K = 12, V = 20: padded tiles (masked rows and columns; two V-blocks with BV 16)."""
     lo, hi = cast(make(2, 1, seed=6, K=12, V=20), torch.float32)
     assert_close(*ours(lo), *reference(hi), 1e-5)
 
 
+@cpu_only
 def test_decode_few_tokens_dense_and_varlen(variant, nan_empty):
     """T = 5 dense, and a varlen batch with an empty sequence (tiled kernel: the persistent one is T = 1 only)."""
     lo, hi = cast(make(2, 5, seed=2), torch.float32)
@@ -148,6 +152,7 @@ def test_decode_few_tokens_dense_and_varlen(variant, nan_empty):
     assert_close(*ours(lo, cu=cu), *reference(hi, cu=cu), 1e-5)
 
 
+@cpu_only
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_decode_extremes(variant, nan_empty, dtype):
     """Every log-decay at the bound with β ≈ 1 and identical keys; β ≈ 0 (3 tokens, so the state feeds back)."""
@@ -157,6 +162,7 @@ def test_decode_extremes(variant, nan_empty, dtype):
         assert_close(*ours(lo), *reference(hi), 1e-5 if dtype == torch.float32 else 2e-3)
 
 
+@cpu_only
 def test_decode_pool_in_place(variant, nan_empty):
     """State pool: slots read and written in place (int64 and int32 indices), a negative slot starts from zero
     and writes nothing, every other slot stays bitwise unchanged."""
@@ -300,3 +306,25 @@ def test_persistent_grid_fits_in_one_wave():
                     assert per_sm == 1 or per_sm * ((stages - 1) * 128 * BV * 4 + 1024) <= fr._SMEM_PER_SM
     assert fr._persistent_fit(4, 4, 3, 128, 32, None) == (4, 128)  # the proposed default: no spills on sm_90
     assert fr._persistent_fit(4, 4, 3, 128, 32, 96) == (4, 96)
+
+
+@gpu
+def test_gpu_decode_variants_bf16(variant):
+    """Every variant on the GPU at the benchmark's head size (K = V = 128), bf16 inputs: decode step against the
+    fp64 recurrence (2e-2), and the pool in place."""
+    B, Hg, D = 64, 8, 128
+    gen = torch.Generator().manual_seed(7)
+    r = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64)  # noqa: E731
+    x = dict(q=r(B, 1, Hg, D), k=r(B, 1, Hg, D), v=r(B, 1, Hg, D), g=r(B, 1, Hg, D), beta=r(B, 1, Hg),
+             A=0.5 * r(Hg), dt=0.5 * r(Hg * D), s0=r(B, Hg, D, D))
+    lo = {n: t.to("cuda", torch.float32 if n in ("A", "dt", "s0") else torch.bfloat16) for n, t in x.items()}
+    hi = {n: t.double().cpu() for n, t in lo.items()}
+    ro, rs = reference(hi)
+    o, s = ours(lo)
+    assert rel(o.cpu(), ro) <= 2e-2 and rel(s.cpu(), rs) <= 2e-2
+    pool = torch.zeros(2 * B, Hg, D, D, device="cuda")
+    idx = torch.arange(B, device="cuda") * 2
+    pool[idx] = lo["s0"]
+    o2, p = ours(dict(lo, s0=pool), ssm_state_indices=idx)
+    assert p is pool and rel(o2.cpu(), ro) <= 2e-2 and rel(pool[idx].cpu(), rs) <= 2e-2
+    assert torch.count_nonzero(pool[1::2]) == 0
