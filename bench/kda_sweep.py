@@ -66,42 +66,51 @@ BWD_V2 = {"B.state_bv": 32, "B.state_warps": 4, "B.wy_bv": 64, "B.wy_warps": 8, 
 DEC_V2 = {"D.bv": 32, "D.warps": 4}
 V2 = {**PREP_V2, **STATE_V2, **BWD_V2, **DEC_V2}
 _INV, _AB, _SPLIT = {"F.prep_inv_scratch": True}, {"F.prep_ab_bf16": True}, {"F.prep_split": True}
+# v3 (run 3) measured every v2-era knob; run 4 keeps the v2 base and the v3 defaults and adds the v4 designs.
+P7 = {**_INV, **_AB, **_SPLIT, "F.prep_warps": 4}
+_ROWS = {**P7, "F.prep_mode": "rows"}
 PREP = {name: {**PREP_V2, **ch} for name, ch in {
     "p0 v2 (8w, subst. by reductions, fp32 operands)": {},
-    "p1 scratch inverse": _INV,
-    "p2 scratch inv + bf16 A operands": {**_INV, **_AB},
-    "p3 p2 at 4 warps": {**_INV, **_AB, "F.prep_warps": 4},
-    "p4 bf16 A operands": _AB,
-    "p5 p2 split (A+T | W,U) wu 4w": {**_INV, **_AB, **_SPLIT},
-    "p6 p5 wu 8w": {**_INV, **_AB, **_SPLIT, "F.wu_warps": 8},
-    "p7 p5 at 4 warps": {**_INV, **_AB, **_SPLIT, "F.prep_warps": 4},
-    "p8 scratch inverse, 4 warps": {**_INV, "F.prep_warps": 4},
+    "p7 v3: split, scratch inverse, bf16 operands, 4w": P7,
+    "r1 rows (A by row blocks | T + W,U)": _ROWS,
+    "r2 rows, row kernel 2w": {**_ROWS, "F.rows_warps": 2},
+    "r3 rows, unstacked q/k": {**_ROWS, "F.rows_stack": False},
+    "r4 rows, solve 8w": {**_ROWS, "F.solve_warps": 8},
+    "r5 rows, solve K-slices 64": {**_ROWS, "F.solve_bkw": 64},
+    "r6 rows, solve K-slices 128": {**_ROWS, "F.solve_bkw": 128},
 }.items()}
 STATE = {f"s bv={bv} w={w} st={st}": {"F.state_bv": bv, "F.state_warps": w, "F.state_stages": st}
-         for bv, w, st in ((32, 4, 2), (16, 4, 2), (16, 2, 2), (32, 2, 2), (32, 4, 3), (32, 8, 2), (64, 4, 2),
-                           (64, 8, 2), (64, 8, 3), (128, 8, 2))}
+         for bv, w, st in ((32, 4, 2), (32, 4, 3), (32, 4, 4), (16, 2, 3), (32, 2, 3), (64, 8, 3), (64, 4, 3))}
+_SPL = {"B.intra_warps": 4, "B.intra_prec_half": "bf16x3", "B.intra_split": True}
 BWD = {name: {**BWD_V2, **ch} for name, ch in {
     "b0 v2": {},
-    "b1 intra bf16x3": {"B.intra_prec_half": "bf16x3"},
-    "b2 intra 4w": {"B.intra_warps": 4},
-    "b3 intra 4w bf16x3": {"B.intra_warps": 4, "B.intra_prec_half": "bf16x3"},
-    "b4 wy 4w": {"B.wy_warps": 4},
-    "b5 wy bv128": {"B.wy_bv": 128},
-    "b6 wy bv32 4w": {"B.wy_bv": 32, "B.wy_warps": 4},
-    "b7 state bv64 w4": {"B.state_bv": 64, "B.state_warps": 4},
-    "b8 state bv64 w8": {"B.state_bv": 64, "B.state_warps": 8},
-    "b9 state bv16 w2": {"B.state_bv": 16, "B.state_warps": 2},
-    "b10 intra recompute": {"B.intra_recompute": True},
-    "b11 intra recompute bf16x3": {"B.intra_recompute": True, "B.intra_prec_half": "bf16x3"},
+    "b3 v3: intra 4w bf16x3": {"B.intra_warps": 4, "B.intra_prec_half": "bf16x3"},
     "b12 v3 + state 3 stages": {"B.intra_warps": 4, "B.intra_prec_half": "bf16x3", "B.state_stages": 3},
+    "s1 split intra (row blocks | dG pass)": _SPL,
+    "s2 split intra, K-slice 128": {**_SPL, "B.intra_split_bk": 128},
+    "s3 split intra, 8 warps": {**_SPL, "B.intra_split_warps": 8},
+    "s4 split intra, maxnreg 128": {**_SPL, "B.intra_split_maxnreg": 128},
+    "s5 split intra, K-slice 32": {**_SPL, "B.intra_split_bk": 32},
+    "s6 s1 + state 3 stages": {**_SPL, "B.state_stages": 3},
 }.items()}
-DEC = {f"d bv={bv} w={w}": {"D.bv": bv, "D.warps": w}
-       for bv, w in ((32, 4), (8, 1), (16, 1), (16, 2), (32, 1), (32, 2), (64, 2), (64, 4), (128, 4), (128, 8))}
+_FB = {"D.fused_out": True, "D.base_ptr": True}
+DEC = {name: {**DEC_V2, **ch} for name, ch in {
+    "d v2 bv=32 w=4": {},
+    "d bv=32 w=1": {"D.warps": 1},
+    "d fused_out": {"D.fused_out": True},
+    "d fused_out + base_ptr": _FB,
+    "d fused + base + evict": {**_FB, "D.evict": True},
+    "d fused + base, maxnreg 80": {**_FB, "D.maxnreg": 80},
+    "d fused + base + evict, bv=16 w=2": {**_FB, "D.evict": True, "D.bv": 16, "D.warps": 2},
+    "d persistent 4/SM": {**_FB, "D.persist": 4},
+    "d persistent 2/SM": {**_FB, "D.persist": 2},
+    "d persistent 4/SM, 2 stages": {**_FB, "D.persist": 4, "D.persist_stages": 2},
+}.items()}
 if DRY:  # keep the interpreter run short: one non-base variant per group
-    PREP = dict(list(PREP.items())[:3] + [list(PREP.items())[5]])
+    PREP = dict(list(PREP.items())[:3])
     STATE = dict(list(STATE.items())[:2])
     BWD = dict(list(BWD.items())[:2])
-    DEC = dict(list(DEC.items())[:2])
+    DEC = dict(list(DEC.items())[i] for i in (0, 3, 7))
 GROUPS = {"prep": PREP, "state": STATE, "bwd": BWD, "decode": DEC}
 K3_FLAGS = dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
                 safe_gate=True, lower_bound=LB)
