@@ -8,11 +8,12 @@ inference call (bf16, bounded gate fused in the kernel, in-kernel L2 norm and β
 - ``auto``      the default: the cost model (``k3.ops.kda.prefix.SplitCostModel``) picks P (1 = no split);
 - ``split n``   ``K3_KDA_SPLITS=n`` for n in ``--splits`` (2 4 8 16): one prep per chunk, span pass, fold, one
   segmented state pass; ``split n bv64`` for n in ``--bv64-splits`` (8): that state pass at BV 64;
+  ``split n overlap`` for n in ``--overlap-splits`` (4): the next window's prep on a side stream;
 - ``fla``       fla's ``chunk_kda`` (same arguments), when importable.
 
 Each row: median ms (CUDA events), peak memory beyond the inputs (GiB, includes the output), relative RMS error of
-output and final state against unsplit, and the cost model's prediction (measured unsplit − its predicted serial
-part + its predicted serial part for that cut). ``--check`` first compares forced splits 2, 3, 7 with unsplit on a
+output and final state against unsplit, and the cost model's prediction (measured unsplit − its predicted unsplit
+time + its predicted time for that row's path; ``split n overlap`` rows get the non-overlapped figure). ``--check`` first compares forced splits 2, 3, 7 with unsplit on a
 varlen batch in fp32 and bf16. The summary table is printed last (and written to ``--out`` as markdown).
 ``--cpu-smoke`` runs the whole script on CPU with the Triton interpreter at tiny shapes (a wiring check, no
 meaningful times).
@@ -107,17 +108,24 @@ def _model_ms(unsplit_ms: float, H: int, T: int, K: int, P: int, impl: str) -> f
 
 
 @contextlib.contextmanager
-def _split_state_bv(bv: int | None) -> Iterator[None]:
-    """``SplitConfig.state_bv`` (the split's segmented state pass) set inside the block when ``bv`` is given."""
+def _split_cfg(impl: str) -> Iterator[None]:
+    """``SplitConfig`` overrides of a row: ``… bv64`` → the split's state pass at BV 64, ``… overlap`` → the split's
+    prep of the next window on a side stream."""
     from k3.ops.kda.triton.span import SplitConfig
 
-    old = SplitConfig.state_bv
-    if bv is not None:
-        SplitConfig.state_bv = bv
+    over = {}
+    if impl.endswith("bv64"):
+        over["state_bv"] = 64
+    if impl.startswith("split") and impl.endswith("overlap"):
+        over["overlap_prep"] = True
+    old = {name: getattr(SplitConfig, name) for name in over}
+    for name, value in over.items():
+        setattr(SplitConfig, name, value)
     try:
         yield
     finally:
-        SplitConfig.state_bv = old
+        for name, value in old.items():
+            setattr(SplitConfig, name, value)
 
 
 @contextlib.contextmanager
@@ -146,7 +154,7 @@ def _fla() -> Callable[..., Any] | None:
 def split_rows(
     shapes: list[tuple[int, int]], splits: list[int], with_fla: bool = True, iters: int = 3, K: int = 128,
     device: str = "cuda", dtype: torch.dtype = torch.bfloat16, log: Callable[[str], None] = print,
-    bv64_splits: list[int] = (),
+    bv64_splits: list[int] = (), overlap_splits: list[int] = (),
 ) -> list[dict[str, Any]]:
     """Rows ``{H, T, impl, P, ms, extra_gib, err, state_err, model_ms}`` for B=1 prefill (see the module doc)."""
     from k3.ops.kda import chunk_kda
@@ -165,13 +173,14 @@ def split_rows(
             variants.append(("unsplit+overlap", "1", 1))  # prep of window w+1 beside the state pass of window w
         variants += [(f"split {n}", str(n), n) for n in splits]
         variants += [(f"split {n} bv64", str(n), n) for n in bv64_splits]
+        variants += [(f"split {n} overlap", str(n), n) for n in overlap_splits]
         ref = None
         unsplit_ms = float("nan")
         with torch.no_grad():
             for impl, env, P in variants:
                 overlap = getattr(FwdConfig, "overlap_windows", False)
                 with env_var("K3_KDA_SPLITS", env or None), _overlap(impl == "unsplit+overlap" or overlap), \
-                        _split_state_bv(64 if impl.endswith("bv64") else None):
+                        _split_cfg(impl):
                     o, s = run()
                     if ref is None:
                         ref = (o, s)
@@ -250,6 +259,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--splits", type=int, nargs="*", default=[2, 4, 8, 16], help="forced segment counts")
     ap.add_argument("--bv64-splits", type=int, nargs="*", default=[8],
                     help="forced segment counts also timed with the split's state pass at BV 64 (SplitConfig.state_bv)")
+    ap.add_argument("--overlap-splits", type=int, nargs="*", default=[4],
+                    help="forced segment counts also timed with the split's prep overlapped (SplitConfig.overlap_prep)")
     ap.add_argument("--no-fla", action="store_true", help="skip fla even when importable")
     ap.add_argument("--iters", type=int, default=3, help="timed calls per row (median)")
     ap.add_argument("--check", action="store_true", help="first compare forced splits 2, 3, 7 with unsplit")
@@ -267,7 +278,7 @@ def main(argv: list[str] | None = None) -> None:
         K, device, dtype = 16, "cpu", torch.float32
         a.T, a.H, a.iters = [300], [2], 1
         a.splits = [s for s in a.splits if s <= 4] or [2]
-        a.bv64_splits = [2]
+        a.bv64_splits, a.overlap_splits = [2], [2]
     elif not torch.cuda.is_available():
         raise SystemExit("kda_split needs a CUDA GPU (or --cpu-smoke)")
     if a.check:
@@ -277,7 +288,8 @@ def main(argv: list[str] | None = None) -> None:
             print(f"check {r['dtype']} P={r['P']}: out rel err {r['err']:.2e}, state rel err {r['state_err']:.2e},"
                   f" finite={r['finite']}", flush=True)
     rows = split_rows([(h, t) for h in a.H for t in a.T], a.splits, not a.no_fla and not a.cpu_smoke, a.iters,
-                      K=K, device=device, dtype=dtype, log=lambda s: print(s, flush=True), bv64_splits=a.bv64_splits)
+                      K=K, device=device, dtype=dtype, log=lambda s: print(s, flush=True), bv64_splits=a.bv64_splits,
+                      overlap_splits=a.overlap_splits)
     table = format_rows(rows)
     print(table)
     if a.out:

@@ -363,8 +363,9 @@ def test_split_triton_dense_batch_model_cut(monkeypatch, nan_empty):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_split_gpu_matches_unsplit(dtype, monkeypatch):
-    """GPU, K = V = 128, the K3 activations, varlen with initial states and long memory: forced 2, 3, 7 and the
-    automatic rule (made to consider these short sequences) equal unsplit (fp32: 1e-5; bf16 storage: 2e-2)."""
+    """GPU, K = V = 128, the K3 activations, varlen with initial states and long memory: forced 2, 3, 7, the
+    automatic rule (made to consider these short sequences) and forced 3 over many windows with the prep
+    overlapped equal unsplit (fp32: 1e-5; bf16 storage: 2e-2)."""
     monkeypatch.delenv("K3_KDA_BACKEND", raising=False)
     lens = [20000, 3, 9000, 777]
     cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), device="cuda")
@@ -393,3 +394,12 @@ def test_split_gpu_matches_unsplit(dtype, monkeypatch):
                 assert len(calls) == 1
             assert torch.isfinite(out[0]).all(), P
             assert rel(out[0].float(), ref[0].float()) <= tol and rel(out[1], ref[1]) <= tol, P
+        # many small windows with the next window's prep on a side stream: the same result
+        from k3.ops.kda.triton import span
+        from k3.ops.kda.triton.chunk_fwd import chunk_bytes
+
+        monkeypatch.setenv("K3_KDA_SPLITS", "3")
+        monkeypatch.setattr(span.SplitConfig, "window_bytes", 40 * chunk_bytes(H, 128, 128, span.store_dtype(dtype)))
+        monkeypatch.setattr(span.SplitConfig, "overlap_prep", True)
+        out = chunk_kda(**x, **kw)
+        assert rel(out[0].float(), ref[0].float()) <= tol and rel(out[1], ref[1]) <= tol
