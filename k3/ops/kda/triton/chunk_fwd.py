@@ -7,6 +7,9 @@ W = T(β K e^G), U = T(β V), kg = K e^{G_C − G}, qg = scale · Q e^G, A_qk, �
 ``_kda_fwd_state`` — the sequential pass, grid (V-blocks, N·H), fp32 state in registers:
 V' = U − W S;  O = qg S + A_qk V';  S ← Diag(γ) S + kgᵀ V'.
 
+``FwdConfig.prep_mode = "rows"`` replaces the prep by ``chunk_prep``'s two kernels (A by 16-row blocks, one light
+program per row block; then T, W, U, kg, γ per chunk) writing the same buffers.
+
 Inference (no grad) runs the pair over windows of chunks with window-sized buffers, so working memory does not
 grow with T; training runs one window over everything and keeps the buffers (and the per-chunk states) for backward.
 

@@ -372,7 +372,9 @@ def _prep_solve(
 
     # ---- T
     _diag_inverses(LK, base, BT, BC)
-    A = tl.load(LK + (base * BT + o_t[:, None]) * BT + o_t[None, :])
+    rb = o_t // BC
+    # only the lower blocks were written (and are used): the masked load skips the upper ones' bytes
+    A = tl.load(LK + (base * BT + o_t[:, None]) * BT + o_t[None, :], mask=rb[:, None] >= rb[None, :], other=0.)
     b_t = _block_merge(A, BT, BC, PREC).to(DT)
     if STORE_T:
         tl.store(TM + (base * BT + o_t[:, None]) * BT + o_t[None, :], b_t)
