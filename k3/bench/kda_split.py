@@ -13,9 +13,9 @@ inference call (bf16, bounded gate fused in the kernel, in-kernel L2 norm and β
 
 Each row: median ms (CUDA events), peak memory beyond the inputs (GiB, includes the output), relative RMS error of
 output and final state against unsplit, and the cost model's prediction (measured unsplit − its predicted unsplit
-time + its predicted time for that row's path; ``split n overlap`` rows get the non-overlapped figure). ``--check`` first compares forced splits 2, 3, 7 with unsplit on a
-varlen batch in fp32 and bf16. The summary table is printed last (and written to ``--out`` as markdown).
-``--cpu-smoke`` runs the whole script on CPU with the Triton interpreter at tiny shapes (a wiring check, no
+time + its predicted time for that row's path; ``split n overlap`` rows get the non-overlapped figure).
+``--check`` first compares forced splits 2, 3, 7 with unsplit on a varlen batch in fp32 and bf16. The summary
+table is printed last (and written to ``--out`` as markdown). ``--cpu-smoke`` runs the whole script on CPU with the Triton interpreter at tiny shapes (a wiring check, no
 meaningful times).
 """
 

@@ -16,10 +16,8 @@ Torch backend (reference, CPU): summaries and outputs through its own chunked fo
 from __future__ import annotations
 
 import functools
-import math
 import os
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
@@ -145,8 +143,9 @@ class SplitCostModel:
     """Predicted time (µs) of an inference prefill, unsplit vs cut into segments.
 
     The prep (chunk-parallel) is the same chunks either way: the split only changes the state pass and adds the
-    span pass, the fold and a few launches (:meth:`predict_us`, the serial part of one window). Each program of either pass walks its chunks one
-    dependent step after the other; programs are list-scheduled on ``sm_count × per_sm`` slots in grid order.
+    span pass, the fold and a few launches (:meth:`predict_us`, the serial part of one window). Each program of
+    either pass walks its chunks one dependent step after the other; programs are list-scheduled on
+    ``sm_count × per_sm`` slots in grid order.
 
     Constants (one H200, kernels v3): state step 1.8 µs measured (B=1, H=8, T=1M: ~29 ms over 16384 chunks at
     32 programs; H=32: 31.2 ms at 128 programs, so the step does not slow with one program per SM). CTAs per SM
