@@ -202,21 +202,6 @@ def _rows2(y, R: tl.constexpr, BK: tl.constexpr):
 
 
 @triton.jit
-def _rows_gate2(g, A_log, dt_bias, i_h, t0, eos, H, K, lb, R: tl.constexpr, BK: tl.constexpr,
-                USE_GATE: tl.constexpr, HAS_LB: tl.constexpr, HAS_A: tl.constexpr, HAS_DT: tl.constexpr):
-    """Log2 decay of tokens t0 + i on rows 2i and ZERO on rows 2i+1, [2·R, BK]: its cumsum along rows is the
-    within-block cumsum of token i on both rows 2i and 2i+1 (same bits: the odd rows add exact zeros)."""
-    o_r = tl.arange(0, 2 * R)
-    o_k = tl.arange(0, BK)
-    t = t0 + o_r // 2
-    m_k = o_k < K
-    m = ((t < eos) & (o_r % 2 == 0))[:, None] & m_k[None, :]
-    b_f = tl.load(g + t[:, None] * (H * K) + i_h * K + o_k[None, :], mask=m, other=0.).to(tl.float32)
-    b_g = _gate_fwd(b_f, i_h, A_log, dt_bias, lb, o_k, m_k, K, USE_GATE, HAS_LB, HAS_A, HAS_DT)
-    return tl.where(m, b_g, 0.) * 1.4426950408889634
-
-
-@triton.jit
 def _exact_diag_stacked(x, s, BC: tl.constexpr):
     """Diagonal block without a reference row (unbounded gates) on the interleaved rows (q_i on 2i, k_i on 2i+1):
     out[r, j] = Σ_d x_rd k_jd e^{s_rd − s_jd} for token(r) ≥ j, column by column; only exponents ≤ 0."""
