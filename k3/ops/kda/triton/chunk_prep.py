@@ -13,7 +13,9 @@ The left factor is ≤ 1 for every row of block I; the right one is ≤ 1 for ev
 outputs even through rounding (fla issue #1240). Exponents are partial sums taken directly (within-block cumsum s,
 block totals summed backwards from block I), never differences of whole-chunk cumsums. Unbounded gates
 (``EXACT_DIAG``) take an exact per-column loop for the diagonal block. Writes a row block of A_qk (bf16 tiles, zero
-above the diagonal), of L = β A_kk (fp32 scratch ``LK [BT, BT]``) and of qg. Programs: light (1–2 warps), many.
+above the diagonal), of L = β A_kk (fp32 scratch ``LK [BT, BT]``) and of qg. ``_prep_rows_qk`` (the default,
+``FwdConfig.rows_stack``) is the same with q and k of the row block interleaved into one [32, K] left operand: one
+product per block pair. Programs: light (4 warps, ~170 registers on sm_90), 4 per chunk and head.
 
 ``_prep_solve`` — grid (chunks, H): T = (I + L)^{-1} from the scratch: the four 16×16 diagonal inverses by forward
 substitution on one stacked [64, 16] tile (built transposed: column s of D_bᵀ = e_s − D_bᵀ L_b[s, :]ᵀ, the row read
