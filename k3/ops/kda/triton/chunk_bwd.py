@@ -28,6 +28,7 @@ from k3.ops.kda.triton._common import (
     _chunk_gate_cumsum,
     _chunk_tile,
     _chunk_pos,
+    _gate_fwd,
     _chunk_range,
     _row,
     _seq_bounds,
@@ -37,7 +38,7 @@ from k3.ops.kda.triton._common import (
     next_pow2,
     store_dtype,
 )
-from k3.ops.kda.triton.chunk_bwd_intra import _gate_bwd, launch_intra_split
+from k3.ops.kda.triton.chunk_bwd_intra import _gate_bwd, _seg_cumsum, launch_intra_split, launch_wy_kb
 from k3.ops.kda.triton.chunk_fwd import _load_rows, _load_tile, _store_rows, _sub_gate
 from k3.ops.kda.triton._common import _l2norm
 
@@ -67,6 +68,13 @@ class BwdConfig:
     intra_split_maxnreg = 0  # > 0: cap the split kernel's registers (ptxas maxnreg) to fit more programs per SM
     intra_dg_bk = 32  # K-slice of the dG → dg pass
     intra_dg_warps = 4
+    # WY backward per (chunk, head, K-block) in one pass over V (chunk_bwd_intra.py): dL = −dY V'ᵀ, no dX Wᵀ and
+    # no second pass; block 0 also writes dv, dL, dA_qk. Not yet measured.
+    wy_kb = False
+    wy_kb_bk = 64
+    wy_kb_bv = 64
+    wy_kb_warps = 8
+    wy_kb_stages = 1
 
 
 @triton.jit(do_not_specialize=['NC', 'T', 'NT', 'H'])
@@ -174,8 +182,11 @@ def _kda_bwd_wy(
         tl.store(RN + base * (2 * BT) + o_t, rq)
         tl.store(RN + base * (2 * BT) + BT + o_t, rk)
     G = _chunk_gate_cumsum(g, i_h, bos, eos, A_log, dt_bias, H, K, lb, BT, BK, USE_GATE, HAS_LB, HAS_A, HAS_DT)
-    if STORE_G:  # the split intra backward reads G instead of recomputing the gate and its cumsum
-        tl.store(GS + p_tk, G)
+    if STORE_G:  # the split intra backward reads within-sub-block cumsums instead of recomputing the gate
+        m_g = m_t[:, None] & (o_k < K)[None, :]
+        b_gl = _gate_fwd(_chunk_tile(g, i_h, bos, eos, H, K, BT, BK).to(tl.float32), i_h, A_log, dt_bias, lb, o_k,
+                         o_k < K, K, USE_GATE, HAS_LB, HAS_A, HAS_DT)
+        tl.store(GS + p_tk, _seg_cumsum(tl.where(m_g, b_gl, 0.) * 1.4426950408889634, 16))
     eG = tl.exp2(G)
     tl.store(DQ + p_tk, dqg * eG * scale)
     kb = b_k * eG * b_b[:, None]  # X = β K e^G
@@ -538,12 +549,17 @@ def kda_bwd(q, k, v, g, beta, A_log, dt_bias, initial_state, scale: float, do, d
     split = bool(BwdConfig.intra_split)
     RN = torch.empty(H, NC, 2, BT, **f32) if split and flags["l2norm"] else dummy
     GS = torch.empty(H, NC, BT, BK, **f32) if split else dummy
-    _kda_bwd_wy[(NC, H)](
-        q, k, v, g, beta, a_log, dtb, do, RN, GS, s["W"], s["U"], s["QG"], s["TM"], s["HS"], DHS, DV,
-        dv, DQ, DK, DG, DB, DL, DAQ, tab.cu, tab.chunk_seq, tab.chunk_off, NC, tab.T, tab.NT,
-        H, K, V, scale, lb, BT=BT, BK=BK, BV=min(BwdConfig.wy_bv, BVP), BVP=BVP, PREC=prec,
-        STORE_RN=split and flags["l2norm"], STORE_G=split, **flag_kw,
-        num_warps=BwdConfig.wy_warps, num_stages=BwdConfig.wy_stages)
+    store_rn = split and flags["l2norm"]
+    if BwdConfig.wy_kb:
+        DB = launch_wy_kb(q, k, v, g, beta, a_log, dtb, do, RN, GS, s, DHS, DV, dv, DQ, DK, DG, DL, DAQ, tab, H, K,
+                          V, scale, lb, BT, BK, BVP, prec, flag_kw, store_rn, split, BwdConfig)
+    else:
+        _kda_bwd_wy[(NC, H)](
+            q, k, v, g, beta, a_log, dtb, do, RN, GS, s["W"], s["U"], s["QG"], s["TM"], s["HS"], DHS, DV,
+            dv, DQ, DK, DG, DB, DL, DAQ, tab.cu, tab.chunk_seq, tab.chunk_off, NC, tab.T, tab.NT,
+            H, K, V, scale, lb, BT=BT, BK=BK, BV=min(BwdConfig.wy_bv, BVP), BVP=BVP, PREC=prec,
+            STORE_RN=store_rn, STORE_G=split, **flag_kw,
+            num_warps=BwdConfig.wy_warps, num_stages=BwdConfig.wy_stages)
 
     if split:
         DAP, DDT = launch_intra_split(q, k, g, beta, a_log, dtb, RN, GS, DQ, DK, DG, DB, DL, DAQ, dq, dk, dg, db, tab, H, K,

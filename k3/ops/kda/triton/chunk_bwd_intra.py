@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from k3.ops.kda.triton._common import _chunk_pos, _gate_fwd, _l2norm, _sigmoid, _softplus
+from k3.ops.kda.triton._common import _chunk_beta, _chunk_pos, _gate_fwd, _l2norm, _sigmoid, _softplus
 
 
 @triton.jit
@@ -130,7 +130,7 @@ def _intra_block(q, k, beta, RN, GS, DQ, DK, DG, DB, DL, DAQ, dq, dk, dbeta,
     rnk = rnq + BT
     sk = base * (BT * BK)  # chunk scratch rows [BT, BK]
     sa = base * (BT * BT)  # chunk matrices [BT, BT]
-    Gb = GS + sk  # the chunk's gate cumsum G (log2), stored by the WY kernel
+    Sb = GS + sk  # within-sub-block gate cumsums s (log2), stored by the WY kernel
     r = I * BC + o_s
     m_t = r < L
     bI = _blk_beta(bb, L, H, I, BC, BETA_SIGMOID)
@@ -139,32 +139,38 @@ def _intra_block(q, k, beta, RN, GS, DQ, DK, DG, DB, DL, DAQ, dq, dk, dbeta,
     db = tl.load(DB + base * BT + r)
     for ks in range(0, BK // BKS):
         o_k = ks * BKS + tl.arange(0, BKS)
-        cI = tl.load(Gb + (I * BC - 1) * BK + o_k, mask=(o_k < BK) & (I > 0), other=0.)  # c_I (0 for I = 0)
-        cI1 = tl.load(Gb + (I * BC + BC - 1) * BK + o_k)  # c_{I+1}
+        # G_t − c_I = s_t inside block I, and c_I − c_J = Σ_{J≤m<I} tot_m (tot_m = s at block m's last row):
+        # every exponent is built from small numbers
+        tI = tl.load(Sb + (I * BC + BC - 1) * BK + o_k)  # tot_I = c_{I+1} − c_I
         accq = tl.zeros([BC, BKS], dtype=tl.float32)
         accr = tl.zeros([BC, BKS], dtype=tl.float32)
-        # ---- row side, column blocks J < I (reference c_I: kd ≤ 1)
-        for J in range(0, I):
+        # ---- row side, column blocks J < I, visited I−1 … 0 (reference c_I: kd ≤ 1); run = c_I − c_{J+1}
+        run = tl.zeros([BKS], dtype=tl.float32)
+        for jj in range(0, I):
+            J = I - 1 - jj
             o_j = (J * BC + o_s)[:, None] * BK + o_k[None, :]
-            kd = _blk_x(kb, rnk, L, HK, K, J, o_k, BC, L2NORM) * tl.exp2(cI[None, :] - tl.load(Gb + o_j))
+            tJ = tl.load(Sb + (J * BC + BC - 1) * BK + o_k)
+            kJ = _blk_x(kb, rnk, L, HK, K, J, o_k, BC, L2NORM)
+            kd = kJ * tl.exp2((run + tJ)[None, :] - tl.load(Sb + o_j))
             accq = tl.dot(_tile(DAQ + sa, I, J, BT, BC), kd, accq, input_precision=PREC)
             accr = tl.dot(_tile(DL + sa, I, J, BT, BC), kd, accr, input_precision=PREC)
+            run += tJ
         # ---- the diagonal block: finish the row side
         o_sk = r[:, None] * BK + o_k[None, :]
         qI = _blk_x(qb, rnq, L, HK, K, I, o_k, BC, L2NORM)
         kI = _blk_x(kb, rnk, L, HK, K, I, o_k, BC, L2NORM)
-        GI = tl.load(Gb + o_sk)
-        e = tl.exp2(GI - cI[None, :])  # ≤ 1
+        sI = tl.load(Sb + o_sk)  # G − c_I
+        e = tl.exp2(sI)  # ≤ 1
         if EXACT_DIAG:
-            dq_d, r_d, dkc_d = _exact_diag_bwd(dAq, dL, qI, kI, bI, GI)
+            dq_d, r_d, dkc_d = _exact_diag_bwd(dAq, dL, qI, kI, bI, sI)
             dq_a = accq * e + dq_d
             R = accr * e + r_d
             cacc = tl.zeros([BC, BKS], dtype=tl.float32)
         else:
-            kd = kI * tl.exp2(cI[None, :] - GI)  # ≤ e^{5·16} under the bounded gate
+            kd = kI * tl.exp2(-sI)  # ≤ e^{5·16} under the bounded gate
             dq_a = tl.dot(dAq, kd, accq, input_precision=PREC) * e
             R = tl.dot(dL, kd, accr, input_precision=PREC) * e
-            up = tl.exp2(GI - cI1[None, :])  # ≥ 1, ≤ e^{5·16}: the column side's reference is c_{I+1}
+            up = tl.exp2(sI - tI[None, :])  # ≥ 1, ≤ e^{5·16}: the column side's reference is c_{I+1}
             cacc = tl.dot(_tile_t(DAQ + sa, I, I, BT, BC), qI * up, input_precision=PREC)
             cacc = tl.dot(_tile_t(DL + sa, I, I, BT, BC), kI * (bI[:, None] * up), cacc, input_precision=PREC)
         dkr = R * bI[:, None]
@@ -172,11 +178,13 @@ def _intra_block(q, k, beta, RN, GS, DQ, DK, DG, DB, DL, DAQ, dq, dk, dbeta,
         tl.store(DQ + sk + o_sk, tl.load(DQ + sk + o_sk) + dq_a)
         dg_part = tl.load(DG + sk + o_sk) + qI * dq_a + kI * dkr
         dk_part = tl.load(DK + sk + o_sk) + dkr
-        fI = tl.exp2(cI1[None, :] - GI)  # ≤ 1
-        # ---- column side, row blocks M > I (reference c_{I+1}: every factor ≤ 1)
+        fI = tl.exp2(tI[None, :] - sI)  # ≤ 1
+        # ---- column side, row blocks M > I (reference c_{I+1}: every factor ≤ 1); run = c_M − c_{I+1}
+        run = tl.zeros([BKS], dtype=tl.float32)
         for M in range(I + 1, BT // BC):
             o_m = (M * BC + o_s)[:, None] * BK + o_k[None, :]
-            lf = tl.exp2(tl.load(Gb + o_m) - cI1[None, :])
+            lf = tl.exp2(tl.load(Sb + o_m) + run[None, :])
+            run += tl.load(Sb + (M * BC + BC - 1) * BK + o_k)
             qM = _blk_x(qb, rnq, L, HK, K, M, o_k, BC, L2NORM)
             kM = _blk_x(kb, rnk, L, HK, K, M, o_k, BC, L2NORM)
             bM = _blk_beta(bb, L, H, M, BC, BETA_SIGMOID)
@@ -267,6 +275,144 @@ def _kda_bwd_dg(
     if USE_GATE:
         tl.store(DDT + base * BK + o_k, tl.sum(df, axis=0))
         tl.store(DA + base * tl.num_programs(2) + i_k, tl.sum(tl.sum(tl.where(m, dA, 0.), axis=1), axis=0))
+
+
+@triton.jit
+def _seg_cumsum(x, BC: tl.constexpr):
+    """Cumsum of a [BT, N] tile along rows, restarting at every BC-row sub-block (small magnitudes: the split
+    intra backward builds every decay exponent from these and the sub-block totals, never as a difference of
+    two whole-chunk cumsums, which at the gate bound reach −460 and lose ~1e-5 absolute)."""
+    BT: tl.constexpr = x.shape[0]
+    N: tl.constexpr = x.shape[1]
+    return tl.reshape(tl.cumsum(tl.reshape(x, [BT // BC, BC, N]), axis=1), [BT, N])
+
+
+@triton.jit
+def _row_rnorm(x, i_h, bos, eos, H, K, BT: tl.constexpr, BK: tl.constexpr):
+    """1/sqrt(Σ_d x² + 1e-6) of the chunk's rows of x [T, H, K] (full rows; padding rows give 1e3)."""
+    o_t = tl.arange(0, BT)
+    o_k = tl.arange(0, BK)
+    m = ((bos + o_t) < eos)[:, None] & (o_k < K)[None, :]
+    b = tl.load(x + (bos + o_t)[:, None] * (H * K) + i_h * K + o_k[None, :], mask=m, other=0.).to(tl.float32)
+    return 1.0 / tl.sqrt(tl.sum(b * b, axis=1) + 1e-6)
+
+
+@triton.jit(do_not_specialize=['NC', 'T', 'NT', 'H'])
+def _kda_bwd_wy_kb(
+    q, k, v, g, beta, A_log, dt_bias, do, RN, GS,
+    W, U, QG, TM, HS, DHS, DV,
+    dv, DQ, DK, DG, DBP, DL, DAQ,
+    cu, chunk_seq, chunk_off, NC, T, NT,
+    H, K: tl.constexpr, V: tl.constexpr, scale, lb,
+    BT: tl.constexpr, BK: tl.constexpr, BKW: tl.constexpr, BV: tl.constexpr, BVP: tl.constexpr,
+    USE_GATE: tl.constexpr, HAS_LB: tl.constexpr, HAS_A: tl.constexpr, HAS_DT: tl.constexpr,
+    L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr, IS_VARLEN: tl.constexpr, PREC: tl.constexpr,
+    STORE_RN: tl.constexpr, STORE_G: tl.constexpr,
+):
+    """WY backward, one program per (chunk, head, K-block of BKW columns), one pass over V-blocks.
+
+    With T X = W, T Y = U, V' = U − W S and dY = Tᵀ dV': the [BT, K] outputs are column-local in K,
+    dqg = dO Sᵀ, dX = −dY Sᵀ, dkg = V' dS'ᵀ, γ's share Σ_v S ⊙ dS', and the two [BT, BT] outputs need no dX:
+    dL = −Tᵀ (dW Xᵀ + dV' Yᵀ) Tᵀ = −(dX Wᵀ + dY Uᵀ) = −dY (U − W S)ᵀ = −dY V'ᵀ and dA_qk = dO V'ᵀ (block 0
+    computes them, and dv, on the side). dβ comes out as one partial per K-block (``DBP``, summed on the host)."""
+    i_c = tl.program_id(0)
+    i_h = tl.program_id(1)
+    i_k = tl.program_id(2)
+    NKW: tl.constexpr = BK // BKW
+    DT: tl.constexpr = W.dtype.element_ty
+    bos, eos = _chunk_pos(i_c, cu, chunk_seq, chunk_off, T, NT, BT, IS_VARLEN)
+    base = (i_h * NC + i_c).to(tl.int64)
+    o_t = tl.arange(0, BT)
+    o_kf = tl.arange(0, BK)
+    o_kc = i_k * BKW + tl.arange(0, BKW)
+    t = bos + o_t
+    m_t = t < eos
+    b_b = _chunk_beta(beta, i_h, bos, eos, H, BT, BETA_SIGMOID)
+    b_tt = tl.load(TM + (base * BT + o_t[None, :]) * BT + o_t[:, None])  # Tᵀ by the addressing
+    b_w = tl.load(W + (base * BT + o_t[:, None]) * BK + o_kf[None, :])
+    first = i_k == 0
+    dqg = tl.zeros([BT, BKW], dtype=tl.float32)
+    dx = tl.zeros([BT, BKW], dtype=tl.float32)
+    dkg = tl.zeros([BT, BKW], dtype=tl.float32)
+    dgam = tl.zeros([BKW], dtype=tl.float32)
+    db = tl.zeros([BT], dtype=tl.float32)
+    dL = tl.zeros([BT, BT], dtype=tl.float32)
+    daq = tl.zeros([BT, BT], dtype=tl.float32)
+    for i_v in range(0, BVP // BV):
+        o_v = i_v * BV + tl.arange(0, BV)
+        m_tv = m_t[:, None] & (o_v < V)[None, :]
+        p_v = (t * H + i_h)[:, None] * V + o_v[None, :]
+        p_tv = (base * BT + o_t[:, None]) * BVP + o_v[None, :]
+        p_kc = (base * BK + o_kc[:, None]) * BVP + o_v[None, :]
+        b_dy = tl.dot(b_tt, tl.load(DV + p_tv), input_precision=PREC)
+        b_s = tl.load(HS + (base * BK + o_kf[:, None]) * BVP + o_v[None, :])
+        b_vn = (tl.load(U + p_tv).to(tl.float32) - tl.dot(b_w, b_s, input_precision=PREC)).to(DT)
+        b_do = tl.load(do + p_v, mask=m_tv, other=0.).to(DT)
+        b_sk = tl.load(HS + p_kc)
+        b_dsk = tl.load(DHS + p_kc)
+        b_dyd = b_dy.to(DT)
+        dqg += tl.dot(b_do, tl.trans(b_sk), input_precision=PREC)
+        dx -= tl.dot(b_dyd, tl.trans(b_sk), input_precision=PREC)
+        dkg += tl.dot(b_vn, tl.trans(b_dsk), input_precision=PREC)
+        dgam += tl.sum(b_sk.to(tl.float32) * b_dsk.to(tl.float32), axis=1)
+        if first:
+            b_vv = tl.load(v + p_v, mask=m_tv, other=0.).to(tl.float32)
+            tl.store(dv + p_v, (b_dy * b_b[:, None]).to(dv.dtype.element_ty), mask=m_tv)
+            db += tl.sum(b_dy * b_vv, axis=1)
+            dL -= tl.dot(b_dyd, tl.trans(b_vn), input_precision=PREC)
+            daq += tl.dot(b_do, tl.trans(b_vn), input_precision=PREC)
+    p_tt = (base * BT + o_t[:, None]) * BT + o_t[None, :]
+    if first:
+        tl.store(DL + p_tt, tl.where(o_t[:, None] > o_t[None, :], dL, 0.))
+        tl.store(DAQ + p_tt, tl.where(o_t[:, None] >= o_t[None, :], daq * scale, 0.))
+    # ---- this K-block's columns: gate cumsum (whole chunk, its columns), normalized k, the finishing products
+    m_k = o_kc < K
+    m = m_t[:, None] & m_k[None, :]
+    p_x = t[:, None] * (H * K) + i_h * K + o_kc[None, :]
+    b_g = _gate_fwd(tl.load(g + p_x, mask=m, other=0.).to(tl.float32), i_h, A_log, dt_bias, lb, o_kc, m_k, K,
+                    USE_GATE, HAS_LB, HAS_A, HAS_DT)
+    b_g = tl.where(m, b_g, 0.) * 1.4426950408889634
+    G = tl.cumsum(b_g, axis=0)
+    b_k = tl.load(k + p_x, mask=m, other=0.).to(tl.float32)
+    if L2NORM:
+        rk = _row_rnorm(k, i_h, bos, eos, H, K, BT, BK)
+        b_k = b_k * rk[:, None]
+        if STORE_RN:
+            if first:
+                tl.store(RN + base * (2 * BT) + o_t, _row_rnorm(q, i_h, bos, eos, H, K, BT, BK))
+                tl.store(RN + base * (2 * BT) + BT + o_t, rk)
+    p_tk = (base * BT + o_t[:, None]) * BK + o_kc[None, :]
+    if STORE_G:
+        tl.store(GS + p_tk, _seg_cumsum(b_g, 16))
+    eG = tl.exp2(G)
+    Glast = tl.sum(tl.where((o_t == BT - 1)[:, None], G, 0.), axis=0)
+    eL = tl.exp2(Glast[None, :] - G)
+    kL = b_k * eL
+    dgl = tl.sum(dkg * kL, axis=0) + tl.exp2(Glast) * dgam
+    tl.store(DQ + p_tk, dqg * eG * scale)
+    tl.store(DK + p_tk, dx * eG * b_b[:, None] + dkg * eL)
+    tl.store(DG + p_tk, dqg * tl.load(QG + p_tk).to(tl.float32) + dx * (b_k * eG * b_b[:, None]) - dkg * kL
+             + tl.where((o_t == BT - 1)[:, None], dgl[None, :], 0.))
+    db += tl.sum(dx * b_k * eG, axis=1)
+    tl.store(DBP + (base * NKW + i_k) * BT + o_t, db)
+
+
+def launch_wy_kb(q, k, v, g, beta, a_log, dtb, do, RN: torch.Tensor, GS: torch.Tensor, saved: dict, DHS, DV,
+                 dv, DQ, DK, DG, DL, DAQ, tab, H: int, K: int, V: int, scale: float, lb: float, BT: int, BK: int,
+                 BVP: int, prec: str, flag_kw: dict, store_rn: bool, store_g: bool, cfg) -> torch.Tensor:
+    """Run ``_kda_bwd_wy_kb``; returns DB [H, NC, BT] (the K-block partials of dβ summed)."""
+    NC = tab.NC
+    bkw = min(int(cfg.wy_kb_bk), BK)
+    nkw = BK // bkw
+    DBP = torch.empty(H, NC, nkw, BT, dtype=torch.float32, device=q.device)
+    s = saved
+    _kda_bwd_wy_kb[(NC, H, nkw)](
+        q, k, v, g, beta, a_log, dtb, do, RN, GS, s["W"], s["U"], s["QG"], s["TM"], s["HS"], DHS, DV,
+        dv, DQ, DK, DG, DBP, DL, DAQ, tab.cu, tab.chunk_seq, tab.chunk_off, NC, tab.T, tab.NT,
+        H, K, V, scale, lb, BT=BT, BK=BK, BKW=bkw, BV=min(int(cfg.wy_kb_bv), BVP), BVP=BVP, PREC=prec,
+        STORE_RN=store_rn, STORE_G=store_g, **flag_kw,
+        num_warps=cfg.wy_kb_warps, num_stages=cfg.wy_kb_stages)
+    return DBP.sum(2)
 
 
 def launch_intra_split(q: torch.Tensor, k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, a_log: torch.Tensor,
