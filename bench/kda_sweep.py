@@ -63,7 +63,8 @@ PREP_V2 = {"F.prep_warps": 8, "F.prep_ab_bf16": False, "F.prep_inv_scratch": Fal
 STATE_V2 = {"F.state_bv": 32, "F.state_warps": 4, "F.state_stages": 2}
 BWD_V2 = {"B.state_bv": 32, "B.state_warps": 4, "B.wy_bv": 64, "B.wy_warps": 8, "B.intra_warps": 8,
           "B.intra_prec_half": "tf32x3", "B.intra_recompute": False}
-DEC_V2 = {"D.bv": 32, "D.warps": 4}
+DEC_V2 = {"D.bv": 32, "D.warps": 4, "D.stages": 1, "D.fused_out": False, "D.base_ptr": False, "D.evict": False,
+          "D.persist": 0, "D.persist_stages": 3, "D.maxnreg": None}
 V2 = {**PREP_V2, **STATE_V2, **BWD_V2, **DEC_V2}
 _INV, _AB, _SPLIT = {"F.prep_inv_scratch": True}, {"F.prep_ab_bf16": True}, {"F.prep_split": True}
 # v3 (run 3) measured every v2-era knob; run 4 keeps the v2 base and the v3 defaults and adds the v4 designs.
@@ -80,7 +81,7 @@ PREP = {name: {**PREP_V2, **ch} for name, ch in {
     "r6 rows, solve K-slices 128": {**_ROWS, "F.solve_bkw": 128},
 }.items()}
 STATE = {f"s bv={bv} w={w} st={st}": {"F.state_bv": bv, "F.state_warps": w, "F.state_stages": st}
-         for bv, w, st in ((32, 4, 2), (32, 4, 3), (32, 4, 4), (16, 2, 3), (32, 2, 3), (64, 8, 3), (64, 4, 3))}
+         for bv, w, st in ((32, 4, 2), (32, 4, 3), (16, 2, 3), (32, 2, 3), (64, 8, 3), (64, 4, 3))}
 _SPL = {"B.intra_warps": 4, "B.intra_prec_half": "bf16x3", "B.intra_split": True}
 BWD = {name: {**BWD_V2, **ch} for name, ch in {
     "b0 v2": {},
@@ -93,24 +94,28 @@ BWD = {name: {**BWD_V2, **ch} for name, ch in {
     "s5 split intra, K-slice 32": {**_SPL, "B.intra_split_bk": 32},
     "s6 s1 + state 3 stages": {**_SPL, "B.state_stages": 3},
 }.items()}
-_FB = {"D.fused_out": True, "D.base_ptr": True}
+_DF = {"D.base_ptr": True, "D.fused_out": True}
 DEC = {name: {**DEC_V2, **ch} for name, ch in {
-    "d v2 bv=32 w=4": {},
-    "d bv=32 w=1": {"D.warps": 1},
-    "d fused_out": {"D.fused_out": True},
-    "d fused_out + base_ptr": _FB,
-    "d fused + base + evict": {**_FB, "D.evict": True},
-    "d fused + base, maxnreg 80": {**_FB, "D.maxnreg": 80},
-    "d fused + base + evict, bv=16 w=2": {**_FB, "D.evict": True, "D.bv": 16, "D.warps": 2},
-    "d persistent 4/SM": {**_FB, "D.persist": 4},
-    "d persistent 2/SM": {**_FB, "D.persist": 2},
-    "d persistent 4/SM, 2 stages": {**_FB, "D.persist": 4, "D.persist_stages": 2},
+    "d0 v2": {},
+    "d1 base_ptr": {"D.base_ptr": True},
+    "d2 base_ptr+fused": _DF,
+    "d3 d2+evict": {**_DF, "D.evict": True},
+    "d4 d2 maxnreg 80": {**_DF, "D.maxnreg": 80},
+    "d5 d2 1 warp bv16": {**_DF, "D.warps": 1, "D.bv": 16},
+    "d6 persistent 4/SM st3": {**_DF, "D.persist": 4},
+    "d7 d6+evict": {**_DF, "D.persist": 4, "D.evict": True},
+    "d8 persistent 5/SM": {**_DF, "D.persist": 5},
+    "d9 persistent 4/SM st4": {**_DF, "D.persist": 4, "D.persist_stages": 4},
+    "d10 persistent 2/SM bv64 8w": {**_DF, "D.persist": 2, "D.bv": 64, "D.warps": 8},
+    "d11 persistent unfused": {"D.base_ptr": True, "D.persist": 4},
+    "d12 persistent 10/SM 1w bv16": {**_DF, "D.persist": 10, "D.bv": 16, "D.warps": 1},
+    "d13 persistent 8/SM 2w bv16": {**_DF, "D.persist": 8, "D.bv": 16, "D.warps": 2},
 }.items()}
 if DRY:  # keep the interpreter run short: one non-base variant per group
     PREP = dict(list(PREP.items())[:3])
     STATE = dict(list(STATE.items())[:2])
     BWD = dict(list(BWD.items())[:2])
-    DEC = dict(list(DEC.items())[i] for i in (0, 3, 7))
+    DEC = dict(list(DEC.items())[i] for i in (0, 6))
 GROUPS = {"prep": PREP, "state": STATE, "bwd": BWD, "decode": DEC}
 K3_FLAGS = dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
                 safe_gate=True, lower_bound=LB)
@@ -361,7 +366,7 @@ def warm_all(jobs: int, limit_s: float, deadline_s: float, log: Callable, fla_li
         try:
             cmd = [sys.executable, os.path.abspath(__file__), "--warm", u] + (["--dry"] if DRY else [])
             p = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True,
-                               timeout=fla_limit_s if u.startswith("fla") else limit_s)
+                               timeout=fla_limit_s if u.startswith(("fla", "ref")) else limit_s)
             return u, p.returncode, time.monotonic() - t, (p.stderr or "")[-400:]
         except subprocess.TimeoutExpired:
             return u, -9, time.monotonic() - t, "timeout"

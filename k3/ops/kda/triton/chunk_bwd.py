@@ -39,7 +39,7 @@ from k3.ops.kda.triton._common import (
     store_dtype,
 )
 from k3.ops.kda.triton.chunk_bwd_intra import _gate_bwd, _seg_cumsum, launch_intra_split, launch_wy_kb
-from k3.ops.kda.triton.chunk_fwd import _load_rows, _load_tile, _store_rows, _sub_gate
+from k3.ops.kda.triton.chunk_fwd import _load_rows, _load_tile, _store_rows, _sub_gate, state_stages
 from k3.ops.kda.triton._common import _l2norm
 
 
@@ -69,12 +69,13 @@ class BwdConfig:
     intra_dg_bk = 32  # K-slice of the dG → dg pass
     intra_dg_warps = 4
     # WY backward per (chunk, head, K-block) in one pass over V (chunk_bwd_intra.py): dL = −dY V'ᵀ, no dX Wᵀ and
-    # no second pass; block 0 also writes dv, dL, dA_qk. Not yet measured.
+    # no second pass; one more program per chunk-head writes dv, dL, dA_qk. Not yet measured.
     wy_kb = False
     wy_kb_bk = 64
     wy_kb_bv = 64
     wy_kb_warps = 8
     wy_kb_stages = 1
+    wy_kb_maxnreg = 0  # > 0: ptxas register cap
 
 
 @triton.jit(do_not_specialize=['NC', 'T', 'NT', 'H'])
@@ -499,7 +500,7 @@ def bwd_state_pass(do, dht, saved: dict, tab: ChunkTable, H: int, K: int, V: int
         do, s["AQK"], s["KG"], s["QG"], s["W"], s["GAM"], DHS, DV, dht if dht is not None else dh0, dh0,
         tab.cu, tab.chunk_off, NC, tab.T, tab.NT, H, K, V, BT=BT, BK=BK, BV=bv, BVP=BVP,
         USE_DHT=dht is not None, IS_VARLEN=tab.varlen, PREC=dot_precision(dtype),
-        num_warps=BwdConfig.state_warps, num_stages=BwdConfig.state_stages)
+        num_warps=BwdConfig.state_warps, num_stages=state_stages(BwdConfig.state_stages, dtype))
     return DHS, DV, dh0
 
 

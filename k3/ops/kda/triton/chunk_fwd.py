@@ -518,7 +518,9 @@ class FwdConfig:
     rows_stages = 1
     solve_warps = 4
     solve_stages = 1
-    solve_bkw = 32  # rows: W, kg formed by K-column slices of this width (fewer live registers)
+    solve_bkw = 32  # rows: W, U, kg formed by column slices of this width (fewer live registers)
+    rows_maxnreg = None  # rows: register caps per thread (None: the compiler's choice)
+    solve_maxnreg = 128  # sm_90: 130 → 128 without spills at 4 warps, bkw 32: 4 CTAs per SM instead of 3
     state_bv = 32  # BV 64/128 re-read less but leave SMs idle at B·H = 32 (1M prefill 44–74 ms vs 31)
     state_warps = 4
     state_stages = 3  # v2: 2; 3 stages: 39.6 → 31.2 ms per 1M, 1.14 → 0.81 ms at B=8 T=4096
@@ -608,8 +610,14 @@ def launch_state(bufs: dict, o, hs, ht, tab: ChunkTable, c0: int, c1: int, H: in
         tab.cu, tab.chunk_off, c0, c1, bufs["W"].shape[1], tab.NC, tab.T, tab.NT,
         H, K, V, BT=BT, BK=BK, BV=BV, BVP=BVP, STORE_H=hs is not None, STORE_O=store_o,
         IS_VARLEN=tab.varlen, PREC=dot_precision(bufs["W"].dtype),
-        num_warps=FwdConfig.state_warps, num_stages=FwdConfig.state_stages,
+        num_warps=FwdConfig.state_warps, num_stages=state_stages(FwdConfig.state_stages, bufs["W"].dtype),
     )
+
+
+def state_stages(stages: int, dtype: torch.dtype) -> int:
+    """Pipeline depth of a state pass: fp32 buffers (the fp32 path) take twice the shared memory per stage, so at
+    K = V = 128 more than 2 stages exceed the 227 KiB of an H200 SM (3 stages: 256 KiB, a launch failure)."""
+    return min(stages, 2) if dtype == torch.float32 else stages
 
 
 def prep_all(q, k, v, g, beta, A_log, dt_bias, scale: float, tab: ChunkTable, lower_bound, flags: dict) -> dict:
