@@ -93,6 +93,9 @@ BWD = {name: {**BWD_V2, **ch} for name, ch in {
     "s4 split intra, maxnreg 128": {**_SPL, "B.intra_split_maxnreg": 128},
     "s5 split intra, K-slice 32": {**_SPL, "B.intra_split_bk": 32},
     "s6 s1 + state 3 stages": {**_SPL, "B.state_stages": 3},
+    "s7 s1 + WY per K-block": {**_SPL, "B.wy_kb": True},
+    "s8 s7 + state 3 stages": {**_SPL, "B.wy_kb": True, "B.state_stages": 3},
+    "w1 v3 + WY per K-block": {"B.intra_warps": 4, "B.intra_prec_half": "bf16x3", "B.wy_kb": True},
 }.items()}
 _DF = {"D.base_ptr": True, "D.fused_out": True}
 DEC = {name: {**DEC_V2, **ch} for name, ch in {
