@@ -344,7 +344,7 @@ def _prep_solve(
     cu, chunk_seq, chunk_off, c0, NCw, T, NT,
     H, K: tl.constexpr, V: tl.constexpr, lb,
     BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BVP: tl.constexpr, BKW: tl.constexpr,
-    USE_GATE: tl.constexpr, HAS_LB: tl.constexpr, HAS_A: tl.constexpr, HAS_DT: tl.constexpr,
+    BVW: tl.constexpr, USE_GATE: tl.constexpr, HAS_LB: tl.constexpr, HAS_A: tl.constexpr, HAS_DT: tl.constexpr,
     L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr, IS_VARLEN: tl.constexpr, STORE_T: tl.constexpr,
     PREC: tl.constexpr,
 ):
@@ -355,7 +355,6 @@ def _prep_solve(
     base = (i_h * NCw + i_c).to(tl.int64)
     o_t = tl.arange(0, BT)
     o_k = tl.arange(0, BK)
-    o_v = tl.arange(0, BVP)
 
     # ---- T
     _diag_inverses(LK, base, BT, BC)
@@ -369,10 +368,12 @@ def _prep_solve(
     # ---- U = T (β V)
     t = bos + o_t
     b_b = _chunk_beta(beta, i_h, bos, eos, H, BT, BETA_SIGMOID)
-    b_v = tl.load(v + (t * H + i_h)[:, None] * V + o_v[None, :], mask=(t < eos)[:, None] & (o_v < V)[None, :],
-                  other=0.).to(tl.float32)
-    tl.store(U + (base * BT + o_t[:, None]) * BVP + o_v[None, :],
-             tl.dot(b_t, (b_v * b_b[:, None]).to(DT), input_precision=PREC).to(DT))
+    for sl in tl.static_range(BVP // BVW):  # by column slices too (fewer live registers)
+        o_v = sl * BVW + tl.arange(0, BVW)
+        b_v = tl.load(v + (t * H + i_h)[:, None] * V + o_v[None, :], mask=(t < eos)[:, None] & (o_v < V)[None, :],
+                      other=0.).to(tl.float32)
+        tl.store(U + (base * BT + o_t[:, None]) * BVP + o_v[None, :],
+                 tl.dot(b_t, (b_v * b_b[:, None]).to(DT), input_precision=PREC).to(DT))
 
     # ---- W = T (β K e^G), kg = K e^{G_C − G}, γ = e^{G_C}: by column slices of BKW (gate and cumsum are per
     # column; the L2 norm needs the whole row first), fewer live registers
@@ -396,10 +397,19 @@ def _prep_solve(
         tl.store(GAM + base * BK + o_k, tl.exp2(gc))
 
 
+def _launch(warps: int, stages: int, maxnreg: int | None) -> dict:
+    """Launch options; ``maxnreg`` caps registers per thread (e.g. 128 → 4 CTAs of 4 warps per SM)."""
+    opts = dict(num_warps=warps, num_stages=stages)
+    if maxnreg is not None:
+        opts["maxnreg"] = maxnreg
+    return opts
+
+
 def launch_prep_rows(q, k, v, g, beta, A_log, dt_bias, bufs: dict, tab: ChunkTable, c0: int, n: int, scale: float,
                      lower_bound, flags: dict, store_t: bool, cfg) -> None:
     """Both kernels over chunks [c0, c0 + n) into the window buffers ``bufs`` (``LD`` = the fp32 [BT, BT] scratch).
-    ``cfg``: the FwdConfig class (rows_stack, rows_warps, rows_stages, solve_warps, solve_stages, prep_ab_bf16)."""
+    ``cfg``: the FwdConfig class (rows_stack, rows_warps/stages/maxnreg, solve_warps/stages/maxnreg/bkw,
+    prep_ab_bf16)."""
     _, _, H, K = q.shape
     V = v.shape[-1]
     BK = bufs["W"].shape[-1]
@@ -424,9 +434,9 @@ def launch_prep_rows(q, k, v, g, beta, A_log, dt_bias, bufs: dict, tab: ChunkTab
         tab.cu, tab.chunk_seq, tab.chunk_off, c0, ncw, tab.T, tab.NT, H, K, scale, lb,
         BT=BT, BC=BC, BK=BK, EXACT_DIAG=flags["exact_diag"],
         AB_BF16=bool(cfg.prep_ab_bf16) and q.dtype == torch.bfloat16,
-        num_warps=cfg.rows_warps, num_stages=cfg.rows_stages, **common)
+        **_launch(cfg.rows_warps, cfg.rows_stages, cfg.rows_maxnreg), **common)
     _prep_solve[(n, H)](
         k, v, g, beta, a_log, dtb, bufs["W"], bufs["U"], bufs["KG"], bufs["GAM"], bufs["TM"], LK,
         tab.cu, tab.chunk_seq, tab.chunk_off, c0, ncw, tab.T, tab.NT, H, K, V, lb,
-        BT=BT, BC=BC, BK=BK, BVP=BVP, BKW=min(BK, cfg.solve_bkw), STORE_T=store_t,
-        num_warps=cfg.solve_warps, num_stages=cfg.solve_stages, **common)
+        BT=BT, BC=BC, BK=BK, BVP=BVP, BKW=min(BK, cfg.solve_bkw), BVW=min(BVP, cfg.solve_bkw), STORE_T=store_t,
+        **_launch(cfg.solve_warps, cfg.solve_stages, cfg.solve_maxnreg), **common)
