@@ -288,13 +288,60 @@ def _seg_cumsum(x, BC: tl.constexpr):
 
 
 @triton.jit
-def _row_rnorm(x, i_h, bos, eos, H, K, BT: tl.constexpr, BK: tl.constexpr):
-    """1/sqrt(Σ_d x² + 1e-6) of the chunk's rows of x [T, H, K] (full rows; padding rows give 1e3)."""
+def _row_rnorm(x, i_h, bos, eos, H, K, BT: tl.constexpr, BK: tl.constexpr, BKW: tl.constexpr):
+    """1/sqrt(Σ_d x² + 1e-6) of the chunk's rows of x [T, H, K] (full rows, summed in BKW-column slices to keep
+    the tiles small; padding rows give 1e3)."""
     o_t = tl.arange(0, BT)
-    o_k = tl.arange(0, BK)
-    m = ((bos + o_t) < eos)[:, None] & (o_k < K)[None, :]
-    b = tl.load(x + (bos + o_t)[:, None] * (H * K) + i_h * K + o_k[None, :], mask=m, other=0.).to(tl.float32)
-    return 1.0 / tl.sqrt(tl.sum(b * b, axis=1) + 1e-6)
+    m_t = (bos + o_t) < eos
+    acc = tl.zeros([BT], dtype=tl.float32)
+    for i in range(0, BK // BKW):
+        o_k = i * BKW + tl.arange(0, BKW)
+        m = m_t[:, None] & (o_k < K)[None, :]
+        b = tl.load(x + (bos + o_t)[:, None] * (H * K) + i_h * K + o_k[None, :], mask=m, other=0.).to(tl.float32)
+        acc += tl.sum(b * b, axis=1)
+    return 1.0 / tl.sqrt(acc + 1e-6)
+
+
+@triton.jit
+def _wy_dy_vn(TM, W, U, HS, DV, base, o_t, o_kf, o_v, BT: tl.constexpr, BK: tl.constexpr, BVP: tl.constexpr,
+              PREC: tl.constexpr):
+    """One V-block of dY = Tᵀ dV' (fp32) and V' = U − W S (store dtype). T and W are re-read per V-block (L1/L2
+    hits) rather than held in registers across the V loop."""
+    DT: tl.constexpr = W.dtype.element_ty
+    p_tv = (base * BT + o_t[:, None]) * BVP + o_v[None, :]
+    b_tt = tl.load(TM + (base * BT + o_t[None, :]) * BT + o_t[:, None])  # Tᵀ by the addressing
+    b_dy = tl.dot(b_tt, tl.load(DV + p_tv), input_precision=PREC)
+    b_s = tl.load(HS + (base * BK + o_kf[:, None]) * BVP + o_v[None, :])
+    b_w = tl.load(W + (base * BT + o_t[:, None]) * BK + o_kf[None, :])
+    b_vn = (tl.load(U + p_tv).to(tl.float32) - tl.dot(b_w, b_s, input_precision=PREC)).to(DT)
+    return b_dy, b_vn
+
+
+@triton.jit
+def _wy_dv_dl(v, do, TM, W, U, HS, DV, dv, DL, DAQ, DBP, b_b, base, i_h, t, m_t, o_t, o_kf, H, V: tl.constexpr,
+              scale, NKW: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BVP: tl.constexpr,
+              PREC: tl.constexpr):
+    """The chunk-head's [BT, BT] outputs dL = −dY V'ᵀ (strictly lower), dA_qk = dO V'ᵀ (lower, × scale), plus
+    dv = β dY and dY's share of dβ (partial number NKW)."""
+    DT: tl.constexpr = W.dtype.element_ty
+    db = tl.zeros([BT], dtype=tl.float32)
+    dL = tl.zeros([BT, BT], dtype=tl.float32)
+    daq = tl.zeros([BT, BT], dtype=tl.float32)
+    for i_v in range(0, BVP // BV):
+        o_v = i_v * BV + tl.arange(0, BV)
+        m_tv = m_t[:, None] & (o_v < V)[None, :]
+        p_v = (t * H + i_h)[:, None] * V + o_v[None, :]
+        b_dy, b_vn = _wy_dy_vn(TM, W, U, HS, DV, base, o_t, o_kf, o_v, BT, BK, BVP, PREC)
+        b_do = tl.load(do + p_v, mask=m_tv, other=0.).to(DT)
+        b_vv = tl.load(v + p_v, mask=m_tv, other=0.).to(tl.float32)
+        tl.store(dv + p_v, (b_dy * b_b[:, None]).to(dv.dtype.element_ty), mask=m_tv)
+        db += tl.sum(b_dy * b_vv, axis=1)
+        dL -= tl.dot(b_dy.to(DT), tl.trans(b_vn), input_precision=PREC)
+        daq += tl.dot(b_do, tl.trans(b_vn), input_precision=PREC)
+    p_tt = (base * BT + o_t[:, None]) * BT + o_t[None, :]
+    tl.store(DL + p_tt, tl.where(o_t[:, None] > o_t[None, :], dL, 0.))
+    tl.store(DAQ + p_tt, tl.where(o_t[:, None] >= o_t[None, :], daq * scale, 0.))
+    tl.store(DBP + (base * (NKW + 1) + NKW) * BT + o_t, db)
 
 
 @triton.jit(do_not_specialize=['NC', 'T', 'NT', 'H'])
@@ -309,12 +356,13 @@ def _kda_bwd_wy_kb(
     L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr, IS_VARLEN: tl.constexpr, PREC: tl.constexpr,
     STORE_RN: tl.constexpr, STORE_G: tl.constexpr,
 ):
-    """WY backward, one program per (chunk, head, K-block of BKW columns), one pass over V-blocks.
+    """WY backward, grid (chunks, heads, K/BKW + 1), one pass over V-blocks per program.
 
     With T X = W, T Y = U, V' = U − W S and dY = Tᵀ dV': the [BT, K] outputs are column-local in K,
-    dqg = dO Sᵀ, dX = −dY Sᵀ, dkg = V' dS'ᵀ, γ's share Σ_v S ⊙ dS', and the two [BT, BT] outputs need no dX:
-    dL = −Tᵀ (dW Xᵀ + dV' Yᵀ) Tᵀ = −(dX Wᵀ + dY Uᵀ) = −dY (U − W S)ᵀ = −dY V'ᵀ and dA_qk = dO V'ᵀ (block 0
-    computes them, and dv, on the side). dβ comes out as one partial per K-block (``DBP``, summed on the host)."""
+    dqg = dO Sᵀ, dX = −dY Sᵀ, dkg = V' dS'ᵀ, γ's share Σ_v S ⊙ dS' (programs 0 … K/BKW − 1, one K-block each),
+    and the two [BT, BT] outputs need no dX: dL = −Tᵀ (dW Xᵀ + dV' Yᵀ) Tᵀ = −(dX Wᵀ + dY Uᵀ) = −dY (U − W S)ᵀ
+    = −dY V'ᵀ and dA_qk = dO V'ᵀ (the last program, with dv). Every program recomputes its dY, V' blocks (the
+    programs of a chunk-head run side by side: L2 hits). dβ comes out as K/BKW + 1 partials (``DBP``)."""
     i_c = tl.program_id(0)
     i_h = tl.program_id(1)
     i_k = tl.program_id(2)
@@ -324,94 +372,76 @@ def _kda_bwd_wy_kb(
     base = (i_h * NC + i_c).to(tl.int64)
     o_t = tl.arange(0, BT)
     o_kf = tl.arange(0, BK)
-    o_kc = i_k * BKW + tl.arange(0, BKW)
     t = bos + o_t
     m_t = t < eos
     b_b = _chunk_beta(beta, i_h, bos, eos, H, BT, BETA_SIGMOID)
-    b_tt = tl.load(TM + (base * BT + o_t[None, :]) * BT + o_t[:, None])  # Tᵀ by the addressing
-    b_w = tl.load(W + (base * BT + o_t[:, None]) * BK + o_kf[None, :])
-    first = i_k == 0
-    dqg = tl.zeros([BT, BKW], dtype=tl.float32)
-    dx = tl.zeros([BT, BKW], dtype=tl.float32)
-    dkg = tl.zeros([BT, BKW], dtype=tl.float32)
-    dgam = tl.zeros([BKW], dtype=tl.float32)
-    db = tl.zeros([BT], dtype=tl.float32)
-    dL = tl.zeros([BT, BT], dtype=tl.float32)
-    daq = tl.zeros([BT, BT], dtype=tl.float32)
-    for i_v in range(0, BVP // BV):
-        o_v = i_v * BV + tl.arange(0, BV)
-        m_tv = m_t[:, None] & (o_v < V)[None, :]
-        p_v = (t * H + i_h)[:, None] * V + o_v[None, :]
-        p_tv = (base * BT + o_t[:, None]) * BVP + o_v[None, :]
-        p_kc = (base * BK + o_kc[:, None]) * BVP + o_v[None, :]
-        b_dy = tl.dot(b_tt, tl.load(DV + p_tv), input_precision=PREC)
-        b_s = tl.load(HS + (base * BK + o_kf[:, None]) * BVP + o_v[None, :])
-        b_vn = (tl.load(U + p_tv).to(tl.float32) - tl.dot(b_w, b_s, input_precision=PREC)).to(DT)
-        b_do = tl.load(do + p_v, mask=m_tv, other=0.).to(DT)
-        b_sk = tl.load(HS + p_kc)
-        b_dsk = tl.load(DHS + p_kc)
-        b_dyd = b_dy.to(DT)
-        dqg += tl.dot(b_do, tl.trans(b_sk), input_precision=PREC)
-        dx -= tl.dot(b_dyd, tl.trans(b_sk), input_precision=PREC)
-        dkg += tl.dot(b_vn, tl.trans(b_dsk), input_precision=PREC)
-        dgam += tl.sum(b_sk.to(tl.float32) * b_dsk.to(tl.float32), axis=1)
-        if first:
-            b_vv = tl.load(v + p_v, mask=m_tv, other=0.).to(tl.float32)
-            tl.store(dv + p_v, (b_dy * b_b[:, None]).to(dv.dtype.element_ty), mask=m_tv)
-            db += tl.sum(b_dy * b_vv, axis=1)
-            dL -= tl.dot(b_dyd, tl.trans(b_vn), input_precision=PREC)
-            daq += tl.dot(b_do, tl.trans(b_vn), input_precision=PREC)
-    p_tt = (base * BT + o_t[:, None]) * BT + o_t[None, :]
-    if first:
-        tl.store(DL + p_tt, tl.where(o_t[:, None] > o_t[None, :], dL, 0.))
-        tl.store(DAQ + p_tt, tl.where(o_t[:, None] >= o_t[None, :], daq * scale, 0.))
-    # ---- this K-block's columns: gate cumsum (whole chunk, its columns), normalized k, the finishing products
-    m_k = o_kc < K
-    m = m_t[:, None] & m_k[None, :]
-    p_x = t[:, None] * (H * K) + i_h * K + o_kc[None, :]
-    b_g = _gate_fwd(tl.load(g + p_x, mask=m, other=0.).to(tl.float32), i_h, A_log, dt_bias, lb, o_kc, m_k, K,
-                    USE_GATE, HAS_LB, HAS_A, HAS_DT)
-    b_g = tl.where(m, b_g, 0.) * 1.4426950408889634
-    G = tl.cumsum(b_g, axis=0)
-    b_k = tl.load(k + p_x, mask=m, other=0.).to(tl.float32)
-    if L2NORM:
-        rk = _row_rnorm(k, i_h, bos, eos, H, K, BT, BK)
-        b_k = b_k * rk[:, None]
-        if STORE_RN:
-            if first:
-                tl.store(RN + base * (2 * BT) + o_t, _row_rnorm(q, i_h, bos, eos, H, K, BT, BK))
-                tl.store(RN + base * (2 * BT) + BT + o_t, rk)
-    p_tk = (base * BT + o_t[:, None]) * BK + o_kc[None, :]
-    if STORE_G:
-        tl.store(GS + p_tk, _seg_cumsum(b_g, 16))
-    eG = tl.exp2(G)
-    Glast = tl.sum(tl.where((o_t == BT - 1)[:, None], G, 0.), axis=0)
-    eL = tl.exp2(Glast[None, :] - G)
-    kL = b_k * eL
-    dgl = tl.sum(dkg * kL, axis=0) + tl.exp2(Glast) * dgam
-    tl.store(DQ + p_tk, dqg * eG * scale)
-    tl.store(DK + p_tk, dx * eG * b_b[:, None] + dkg * eL)
-    tl.store(DG + p_tk, dqg * tl.load(QG + p_tk).to(tl.float32) + dx * (b_k * eG * b_b[:, None]) - dkg * kL
-             + tl.where((o_t == BT - 1)[:, None], dgl[None, :], 0.))
-    db += tl.sum(dx * b_k * eG, axis=1)
-    tl.store(DBP + (base * NKW + i_k) * BT + o_t, db)
+    if i_k == NKW:
+        _wy_dv_dl(v, do, TM, W, U, HS, DV, dv, DL, DAQ, DBP, b_b, base, i_h, t, m_t, o_t, o_kf, H, V, scale,
+                  NKW, BT, BK, BV, BVP, PREC)
+        if L2NORM:
+            if STORE_RN:
+                tl.store(RN + base * (2 * BT) + o_t, _row_rnorm(q, i_h, bos, eos, H, K, BT, BK, BKW))
+                tl.store(RN + base * (2 * BT) + BT + o_t, _row_rnorm(k, i_h, bos, eos, H, K, BT, BK, BKW))
+    else:
+        o_kc = i_k * BKW + tl.arange(0, BKW)
+        dqg = tl.zeros([BT, BKW], dtype=tl.float32)
+        dx = tl.zeros([BT, BKW], dtype=tl.float32)
+        dkg = tl.zeros([BT, BKW], dtype=tl.float32)
+        dgam = tl.zeros([BKW], dtype=tl.float32)
+        for i_v in range(0, BVP // BV):
+            o_v = i_v * BV + tl.arange(0, BV)
+            m_tv = m_t[:, None] & (o_v < V)[None, :]
+            p_kc = (base * BK + o_kc[:, None]) * BVP + o_v[None, :]
+            b_dy, b_vn = _wy_dy_vn(TM, W, U, HS, DV, base, o_t, o_kf, o_v, BT, BK, BVP, PREC)
+            b_do = tl.load(do + (t * H + i_h)[:, None] * V + o_v[None, :], mask=m_tv, other=0.).to(DT)
+            b_sk = tl.load(HS + p_kc)
+            b_dsk = tl.load(DHS + p_kc)
+            dqg += tl.dot(b_do, tl.trans(b_sk), input_precision=PREC)
+            dx -= tl.dot(b_dy.to(DT), tl.trans(b_sk), input_precision=PREC)
+            dkg += tl.dot(b_vn, tl.trans(b_dsk), input_precision=PREC)
+            dgam += tl.sum(b_sk.to(tl.float32) * b_dsk.to(tl.float32), axis=1)
+        # ---- this K-block's columns: gate cumsum (whole chunk, its columns), normalized k, finishing products
+        m_k = o_kc < K
+        m = m_t[:, None] & m_k[None, :]
+        p_x = t[:, None] * (H * K) + i_h * K + o_kc[None, :]
+        b_g = _gate_fwd(tl.load(g + p_x, mask=m, other=0.).to(tl.float32), i_h, A_log, dt_bias, lb, o_kc, m_k, K,
+                        USE_GATE, HAS_LB, HAS_A, HAS_DT)
+        b_g = tl.where(m, b_g, 0.) * 1.4426950408889634
+        G = tl.cumsum(b_g, axis=0)
+        b_k = tl.load(k + p_x, mask=m, other=0.).to(tl.float32)
+        if L2NORM:
+            b_k = b_k * _row_rnorm(k, i_h, bos, eos, H, K, BT, BK, BKW)[:, None]
+        p_tk = (base * BT + o_t[:, None]) * BK + o_kc[None, :]
+        if STORE_G:
+            tl.store(GS + p_tk, _seg_cumsum(b_g, 16))
+        eG = tl.exp2(G)
+        Glast = tl.sum(tl.where((o_t == BT - 1)[:, None], G, 0.), axis=0)
+        eL = tl.exp2(Glast[None, :] - G)
+        kL = b_k * eL
+        dgl = tl.sum(dkg * kL, axis=0) + tl.exp2(Glast) * dgam
+        tl.store(DQ + p_tk, dqg * eG * scale)
+        tl.store(DK + p_tk, dx * eG * b_b[:, None] + dkg * eL)
+        tl.store(DG + p_tk, dqg * tl.load(QG + p_tk).to(tl.float32) + dx * (b_k * eG * b_b[:, None]) - dkg * kL
+                 + tl.where((o_t == BT - 1)[:, None], dgl[None, :], 0.))
+        tl.store(DBP + (base * (NKW + 1) + i_k) * BT + o_t, tl.sum(dx * b_k * eG, axis=1))
 
 
 def launch_wy_kb(q, k, v, g, beta, a_log, dtb, do, RN: torch.Tensor, GS: torch.Tensor, saved: dict, DHS, DV,
                  dv, DQ, DK, DG, DL, DAQ, tab, H: int, K: int, V: int, scale: float, lb: float, BT: int, BK: int,
                  BVP: int, prec: str, flag_kw: dict, store_rn: bool, store_g: bool, cfg) -> torch.Tensor:
-    """Run ``_kda_bwd_wy_kb``; returns DB [H, NC, BT] (the K-block partials of dβ summed)."""
+    """Run ``_kda_bwd_wy_kb``; returns DB [H, NC, BT] (the partials of dβ summed)."""
     NC = tab.NC
     bkw = min(int(cfg.wy_kb_bk), BK)
     nkw = BK // bkw
-    DBP = torch.empty(H, NC, nkw, BT, dtype=torch.float32, device=q.device)
+    DBP = torch.empty(H, NC, nkw + 1, BT, dtype=torch.float32, device=q.device)
     s = saved
-    _kda_bwd_wy_kb[(NC, H, nkw)](
+    cap = {"maxnreg": int(cfg.wy_kb_maxnreg)} if cfg.wy_kb_maxnreg else {}
+    _kda_bwd_wy_kb[(NC, H, nkw + 1)](
         q, k, v, g, beta, a_log, dtb, do, RN, GS, s["W"], s["U"], s["QG"], s["TM"], s["HS"], DHS, DV,
         dv, DQ, DK, DG, DBP, DL, DAQ, tab.cu, tab.chunk_seq, tab.chunk_off, NC, tab.T, tab.NT,
         H, K, V, scale, lb, BT=BT, BK=BK, BKW=bkw, BV=min(int(cfg.wy_kb_bv), BVP), BVP=BVP, PREC=prec,
         STORE_RN=store_rn, STORE_G=store_g, **flag_kw,
-        num_warps=cfg.wy_kb_warps, num_stages=cfg.wy_kb_stages)
+        num_warps=cfg.wy_kb_warps, num_stages=cfg.wy_kb_stages, **cap)
     return DBP.sum(2)
 
 
