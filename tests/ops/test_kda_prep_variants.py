@@ -219,20 +219,24 @@ def test_rows_buffers_match_v3(monkeypatch, gate):
         assert rel(out["rows"][key], out["v3"][key]) < 1e-5, key
 
 
-@cpu_only
-def test_rows_causality_bitwise():
-    """Changing every input at positions ≥ t leaves the outputs before t bitwise unchanged (t inside a sub-block,
-    at sub-block and chunk edges)."""
-    x = make_inputs(130, 1, 16, 16, seed=7)
-    o, *_ = run(x, torch.float32, -5.0, True, None, False)
-    for t in (1, 17, 37, 64, 70, 127):
+def _causality(T: int, H: int, K: int, dtype: torch.dtype, ts: tuple[int, ...]) -> None:
+    """Changing every input at positions ≥ t leaves the outputs before t bitwise unchanged."""
+    x = make_inputs(T, H, K, K, seed=7)
+    o, *_ = run(x, dtype, -5.0, True, None, False)
+    for t in ts:
         y = {n: v.clone() for n, v in x.items()}
         gen = torch.Generator().manual_seed(t)
         for n in ("q", "k", "v", "g", "beta"):
             y[n][:, t:] = torch.randn(y[n][:, t:].shape, generator=gen, dtype=torch.float64) * 3
-        o2, *_ = run(y, torch.float32, -5.0, True, None, False)
+        o2, *_ = run(y, dtype, -5.0, True, None, False)
         assert torch.equal(o2[:, :t], o[:, :t]), f"outputs before t={t} changed"
         assert not torch.equal(o2[:, t:], o[:, t:])
+
+
+@cpu_only
+def test_rows_causality_bitwise():
+    """t inside a sub-block, at sub-block and chunk edges (fp32, interpreter)."""
+    _causality(130, 1, 16, torch.float32, (1, 17, 37, 64, 70, 127))
 
 
 @cpu_only
@@ -290,3 +294,10 @@ def test_gpu_rows_one_million_tokens_matches_v3(monkeypatch):
         o3, h3 = chunk_kda(q, k, v, f, b, **kw)
     assert torch.isfinite(o).all() and torch.isfinite(h).all()
     assert rel(o, o3) < 2e-2 and rel(h, h3) < 2e-2
+
+
+@gpu
+@pytest.mark.parametrize("ab_bf16", [False, True])
+def test_gpu_rows_causality_bitwise(monkeypatch, ab_bf16):
+    monkeypatch.setattr(cf.FwdConfig, "prep_ab_bf16", ab_bf16)
+    _causality(300, 2, 128, torch.bfloat16, (1, 17, 37, 64, 70, 127, 200))
