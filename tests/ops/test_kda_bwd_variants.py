@@ -138,3 +138,35 @@ def test_bwd_variant_fp16_equals_fused(variant, monkeypatch):
     for n in xr:
         assert rel(g_split[n], g_fused[n]) < 1e-3, n
         assert rel(g_split[n], xr[n].grad) < 2e-2, n
+
+
+# ---------------------------------------------------------------------------------------------- GPU (bf16)
+
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+GPU_VARIANTS = {  # the launch shapes the sweep times (chunk_bwd.BwdConfig), bf16 at K = V = 128
+    "split_bk32_4w": dict(intra_split=True, intra_split_bk=32, intra_split_warps=4),
+    "split_bk64_8w": dict(intra_split=True, intra_split_bk=64, intra_split_warps=8),
+    "wy_kb": dict(wy_kb=True),
+    "both": dict(intra_split=True, intra_split_bk=32, intra_split_warps=4, wy_kb=True),
+}
+
+
+@gpu
+@pytest.mark.parametrize("name", list(GPU_VARIANTS))
+@pytest.mark.parametrize("kw,rkw", [({}, {}), ({"gate": False, "g_override": -5.0}, {"gate": False}),
+                                    ({"beta_logit": 12.0, "repeat_keys": True}, {}), ({"beta_logit": -12.0}, {})])
+def test_gpu_bf16_bwd_variants(monkeypatch, name, kw, rkw):
+    for knob, val in GPU_VARIANTS[name].items():
+        monkeypatch.setattr(BwdConfig, knob, val)
+    x = make_inputs(1, 300, 2, 128, 128, **kw)
+    check_against_reference(x, 2e-2, dtype=torch.bfloat16, **rkw)
+
+
+@gpu
+@pytest.mark.parametrize("name", list(GPU_VARIANTS))
+def test_gpu_bf16_bwd_variants_varlen(monkeypatch, name):
+    for knob, val in GPU_VARIANTS[name].items():
+        monkeypatch.setattr(BwdConfig, knob, val)
+    cu = [0, 1, 100, 100, 613, 1000]
+    x = make_inputs(1, 1000, 4, 128, 128, N=5)
+    check_against_reference(x, 2e-2, dtype=torch.bfloat16, cu=cu)

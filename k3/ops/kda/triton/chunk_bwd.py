@@ -563,8 +563,8 @@ def kda_bwd(q, k, v, g, beta, A_log, dt_bias, initial_state, scale: float, do, d
             num_warps=BwdConfig.wy_warps, num_stages=BwdConfig.wy_stages)
 
     if split:
-        DAP, DDT = launch_intra_split(q, k, g, beta, a_log, dtb, RN, GS, DQ, DK, DG, DB, DL, DAQ, dq, dk, dg, db, tab, H, K,
-                                      lb, BT, BC, BK, prec_intra, flag_kw, flags["exact_diag"], BwdConfig)
+        DAP, DDT = launch_intra_split(q, k, g, beta, a_log, dtb, RN, GS, DQ, DK, DG, DB, DL, DAQ, dq, dk, dg, db,
+                                      tab, H, K, lb, BT, BC, BK, prec_intra, flag_kw, flags["exact_diag"], BwdConfig)
     else:
         DAP = torch.empty(H, NC, **f32)
         DDT = torch.empty(H, NC, BK, **f32)

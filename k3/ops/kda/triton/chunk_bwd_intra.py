@@ -1,19 +1,21 @@
 """Intra-chunk KDA backward as two light kernels (``BwdConfig.intra_split``): fla's shape, our own code.
 
 The fused ``_kda_bwd_intra`` walks a whole chunk per program and keeps every sub-block's accumulators live
-(255 registers, spills, ~490 barriers per program). Here the WY kernel also stores the chunk's gate cumsum G (fp32,
-log2 units) and the per-row 1/‖q‖, 1/‖k‖, so nothing below recomputes the gate, its cumsum or a norm:
+(255 registers, spills, ~490 barriers per program). Here the WY kernel also stores the gate cumsum restarted at every
+16-row sub-block, s (fp32, log2 units), and the per-row 1/‖q‖, 1/‖k‖, so nothing below recomputes the gate, a cumsum
+or a norm; every decay exponent is built from s and the sub-block totals (G_t − c_I = s_t inside block I,
+c_I − c_J = Σ_{J≤m<I} s_m,last), never as a difference of two whole-chunk cumsums:
 
 ``_kda_bwd_intra_sub`` — one program per (16-row sub-block I, chunk, head); grid axis 0 = chunk·4 + I, so the four
-programs of a chunk run side by side and share its q, k, G through L2. K is walked in slices of ``BKS`` columns
+programs of a chunk run side by side and share its q, k, s through L2. K is walked in slices of ``BKS`` columns
 (everything except the L2-norm and β reductions is column-local) and, per slice, the blocks J = 0…3 once, with two
 [16, BKS] accumulators at a time (c_J = G at the last row of block J − 1, c_0 = 0, as in the forward):
 
 * row side (rows of block I of A_qk and A_kk, column blocks J ≤ I), reference c_I: with kd_J = k̂_J e^{c_I − G_J}
   (≤ 1 for J < I), dq_I = e^{G_I − c_I} ⊙ Σ_J dA_qk[I, J] kd_J and R_I = e^{G_I − c_I} ⊙ Σ_J dL[I, J] kd_J;
   dk (row share) = β R, dβ = Σ_d k̂ ⊙ R.
-* column side (columns of block I, row blocks M ≥ I), reference c_{I+1}:
-  dk (column share) = e^{c_{I+1} − G_I} ⊙ Σ_M dA_qk[M, I]ᵀ (q̂_M e^{G_M − c_{I+1}}) + dL[M, I]ᵀ (β_M k̂_M e^{G_M − c_{I+1}}),
+* column side (columns of block I, row blocks M ≥ I), reference c_{I+1}: dk (column share) =
+  e^{c_{I+1} − G_I} ⊙ Σ_M dA_qk[M, I]ᵀ (q̂_M e^{G_M − c_{I+1}}) + dL[M, I]ᵀ (β_M k̂_M e^{G_M − c_{I+1}}),
   every factor ≤ 1 except inside the diagonal block, where the bounded gate keeps it ≤ e^{5·16} (unbounded gates
   take the exact per-element diagonal, ``EXACT_DIAG``).
 
@@ -23,6 +25,10 @@ backward and dβ through the β-sigmoid backward.
 
 ``_kda_bwd_dg`` — one program per (chunk, head, K-slice): the reverse within-chunk cumsum dG → dg, the gate
 backward, and the per-chunk partial sums of dA_log and ddt_bias (summed on the host).
+
+``_kda_bwd_wy_kb`` (``BwdConfig.wy_kb``, usable with either intra path) — the WY backward per (chunk, head,
+K-block) in ONE pass over V, using dL = −dY V'ᵀ (no dX Wᵀ, no second pass), plus one program per chunk-head for
+dv, dL and dA_qk; see its docstring.
 """
 
 from __future__ import annotations
