@@ -38,8 +38,10 @@ VARIANTS = {
     "split": dict(intra_split=True),
     "split_kslices": dict(intra_split=True, intra_split_bk=16, intra_dg_bk=16, intra_split_warps=8),
     # WY backward per (chunk, head, K-block) with the fused intra kernel, and both new paths with several K-blocks
+    # (the split kernel with stacked MMA operands)
     "wy_kb": dict(wy_kb=True),
-    "wy_kb_split": dict(wy_kb=True, wy_kb_bk=16, wy_kb_bv=16, intra_split=True, intra_split_bk=16),
+    "wy_kb_split": dict(wy_kb=True, wy_kb_bk=16, wy_kb_bv=16, intra_split=True, intra_split_bk=16,
+                        intra_split_stack=True),
 }
 # only for the K = V = 128 case (production head size): both new paths, 64-column slices / K-blocks / V-blocks
 K128 = {"both_k128": dict(intra_split=True, intra_split_bk=64, wy_kb=True, wy_kb_bk=64, wy_kb_bv=64)}
@@ -147,6 +149,7 @@ GPU_VARIANTS = {  # the launch shapes the sweep times (chunk_bwd.BwdConfig), bf1
     "split_bk32_4w": dict(intra_split=True, intra_split_bk=32, intra_split_warps=4),
     "split_bk64_8w": dict(intra_split=True, intra_split_bk=64, intra_split_warps=8),
     "wy_kb": dict(wy_kb=True),
+    "split_bk32_4w_stack": dict(intra_split=True, intra_split_bk=32, intra_split_warps=4, intra_split_stack=True),
     "both": dict(intra_split=True, intra_split_bk=32, intra_split_warps=4, wy_kb=True),
 }
 

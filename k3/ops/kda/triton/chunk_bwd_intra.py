@@ -102,6 +102,49 @@ def _blk_beta(bb, L, H, J, BC: tl.constexpr, BETA_SIGMOID: tl.constexpr):
 
 
 @triton.jit
+def _tile2(A, B, I, J, BT: tl.constexpr, BC: tl.constexpr):
+    """Tiles (I, J) of two [BT, BT] chunk matrices stacked along rows: [A_IJ; B_IJ], [2·BC, BC] (one MMA operand
+    for two products that share the other operand)."""
+    o2 = tl.arange(0, 2 * BC)
+    off = (I * BC + (o2 % BC)[:, None]) * BT + J * BC + tl.arange(0, BC)[None, :]
+    return tl.load(tl.where((o2 < BC)[:, None], A + off, B + off)).to(tl.float32)
+
+
+@triton.jit
+def _tile2_t(A, B, M, I, BT: tl.constexpr, BC: tl.constexpr):
+    """[A_MIᵀ | B_MIᵀ], [BC, 2·BC], transposed by the addressing."""
+    o2 = tl.arange(0, 2 * BC)
+    off = (M * BC + (o2 % BC)[None, :]) * BT + I * BC + tl.arange(0, BC)[:, None]
+    return tl.load(tl.where((o2 < BC)[None, :], A + off, B + off)).to(tl.float32)
+
+
+@triton.jit
+def _blk_x2(qb, kb, rnq, rnk, bb, L, H, HK, K, M, o_k, BC: tl.constexpr, L2NORM: tl.constexpr,
+            BETA_SIGMOID: tl.constexpr):
+    """Rows of block M stacked: [q̂_M; β_M k̂_M], [2·BC, len(o_k)] fp32 (0 on padding)."""
+    o2 = tl.arange(0, 2 * BC)
+    rr = M * BC + o2 % BC
+    isq = o2 < BC
+    m_r = rr < L
+    off = rr[:, None] * HK + o_k[None, :]
+    x = tl.load(tl.where(isq[:, None], qb + off, kb + off), mask=m_r[:, None] & (o_k < K)[None, :],
+                other=0.).to(tl.float32)
+    if L2NORM:
+        x = x * tl.load(tl.where(isq, rnq + rr, rnk + rr))[:, None]
+    b = tl.load(bb + rr * H, mask=m_r, other=0.).to(tl.float32)
+    if BETA_SIGMOID:
+        b = _sigmoid(b)
+    return x * tl.where(isq, 1.0, tl.where(m_r, b, 0.))[:, None]
+
+
+@triton.jit
+def _unstack(x, BC: tl.constexpr):
+    """[2·BC, N] → (rows [0, BC), rows [BC, 2·BC))."""
+    N: tl.constexpr = x.shape[1]
+    return tl.split(tl.permute(tl.reshape(x, [2, BC, N]), [1, 2, 0]))
+
+
+@triton.jit
 def _exact_diag_bwd(dAq, dL, b_q, b_k, b_b, G):
     """Diagonal sub-block, exact per element (unbounded gates): only exponents ≤ 0. Returns the row-side dq, the
     row-side R = Σ_j dL_ij k_j e^{G_i − G_j} (no β), the column-side dk."""
@@ -120,8 +163,11 @@ def _exact_diag_bwd(dAq, dL, b_q, b_k, b_b, G):
 def _intra_block(q, k, beta, RN, GS, DQ, DK, DG, DB, DL, DAQ, dq, dk, dbeta,
                  base, i_h, bos, eos, H, K, I,
                  BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BKS: tl.constexpr,
-                 L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr, EXACT_DIAG: tl.constexpr, PREC: tl.constexpr):
-    """Sub-block I of one chunk: see the module docstring. Register economy: K is walked in slices of BKS columns
+                 L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr, EXACT_DIAG: tl.constexpr, PREC: tl.constexpr,
+                 STACK: tl.constexpr):
+    """Sub-block I of one chunk: see the module docstring. STACK: the two products of a walk step that share an
+    operand run as one MMA with the other operands stacked ([dA_qk; dL] rows on the row side, [q̂; βk̂] rows on the
+    column side): half the operand staging rounds. Register economy: K is walked in slices of BKS columns
     (everything but the L2-norm and β reductions is column-local), the block walks are run-time loops (one
     block's loads in flight at a time), addresses are a scalar base + 32-bit offsets. The pre-norm dq, dk land in
     their fp32 scratch rows; after a barrier the full rows go through the L2-norm backward."""
@@ -150,6 +196,7 @@ def _intra_block(q, k, beta, RN, GS, DQ, DK, DG, DB, DL, DAQ, dq, dk, dbeta,
         tI = tl.load(Sb + (I * BC + BC - 1) * BK + o_k)  # tot_I = c_{I+1} − c_I
         accq = tl.zeros([BC, BKS], dtype=tl.float32)
         accr = tl.zeros([BC, BKS], dtype=tl.float32)
+        acc2 = tl.zeros([2 * BC, BKS], dtype=tl.float32)
         # ---- row side, column blocks J < I, visited I−1 … 0 (reference c_I: kd ≤ 1); run = c_I − c_{J+1}
         run = tl.zeros([BKS], dtype=tl.float32)
         for jj in range(0, I):
@@ -158,8 +205,11 @@ def _intra_block(q, k, beta, RN, GS, DQ, DK, DG, DB, DL, DAQ, dq, dk, dbeta,
             tJ = tl.load(Sb + (J * BC + BC - 1) * BK + o_k)
             kJ = _blk_x(kb, rnk, L, HK, K, J, o_k, BC, L2NORM)
             kd = kJ * tl.exp2((run + tJ)[None, :] - tl.load(Sb + o_j))
-            accq = tl.dot(_tile(DAQ + sa, I, J, BT, BC), kd, accq, input_precision=PREC)
-            accr = tl.dot(_tile(DL + sa, I, J, BT, BC), kd, accr, input_precision=PREC)
+            if STACK:
+                acc2 = tl.dot(_tile2(DAQ + sa, DL + sa, I, J, BT, BC), kd, acc2, input_precision=PREC)
+            else:
+                accq = tl.dot(_tile(DAQ + sa, I, J, BT, BC), kd, accq, input_precision=PREC)
+                accr = tl.dot(_tile(DL + sa, I, J, BT, BC), kd, accr, input_precision=PREC)
             run += tJ
         # ---- the diagonal block: finish the row side
         o_sk = r[:, None] * BK + o_k[None, :]
@@ -168,17 +218,29 @@ def _intra_block(q, k, beta, RN, GS, DQ, DK, DG, DB, DL, DAQ, dq, dk, dbeta,
         sI = tl.load(Sb + o_sk)  # G − c_I
         e = tl.exp2(sI)  # ≤ 1
         if EXACT_DIAG:
+            if STACK:
+                accq, accr = _unstack(acc2, BC)
             dq_d, r_d, dkc_d = _exact_diag_bwd(dAq, dL, qI, kI, bI, sI)
             dq_a = accq * e + dq_d
             R = accr * e + r_d
             cacc = tl.zeros([BC, BKS], dtype=tl.float32)
         else:
             kd = kI * tl.exp2(-sI)  # ≤ e^{5·16} under the bounded gate
-            dq_a = tl.dot(dAq, kd, accq, input_precision=PREC) * e
-            R = tl.dot(dL, kd, accr, input_precision=PREC) * e
-            up = tl.exp2(sI - tI[None, :])  # ≥ 1, ≤ e^{5·16}: the column side's reference is c_{I+1}
-            cacc = tl.dot(_tile_t(DAQ + sa, I, I, BT, BC), qI * up, input_precision=PREC)
-            cacc = tl.dot(_tile_t(DL + sa, I, I, BT, BC), kI * (bI[:, None] * up), cacc, input_precision=PREC)
+            if STACK:
+                accq, accr = _unstack(tl.dot(_tile2(DAQ + sa, DL + sa, I, I, BT, BC), kd, acc2,
+                                             input_precision=PREC), BC)
+                dq_a = accq * e
+                R = accr * e
+                s2 = tl.load(Sb + (I * BC + tl.arange(0, 2 * BC) % BC)[:, None] * BK + o_k[None, :])
+                x2 = _blk_x2(qb, kb, rnq, rnk, bb, L, H, HK, K, I, o_k, BC, L2NORM, BETA_SIGMOID)
+                cacc = tl.dot(_tile2_t(DAQ + sa, DL + sa, I, I, BT, BC), x2 * tl.exp2(s2 - tI[None, :]),
+                              input_precision=PREC)
+            else:
+                dq_a = tl.dot(dAq, kd, accq, input_precision=PREC) * e
+                R = tl.dot(dL, kd, accr, input_precision=PREC) * e
+                up = tl.exp2(sI - tI[None, :])  # ≥ 1, ≤ e^{5·16}: the column side's reference is c_{I+1}
+                cacc = tl.dot(_tile_t(DAQ + sa, I, I, BT, BC), qI * up, input_precision=PREC)
+                cacc = tl.dot(_tile_t(DL + sa, I, I, BT, BC), kI * (bI[:, None] * up), cacc, input_precision=PREC)
         dkr = R * bI[:, None]
         db += tl.sum(R * kI, axis=1)
         tl.store(DQ + sk + o_sk, tl.load(DQ + sk + o_sk) + dq_a)
@@ -188,14 +250,20 @@ def _intra_block(q, k, beta, RN, GS, DQ, DK, DG, DB, DL, DAQ, dq, dk, dbeta,
         # ---- column side, row blocks M > I (reference c_{I+1}: every factor ≤ 1); run = c_M − c_{I+1}
         run = tl.zeros([BKS], dtype=tl.float32)
         for M in range(I + 1, BT // BC):
-            o_m = (M * BC + o_s)[:, None] * BK + o_k[None, :]
-            lf = tl.exp2(tl.load(Sb + o_m) + run[None, :])
+            if STACK:
+                o_m2 = (M * BC + tl.arange(0, 2 * BC) % BC)[:, None] * BK + o_k[None, :]
+                lf2 = tl.exp2(tl.load(Sb + o_m2) + run[None, :])
+                x2 = _blk_x2(qb, kb, rnq, rnk, bb, L, H, HK, K, M, o_k, BC, L2NORM, BETA_SIGMOID)
+                cacc = tl.dot(_tile2_t(DAQ + sa, DL + sa, M, I, BT, BC), x2 * lf2, cacc, input_precision=PREC)
+            else:
+                o_m = (M * BC + o_s)[:, None] * BK + o_k[None, :]
+                lf = tl.exp2(tl.load(Sb + o_m) + run[None, :])
+                qM = _blk_x(qb, rnq, L, HK, K, M, o_k, BC, L2NORM)
+                kM = _blk_x(kb, rnk, L, HK, K, M, o_k, BC, L2NORM)
+                bM = _blk_beta(bb, L, H, M, BC, BETA_SIGMOID)
+                cacc = tl.dot(_tile_t(DAQ + sa, M, I, BT, BC), qM * lf, cacc, input_precision=PREC)
+                cacc = tl.dot(_tile_t(DL + sa, M, I, BT, BC), kM * (bM[:, None] * lf), cacc, input_precision=PREC)
             run += tl.load(Sb + (M * BC + BC - 1) * BK + o_k)
-            qM = _blk_x(qb, rnq, L, HK, K, M, o_k, BC, L2NORM)
-            kM = _blk_x(kb, rnk, L, HK, K, M, o_k, BC, L2NORM)
-            bM = _blk_beta(bb, L, H, M, BC, BETA_SIGMOID)
-            cacc = tl.dot(_tile_t(DAQ + sa, M, I, BT, BC), qM * lf, cacc, input_precision=PREC)
-            cacc = tl.dot(_tile_t(DL + sa, M, I, BT, BC), kM * (bM[:, None] * lf), cacc, input_precision=PREC)
         dkc = cacc * fI
         if EXACT_DIAG:
             dkc += dkc_d
@@ -235,7 +303,7 @@ def _kda_bwd_intra_sub(
     H, K: tl.constexpr,
     BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BKS: tl.constexpr,
     L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr, IS_VARLEN: tl.constexpr, EXACT_DIAG: tl.constexpr,
-    PREC: tl.constexpr,
+    PREC: tl.constexpr, STACK: tl.constexpr,
 ):
     NB: tl.constexpr = BT // BC
     i_ci = tl.program_id(0)
@@ -248,7 +316,7 @@ def _kda_bwd_intra_sub(
     # chunk's last row) are already right; the dg pass reads them as they are.
     if bos + i_i * BC < eos:
         _intra_block(q, k, beta, RN, GS, DQ, DK, DG, DB, DL, DAQ, dq, dk, dbeta, base, i_h, bos, eos, H, K, i_i,
-                     BT, BC, BK, BKS, L2NORM, BETA_SIGMOID, EXACT_DIAG, PREC)
+                     BT, BC, BK, BKS, L2NORM, BETA_SIGMOID, EXACT_DIAG, PREC, STACK)
 
 
 @triton.jit(do_not_specialize=['NC', 'T', 'NT', 'H'])
@@ -466,7 +534,7 @@ def launch_intra_split(q: torch.Tensor, k: torch.Tensor, g: torch.Tensor, beta: 
     _kda_bwd_intra_sub[(NC * (BT // BC), H)](
         q, k, beta, RN, GS, DQ, DK, DG, DB, DL, DAQ, dq, dk, db,
         tab.cu, tab.chunk_seq, tab.chunk_off, NC, tab.T, tab.NT, H, K, BT=BT, BC=BC, BK=BK,
-        BKS=min(int(cfg.intra_split_bk), BK), EXACT_DIAG=exact_diag, PREC=prec,
+        BKS=min(int(cfg.intra_split_bk), BK), EXACT_DIAG=exact_diag, PREC=prec, STACK=bool(cfg.intra_split_stack),
         L2NORM=flag_kw["L2NORM"], BETA_SIGMOID=flag_kw["BETA_SIGMOID"], IS_VARLEN=flag_kw["IS_VARLEN"],
         num_warps=cfg.intra_split_warps, num_stages=cfg.intra_split_stages, **cap)
     bkg = min(int(cfg.intra_dg_bk), BK)
