@@ -54,7 +54,9 @@ D = 32 if DRY else 128  # head dim K = V
 LB = -5.0
 TOL = 2e-2
 GIB = 2**30
-CLASSES = {"F": cf.FwdConfig, "B": cb.BwdConfig, "D": fr.DecodeConfig}
+from k3.ops.kda import prefix as _prefix  # noqa: E402
+
+CLASSES = {"F": cf.FwdConfig, "B": cb.BwdConfig, "D": fr.DecodeConfig, "P": _prefix}  # P: AUTO_SPLIT
 
 # variant groups: name → overrides "Class.attr" → value ("F" FwdConfig, "B" BwdConfig, "D" DecodeConfig). Each
 # variant spells out its whole group (v2's settings + its changes), so the labels stay true whatever the defaults.
@@ -71,17 +73,11 @@ _INV, _AB, _SPLIT = {"F.prep_inv_scratch": True}, {"F.prep_ab_bf16": True}, {"F.
 P7 = {**_INV, **_AB, **_SPLIT, "F.prep_warps": 4}
 _ROWS = {**P7, "F.prep_mode": "rows"}
 PREP = {name: {**PREP_V2, **ch} for name, ch in {
-    "p0 v2 (8w, subst. by reductions, fp32 operands)": {},
     "p7 v3: split, scratch inverse, bf16 operands, 4w": P7,
-    "r1 rows (A by row blocks | T + W,U)": _ROWS,
-    "r2 rows, row kernel 2w": {**_ROWS, "F.rows_warps": 2},
-    "r3 rows, unstacked q/k": {**_ROWS, "F.rows_stack": False},
-    "r4 rows, solve 8w": {**_ROWS, "F.solve_warps": 8},
-    "r5 rows, solve K-slices 64": {**_ROWS, "F.solve_bkw": 64},
-    "r6 rows, solve K-slices 128": {**_ROWS, "F.solve_bkw": 128},
+    **({"r1 rows (A by row blocks | T + W,U)": _ROWS} if os.environ.get("K3_SWEEP_ROWS") == "1" else {}),
 }.items()}
 STATE = {f"s bv={bv} w={w} st={st}": {"F.state_bv": bv, "F.state_warps": w, "F.state_stages": st}
-         for bv, w, st in ((32, 4, 2), (32, 4, 3), (16, 2, 3), (32, 2, 3), (64, 8, 3), (64, 4, 3))}
+         for bv, w, st in ((32, 4, 3), (16, 2, 3), (64, 8, 3))}
 _SPL = {"B.intra_warps": 4, "B.intra_prec_half": "bf16x3", "B.intra_split": True}
 BWD = {name: {**BWD_V2, **ch} for name, ch in {
     "b0 v2": {},
@@ -100,25 +96,19 @@ BWD = {name: {**BWD_V2, **ch} for name, ch in {
 _DF = {"D.base_ptr": True, "D.fused_out": True}
 DEC = {name: {**DEC_V2, **ch} for name, ch in {
     "d0 v2": {},
-    "d1 base_ptr": {"D.base_ptr": True},
-    "d2 base_ptr+fused": _DF,
-    "d3 d2+evict": {**_DF, "D.evict": True},
-    "d4 d2 maxnreg 80": {**_DF, "D.maxnreg": 80},
-    "d5 d2 1 warp bv16": {**_DF, "D.warps": 1, "D.bv": 16},
-    "d6 persistent 4/SM st3": {**_DF, "D.persist": 4},
-    "d7 d6+evict": {**_DF, "D.persist": 4, "D.evict": True},
-    "d8 persistent 5/SM": {**_DF, "D.persist": 5},
-    "d9 persistent 4/SM st4": {**_DF, "D.persist": 4, "D.persist_stages": 4},
-    "d10 persistent 2/SM bv64 8w": {**_DF, "D.persist": 2, "D.bv": 64, "D.warps": 8},
-    "d11 persistent unfused": {"D.base_ptr": True, "D.persist": 4},
     "d12 persistent 10/SM 1w bv16": {**_DF, "D.persist": 10, "D.bv": 16, "D.warps": 1},
     "d13 persistent 8/SM 2w bv16": {**_DF, "D.persist": 8, "D.bv": 16, "D.warps": 2},
+    "d14 d13 + evict": {**_DF, "D.persist": 8, "D.bv": 16, "D.warps": 2, "D.evict": True},
+    "d15 d13, 2 stages": {**_DF, "D.persist": 8, "D.bv": 16, "D.warps": 2, "D.persist_stages": 2},
+    "d16 d13, 4 stages": {**_DF, "D.persist": 8, "D.bv": 16, "D.warps": 2, "D.persist_stages": 4},
+    "d17 persistent 16/SM 1w bv16": {**_DF, "D.persist": 16, "D.bv": 16, "D.warps": 1},
+    "d18 persistent 8/SM 2w bv32": {**_DF, "D.persist": 8, "D.bv": 32, "D.warps": 2},
+    "d19 persistent 6/SM 2w bv16": {**_DF, "D.persist": 6, "D.bv": 16, "D.warps": 2},
 }.items()}
 if DRY:  # keep the interpreter run short: one non-base variant per group
-    PREP = dict(list(PREP.items())[:3])
     STATE = dict(list(STATE.items())[:2])
     BWD = dict(list(BWD.items())[:2])
-    DEC = dict(list(DEC.items())[i] for i in (0, 6))
+    DEC = dict(list(DEC.items())[i] for i in (0, 2))
 GROUPS = {"prep": PREP, "state": STATE, "bwd": BWD, "decode": DEC}
 K3_FLAGS = dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
                 safe_gate=True, lower_bound=LB)
@@ -640,8 +630,11 @@ def main_run(a) -> int:
     for Hp, Tp in PREFILL:
         case = f"prefill B=1 H={Hp} T={Tp}"
         xp = inputs(1, Tp, Hp, seed=6)
-        pimpls = [("k3 best", best_ov, ours), ("k3 best + overlapped windows", {**best_ov, "F.overlap_windows": True},
-                                               ours), ("k3 defaults", {}, ours), ("k3 v2", V2, ours)]
+        unsplit = {**best_ov, "P.AUTO_SPLIT": False}
+        pimpls = [("k3 best (auto split)", best_ov, ours), ("k3 best, unsplit", unsplit, ours),
+                  ("k3 best, unsplit, overlapped windows", {**unsplit, "F.overlap_windows": True}, ours),
+                  ("k3 best, auto split, overlapped windows", {**best_ov, "F.overlap_windows": True}, ours),
+                  ("k3 v2, unsplit", {**V2, "P.AUTO_SPLIT": False}, ours)]
         if fk is not None and "fla_fwd" not in failed:
             pimpls.append(("fla 0.6.0", None, fla))
         for impl, ov, f in pimpls:

@@ -18,9 +18,7 @@ from k3.ops.kda.triton._common import _seq_bounds, _sigmoid, _softplus
 
 
 class DecodeConfig:
-    """Launch knobs (switched by ``bench/kda_sweep.py``). The defaults are v2's design: the sweep's fastest (BV 32,
-    1 warp: 0.092 ms vs 0.099) was 0.104 vs 0.102 when timed again in the same run — within the decode step's
-    run-to-run spread. The knobs below ``stages`` are v4 variants, off until measured:
+    """Launch knobs (switched by ``bench/kda_sweep.py``; defaults = its fastest correct variant, see below):
 
     - ``fused_out``: Sᵀ(e^g∘k) and Sᵀ(e^g∘q) from the LOADED state in one pass, o = scale·(Sᵀ(e^g∘q) + βr·(k·q));
       one reduction phase per token instead of two dependent ones (the state store no longer waits on o's sum).
@@ -36,13 +34,16 @@ class DecodeConfig:
       5 (sm_90: 32 B of spill stack).
     """
 
-    bv = 32
-    warps = 4
+    # run 4 (one H200, bench/results/kda_sweep_v4/): the persistent grid at 8 programs of 2 warps per SM, BV 16,
+    # fused output and base pointers was the fastest correct variant, 0.082 ms (3.27 TB/s of state traffic) for
+    # B=64 H=32; the tiled kernel measured 0.21-0.23 ms in the same run, persistent 4/SM 0.22, 10/SM 1 warp 0.094
+    bv = 16
+    warps = 2
     stages = 1
-    fused_out = False
-    base_ptr = False
+    fused_out = True
+    base_ptr = True
     evict = False
-    persist = 0
+    persist = 8
     persist_stages = 3
     maxnreg: int | None = None
 
