@@ -19,12 +19,9 @@ product per block pair. Programs: light (4 warps, ~170 registers on sm_90), 4 pe
 
 ``_prep_solve`` — grid (chunks, H): T = (I + L)^{-1} from the scratch: the four 16×16 diagonal inverses by forward
 substitution on one stacked [64, 16] tile (built transposed: column s of D_bᵀ = e_s − D_bᵀ L_b[s, :]ᵀ, the row read
-from memory, the reduction inside a tile row), D written back over L's diagonal blocks, then the block-nilpotent
-merge on whole [64, 64] tiles (M = D L_off, M⁴ = 0):
-
-    T = (I + D L_off)^{-1} D = (I − M)(I + M²) D
-
-then W = T X, U = T Y as [64, 64] × [64, 128] products, kg and γ from a fresh whole-chunk gate cumsum.
+from memory, the reduction inside a tile row), D written back over L's diagonal blocks, then the block merge by
+16×16 blocks (T_IJ = −D_I Σ_{J≤M<I} L_IM T_MJ, fp32 mma.sync like the v3 prep), written back over L's lower blocks
+(store → barrier → reload, the hand-off the v3 prep uses), and T reloaded as one [64, 64] tile; then W = T X, U = T Y as [64, 64] × [64, 128] products, kg and γ from a fresh whole-chunk gate cumsum.
 """
 
 from __future__ import annotations
@@ -323,19 +320,42 @@ def _diag_inverses(LK, base, BT: tl.constexpr, BC: tl.constexpr):
 
 
 @triton.jit
-def _block_merge(A, BT: tl.constexpr, BC: tl.constexpr, PREC: tl.constexpr):
-    """T = (I + L)^{-1} from A = D on the diagonal blocks, L below them (anything above):
-    (I + L) = (I + L_diag)(I + D L_off), M = D L_off is strictly block-lower (M⁴ = 0), so
-    T = (I − M + M² − M³) D = (I − M)(I + M²) D."""
-    o_t = tl.arange(0, BT)
-    rb = o_t // BC
-    Dm = tl.where(rb[:, None] == rb[None, :], A, 0.)
-    Lo = tl.where(rb[:, None] > rb[None, :], A, 0.)
-    eye = tl.where(o_t[:, None] == o_t[None, :], 1.0, 0.0)
-    M = tl.dot(Dm, Lo, input_precision=PREC)
-    M2 = tl.dot(M, M, input_precision=PREC)
-    P = tl.dot(eye - M, eye + M2, input_precision=PREC)
-    return tl.dot(P, Dm, input_precision=PREC)
+def _block_merge(LK, base, BT: tl.constexpr, BC: tl.constexpr, PREC: tl.constexpr):
+    """Below-diagonal blocks of T = (I + L)^{-1} from the scratch ``LK[base]`` (D_J = T_JJ on the diagonal blocks,
+    L below them), by 16×16 blocks: T_IJ = −D_I Σ_{J≤M<I} L_IM T_MJ. Written back over L's blocks, so that the
+    caller reloads the whole T as one [BT, BT] tile.
+
+    Why 16×16 blocks and not the [64, 64] product chain (I − M)(I + M²) D: on sm_90 the whole-tile fp32 products
+    become tf32 wgmma with the left operand in registers, fed from the previous product's accumulator; that chain
+    gave garbage (NaN, T off by O(1)) on an H200 while the interpreter was right. 16×16 fp32 products lower to
+    mma.sync like the v3 prep's merge, which is correct on the same GPU."""
+    D0 = tl.load(_tile_ptr(LK, base, 0, 0, BT, BC))
+    D1 = tl.load(_tile_ptr(LK, base, BC, BC, BT, BC))
+    D2 = tl.load(_tile_ptr(LK, base, 2 * BC, 2 * BC, BT, BC))
+    D3 = tl.load(_tile_ptr(LK, base, 3 * BC, 3 * BC, BT, BC))
+    L10 = tl.load(_tile_ptr(LK, base, BC, 0, BT, BC))
+    L20 = tl.load(_tile_ptr(LK, base, 2 * BC, 0, BT, BC))
+    L21 = tl.load(_tile_ptr(LK, base, 2 * BC, BC, BT, BC))
+    L30 = tl.load(_tile_ptr(LK, base, 3 * BC, 0, BT, BC))
+    L31 = tl.load(_tile_ptr(LK, base, 3 * BC, BC, BT, BC))
+    L32 = tl.load(_tile_ptr(LK, base, 3 * BC, 2 * BC, BT, BC))
+    T10 = -tl.dot(D1, tl.dot(L10, D0, input_precision=PREC), input_precision=PREC)
+    T21 = -tl.dot(D2, tl.dot(L21, D1, input_precision=PREC), input_precision=PREC)
+    T32 = -tl.dot(D3, tl.dot(L32, D2, input_precision=PREC), input_precision=PREC)
+    T20 = -tl.dot(D2, tl.dot(L20, D0, input_precision=PREC) + tl.dot(L21, T10, input_precision=PREC),
+                  input_precision=PREC)
+    T31 = -tl.dot(D3, tl.dot(L31, D1, input_precision=PREC) + tl.dot(L32, T21, input_precision=PREC),
+                  input_precision=PREC)
+    T30 = -tl.dot(D3, tl.dot(L30, D0, input_precision=PREC) + tl.dot(L31, T10, input_precision=PREC)
+                  + tl.dot(L32, T20, input_precision=PREC), input_precision=PREC)
+    tl.debug_barrier()  # every thread has read L's blocks before T overwrites them
+    tl.store(_tile_ptr(LK, base, BC, 0, BT, BC), T10)
+    tl.store(_tile_ptr(LK, base, 2 * BC, 0, BT, BC), T20)
+    tl.store(_tile_ptr(LK, base, 2 * BC, BC, BT, BC), T21)
+    tl.store(_tile_ptr(LK, base, 3 * BC, 0, BT, BC), T30)
+    tl.store(_tile_ptr(LK, base, 3 * BC, BC, BT, BC), T31)
+    tl.store(_tile_ptr(LK, base, 3 * BC, 2 * BC, BT, BC), T32)
+    tl.debug_barrier()  # ... and T is visible to every thread of the program before the reload
 
 
 @triton.jit(do_not_specialize=['c0', 'NCw', 'T', 'NT', 'H'])
@@ -358,10 +378,11 @@ def _prep_solve(
 
     # ---- T
     _diag_inverses(LK, base, BT, BC)
+    _block_merge(LK, base, BT, BC, PREC)
     rb = o_t // BC
-    # only the lower blocks were written (and are used): the masked load skips the upper ones' bytes
-    A = tl.load(LK + (base * BT + o_t[:, None]) * BT + o_t[None, :], mask=rb[:, None] >= rb[None, :], other=0.)
-    b_t = _block_merge(A, BT, BC, PREC).to(DT)
+    # T's block-lower part is now in the scratch; the upper blocks were never written: masked, read as zeros
+    b_t = tl.load(LK + (base * BT + o_t[:, None]) * BT + o_t[None, :], mask=rb[:, None] >= rb[None, :],
+                  other=0.).to(DT)
     if STORE_T:
         tl.store(TM + (base * BT + o_t[:, None]) * BT + o_t[None, :], b_t)
 
