@@ -278,6 +278,30 @@ def test_gpu_rows_bf16(monkeypatch, ab_bf16, case):
 
 
 @gpu
+@pytest.mark.parametrize("ab_bf16", [False, True])
+@pytest.mark.parametrize("case", ["random", "gates_at_bound", "beta_near_0"])
+def test_gpu_rows_buffers_match_v3(monkeypatch, ab_bf16, case):
+    """Kernel by kernel on the GPU (bf16, K = V = 128, T = 1000: a ragged last chunk): every buffer of the rows prep
+    (A_qk, qg from ``_prep_rows_qk``; T, W, U, kg, γ from ``_prep_solve``) against the v3 prep's, so a failure names
+    the kernel (the end-to-end tests only show the output or a gradient)."""
+    monkeypatch.setattr(cf.FwdConfig, "prep_ab_bf16", ab_bf16)
+    x = make_inputs(1000, 4, 128, 128, seed=3, g_const=20.0 if case == "gates_at_bound" else None,
+                    beta_logit=-12.0 if case == "beta_near_0" else None)
+    tab = make_chunk_table(1, 1000, None, torch.device(DEV))
+    a = [x[n].to(DEV, torch.bfloat16) for n in ("q", "k", "v", "g", "beta")]
+    a += [x["A"].to(DEV, torch.float32), x["dt"].to(DEV, torch.float32)]
+    flags = dict(l2norm=True, use_gate=True, beta_sigmoid=True, exact_diag=False)
+    out = {}
+    for mode in ("v3", "rows"):
+        monkeypatch.setattr(cf.FwdConfig, "prep_mode", mode)
+        out[mode] = cf.prep_all(*a, 128 ** -0.5, tab, -5.0, flags)
+    torch.cuda.synchronize()
+    for key in ("AQK", "QG", "TM", "W", "U", "KG", "GAM"):
+        assert torch.isfinite(out["rows"][key]).all(), key
+        assert rel(out["rows"][key], out["v3"][key]) < 2e-2, key
+
+
+@gpu
 def test_gpu_rows_one_million_tokens_matches_v3(monkeypatch):
     """T = 2^20 (windowed inference, bf16, K = V = 128): finite, and the rows prep's output equals the v3 prep's
     within bf16 noise."""
