@@ -243,7 +243,15 @@ def _intra_block(q, k, beta, RN, GS, DQ, DK, DG, DB, DL, DAQ, dq, dk, dbeta,
                 cacc = tl.dot(_tile_t(DL + sa, I, I, BT, BC), kI * (bI[:, None] * up), cacc, input_precision=PREC)
         dkr = R * bI[:, None]
         db += tl.sum(R * kI, axis=1)
-        tl.store(DQ + sk + o_sk, tl.load(DQ + sk + o_sk) + dq_a)
+        ONE: tl.constexpr = BKS == BK  # one slice: dq, dk finish in registers (no scratch round trip, no barrier)
+        if ONE:
+            b_dq = tl.load(DQ + sk + o_sk) + dq_a
+            if L2NORM:  # q̂ = qI here (the slice is the whole row)
+                b_dq = tl.load(rnq + r)[:, None] * (b_dq - qI * tl.sum(b_dq * qI, axis=1)[:, None])
+            m = m_t[:, None] & (o_k < K)[None, :]
+            tl.store(dq + row0 + r[:, None] * HK + o_k[None, :], b_dq.to(dq.dtype.element_ty), mask=m)
+        else:
+            tl.store(DQ + sk + o_sk, tl.load(DQ + sk + o_sk) + dq_a)
         dg_part = tl.load(DG + sk + o_sk) + qI * dq_a + kI * dkr
         dk_part = tl.load(DK + sk + o_sk) + dkr
         fI = tl.exp2(tI[None, :] - sI)  # ≤ 1
@@ -267,31 +275,38 @@ def _intra_block(q, k, beta, RN, GS, DQ, DK, DG, DB, DL, DAQ, dq, dk, dbeta,
         dkc = cacc * fI
         if EXACT_DIAG:
             dkc += dkc_d
-        tl.store(DK + sk + o_sk, dk_part + dkc)
+        if ONE:
+            b_dk = dk_part + dkc
+            if L2NORM:
+                b_dk = tl.load(rnk + r)[:, None] * (b_dk - kI * tl.sum(b_dk * kI, axis=1)[:, None])
+            tl.store(dk + row0 + r[:, None] * HK + o_k[None, :], b_dk.to(dk.dtype.element_ty), mask=m)
+        else:
+            tl.store(DK + sk + o_sk, dk_part + dkc)
         tl.store(DG + sk + o_sk, dg_part - kI * dkc)
-    # ---- full rows: L2-norm backward of dq, dk; β (sigmoid) backward
+    # ---- full rows: L2-norm backward of dq, dk (several slices); β (sigmoid) backward
     if BETA_SIGMOID:
         b_r = tl.load(bb + r * H, mask=m_t, other=0.).to(tl.float32)
         db = db * _sigmoid(b_r) * _sigmoid(-b_r)
     tl.store(dbeta + bos * H + i_h + r * H, db.to(dbeta.dtype.element_ty), mask=m_t)
-    tl.debug_barrier()  # the scratch rows were written in K-slices, possibly by other threads
-    o_k = tl.arange(0, BK)
-    m = m_t[:, None] & (o_k < K)[None, :]
-    o_x = r[:, None] * HK + o_k[None, :]
-    o_sk = r[:, None] * BK + o_k[None, :]
-    b_dq = tl.load(DQ + sk + o_sk)
-    b_dk = tl.load(DK + sk + o_sk)
-    if L2NORM:
-        qI = tl.load(qb + o_x, mask=m, other=0.).to(tl.float32)
-        rq = tl.load(rnq + r)
-        qI = qI * rq[:, None]
-        b_dq = rq[:, None] * (b_dq - qI * tl.sum(b_dq * qI, axis=1)[:, None])
-        kI = tl.load(kb + o_x, mask=m, other=0.).to(tl.float32)
-        rk = tl.load(rnk + r)
-        kI = kI * rk[:, None]
-        b_dk = rk[:, None] * (b_dk - kI * tl.sum(b_dk * kI, axis=1)[:, None])
-    tl.store(dq + row0 + o_x, b_dq.to(dq.dtype.element_ty), mask=m)
-    tl.store(dk + row0 + o_x, b_dk.to(dk.dtype.element_ty), mask=m)
+    if BKS < BK:
+        tl.debug_barrier()  # the scratch rows were written in K-slices, possibly by other threads
+        o_k = tl.arange(0, BK)
+        m = m_t[:, None] & (o_k < K)[None, :]
+        o_x = r[:, None] * HK + o_k[None, :]
+        o_sk = r[:, None] * BK + o_k[None, :]
+        b_dq = tl.load(DQ + sk + o_sk)
+        b_dk = tl.load(DK + sk + o_sk)
+        if L2NORM:
+            qI = tl.load(qb + o_x, mask=m, other=0.).to(tl.float32)
+            rq = tl.load(rnq + r)
+            qI = qI * rq[:, None]
+            b_dq = rq[:, None] * (b_dq - qI * tl.sum(b_dq * qI, axis=1)[:, None])
+            kI = tl.load(kb + o_x, mask=m, other=0.).to(tl.float32)
+            rk = tl.load(rnk + r)
+            kI = kI * rk[:, None]
+            b_dk = rk[:, None] * (b_dk - kI * tl.sum(b_dk * kI, axis=1)[:, None])
+        tl.store(dq + row0 + o_x, b_dq.to(dq.dtype.element_ty), mask=m)
+        tl.store(dk + row0 + o_x, b_dk.to(dk.dtype.element_ty), mask=m)
 
 
 @triton.jit(do_not_specialize=['NC', 'T', 'NT', 'H'])
