@@ -44,7 +44,9 @@ VARIANTS = {
                         intra_split_stack=True),
 }
 # only for the K = V = 128 case (production head size): both new paths, 64-column slices / K-blocks / V-blocks
-K128 = {"both_k128": dict(intra_split=True, intra_split_bk=64, wy_kb=True, wy_kb_bk=64, wy_kb_bv=64)}
+K128 = {"both_k128": dict(intra_split=True, intra_split_bk=64, wy_kb=True, wy_kb_bk=64, wy_kb_bv=64),
+        "split_one_slice_stack_k128": dict(intra_split=True, intra_split_bk=128, intra_split_stack=True,
+                                           intra_split_warps=8, intra_split_maxnreg=128)}
 LAUNCHERS = {"intra_split": "launch_intra_split", "wy_kb": "launch_wy_kb"}
 
 
@@ -119,7 +121,8 @@ def test_bwd_variant_varlen_odd_lengths(variant):
 @cpu_only
 @pytest.mark.parametrize("variant", list(K128), indirect=True)
 def test_bwd_variant_k128(variant):
-    """K = V = 128: two 64-column slices in the split intra kernel, two K-blocks × two V-blocks in the WY kernel."""
+    """K = V = 128: two 64-column slices in the split intra kernel, two K-blocks × two V-blocks in the WY kernel;
+    or all of K in one slice (dq, dk finished in registers) with stacked operands."""
     x = make_inputs(1, 70, 1, 128, 128)
     check_against_reference(x, 1e-4)
 
@@ -150,6 +153,8 @@ GPU_VARIANTS = {  # the launch shapes the sweep times (chunk_bwd.BwdConfig), bf1
     "split_bk64_8w": dict(intra_split=True, intra_split_bk=64, intra_split_warps=8),
     "wy_kb": dict(wy_kb=True),
     "split_bk32_4w_stack": dict(intra_split=True, intra_split_bk=32, intra_split_warps=4, intra_split_stack=True),
+    "split_bk128_8w_stack_cap128": dict(intra_split=True, intra_split_bk=128, intra_split_warps=8,
+                                        intra_split_stack=True, intra_split_maxnreg=128),
     "both": dict(intra_split=True, intra_split_bk=32, intra_split_warps=4, wy_kb=True),
 }
 
