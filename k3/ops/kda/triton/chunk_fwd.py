@@ -511,7 +511,8 @@ class FwdConfig:
     wu_stages = 1
     # "v3": ``_kda_fwd_prep`` (+ ``_kda_fwd_wu`` if prep_split), the knobs above. "rows": ``chunk_prep``'s two
     # kernels — A by 16-row blocks, one light program per (row block, chunk, head), then T + W, U per (chunk, head)
-    # (prep_split / prep_inv_scratch / prep_warps do not apply; prep_ab_bf16 does). Not yet measured on a GPU.
+    # (prep_split / prep_inv_scratch / prep_warps do not apply; prep_ab_bf16 does). Sweep run 4a (H200): wrong
+    # (NaN, T off) with T merged by chained [64, 64] tf32 wgmma products; now merged by 16×16 blocks, re-check.
     prep_mode = "v3"
     rows_stack = True  # rows: q and k of a row block as one [32, K] left operand (one product per block pair)
     rows_warps = 4

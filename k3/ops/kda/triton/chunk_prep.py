@@ -21,7 +21,8 @@ product per block pair. Programs: light (4 warps, ~170 registers on sm_90), 4 pe
 substitution on one stacked [64, 16] tile (built transposed: column s of D_bᵀ = e_s − D_bᵀ L_b[s, :]ᵀ, the row read
 from memory, the reduction inside a tile row), D written back over L's diagonal blocks, then the block merge by
 16×16 blocks (T_IJ = −D_I Σ_{J≤M<I} L_IM T_MJ, fp32 mma.sync like the v3 prep), written back over L's lower blocks
-(store → barrier → reload, the hand-off the v3 prep uses), and T reloaded as one [64, 64] tile; then W = T X, U = T Y as [64, 64] × [64, 128] products, kg and γ from a fresh whole-chunk gate cumsum.
+(store → barrier → reload, the hand-off the v3 prep uses), and T reloaded as one [64, 64] tile; then W = T X,
+U = T Y as [64, 64] × [64, 128] products, kg and γ from a fresh whole-chunk gate cumsum.
 """
 
 from __future__ import annotations
