@@ -278,13 +278,14 @@ def test_gpu_rows_bf16(monkeypatch, ab_bf16, case):
 
 
 @gpu
-@pytest.mark.parametrize("ab_bf16", [False, True])
+@pytest.mark.parametrize("ab_bf16,stack", [(True, True), (False, True), (True, False)])
 @pytest.mark.parametrize("case", ["random", "gates_at_bound", "beta_near_0"])
-def test_gpu_rows_buffers_match_v3(monkeypatch, ab_bf16, case):
+def test_gpu_rows_buffers_match_v3(monkeypatch, ab_bf16, stack, case):
     """Kernel by kernel on the GPU (bf16, K = V = 128, T = 1000: a ragged last chunk): every buffer of the rows prep
-    (A_qk, qg from ``_prep_rows_qk``; T, W, U, kg, γ from ``_prep_solve``) against the v3 prep's, so a failure names
-    the kernel (the end-to-end tests only show the output or a gradient)."""
+    (A_qk, qg from ``_prep_rows_qk`` / ``_prep_rows``; T, W, U, kg, γ from ``_prep_solve``) against the v3 prep's,
+    so a failure names the kernel (the end-to-end tests only show the output or a gradient)."""
     monkeypatch.setattr(cf.FwdConfig, "prep_ab_bf16", ab_bf16)
+    monkeypatch.setattr(cf.FwdConfig, "rows_stack", stack)
     x = make_inputs(1000, 4, 128, 128, seed=3, g_const=20.0 if case == "gates_at_bound" else None,
                     beta_logit=-12.0 if case == "beta_near_0" else None)
     tab = make_chunk_table(1, 1000, None, torch.device(DEV))
