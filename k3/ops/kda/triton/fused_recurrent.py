@@ -34,10 +34,10 @@ class DecodeConfig:
       5 (sm_90: 32 B of spill stack).
     """
 
-    # run 4 (one H200, bench/results/kda_sweep_v4/): the persistent grid at 8 programs of 2 warps per SM, BV 16,
-    # fused output and base pointers was the fastest correct variant, 0.082 ms (3.27 TB/s of state traffic) for
-    # B=64 H=32; the tiled kernel measured 0.21-0.23 ms in the same run, persistent 4/SM 0.22, 10/SM 1 warp 0.094
-    bv = 16
+    # sweep run 4b (one H200, bench/results/kda_sweep_v4/): the persistent grid at 8 programs of 2 warps per SM,
+    # BV 32, fused output and base pointers was the fastest correct variant, 0.079 ms (3.38 TB/s of state traffic)
+    # for B=64 H=32 (BV 16: 0.083; v2's tiled kernel 0.098; 10/SM at 1 warp 0.094; 4 pipeline stages 0.112)
+    bv = 32
     warps = 2
     stages = 1
     fused_out = True
