@@ -71,7 +71,8 @@ class BwdConfig:
     intra_dg_bk = 32  # K-slice of the dG → dg pass
     intra_dg_warps = 4
     # WY backward per (chunk, head, K-block) in one pass over V (chunk_bwd_intra.py): dL = −dY V'ᵀ, no dX Wᵀ and
-    # no second pass; one more program per chunk-head writes dv, dL, dA_qk. Not yet measured.
+    # no second pass; one more program per chunk-head writes dv, dL, dA_qk. Run 4b: no gain (whole backward 13.46
+    # vs 13.39 ms with the split intra, 19.93 vs 19.57 with v3's): every program recomputes dY = Tᵀ dV', V' = U − W S.
     wy_kb = False
     wy_kb_bk = 64
     wy_kb_bv = 64
