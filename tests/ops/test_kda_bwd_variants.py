@@ -39,7 +39,8 @@ VARIANTS = {
     "split_kslices": dict(intra_split=True, intra_split_bk=16, intra_dg_bk=16, intra_split_warps=8),
     # WY backward per (chunk, head, K-block) with the fused intra kernel, and both new paths with several K-blocks
     # (the split kernel with stacked MMA operands)
-    "wy_kb": dict(wy_kb=True),
+    "wy_kb": dict(wy_kb=True, intra_split=False),
+    "wy_kb_2pass": dict(wy_kb=True, wy_kb_two_pass=True, wy_kb_bk=16, wy_kb_bv=16, intra_split=True),
     "wy_kb_split": dict(wy_kb=True, wy_kb_bk=16, wy_kb_bv=16, intra_split=True, intra_split_bk=16,
                         intra_split_stack=True),
 }
@@ -95,7 +96,7 @@ CASES = [  # (B, T, H, K, V, make_inputs kwargs, check kwargs)
 # every case for the two variants that run every new kernel with several K-slices / K-blocks; the one-slice
 # "split" and "wy_kb" (with the fused intra kernel) on the cases that stress different code (time budget)
 FULL = [(v, c) for v in ("split_kslices", "wy_kb_split") for c in CASES] + \
-    [(v, CASES[i]) for v in ("split", "wy_kb") for i in (1, 3, 4)]
+    [(v, CASES[i]) for v in ("split", "wy_kb", "wy_kb_2pass") for i in (1, 3, 4)]
 
 
 @cpu_only
@@ -156,6 +157,7 @@ GPU_VARIANTS = {  # the launch shapes the sweep times (chunk_bwd.BwdConfig), bf1
     "split_bk128_8w_stack_cap128": dict(intra_split=True, intra_split_bk=128, intra_split_warps=8,
                                         intra_split_stack=True, intra_split_maxnreg=128),
     "both": dict(intra_split=True, intra_split_bk=32, intra_split_warps=4, wy_kb=True),
+    "wy_kb_2pass": dict(intra_split=True, wy_kb=True, wy_kb_two_pass=True),
 }
 
 

@@ -79,6 +79,7 @@ class BwdConfig:
     wy_kb_warps = 8
     wy_kb_stages = 1
     wy_kb_maxnreg = 0  # > 0: ptxas register cap
+    wy_kb_two_pass = False  # dv/dL/dA_qk launch first, handing dY, V' to the K-block launch (no recompute)
 
 
 @triton.jit(do_not_specialize=['NC', 'T', 'NT', 'H'])

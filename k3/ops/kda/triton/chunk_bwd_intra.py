@@ -407,11 +407,12 @@ def _wy_dy_vn(TM, W, U, HS, DV, base, o_t, o_kf, o_v, BT: tl.constexpr, BK: tl.c
 
 
 @triton.jit
-def _wy_dv_dl(v, do, TM, W, U, HS, DV, dv, DL, DAQ, DBP, b_b, base, i_h, t, m_t, o_t, o_kf, H, V: tl.constexpr,
-              scale, NKW: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BVP: tl.constexpr,
-              PREC: tl.constexpr):
+def _wy_dv_dl(v, do, TM, W, U, HS, DV, dv, DL, DAQ, DBP, DYS, VNS, b_b, base, i_h, t, m_t, o_t, o_kf, H,
+              V: tl.constexpr, scale, NKW: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+              BVP: tl.constexpr, PREC: tl.constexpr, STORE_DYVN: tl.constexpr):
     """The chunk-head's [BT, BT] outputs dL = −dY V'ᵀ (strictly lower), dA_qk = dO V'ᵀ (lower, × scale), plus
-    dv = β dY and dY's share of dβ (partial number NKW)."""
+    dv = β dY and dY's share of dβ (partial number NKW). STORE_DYVN: also hand dY, V' (store dtype) to the
+    K-block programs of a second launch through ``DYS`` / ``VNS`` ``[H, NC, BT, BVP]``."""
     DT: tl.constexpr = W.dtype.element_ty
     db = tl.zeros([BT], dtype=tl.float32)
     dL = tl.zeros([BT, BT], dtype=tl.float32)
@@ -421,6 +422,10 @@ def _wy_dv_dl(v, do, TM, W, U, HS, DV, dv, DL, DAQ, DBP, b_b, base, i_h, t, m_t,
         m_tv = m_t[:, None] & (o_v < V)[None, :]
         p_v = (t * H + i_h)[:, None] * V + o_v[None, :]
         b_dy, b_vn = _wy_dy_vn(TM, W, U, HS, DV, base, o_t, o_kf, o_v, BT, BK, BVP, PREC)
+        if STORE_DYVN:
+            p_tv = (base * BT + o_t[:, None]) * BVP + o_v[None, :]
+            tl.store(DYS + p_tv, b_dy.to(DT))
+            tl.store(VNS + p_tv, b_vn)
         b_do = tl.load(do + p_v, mask=m_tv, other=0.).to(DT)
         b_vv = tl.load(v + p_v, mask=m_tv, other=0.).to(tl.float32)
         tl.store(dv + p_v, (b_dy * b_b[:, None]).to(dv.dtype.element_ty), mask=m_tv)
@@ -437,25 +442,30 @@ def _wy_dv_dl(v, do, TM, W, U, HS, DV, dv, DL, DAQ, DBP, b_b, base, i_h, t, m_t,
 def _kda_bwd_wy_kb(
     q, k, v, g, beta, A_log, dt_bias, do, RN, GS,
     W, U, QG, TM, HS, DHS, DV,
-    dv, DQ, DK, DG, DBP, DL, DAQ,
+    dv, DQ, DK, DG, DBP, DL, DAQ, DYS, VNS,
     cu, chunk_seq, chunk_off, NC, T, NT,
     H, K: tl.constexpr, V: tl.constexpr, scale, lb,
     BT: tl.constexpr, BK: tl.constexpr, BKW: tl.constexpr, BV: tl.constexpr, BVP: tl.constexpr,
     USE_GATE: tl.constexpr, HAS_LB: tl.constexpr, HAS_A: tl.constexpr, HAS_DT: tl.constexpr,
     L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr, IS_VARLEN: tl.constexpr, PREC: tl.constexpr,
-    STORE_RN: tl.constexpr, STORE_G: tl.constexpr,
+    STORE_RN: tl.constexpr, STORE_G: tl.constexpr, MODE: tl.constexpr,
 ):
     """WY backward, grid (chunks, heads, K/BKW + 1), one pass over V-blocks per program.
 
     With T X = W, T Y = U, V' = U − W S and dY = Tᵀ dV': the [BT, K] outputs are column-local in K,
     dqg = dO Sᵀ, dX = −dY Sᵀ, dkg = V' dS'ᵀ, γ's share Σ_v S ⊙ dS' (programs 0 … K/BKW − 1, one K-block each),
     and the two [BT, BT] outputs need no dX: dL = −Tᵀ (dW Xᵀ + dV' Yᵀ) Tᵀ = −(dX Wᵀ + dY Uᵀ) = −dY (U − W S)ᵀ
-    = −dY V'ᵀ and dA_qk = dO V'ᵀ (the last program, with dv). Every program recomputes its dY, V' blocks (the
-    programs of a chunk-head run side by side: L2 hits). dβ comes out as K/BKW + 1 partials (``DBP``)."""
+    = −dY V'ᵀ and dA_qk = dO V'ᵀ (the last program, with dv). MODE 0: every program recomputes its dY, V' blocks
+    (the programs of a chunk-head run side by side: L2 hits). Two launches instead: MODE 1 (grid z = 1) runs only
+    the last program and stores dY, V'; MODE 2 (grid z = K/BKW) runs the K-block programs, which load them.
+    dβ comes out as K/BKW + 1 partials (``DBP``)."""
     i_c = tl.program_id(0)
     i_h = tl.program_id(1)
-    i_k = tl.program_id(2)
     NKW: tl.constexpr = BK // BKW
+    if MODE == 1:
+        i_k = NKW
+    else:
+        i_k = tl.program_id(2)
     DT: tl.constexpr = W.dtype.element_ty
     bos, eos = _chunk_pos(i_c, cu, chunk_seq, chunk_off, T, NT, BT, IS_VARLEN)
     base = (i_h * NC + i_c).to(tl.int64)
@@ -465,8 +475,8 @@ def _kda_bwd_wy_kb(
     m_t = t < eos
     b_b = _chunk_beta(beta, i_h, bos, eos, H, BT, BETA_SIGMOID)
     if i_k == NKW:
-        _wy_dv_dl(v, do, TM, W, U, HS, DV, dv, DL, DAQ, DBP, b_b, base, i_h, t, m_t, o_t, o_kf, H, V, scale,
-                  NKW, BT, BK, BV, BVP, PREC)
+        _wy_dv_dl(v, do, TM, W, U, HS, DV, dv, DL, DAQ, DBP, DYS, VNS, b_b, base, i_h, t, m_t, o_t, o_kf, H, V,
+                  scale, NKW, BT, BK, BV, BVP, PREC, MODE == 1)
         if L2NORM:
             if STORE_RN:
                 tl.store(RN + base * (2 * BT) + o_t, _row_rnorm(q, i_h, bos, eos, H, K, BT, BK, BKW))
@@ -481,7 +491,12 @@ def _kda_bwd_wy_kb(
             o_v = i_v * BV + tl.arange(0, BV)
             m_tv = m_t[:, None] & (o_v < V)[None, :]
             p_kc = (base * BK + o_kc[:, None]) * BVP + o_v[None, :]
-            b_dy, b_vn = _wy_dy_vn(TM, W, U, HS, DV, base, o_t, o_kf, o_v, BT, BK, BVP, PREC)
+            if MODE == 2:
+                p_tv = (base * BT + o_t[:, None]) * BVP + o_v[None, :]
+                b_dy = tl.load(DYS + p_tv).to(tl.float32)
+                b_vn = tl.load(VNS + p_tv)
+            else:
+                b_dy, b_vn = _wy_dy_vn(TM, W, U, HS, DV, base, o_t, o_kf, o_v, BT, BK, BVP, PREC)
             b_do = tl.load(do + (t * H + i_h)[:, None] * V + o_v[None, :], mask=m_tv, other=0.).to(DT)
             b_sk = tl.load(HS + p_kc)
             b_dsk = tl.load(DHS + p_kc)
@@ -525,12 +540,18 @@ def launch_wy_kb(q, k, v, g, beta, a_log, dtb, do, RN: torch.Tensor, GS: torch.T
     DBP = torch.empty(H, NC, nkw + 1, BT, dtype=torch.float32, device=q.device)
     s = saved
     cap = {"maxnreg": int(cfg.wy_kb_maxnreg)} if cfg.wy_kb_maxnreg else {}
-    _kda_bwd_wy_kb[(NC, H, nkw + 1)](
-        q, k, v, g, beta, a_log, dtb, do, RN, GS, s["W"], s["U"], s["QG"], s["TM"], s["HS"], DHS, DV,
-        dv, DQ, DK, DG, DBP, DL, DAQ, tab.cu, tab.chunk_seq, tab.chunk_off, NC, tab.T, tab.NT,
-        H, K, V, scale, lb, BT=BT, BK=BK, BKW=bkw, BV=min(int(cfg.wy_kb_bv), BVP), BVP=BVP, PREC=prec,
-        STORE_RN=store_rn, STORE_G=store_g, **flag_kw,
-        num_warps=cfg.wy_kb_warps, num_stages=cfg.wy_kb_stages, **cap)
+    two = bool(cfg.wy_kb_two_pass)
+    if two:  # dY, V' through memory (store dtype): the K-block programs do no T·dV' / W·S products
+        DYS, VNS = (torch.empty(H, NC, BT, BVP, dtype=s["W"].dtype, device=q.device) for _ in range(2))
+    else:
+        DYS = VNS = DV
+    for mode, nz in ((1, 1), (2, nkw)) if two else ((0, nkw + 1),):
+        _kda_bwd_wy_kb[(NC, H, nz)](
+            q, k, v, g, beta, a_log, dtb, do, RN, GS, s["W"], s["U"], s["QG"], s["TM"], s["HS"], DHS, DV,
+            dv, DQ, DK, DG, DBP, DL, DAQ, DYS, VNS, tab.cu, tab.chunk_seq, tab.chunk_off, NC, tab.T, tab.NT,
+            H, K, V, scale, lb, BT=BT, BK=BK, BKW=bkw, BV=min(int(cfg.wy_kb_bv), BVP), BVP=BVP, PREC=prec,
+            STORE_RN=store_rn, STORE_G=store_g, MODE=mode, **flag_kw,
+            num_warps=cfg.wy_kb_warps, num_stages=cfg.wy_kb_stages, **cap)
     return DBP.sum(2)
 
 
