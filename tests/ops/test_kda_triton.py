@@ -168,6 +168,26 @@ def test_chunk_fwd_bwd_matches_recurrence(B, T, H, K, V, kw, rkw):
 
 
 @cpu_only
+def test_backward_with_broadcast_output_gradients():
+    """``(o.sum() + ht.sum()).backward()`` hands the backward stride-0 (expanded) gradients of o and the final
+    state: the gradients equal those from dense tensors of ones."""
+    x = make_inputs(1, 70, 2, 16, 16)
+
+    def grads(dense: bool) -> list[torch.Tensor]:
+        xs = {n: t.float().clone().requires_grad_() for n, t in x.items()}
+        o, ht = chunk_kda_triton(xs["q"], xs["k"], xs["v"], xs["g"], xs["beta"], 0.25, xs["s0"], True, True, True,
+                                 True, -5.0, None, xs["A"], xs["dt"])
+        if dense:
+            torch.autograd.backward([o, ht], [torch.ones_like(o), torch.ones_like(ht)])
+        else:
+            (o.sum() + ht.sum()).backward()
+        return [xs[n].grad for n in ("q", "k", "v", "g", "beta", "s0", "A", "dt")]
+
+    for a, b in zip(grads(False), grads(True)):
+        assert torch.equal(a, b)
+
+
+@cpu_only
 def test_chunk_varlen_with_empty_and_tiny_sequences():
     cu = [0, 1, 64, 64, 130, 200]
     x = make_inputs(1, 200, 2, 16, 16, N=5)

@@ -525,7 +525,8 @@ def kda_bwd(q, k, v, g, beta, A_log, dt_bias, initial_state, scale: float, do, d
         if dht is not None:
             dh0.copy_(dht)
         return dq, dk, dv, dg, db, dA, ddt, (dh0 if initial_state is not None else None)
-    do = do.contiguous()
+    do = do.contiguous()  # e.g. o.sum().backward() hands over a stride-0 gradient: the kernels index densely
+    dht = dht.contiguous() if dht is not None else None
     BK, BVP = next_pow2(K), next_pow2(V)
     prec = dot_precision(q.dtype)
     # dG is a sum of row and column shares that cancel strongly when decays are strong (all gates at the bound):
