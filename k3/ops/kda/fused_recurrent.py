@@ -16,69 +16,6 @@ from k3.ops.kda.naive import _from_padded, _to_padded, naive_recurrent_kda, varl
 
 __all__ = ["fused_recurrent_kda", "fused_recurrent_kda_pool"]
 
-_FAST_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-_INF = float("inf")
-
-
-def _fast_checks(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
-    scale: float | None,
-    initial_state: torch.Tensor | None,
-    use_gate_in_kernel: bool,
-    safe_gate: bool,
-    lower_bound: float | None,
-    A_log: torch.Tensor | None,
-    dt_bias: torch.Tensor | None,
-) -> tuple[float, float | None] | None:
-    """``check_kda_call``'s result for a call that certainly passes it, else ``None`` (then the full checks run and
-    raise their ``ValueError``). Why: those checks build every error message up front (~25 µs per call on a
-    2-core EPYC, a quarter of a decode step); this predicate tests the same conditions on the common decode
-    signature (plain tensors of fp16/bf16/fp32, no cu_seqlens, float scale/bound) without formatting anything.
-    It only ever answers for a subset of the valid calls: tests/ops/test_kda_decode.py checks it against the full
-    checks."""
-    T_ = torch.Tensor
-    if not (type(q) is T_ and type(k) is T_ and type(v) is T_ and type(g) is T_ and type(beta) is T_):
-        return None
-    dev = q.device
-    for x in (q, k, v, g, beta):
-        if x.dtype not in _FAST_DTYPES or x.device != dev:
-            return None
-    shape = q.shape
-    if len(shape) != 4 or k.shape != shape or g.shape != shape:
-        return None
-    B, T, H, K = shape
-    vs = v.shape
-    if len(vs) != 4 or vs[0] != B or vs[1] != T or vs[2] != H or beta.shape != (B, T, H):
-        return None
-    if K <= 0 or H <= 0 or vs[3] <= 0:
-        return None
-    if initial_state is not None and not (
-            type(initial_state) is T_ and initial_state.dtype == torch.float32 and initial_state.device == dev
-            and initial_state.shape == (B, H, K, vs[3])):
-        return None
-    if scale is None:
-        scale = K**-0.5
-    elif type(scale) is not float or not 0.0 < scale < _INF:
-        return None
-    lb = None
-    if lower_bound is not None:
-        if type(lower_bound) not in (float, int) or not -5.0 <= lower_bound < 0.0:
-            return None
-        lb = float(lower_bound)
-    if use_gate_in_kernel:
-        if (lb is None and A_log is None) or (safe_gate and lb is None):
-            return None
-        for x, n in ((A_log, H), (dt_bias, H * K)):
-            if x is not None and not (type(x) is T_ and x.is_floating_point() and x.numel() == n
-                                      and x.device == dev):
-                return None
-    return scale, lb
-
-
 def _check_pool(pool: torch.Tensor, idx: torch.Tensor, N: int, H: int, K: int, V: int, device: torch.device) -> None:
     """Shape/dtype checks of a state pool and its slot indices (values are checked only for CPU indices: a check
     of CUDA indices would cost a device sync on every decode step)."""
@@ -168,12 +105,8 @@ def fused_recurrent_kda(
     pool = None
     if ssm_state_indices is not None:
         pool, initial_state = initial_state, None
-    checked = None if cu_seqlens is not None else _fast_checks(
-        q, k, v, g, beta, scale, initial_state, use_gate_in_kernel, safe_gate, lower_bound, A_log, dt_bias)
-    if checked is None:
-        checked = check_kda_call(q, k, v, g, beta, scale, initial_state, use_gate_in_kernel, safe_gate, lower_bound,
-                                 cu_seqlens, A_log, dt_bias)
-    scale, lb = checked
+    scale, lb = check_kda_call(q, k, v, g, beta, scale, initial_state, use_gate_in_kernel, safe_gate, lower_bound,
+                               cu_seqlens, A_log, dt_bias)
     if pool is not None:
         B, _, H, K = q.shape
         N = B if cu_seqlens is None else cu_seqlens.numel() - 1
