@@ -152,12 +152,19 @@ def _softplus(x):
 
 @triton.jit
 def _gate_fwd(b_f, i_h, A_log, dt_bias, lb, o_k, m_k, K,
-              USE_GATE: tl.constexpr, HAS_LB: tl.constexpr, HAS_A: tl.constexpr, HAS_DT: tl.constexpr):
-    """Natural-log decay g from raw f [R, BK] (fp32): bounded lb·σ(e^{A}(f+dt)) or unbounded −e^{A}·softplus(f+dt)."""
+              USE_GATE: tl.constexpr, HAS_LB: tl.constexpr, HAS_A: tl.constexpr, HAS_DT: tl.constexpr,
+              ROWS: tl.constexpr = True):
+    """Natural-log decay g from raw f (fp32) — ``[R, BK]`` rows, or one ``[BK]`` vector with ``ROWS=False`` (decode:
+    a [1, BK] row there costs three layout conversions through shared memory per token): bounded
+    lb·σ(e^{A}(f+dt)) or unbounded −e^{A}·softplus(f+dt)."""
     if USE_GATE:
         x = b_f
         if HAS_DT:
-            x = x + tl.load(dt_bias + i_h * K + o_k, mask=m_k, other=0.).to(tl.float32)[None, :]
+            dt = tl.load(dt_bias + i_h * K + o_k, mask=m_k, other=0.).to(tl.float32)
+            if ROWS:
+                x = x + dt[None, :]
+            else:
+                x = x + dt
         if HAS_LB:
             if HAS_A:
                 x = x * tl.exp(tl.load(A_log + i_h).to(tl.float32))

@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from k3.ops.kda.triton._common import _seq_bounds, _sigmoid, _softplus
+from k3.ops.kda.triton._common import _gate_fwd, _seq_bounds, _sigmoid
 
 
 class DecodeConfig:
@@ -101,30 +101,6 @@ def _state_ptrs(s, slot, i_h, H, o_k, o_v, K: tl.constexpr, V: tl.constexpr, BAS
 
 
 @triton.jit
-def _gate_1d(b_f, i_h, A_log, dt_bias, lb, o_k, m_k, K: tl.constexpr, USE_GATE: tl.constexpr, HAS_LB: tl.constexpr,
-             HAS_A: tl.constexpr, HAS_DT: tl.constexpr):
-    """Natural-log decay g [BK] from raw f [BK] (fp32), the same arithmetic as ``_gate_fwd`` on a vector: bounded
-    lb·σ(e^{A}(f+dt)) or unbounded −e^{A}·softplus(f+dt). (``_gate_fwd`` on a [1, BK] row costs three layout
-    conversions through shared memory per token here.)"""
-    if USE_GATE:
-        x = b_f
-        if HAS_DT:
-            x = x + tl.load(dt_bias + i_h * K + o_k, mask=m_k, other=0.).to(tl.float32)
-        if HAS_LB:
-            if HAS_A:
-                x = x * tl.exp(tl.load(A_log + i_h).to(tl.float32))
-            g = lb * _sigmoid(x)
-        else:
-            a = 1.0
-            if HAS_A:
-                a = tl.exp(tl.load(A_log + i_h).to(tl.float32))
-            g = -a * _softplus(x)
-    else:
-        g = b_f
-    return g
-
-
-@triton.jit
 def _token_inputs(q, k, v, g, beta, A_log, dt_bias, t, i_h, H, o_k, o_v, m_k, m_v, lb,
                   K: tl.constexpr, V: tl.constexpr, USE_GATE: tl.constexpr, HAS_LB: tl.constexpr,
                   HAS_A: tl.constexpr, HAS_DT: tl.constexpr, L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr):
@@ -140,8 +116,8 @@ def _token_inputs(q, k, v, g, beta, A_log, dt_bias, t, i_h, H, o_k, o_v, m_k, m_
         b_q = b_q / tl.sqrt(tl.sum(b_q * b_q) + 1e-6)
     if BETA_SIGMOID:
         b_b = _sigmoid(b_b)
-    b_a = tl.exp(tl.where(m_k, _gate_1d(b_f, i_h, A_log, dt_bias, lb, o_k, m_k, K, USE_GATE, HAS_LB, HAS_A, HAS_DT),
-                          0.))
+    b_g = _gate_fwd(b_f, i_h, A_log, dt_bias, lb, o_k, m_k, K, USE_GATE, HAS_LB, HAS_A, HAS_DT, ROWS=False)
+    b_a = tl.exp(tl.where(m_k, b_g, 0.))
     return b_q, b_k, b_a, b_v, b_b
 
 
