@@ -99,7 +99,6 @@ def _model_ms(unsplit_ms: float, H: int, T: int, K: int, P: int, impl: str) -> f
         m = SplitCostModel(sm_count=sm, state_bv=64, state_step_us=2.7)
     if impl == "unsplit+overlap":
         from k3.ops.kda.prefix import _unsplit_overlaps
-        from k3.ops.kda.triton.chunk_fwd import FwdConfig
 
         with _overlap(True):
             windows = _unsplit_overlaps([T], H, K, K, torch.bfloat16)

@@ -3,8 +3,6 @@ every input gradient by relative RMS error; odd lengths, varlen, extreme gates/Î
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 import torch.nn.functional as F

@@ -226,3 +226,18 @@ def _chunk_beta(beta, i_h, bos, eos, H, BT: tl.constexpr, BETA_SIGMOID: tl.const
     if BETA_SIGMOID:
         b_b = _sigmoid(b_b)
     return tl.where(m_t, b_b, 0.)
+
+
+@triton.jit
+def _merge_T(D0, D1, D2, D3, L10, L20, L21, L30, L31, L32, PREC: tl.constexpr):
+    """Off-diagonal blocks of T = (I + L)^{-1}: T_IJ = −D_I Σ_{J≤M<I} L_IM T_MJ (T_JJ = D_J)."""
+    T10 = -tl.dot(D1, tl.dot(L10, D0, input_precision=PREC), input_precision=PREC)
+    T21 = -tl.dot(D2, tl.dot(L21, D1, input_precision=PREC), input_precision=PREC)
+    T32 = -tl.dot(D3, tl.dot(L32, D2, input_precision=PREC), input_precision=PREC)
+    T20 = -tl.dot(D2, tl.dot(L20, D0, input_precision=PREC) + tl.dot(L21, T10, input_precision=PREC),
+                  input_precision=PREC)
+    T31 = -tl.dot(D3, tl.dot(L31, D1, input_precision=PREC) + tl.dot(L32, T21, input_precision=PREC),
+                  input_precision=PREC)
+    T30 = -tl.dot(D3, tl.dot(L30, D0, input_precision=PREC) + tl.dot(L31, T10, input_precision=PREC)
+                  + tl.dot(L32, T20, input_precision=PREC), input_precision=PREC)
+    return T10, T20, T21, T30, T31, T32

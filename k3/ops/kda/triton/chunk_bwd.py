@@ -33,7 +33,6 @@ from k3.ops.kda.triton._common import (
     _row,
     _seq_bounds,
     _sigmoid,
-    _softplus,
     dot_precision,
     next_pow2,
     store_dtype,

@@ -37,7 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
-from k3.ops.kda.triton._common import _chunk_beta, _chunk_pos, _gate_fwd, _l2norm, _sigmoid, _softplus
+from k3.ops.kda.triton._common import _chunk_beta, _chunk_pos, _gate_fwd, _sigmoid, _softplus
 
 
 @triton.jit

@@ -38,6 +38,7 @@ from k3.ops.kda.triton._common import (
     _chunk_range,
     _gate_fwd,
     _l2norm,
+    _merge_T,
     _seq_bounds,
     _sigmoid,
     dot_precision,
@@ -213,21 +214,6 @@ def _inv16x4(LD, base, BC: tl.constexpr):
 def _store_L(LD, base, x, I: tl.constexpr, BC: tl.constexpr):
     o_s = tl.arange(0, BC)
     tl.store(LD + (base * 4 + I) * (BC * BC) + o_s[:, None] * BC + o_s[None, :], x)
-
-
-@triton.jit
-def _merge_T(D0, D1, D2, D3, L10, L20, L21, L30, L31, L32, PREC: tl.constexpr):
-    """Off-diagonal blocks of T = (I + L)^{-1}: T_IJ = −D_I Σ_{J≤M<I} L_IM T_MJ (T_JJ = D_J)."""
-    T10 = -tl.dot(D1, tl.dot(L10, D0, input_precision=PREC), input_precision=PREC)
-    T21 = -tl.dot(D2, tl.dot(L21, D1, input_precision=PREC), input_precision=PREC)
-    T32 = -tl.dot(D3, tl.dot(L32, D2, input_precision=PREC), input_precision=PREC)
-    T20 = -tl.dot(D2, tl.dot(L20, D0, input_precision=PREC) + tl.dot(L21, T10, input_precision=PREC),
-                  input_precision=PREC)
-    T31 = -tl.dot(D3, tl.dot(L31, D1, input_precision=PREC) + tl.dot(L32, T21, input_precision=PREC),
-                  input_precision=PREC)
-    T30 = -tl.dot(D3, tl.dot(L30, D0, input_precision=PREC) + tl.dot(L31, T10, input_precision=PREC)
-                  + tl.dot(L32, T20, input_precision=PREC), input_precision=PREC)
-    return T10, T20, T21, T30, T31, T32
 
 
 @triton.jit

@@ -40,6 +40,7 @@ from k3.ops.kda.triton._common import (
     _chunk_tile,
     _gate_fwd,
     _l2norm,
+    _merge_T,
     _sigmoid,
     dot_precision,
 )
@@ -340,15 +341,7 @@ def _block_merge(LK, base, BT: tl.constexpr, BC: tl.constexpr, PREC: tl.constexp
     L30 = tl.load(_tile_ptr(LK, base, 3 * BC, 0, BT, BC))
     L31 = tl.load(_tile_ptr(LK, base, 3 * BC, BC, BT, BC))
     L32 = tl.load(_tile_ptr(LK, base, 3 * BC, 2 * BC, BT, BC))
-    T10 = -tl.dot(D1, tl.dot(L10, D0, input_precision=PREC), input_precision=PREC)
-    T21 = -tl.dot(D2, tl.dot(L21, D1, input_precision=PREC), input_precision=PREC)
-    T32 = -tl.dot(D3, tl.dot(L32, D2, input_precision=PREC), input_precision=PREC)
-    T20 = -tl.dot(D2, tl.dot(L20, D0, input_precision=PREC) + tl.dot(L21, T10, input_precision=PREC),
-                  input_precision=PREC)
-    T31 = -tl.dot(D3, tl.dot(L31, D1, input_precision=PREC) + tl.dot(L32, T21, input_precision=PREC),
-                  input_precision=PREC)
-    T30 = -tl.dot(D3, tl.dot(L30, D0, input_precision=PREC) + tl.dot(L31, T10, input_precision=PREC)
-                  + tl.dot(L32, T20, input_precision=PREC), input_precision=PREC)
+    T10, T20, T21, T30, T31, T32 = _merge_T(D0, D1, D2, D3, L10, L20, L21, L30, L31, L32, PREC)
     tl.debug_barrier()  # every thread has read L's blocks before T overwrites them
     tl.store(_tile_ptr(LK, base, BC, 0, BT, BC), T10)
     tl.store(_tile_ptr(LK, base, 2 * BC, 0, BT, BC), T20)
