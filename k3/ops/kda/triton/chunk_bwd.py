@@ -515,8 +515,10 @@ def kda_bwd(q, k, v, g, beta, A_log, dt_bias, initial_state, scale: float, do, d
     V = v.shape[-1]
     dev = q.device
     N, NC = tab.N, tab.NC
-    dq, dk, dg = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(g)
-    dv, db = torch.zeros_like(v), torch.zeros_like(beta)
+    # empty, not zeros: every kernel writes each element it owns once, so a missed write shows up as garbage (NaN
+    # in the tests, which poison torch.empty) instead of hiding as a plausible zero gradient
+    dq, dk, dg = torch.empty_like(q), torch.empty_like(k), torch.empty_like(g)
+    dv, db = torch.empty_like(v), torch.empty_like(beta)
     dA = torch.zeros_like(A_log) if A_log is not None else None
     ddt = torch.zeros_like(dt_bias) if dt_bias is not None else None
     if NC == 0:
