@@ -4,7 +4,7 @@
   module decorates a kernel with @triton.jit, hence here at collection start.
 - One intra-op thread: every test uses tiny shapes, whose thousands of small ops each pay an OpenMP barrier with
   more threads — 3-10x slower on a busy 2-core machine.
-- Fixtures shared by the CLI/train/infer tests (helpers in ``tests/train/k3_runs.py``).
+- Fixtures shared by the CLI/train/infer tests (helpers in ``tests/train/k3_runs.py``), and ``nan_empty``.
 """
 
 import importlib.util
@@ -35,3 +35,21 @@ def tiny_run(runs_base: Path) -> Path:
     """A 4-step text run of preset tiny (checkpoint at step 4), trained once per session. Do not modify it."""
     with k3_runs.one_thread():
         return k3_runs.cached_run(runs_base, "tiny_text", "--steps", "4", *k3_runs.FAST)
+
+
+@pytest.fixture
+def nan_empty(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Poison uninitialised memory: torch.empty / torch.empty_like return NaN-filled float tensors, so an element a
+    kernel should write but does not shows up in the comparison instead of hiding as a plausible value."""
+    real_empty, real_like = torch.empty, torch.empty_like
+
+    def empty(*a, **kw):
+        x = real_empty(*a, **kw)
+        return x.fill_(float("nan")) if x.is_floating_point() else x
+
+    def empty_like(*a, **kw):
+        x = real_like(*a, **kw)
+        return x.fill_(float("nan")) if x.is_floating_point() else x
+
+    monkeypatch.setattr(torch, "empty", empty)
+    monkeypatch.setattr(torch, "empty_like", empty_like)

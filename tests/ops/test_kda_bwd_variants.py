@@ -2,7 +2,7 @@
 
 Every variant runs through ``chunk_kda_triton`` with autograd under the CPU interpreter (TRITON_INTERPRET=1) and is
 checked on the output, the final state and EVERY gradient (q, k, v, g, β, initial state, A_log, dt_bias) by relative
-RMS error; ``torch.empty`` is poisoned with NaN (the ``nan_empty`` fixture of test_kda_triton), so any element a
+RMS error; ``torch.empty`` is poisoned with NaN (the ``nan_empty`` fixture of tests/conftest.py), so any element a
 kernel forgets to write shows up. A counter proves the variant's kernels actually ran.
 """
 
@@ -20,16 +20,16 @@ pytest.importorskip("triton")
 
 from k3.ops.kda.triton import chunk_bwd  # noqa: E402
 from k3.ops.kda.triton.chunk_bwd import BwdConfig  # noqa: E402
-from tests.ops.test_kda_triton import (  # noqa: E402,F401  (nan_empty: autouse fixture, active here too)
+from tests.ops.test_kda_triton import (  # noqa: E402
     check_against_reference,
     make_inputs,
-    nan_empty,
     reference,
     rel,
     run_chunk,
 )
 
 cpu_only = pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter-sized cases (CPU)")
+pytestmark = pytest.mark.usefixtures("nan_empty")  # every gradient the kernels must write starts as NaN
 
 # name → BwdConfig overrides. "split": one program per (16-row sub-block, chunk, head), all of K at once for
 # K ≤ 64; "split_kslices": the same walking K in 16-column slices (several slices, the L2-norm / β reductions

@@ -49,18 +49,6 @@ def variant(request, monkeypatch):
     return request.param
 
 
-@pytest.fixture
-def nan_empty(monkeypatch):
-    """torch.empty returns NaN-filled float tensors (outputs the kernels must overwrite)."""
-    real = torch.empty
-
-    def empty(*a, **kw):
-        x = real(*a, **kw)
-        return x.fill_(float("nan")) if x.is_floating_point() else x
-
-    monkeypatch.setattr(torch, "empty", empty)
-
-
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     a, b = a.detach().double(), b.detach().double()
     return float((a - b).norm() / b.norm().clamp_min(1e-300))

@@ -199,24 +199,6 @@ def _triton_kernels():
 triton_only = pytest.mark.skipif(_triton_kernels() is None, reason="k3.ops.kda.triton not importable")
 
 
-@pytest.fixture
-def nan_empty(monkeypatch):
-    """Poison uninitialised memory: torch.empty/empty_like return NaN-filled float tensors, so anything the split
-    forgets to write (outputs, entry states) shows up."""
-    real_empty, real_like = torch.empty, torch.empty_like
-
-    def empty(*a, **kw):
-        x = real_empty(*a, **kw)
-        return x.fill_(float("nan")) if x.is_floating_point() else x
-
-    def empty_like(*a, **kw):
-        x = real_like(*a, **kw)
-        return x.fill_(float("nan")) if x.is_floating_point() else x
-
-    monkeypatch.setattr(torch, "empty", empty)
-    monkeypatch.setattr(torch, "empty_like", empty_like)
-
-
 def _fp64_reference(q, k, v, g, b, cu, S0, **kw):
     """fp64 token recurrence per sequence (after the same in-kernel activations, in fp64)."""
     from k3.ops.kda.chunk import _preprocess

@@ -29,22 +29,10 @@ gpu = pytest.mark.skipif(not CUDA, reason="needs CUDA")
 
 
 @pytest.fixture(autouse=True)
-def rows_mode(monkeypatch):
+def rows_mode(monkeypatch, nan_empty):
     """Every test runs the ``rows`` prep through the Triton backend, with NaN-poisoned torch.empty/empty_like."""
     monkeypatch.setenv("K3_KDA_BACKEND", "triton")
     monkeypatch.setattr(cf.FwdConfig, "prep_mode", "rows")
-    real_empty, real_like = torch.empty, torch.empty_like
-
-    def empty(*a, **kw):
-        x = real_empty(*a, **kw)
-        return x.fill_(float("nan")) if x.is_floating_point() else x
-
-    def empty_like(*a, **kw):
-        x = real_like(*a, **kw)
-        return x.fill_(float("nan")) if x.is_floating_point() else x
-
-    monkeypatch.setattr(torch, "empty", empty)
-    monkeypatch.setattr(torch, "empty_like", empty_like)
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
