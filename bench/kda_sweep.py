@@ -19,6 +19,8 @@ once, so a run cut short keeps its numbers):
    B=8 T=4096 H=32, prefill B=1 T=1M at H=32 and H=8, decode B=64 H=32.
 
 A short table is printed last; ``kda_sweep.json`` holds everything, ``best`` the chosen overrides.
+``K3_SWEEP_ROWS=1`` adds the experimental rows prep (wrong on an H200 in run 4a; run ``bench/rows_quick.py`` first:
+a failing variant can leave the CUDA context unusable for every later variant of the same process).
 """
 
 from __future__ import annotations
