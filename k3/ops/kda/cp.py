@@ -335,7 +335,7 @@ class _CPChunkTriton(torch.autograd.Function):
         q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
         L, H, K, V, dev = q.shape[1], q.shape[2], q.shape[3], v.shape[3], q.device
         kflags = _flags(*flags[:3], lower_bound)
-        tab = make_chunk_table(1, L, ctx.local_cu_seqlens.to(dev), dev)
+        tab = make_chunk_table(1, L, ctx.local_cu_seqlens, dev)  # the CPU copy: no device round trip
         bufs = prep_all(q, k, v, g, beta, A_log, dt_bias, scale, tab, lower_bound, kflags)
         o = torch.empty(1, L, H, V, dtype=q.dtype, device=dev)
         ht = torch.zeros(tab.N, H, K, V, dtype=torch.float32, device=dev)
