@@ -3,9 +3,10 @@
 ``python -m k3.bench kda_split`` times, for B=1 and each H in ``--H`` (8 32) and T in ``--T`` (128K 1M), the K3
 inference call (bf16, bounded gate fused in the kernel, in-kernel L2 norm and β sigmoid, final state, no grad):
 
-- ``unsplit``   ``K3_KDA_SPLITS=1``: windowed prep + one serial state pass per sequence;
+- ``unsplit``   ``K3_KDA_SPLITS=1`` without the overlap: windowed prep + one serial state pass per sequence;
 - ``unsplit+overlap`` the same with ``FwdConfig.overlap_windows`` (prep of the next window on a side stream);
-- ``auto``      the default: the cost model (``k3.ops.kda.prefix.SplitCostModel``) picks P (1 = no split);
+- ``auto``      the library default: the cost model (``k3.ops.kda.prefix.SplitCostModel``) picks P (1 = no
+  split, then with the overlapped windows where ``FwdConfig.overlap_windows`` is on, as it is by default);
 - ``split n``   ``K3_KDA_SPLITS=n`` for n in ``--splits`` (2 4 8 16): one prep per chunk, span pass, fold, one
   segmented state pass; ``split n bv64`` for n in ``--bv64-splits`` (8): that state pass at BV 64;
   ``split n overlap`` for n in ``--overlap-splits`` (4): the next window's prep on a side stream;
@@ -163,6 +164,7 @@ def split_rows(
     fla = _fla() if with_fla else None
     sm = torch.cuda.get_device_properties(0).multi_processor_count if device == "cuda" else 132
     rows = []
+    default_overlap = getattr(FwdConfig, "overlap_windows", False)
     for H, T in shapes:
         x = _inputs(T, H, K, device, dtype)
         run = lambda: chunk_kda(**x, **_FLAGS)  # noqa: E731
@@ -177,8 +179,10 @@ def split_rows(
         unsplit_ms = float("nan")
         with torch.no_grad():
             for impl, env, P in variants:
-                overlap = getattr(FwdConfig, "overlap_windows", False)
-                with env_var("K3_KDA_SPLITS", env or None), _overlap(impl == "unsplit+overlap" or overlap), \
+                # unsplit: the serial windows; unsplit+overlap: the side-stream prep; every other row: the library
+                # default (what a plain chunk_kda call does)
+                ov = {"unsplit": False, "unsplit+overlap": True}.get(impl, default_overlap)
+                with env_var("K3_KDA_SPLITS", env or None), _overlap(ov), \
                         _split_cfg(impl):
                     o, s = run()
                     if ref is None:
