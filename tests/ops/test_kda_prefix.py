@@ -347,6 +347,7 @@ def test_split_triton_dense_batch_model_cut(monkeypatch, nan_empty):
     assert FwdConfig.state_bv == bv_before  # the override was for the split's launch only
 
 
+@pytest.mark.gpu_quick
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_split_gpu_matches_unsplit(dtype, monkeypatch):

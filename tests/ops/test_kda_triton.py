@@ -363,6 +363,7 @@ def test_gpu_bf16_matches_recurrence(T, cu, lb):
     check_against_reference(x, 2e-2, dtype=torch.bfloat16, lb=lb, cu=cu)
 
 
+@pytest.mark.gpu_quick
 @gpu
 @pytest.mark.parametrize("kw,rkw", [({"gate": False, "g_override": -5.0}, {"gate": False}),
                                     ({"beta_logit": 12.0, "repeat_keys": True}, {}), ({"beta_logit": -12.0}, {})])
@@ -378,6 +379,7 @@ def test_gpu_fp16_gates_at_bound():
     check_against_reference(x, 2e-2, dtype=torch.float16, gate=False)
 
 
+@pytest.mark.gpu_quick
 @gpu
 def test_gpu_overlapped_windows_bitwise(monkeypatch):
     """Prep on a side stream one window ahead of the state pass: the same kernels in the same order per window,
@@ -391,6 +393,7 @@ def test_gpu_overlapped_windows_bitwise(monkeypatch):
     assert torch.equal(o, o_ref) and torch.equal(h, h_ref)
 
 
+@pytest.mark.gpu_quick
 @gpu
 def test_gpu_fp32_k128():
     """fp32 at K = V = 128: its state-pass buffers need twice the shared memory per pipeline stage (the 3-stage
@@ -410,6 +413,7 @@ def test_gpu_causality_bitwise():
     _causality(1000, 2, 128, 128, torch.bfloat16, [1, 17, 100, 511, 999])
 
 
+@pytest.mark.gpu_quick
 @gpu
 def test_gpu_decode_pool():
     B, H, K, V = 64, 8, 128, 128
