@@ -40,6 +40,40 @@ class SpanConfig:
     stages = 2
 
 
+@triton.jit
+def _span_columns(W, U, KG, GAM, SE, M, i_b, i_r, i_h, lo, hi, c0, NCw, H, K: tl.constexpr, V: tl.constexpr,
+                  BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BVP: tl.constexpr, PREC: tl.constexpr):
+    """Column block ``i_b`` of row ``i_r``'s extended state [S_ext | M] through chunks [lo, hi) of the window of
+    buffers that starts at chunk c0: V' = [U | 0] − W S;  S ← Diag(γ) S + kgᵀ V', started from the row's contents
+    and written back. Blocks below BVP are S_ext (``SE [R, H, K, V]``), the others M (``M [R, H, K, K]``)."""
+    DT: tl.constexpr = W.dtype.element_ty
+    is_m = i_b * BV >= BVP
+    o_t = tl.arange(0, BT)
+    o_k = tl.arange(0, BK)
+    col = tl.where(is_m, i_b * BV - BVP, i_b * BV) + tl.arange(0, BV)
+    ncol = tl.where(is_m, K, V)
+    m_s = (o_k < K)[:, None] & (col < ncol)[None, :]
+    p_s = ((i_r * H + i_h).to(tl.int64) * K + o_k[:, None]) * ncol + col[None, :]
+    if is_m:
+        S = tl.load(M + p_s, mask=m_s, other=0.)
+    else:
+        S = tl.load(SE + p_s, mask=m_s, other=0.)
+    m_u = (col < BVP)[None, :] & (i_b * BV < BVP)  # M columns: V' = 0 − W M
+    for c in range(lo, hi):
+        base = (i_h * NCw + (c - c0)).to(tl.int64)
+        p_tk = (base * BT + o_t[:, None]) * BK + o_k[None, :]
+        b_w = tl.load(W + p_tk)
+        b_kg = tl.load(KG + p_tk)
+        b_gam = tl.load(GAM + base * BK + o_k)
+        b_u = tl.load(U + (base * BT + o_t[:, None]) * BVP + col[None, :], mask=m_u, other=0.)
+        b_vn = (b_u.to(tl.float32) - tl.dot(b_w, S.to(DT), input_precision=PREC)).to(DT)
+        S = S * b_gam[:, None] + tl.dot(tl.trans(b_kg), b_vn, input_precision=PREC)
+    if is_m:
+        tl.store(M + p_s, S, mask=m_s)
+    else:
+        tl.store(SE + p_s, S, mask=m_s)
+
+
 @triton.jit(do_not_specialize=['c0', 'c1', 'NCw', 'NT', 'H'])
 def _kda_span_state(
     W, U, KG, GAM, SE, M,
@@ -56,32 +90,7 @@ def _kda_span_state(
     lo = tl.maximum(cs, c0)
     hi = tl.minimum(ce, c1)
     if lo < hi:
-        DT: tl.constexpr = W.dtype.element_ty
-        is_m = i_b * BV >= BVP  # this block holds columns of M (else of S_ext)
-        o_t = tl.arange(0, BT)
-        o_k = tl.arange(0, BK)
-        col = tl.where(is_m, i_b * BV - BVP, i_b * BV) + tl.arange(0, BV)
-        NCOL = tl.where(is_m, K, V)
-        m_s = (o_k < K)[:, None] & (col < NCOL)[None, :]
-        p_s = ((i_n * H + i_h).to(tl.int64) * K + o_k[:, None]) * NCOL + col[None, :]
-        if is_m:
-            S = tl.load(M + p_s, mask=m_s, other=0.)
-        else:
-            S = tl.load(SE + p_s, mask=m_s, other=0.)
-        for c in range(lo, hi):
-            base = (i_h * NCw + (c - c0)).to(tl.int64)
-            p_tk = (base * BT + o_t[:, None]) * BK + o_k[None, :]
-            b_w = tl.load(W + p_tk)
-            b_kg = tl.load(KG + p_tk)
-            b_gam = tl.load(GAM + base * BK + o_k)
-            b_u = tl.load(U + (base * BT + o_t[:, None]) * BVP + col[None, :],
-                          mask=(col < BVP)[None, :] & (not is_m), other=0.)
-            b_vn = (b_u.to(tl.float32) - tl.dot(b_w, S.to(DT), input_precision=PREC)).to(DT)
-            S = S * b_gam[:, None] + tl.dot(tl.trans(b_kg), b_vn, input_precision=PREC)
-        if is_m:
-            tl.store(M + p_s, S, mask=m_s)
-        else:
-            tl.store(SE + p_s, S, mask=m_s)
+        _span_columns(W, U, KG, GAM, SE, M, i_b, i_n, i_h, lo, hi, c0, NCw, H, K, V, BT, BK, BV, BVP, PREC)
 
 
 def span_summaries_triton(
@@ -171,34 +180,9 @@ def _kda_span_rows(
     i_h = i_rh % H
     cs = tl.load(row_cs + i_r)
     ce = tl.load(row_ce + i_r)
-    is_m = i_b * BV >= BVP  # this block holds columns of M (else of S)
     live = (cs < ce) & ((tl.load(row_m + i_r) != 0) | (i_b * BV < BVP))
     if live:
-        DT: tl.constexpr = W.dtype.element_ty
-        o_t = tl.arange(0, BT)
-        o_k = tl.arange(0, BK)
-        col = tl.where(is_m, i_b * BV - BVP, i_b * BV) + tl.arange(0, BV)
-        ncol = tl.where(is_m, K, V)
-        m_s = (o_k < K)[:, None] & (col < ncol)[None, :]
-        p_s = ((i_r * H + i_h).to(tl.int64) * K + o_k[:, None]) * ncol + col[None, :]
-        if is_m:
-            S = tl.load(M + p_s, mask=m_s, other=0.)
-        else:
-            S = tl.load(SE + p_s, mask=m_s, other=0.)
-        m_u = (col < BVP)[None, :] & (i_b * BV < BVP)  # M columns: V' = 0 − W M
-        for c in range(cs, ce):
-            base = (i_h * NCw + (c - c0)).to(tl.int64)
-            p_tk = (base * BT + o_t[:, None]) * BK + o_k[None, :]
-            b_w = tl.load(W + p_tk)
-            b_kg = tl.load(KG + p_tk)
-            b_gam = tl.load(GAM + base * BK + o_k)
-            b_u = tl.load(U + (base * BT + o_t[:, None]) * BVP + col[None, :], mask=m_u, other=0.)
-            b_vn = (b_u.to(tl.float32) - tl.dot(b_w, S.to(DT), input_precision=PREC)).to(DT)
-            S = S * b_gam[:, None] + tl.dot(tl.trans(b_kg), b_vn, input_precision=PREC)
-        if is_m:
-            tl.store(M + p_s, S, mask=m_s)
-        else:
-            tl.store(SE + p_s, S, mask=m_s)
+        _span_columns(W, U, KG, GAM, SE, M, i_b, i_r, i_h, cs, ce, c0, NCw, H, K, V, BT, BK, BV, BVP, PREC)
 
 
 @dataclass
