@@ -330,15 +330,14 @@ class _CPChunkTriton(torch.autograd.Function):
                 flags: tuple, lower_bound: float | None) -> torch.Tensor:
         from k3.ops.kda.triton._common import make_chunk_table  # noqa: PLC0415
         from k3.ops.kda.triton.chunk import _flags  # noqa: PLC0415
-        from k3.ops.kda.triton.chunk_fwd import prep_all, state_all  # noqa: PLC0415
+        from k3.ops.kda.triton.chunk_fwd import alloc_output_state, prep_all, state_all  # noqa: PLC0415
 
         q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
         L, H, K, V, dev = q.shape[1], q.shape[2], q.shape[3], v.shape[3], q.device
         kflags = _flags(*flags[:3], lower_bound)
         tab = make_chunk_table(1, L, ctx.local_cu_seqlens, dev)  # the CPU copy: no device round trip
         bufs = prep_all(q, k, v, g, beta, A_log, dt_bias, scale, tab, lower_bound, kflags)
-        o = torch.empty(1, L, H, V, dtype=q.dtype, device=dev)
-        ht = torch.zeros(tab.N, H, K, V, dtype=torch.float32, device=dev)
+        o, ht = alloc_output_state(q, v, None, tab)  # ht: zero entries, the first piece's filled after the fold
         M = torch.zeros(H, K, K, dtype=torch.float32, device=dev)
         E = torch.zeros(H, K, V, dtype=torch.float32, device=dev)
         saved = None

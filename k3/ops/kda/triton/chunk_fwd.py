@@ -625,6 +625,16 @@ def state_all(bufs: dict, o, ht, tab: ChunkTable, H: int, K: int, V: int) -> dic
     return dict(bufs, HS=hs)
 
 
+def alloc_output_state(q, v, initial_state, tab: ChunkTable) -> tuple[torch.Tensor, torch.Tensor]:
+    """The forward's output ``o [B, T, H, V]`` (q's dtype, to be written) and the running states ``ht [N, H, K, V]``
+    fp32: a copy of ``initial_state`` (the passes update it in place into the final states), else zeros."""
+    B, Tq, H, K = q.shape
+    o = torch.empty(B, Tq, H, v.shape[-1], dtype=q.dtype, device=q.device)
+    if initial_state is not None:
+        return o, initial_state.detach().to(torch.float32).clone()
+    return o, torch.zeros(tab.N, H, K, v.shape[-1], dtype=torch.float32, device=q.device)
+
+
 def kda_fwd(q, k, v, g, beta, A_log, dt_bias, scale: float, initial_state, tab: ChunkTable, lower_bound,
             flags: dict, training: bool):
     """Run the forward. Returns (o [B,T,H,V], ht [N,H,K,V] fp32, saved dict or None).
@@ -635,11 +645,7 @@ def kda_fwd(q, k, v, g, beta, A_log, dt_bias, scale: float, initial_state, tab: 
     V = v.shape[-1]
     BK, BVP = next_pow2(K), next_pow2(V)
     dt = store_dtype(q.dtype)
-    o = torch.empty(B, Tq, H, V, dtype=q.dtype, device=q.device)
-    if initial_state is not None:
-        ht = initial_state.detach().to(torch.float32).clone()
-    else:
-        ht = torch.zeros(tab.N, H, K, V, dtype=torch.float32, device=q.device)
+    o, ht = alloc_output_state(q, v, initial_state, tab)
     if tab.NC == 0:
         return o, ht, None
     if training:

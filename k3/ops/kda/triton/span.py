@@ -31,7 +31,14 @@ from k3.ops.kda.triton._common import (
     next_pow2,
     store_dtype,
 )
-from k3.ops.kda.triton.chunk_fwd import FwdConfig, alloc_chunk_buffers, chunk_bytes, launch_prep, launch_state
+from k3.ops.kda.triton.chunk_fwd import (
+    FwdConfig,
+    alloc_chunk_buffers,
+    alloc_output_state,
+    chunk_bytes,
+    launch_prep,
+    launch_state,
+)
 
 
 class SpanConfig:
@@ -370,11 +377,7 @@ def split_prefill_triton(
     tab = make_chunk_table(B, Tq, cu_seqlens, q.device)
     BK, BVP = next_pow2(K), next_pow2(V)
     dt = store_dtype(q.dtype)
-    o = torch.empty(B, Tq, H, V, dtype=q.dtype, device=q.device)
-    if initial_state is not None:
-        ht = initial_state.detach().to(torch.float32).clone()
-    else:
-        ht = torch.zeros(tab.N, H, K, V, dtype=torch.float32, device=q.device)
+    o, ht = alloc_output_state(q, v, initial_state, tab)
     if tab.NC == 0:
         return o, (ht if output_final_state else None)
     flags = dict(l2norm=bool(use_qk_l2norm_in_kernel), use_gate=bool(use_gate_in_kernel),
