@@ -213,15 +213,13 @@ def copy_bandwidth() -> float:
     return 2 * 2 * GIB / ms / 1e9
 
 
-def breakdown_rows() -> list[dict]:
-    """Each of our kernels alone: prep/state at 1M H=32 (one window, scaled to the sequence) and the training set."""
-    from k3.ops.kda.triton import chunk_bwd as cb
+def _window_1m() -> tuple:
+    """One inference window of the 1M-token, H=32 prefill: (T, H, flags, inputs, chunk table, chunks per window,
+    window buffers, output, states, prep arguments)."""
     from k3.ops.kda.triton import chunk_fwd as cf
     from k3.ops.kda.triton._common import make_chunk_table
 
-    rows = []
     flags = dict(l2norm=True, use_gate=True, beta_sigmoid=True, exact_diag=False)
-    # inference window at T = 1M, H = 32
     T, H = 1 << 20, 32
     x = _inputs(1, T, H)
     tab = make_chunk_table(1, T, None, x["q"].device)
@@ -230,6 +228,18 @@ def breakdown_rows() -> list[dict]:
     o = torch.empty_like(x["v"])
     ht = torch.zeros(1, H, 128, 128, device="cuda")
     args = (x["q"], x["k"], x["v"], x["g"], x["beta"], x["A_log"], x["dt_bias"])
+    return T, H, flags, x, tab, ncw, bufs, o, ht, args
+
+
+def breakdown_rows() -> list[dict]:
+    """Each of our kernels alone: prep/state at 1M H=32 (one window, scaled to the sequence) and the training set."""
+    from k3.ops.kda.triton import chunk_bwd as cb
+    from k3.ops.kda.triton import chunk_fwd as cf
+    from k3.ops.kda.triton._common import make_chunk_table
+
+    rows = []
+    # inference window at T = 1M, H = 32
+    T, H, flags, x, tab, ncw, bufs, o, ht, args = _window_1m()
     prep = lambda: cf.launch_prep(*args, bufs, tab, 0, ncw, 128**-0.5, -5.0, flags, False)  # noqa: E731
     state = lambda: cf.launch_state(bufs, o, None, ht, tab, 0, ncw, H, 128, 128)  # noqa: E731
     scale = tab.NC / ncw
@@ -292,18 +302,9 @@ def sweep_rows() -> list[dict]:
     """Launch variants: the state pass and the prep kernel on one 1M-token window (H=32), and the decode step."""
     from k3.ops.kda.triton import chunk_fwd as cf
     from k3.ops.kda.triton import fused_recurrent as fr
-    from k3.ops.kda.triton._common import make_chunk_table
 
     rows = []
-    flags = dict(l2norm=True, use_gate=True, beta_sigmoid=True, exact_diag=False)
-    T, H = 1 << 20, 32
-    x = _inputs(1, T, H)
-    tab = make_chunk_table(1, T, None, x["q"].device)
-    ncw = max(1, cf.FwdConfig.window_bytes // cf.chunk_bytes(H, 128, 128, torch.bfloat16))
-    bufs = cf.alloc_chunk_buffers(H, ncw, 128, 128, torch.bfloat16, x["q"].device, store_t=False)
-    o = torch.empty_like(x["v"])
-    ht = torch.zeros(1, H, 128, 128, device="cuda")
-    args = (x["q"], x["k"], x["v"], x["g"], x["beta"], x["A_log"], x["dt_bias"])
+    T, H, flags, x, tab, ncw, bufs, o, ht, args = _window_1m()
     base = (cf.FwdConfig.state_bv, cf.FwdConfig.state_warps, cf.FwdConfig.prep_warps)
     case = f"sweep 1M H=32, one window of {ncw} chunks (x{tab.NC / ncw:.1f} for the sequence)"
     for w in PREP_WARPS:
