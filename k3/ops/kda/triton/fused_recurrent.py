@@ -139,6 +139,26 @@ def _token_update(S, b_q, b_k, b_a, b_v, b_b, scale, FUSED: tl.constexpr):
     return S, b_o
 
 
+@triton.jit
+def _load_state(s_in, idx, i_n, i_h, H, o_k, o_v, m_k, m_v, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
+                BV: tl.constexpr, USE_IDX: tl.constexpr, USE_S0: tl.constexpr, BASE_PTR: tl.constexpr,
+                EVICT: tl.constexpr):
+    """Sequence i_n's state tile (rows o_k, columns o_v of head i_h) in fp32, its slot (``idx[i_n]`` in the pool, else
+    i_n; a negative slot reads and writes nothing) and the tile's mask; zeros without an initial state."""
+    m_s = m_k[:, None] & m_v[None, :]
+    if USE_IDX:
+        slot = tl.load(idx + i_n).to(tl.int64)
+        m_s = m_s & (slot >= 0)
+    else:
+        slot = i_n.to(tl.int64)
+    if USE_S0:
+        S = tl.load(_state_ptrs(s_in, slot, i_h, H, o_k, o_v, K, V, BASE_PTR), mask=m_s, other=0.,
+                    eviction_policy=EVICT).to(tl.float32)
+    else:
+        S = tl.zeros([BK, BV], dtype=tl.float32)
+    return S, slot, m_s
+
+
 @triton.jit(do_not_specialize=['T', 'H'])
 def _kda_recurrent(
     q, k, v, g, beta, A_log, dt_bias, o, s_in, s_out, idx, cu, T,
@@ -159,17 +179,8 @@ def _kda_recurrent(
     o_v = i_v * BV + tl.arange(0, BV)
     m_k = o_k < K
     m_v = o_v < V
-    m_s = m_k[:, None] & m_v[None, :]
-    if USE_IDX:
-        slot = tl.load(idx + i_n).to(tl.int64)
-        m_s = m_s & (slot >= 0)
-    else:
-        slot = i_n.to(tl.int64)
-    if USE_S0:
-        S = tl.load(_state_ptrs(s_in, slot, i_h, H, o_k, o_v, K, V, BASE_PTR), mask=m_s, other=0.,
-                    eviction_policy=EVICT).to(tl.float32)
-    else:
-        S = tl.zeros([BK, BV], dtype=tl.float32)
+    S, slot, m_s = _load_state(s_in, idx, i_n, i_h, H, o_k, o_v, m_k, m_v, K, V, BK, BV, USE_IDX, USE_S0, BASE_PTR,
+                               EVICT)
     for t in range(bos, eos):
         b_q, b_k, b_a, b_v, b_b = _token_inputs(q, k, v, g, beta, A_log, dt_bias, t, i_h, H, o_k, o_v, m_k, m_v,
                                                 lb, K, V, USE_GATE, HAS_LB, HAS_A, HAS_DT, L2NORM, BETA_SIGMOID)
@@ -201,17 +212,8 @@ def _kda_decode_persistent(
         i_h = i_nh % H
         o_v = i_v * BV + tl.arange(0, BV)
         m_v = o_v < V
-        m_s = m_k[:, None] & m_v[None, :]
-        if USE_IDX:
-            slot = tl.load(idx + i_n).to(tl.int64)
-            m_s = m_s & (slot >= 0)
-        else:
-            slot = i_n.to(tl.int64)
-        if USE_S0:
-            S = tl.load(_state_ptrs(s_in, slot, i_h, H, o_k, o_v, K, V, BASE_PTR), mask=m_s, other=0.,
-                        eviction_policy=EVICT).to(tl.float32)
-        else:
-            S = tl.zeros([BK, BV], dtype=tl.float32)
+        S, slot, m_s = _load_state(s_in, idx, i_n, i_h, H, o_k, o_v, m_k, m_v, K, V, BK, BV, USE_IDX, USE_S0,
+                                   BASE_PTR, EVICT)
         t = i_n.to(tl.int64)
         b_q, b_k, b_a, b_v, b_b = _token_inputs(q, k, v, g, beta, A_log, dt_bias, t, i_h, H, o_k, o_v, m_k, m_v,
                                                 lb, K, V, USE_GATE, HAS_LB, HAS_A, HAS_DT, L2NORM, BETA_SIGMOID)
