@@ -83,6 +83,19 @@ def show(case: str, rows: list, scale: float = 1.0) -> None:
         print(f"  {ms * scale:9.3f} ms  x{cnt:<5.1f} {name}", flush=True)
 
 
+def window_case(mode: str) -> dict:
+    cf.FwdConfig.prep_mode = mode
+    T, H, flags, x, tab, ncw, bufs, o, ht, args = _window_1m()
+
+    def f() -> None:
+        cf.launch_prep(*args, bufs, tab, 0, ncw, 128**-0.5, -5.0, flags, False)
+        cf.launch_state(bufs, o, None, ht, tab, 0, ncw, H, 128, 128)
+
+    rows = profile(f)
+    show(f"1M H=32 window prep+state, prep {mode}", rows, tab.NC / ncw)
+    return dict(rows=rows, scale=tab.NC / ncw)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--no-fla", action="store_true")
@@ -92,14 +105,7 @@ def main() -> int:
     with_fla = not a.no_fla and _fla_module() is not None
     # (a) one inference window at 1M, H=32
     for mode in ("v3", "rows"):
-        cf.FwdConfig.prep_mode = mode
-        T, H, flags, x, tab, ncw, bufs, o, ht, args = _window_1m()
-        f = lambda: (cf.launch_prep(*args, bufs, tab, 0, ncw, 128**-0.5, -5.0, flags, False),  # noqa: E731
-                     cf.launch_state(bufs, o, None, ht, tab, 0, ncw, H, 128, 128))
-        rows = profile(f)
-        show(f"1M H=32 window prep+state, prep {mode}", rows, tab.NC / ncw)
-        res[f"window_{mode}"] = dict(rows=rows, scale=tab.NC / ncw)
-        del x, bufs, o, ht, args
+        res[f"window_{mode}"] = window_case(mode)
         torch.cuda.empty_cache()
     cf.FwdConfig.prep_mode = "v3"
     # (b) training shape
