@@ -26,6 +26,9 @@ from k3.ops.kda import chunk_kda  # noqa: E402
 from k3.ops.kda.triton import chunk_fwd as cf  # noqa: E402
 
 
+DEFAULT_MODE = cf.FwdConfig.prep_mode
+
+
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30))
 
@@ -50,7 +53,7 @@ def check_rows() -> dict:
     for mode in ("v3", "rows"):
         cf.FwdConfig.prep_mode = mode
         out[mode] = fwd_bwd(x, do, ours)
-    cf.FwdConfig.prep_mode = "v3"
+    cf.FwdConfig.prep_mode = DEFAULT_MODE
     names = ("o", "ht", "dq", "dk", "dv", "dg", "dbeta")
     errs = {n: rel(a, b) for n, a, b in zip(names, out["rows"], out["v3"])}
     ok = all(e < 2e-2 for e in errs.values())
@@ -107,7 +110,7 @@ def main() -> int:
     for mode in ("v3", "rows"):
         res[f"window_{mode}"] = window_case(mode)
         torch.cuda.empty_cache()
-    cf.FwdConfig.prep_mode = "v3"
+    cf.FwdConfig.prep_mode = DEFAULT_MODE
     # (b) training shape
     x = _inputs(8, 4096, 32, grad=True)
     do = torch.randn_like(x["v"]).float()
@@ -121,7 +124,7 @@ def main() -> int:
             res[f"train_{name}"] = rows
         except Exception as e:  # noqa: BLE001
             print(f"{name}: {e!r}"[:300], flush=True)
-    cf.FwdConfig.prep_mode = "v3"
+    cf.FwdConfig.prep_mode = DEFAULT_MODE
     del x
     torch.cuda.empty_cache()
     # (c) fla's inference forward at 128K

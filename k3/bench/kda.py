@@ -256,7 +256,8 @@ def breakdown_rows() -> list[dict]:
     args = (x["q"], x["k"], x["v"], x["g"], x["beta"], x["A_log"], x["dt_bias"])
     o_, ht_, saved = cf.kda_fwd(*args, 128**-0.5, None, tab, -5.0, flags, True)
     bufs = {n: saved[n] for n in ("W", "U", "KG", "QG", "AQK", "GAM", "TM")}
-    bufs["LD"] = torch.empty(H, tab.NC, 4, 16, 16, device="cuda")  # the prep kernel's scratch (not saved)
+    scratch = cf.alloc_chunk_buffers(H, tab.NC, 128, 128, torch.bfloat16, "cuda", store_t=False)
+    bufs.update({n: scratch[n] for n in ("LD", "TOT") if n in scratch})  # the prep's scratches (not saved)
     o = torch.empty_like(x["v"])
     ht = torch.zeros(B, H, 128, 128, device="cuda")
     do = torch.randn_like(x["v"])

@@ -178,6 +178,18 @@ def test_rows_varlen_training_and_windows(monkeypatch):
 
 
 @cpu_only
+@pytest.mark.parametrize("case", ["varlen", "slow_bounded"])
+def test_rows_without_block_prepass(monkeypatch, case):
+    """``rows_pre = False``: the rows kernel recomputes each earlier block's gate and norm itself and the solve
+    recomputes the chunk's gate (no ``_prep_blocks`` buffers)."""
+    monkeypatch.setattr(cf.FwdConfig, "rows_pre", False)
+    if case == "varlen":
+        check(make_inputs(200, 2, 16, 16, N=5, seed=5), 1e-4, cu=[0, 1, 64, 64, 130, 200])
+    else:
+        check(make_inputs(128, 1, 16, 16, seed=12, mild=0.02, beta_logit=4.0), 1e-4, gate=False)
+
+
+@cpu_only
 def test_rows_k128_training():
     """K = V = 128 (the production head size), two chunks."""
     check(make_inputs(70, 1, 128, 128, seed=6), 1e-4)
@@ -290,6 +302,7 @@ def test_gpu_rows_buffers_match_v3(monkeypatch, ab_bf16, stack, case):
         assert rel(out["rows"][key], out["v3"][key]) < 2e-2, key
 
 
+@pytest.mark.gpu_quick
 @gpu
 def test_gpu_rows_one_million_tokens_matches_v3(monkeypatch):
     """T = 2^20 (windowed inference, bf16, K = V = 128): finite, and the rows prep's output equals the v3 prep's
@@ -309,6 +322,7 @@ def test_gpu_rows_one_million_tokens_matches_v3(monkeypatch):
     assert rel(o, o3) < 2e-2 and rel(h, h3) < 2e-2
 
 
+@pytest.mark.gpu_quick
 @gpu
 @pytest.mark.parametrize("ab_bf16", [False, True])
 def test_gpu_rows_causality_bitwise(monkeypatch, ab_bf16):

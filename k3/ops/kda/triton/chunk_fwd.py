@@ -498,9 +498,17 @@ class FwdConfig:
     # "v3": ``_kda_fwd_prep`` (+ ``_kda_fwd_wu`` if prep_split), the knobs above. "rows": ``chunk_prep``'s two
     # kernels — A by 16-row blocks, one light program per (row block, chunk, head), then T + W, U per (chunk, head)
     # (prep_split / prep_inv_scratch / prep_warps do not apply; prep_ab_bf16 does). Sweep run 4a (H200): wrong
-    # (NaN, T off) with T merged by chained [64, 64] tf32 wgmma products; now merged by 16×16 blocks, re-check.
-    prep_mode = "v3"
+    # (NaN, T off) with T merged by chained [64, 64] tf32 wgmma products; merged by 16×16 blocks since, it matches
+    # v3 on an H200 (session 3: every buffer ≤ 3e-4, fwd+bwd ≤ 3.2e-4) and is faster: 1M H=32 prep 110.9 → 92.0
+    # ms, training prep 3.84 → 2.91 ms (bench/profile_kernels.py) — the default since
+    prep_mode = "rows"
     rows_stack = True  # rows: q and k of a row block as one [32, K] left operand (one product per block pair)
+    # rows (stacked): a first light kernel per 16-row block stores kr = k̂ e^{tot − s} and the block's gate total, so
+    # later row blocks load one tile per earlier block instead of recomputing its gate, cumsum and norm (the rows
+    # kernel did that 6 times per chunk: 57.8 of its 92 ms per 1M, profile run s3), and the solve reads X = β k̂ e^G
+    # and kr instead of recomputing the gate and norm over the whole chunk
+    rows_pre = True
+    blocks_warps = 4
     rows_warps = 4
     rows_stages = 1
     solve_warps = 4
@@ -535,6 +543,8 @@ def alloc_chunk_buffers(H: int, NC: int, BK: int, BVP: int, dt: torch.dtype, dev
     # rows, the whole L = β A_kk handed from ``_prep_rows`` to ``_prep_solve``
     shape = (H, NC, BT, BT) if rows else (H, NC, BT // BC, BC, BC)
     bufs["LD"] = torch.empty(*shape, dtype=torch.float32, device=device)
+    if rows:  # per 16-row block gate totals (fp32), handed from the first rows kernel to the later ones
+        bufs["TOT"] = torch.empty(H, NC, BT // BC, BK, dtype=torch.float32, device=device)
     return bufs
 
 
@@ -542,7 +552,7 @@ def chunk_bytes(H: int, BK: int, BVP: int, dt: torch.dtype) -> int:
     """Bytes of intermediates per chunk (all heads)."""
     es = torch.finfo(dt).bits // 8
     if FwdConfig.prep_mode == "rows":  # T is not stored at inference; L goes through a [BT, BT] fp32 scratch
-        return H * (BT * (3 * BK + BVP + BT) * es + BK * 4 + BT * BT * 4)
+        return H * (BT * (3 * BK + BVP + BT) * es + BK * 4 + BT * BT * 4 + (BT // BC) * BK * 4)
     t_bytes = BT * BT * es if FwdConfig.prep_split else 0  # the split prep hands T over through memory
     return H * (BT * (3 * BK + BVP + BT) * es + BK * 4 + BT * BC * 4 + t_bytes)
 
@@ -613,7 +623,8 @@ def prep_all(q, k, v, g, beta, A_log, dt_bias, scale: float, tab: ChunkTable, lo
     BK, BVP = next_pow2(q.shape[-1]), next_pow2(v.shape[-1])
     bufs = alloc_chunk_buffers(q.shape[2], tab.NC, BK, BVP, store_dtype(q.dtype), q.device, store_t=True)
     launch_prep(q, k, v, g, beta, A_log, dt_bias, bufs, tab, 0, tab.NC, scale, lower_bound, flags, True)
-    bufs.pop("LD")  # the backward does not need it
+    bufs.pop("LD")  # the backward does not need the scratches
+    bufs.pop("TOT", None)
     return bufs
 
 

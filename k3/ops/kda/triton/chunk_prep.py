@@ -183,6 +183,36 @@ def _prep_rows(
         tl.store(_tile_ptr(AQK, base, r0, J * BC, BT, BC), zt)
 
 
+@triton.jit(do_not_specialize=['c0', 'NCw', 'T', 'NT', 'H'])
+def _prep_blocks(
+    k, g, A_log, dt_bias, KR, TOT,
+    cu, chunk_seq, chunk_off, c0, NCw, T, NT,
+    H, K: tl.constexpr, lb,
+    BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
+    USE_GATE: tl.constexpr, HAS_LB: tl.constexpr, HAS_A: tl.constexpr, HAS_DT: tl.constexpr,
+    L2NORM: tl.constexpr, IS_VARLEN: tl.constexpr,
+):
+    """Per 16-row block J of a chunk (grid (4·chunks, H)), what later row blocks and the solve need of it, computed
+    once instead of once per (row block, J) pair: kr_J = k̂_J e^{tot_J − s_J} (≤ 1, the right factor relative to
+    the block's last row; into the KG buffer's rows) and tot_J = Σ_{j∈J} g_j (log2, fp32, into ``TOT``)."""
+    NB: tl.constexpr = BT // BC
+    pid = tl.program_id(0)
+    i_c = pid // NB
+    J = pid % NB
+    i_h = tl.program_id(1)
+    bos, eos = _chunk_pos(c0 + i_c, cu, chunk_seq, chunk_off, T, NT, BT, IS_VARLEN)
+    base = (i_h * NCw + i_c).to(tl.int64)
+    tJ = bos + J * BC
+    g_J = _rows_gate(g, A_log, dt_bias, i_h, tJ, eos, H, K, lb, BC, BK, USE_GATE, HAS_LB, HAS_A, HAS_DT)
+    k_J = _rows_x(k, i_h, tJ, eos, H, K, BC, BK, L2NORM)
+    tot = tl.sum(g_J, axis=0)
+    o_s = tl.arange(0, BC)
+    o_k = tl.arange(0, BK)
+    tl.store(KR + (base * BT + J * BC + o_s[:, None]) * BK + o_k[None, :],
+             (k_J * tl.exp2(tot[None, :] - tl.cumsum(g_J, axis=0))).to(KR.dtype.element_ty))
+    tl.store(TOT + (base * NB + J) * BK + o_k, tot)
+
+
 @triton.jit
 def _rows_qk(q, k, i_h, t0, eos, H, K, R: tl.constexpr, BK: tl.constexpr, L2NORM: tl.constexpr):
     """[2·R, BK] fp32, rows interleaved: row 2i = q, row 2i+1 = k of token t0 + i (L2-normalized; zero outside)."""
@@ -239,6 +269,7 @@ def _prep_rows_qk(
     USE_GATE: tl.constexpr, HAS_LB: tl.constexpr, HAS_A: tl.constexpr, HAS_DT: tl.constexpr,
     L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr, IS_VARLEN: tl.constexpr,
     EXACT_DIAG: tl.constexpr, PREC: tl.constexpr, AB_BF16: tl.constexpr,
+    KR=None, TOT=None, X=None, PRE: tl.constexpr = False,
 ):
     """``_prep_rows`` with q and k of the row block stacked into ONE [32, K] left operand (rows interleaved), so
     each product is [32, K] × [K, 16]: one tensor-core product per block pair instead of two, and at 2 warps each
@@ -280,13 +311,19 @@ def _prep_rows_qk(
     # ---- earlier blocks J = I−1 … 0 (right factor ≤ 1, see _prep_rows)
     d = tl.zeros([BK], dtype=tl.float32)
     allk = (o_r >= 0)[:, None] & (o_j >= 0)[None, :]
+    NB_: tl.constexpr = BT // BC
     for jj in range(0, I):
         J = I - 1 - jj
-        tJ = bos + J * BC
-        g_J = _rows_gate(g, A_log, dt_bias, i_h, tJ, eos, H, K, lb, BC, BK, USE_GATE, HAS_LB, HAS_A, HAS_DT)
-        k_J = _rows_x(k, i_h, tJ, eos, H, K, BC, BK, L2NORM)
-        tot = tl.sum(g_J, axis=0)
-        kr = _op(tl.trans(k_J * tl.exp2((tot[None, :] - tl.cumsum(g_J, axis=0)) + d[None, :])), AB_BF16)
+        if PRE:  # kr_J and tot_J from ``_prep_blocks``: one tile load instead of the gate, cumsum and norm again
+            tot = tl.load(TOT + (base * NB_ + J) * BK + o_k)
+            kJ = tl.load(KR + (base * BT + J * BC + o_j[:, None]) * BK + o_k[None, :]).to(tl.float32)
+            kr = _op(tl.trans(kJ * tl.exp2(d)[None, :]), AB_BF16)
+        else:
+            tJ = bos + J * BC
+            g_J = _rows_gate(g, A_log, dt_bias, i_h, tJ, eos, H, K, lb, BC, BK, USE_GATE, HAS_LB, HAS_A, HAS_DT)
+            k_J = _rows_x(k, i_h, tJ, eos, H, K, BC, BK, L2NORM)
+            tot = tl.sum(g_J, axis=0)
+            kr = _op(tl.trans(k_J * tl.exp2((tot[None, :] - tl.cumsum(g_J, axis=0)) + d[None, :])), AB_BF16)
         _store_qk_rows(AQK, LK, base, r0, J * BC, tl.dot(xo, kr, input_precision=PREC), b_b2, scale, allk, o_j,
                        o_j >= 0, BT, BC)
         d += tot
@@ -294,6 +331,10 @@ def _prep_rows_qk(
     tl.store(QG + (base * BT + r0 + tok[:, None]) * BK + o_k[None, :],
              (xl * tl.exp2(d)[None, :] * scale).to(QG.dtype.element_ty),
              mask=(o_r % 2 == 0)[:, None] & (o_k >= 0)[None, :])
+    if PRE:  # X = β k̂ e^{G} = β k̂ e^{s + c_I} from the odd rows, for the solve's W = T X (into W, solved in place)
+        tl.store(X + (base * BT + r0 + tok[:, None]) * BK + o_k[None, :],
+                 (xl * tl.exp2(d)[None, :] * b_b2[:, None]).to(X.dtype.element_ty),
+                 mask=(o_r % 2 == 1)[:, None] & (o_k >= 0)[None, :])
     zt = tl.zeros([BC, BC], dtype=tl.float32).to(AQK.dtype.element_ty)
     for J in range(I + 1, NB):  # A_qk is read whole by the state pass: zero above the diagonal
         tl.store(_tile_ptr(AQK, base, r0, J * BC, BT, BC), zt)
@@ -352,6 +393,31 @@ def _block_merge(LK, base, BT: tl.constexpr, BC: tl.constexpr, PREC: tl.constexp
     tl.debug_barrier()  # ... and T is visible to every thread of the program before the reload
 
 
+@triton.jit
+def _solve_w_kg(W, KG, GAM, TOT, base, b_t, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
+                BKW: tl.constexpr, PREC: tl.constexpr):
+    """The solve's W, kg, γ from ``_prep_blocks`` / ``_prep_rows_qk``'s buffers (no gate, cumsum or norm here):
+    W = T X with X = β k̂ e^G read from W's own rows (solved in place); kg_J = kr_J e^{Σ_{J' > J} tot_J'}
+    (≤ 1: kr_J is relative to block J's last row) in place over kr; γ = e^{Σ_J tot_J}."""
+    NB: tl.constexpr = BT // BC
+    o_t = tl.arange(0, BT)
+    rb = o_t // BC
+    for sl in tl.static_range(BK // BKW):
+        o_k = sl * BKW + tl.arange(0, BKW)
+        p_tk = (base * BT + o_t[:, None]) * BK + o_k[None, :]
+        tl.store(W + p_tk, tl.dot(b_t, tl.load(W + p_tk), input_precision=PREC).to(W.dtype.element_ty))
+        suffix = tl.zeros([BT, BKW], dtype=tl.float32)  # Σ_{J' > block(row)} tot_J'
+        total = tl.zeros([BKW], dtype=tl.float32)
+        for jj in tl.static_range(NB):  # summed from the last block down, like the rows kernel's d
+            J: tl.constexpr = NB - 1 - jj
+            tot = tl.load(TOT + (base * NB + J) * BK + o_k)
+            suffix = tl.where((rb < J)[:, None], suffix + tot[None, :], suffix)
+            total += tot
+        tl.store(KG + p_tk, (tl.load(KG + p_tk).to(tl.float32) * tl.exp2(tl.minimum(suffix, 0.))
+                             ).to(KG.dtype.element_ty))
+        tl.store(GAM + base * BK + o_k, tl.exp2(total))
+
+
 @triton.jit(do_not_specialize=['c0', 'NCw', 'T', 'NT', 'H'])
 def _prep_solve(
     k, v, g, beta, A_log, dt_bias, W, U, KG, GAM, TM, LK,
@@ -360,7 +426,7 @@ def _prep_solve(
     BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BVP: tl.constexpr, BKW: tl.constexpr,
     BVW: tl.constexpr, USE_GATE: tl.constexpr, HAS_LB: tl.constexpr, HAS_A: tl.constexpr, HAS_DT: tl.constexpr,
     L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr, IS_VARLEN: tl.constexpr, STORE_T: tl.constexpr,
-    PREC: tl.constexpr,
+    PREC: tl.constexpr, TOT=None, PRE: tl.constexpr = False,
 ):
     DT: tl.constexpr = W.dtype.element_ty
     i_c = tl.program_id(0)
@@ -390,26 +456,29 @@ def _prep_solve(
         tl.store(U + (base * BT + o_t[:, None]) * BVP + o_v[None, :],
                  tl.dot(b_t, (b_v * b_b[:, None]).to(DT), input_precision=PREC).to(DT))
 
-    # ---- W = T (β K e^G), kg = K e^{G_C − G}, γ = e^{G_C}: by column slices of BKW (gate and cumsum are per
-    # column; the L2 norm needs the whole row first), fewer live registers
-    rstd = tl.full([BT], 1.0, tl.float32)
-    if L2NORM:
-        _, rstd = _l2norm(_chunk_tile(k, i_h, bos, eos, H, K, BT, BK).to(tl.float32), True)
-    for sl in tl.static_range(BK // BKW):
-        o_k = sl * BKW + tl.arange(0, BKW)
-        m_k = o_k < K
-        m = (t < eos)[:, None] & m_k[None, :]
-        p_in = (t * H + i_h)[:, None] * K + o_k[None, :]
-        b_g = _gate_fwd(tl.load(g + p_in, mask=m, other=0.).to(tl.float32), i_h, A_log, dt_bias, lb, o_k, m_k, K,
-                        USE_GATE, HAS_LB, HAS_A, HAS_DT)
-        b_g = tl.where(m, b_g, 0.) * 1.4426950408889634
-        G = tl.cumsum(b_g, axis=0)
-        gc = tl.sum(b_g, axis=0)
-        b_k = tl.load(k + p_in, mask=m, other=0.).to(tl.float32) * rstd[:, None]
-        p_tk = (base * BT + o_t[:, None]) * BK + o_k[None, :]
-        tl.store(W + p_tk, tl.dot(b_t, (b_k * tl.exp2(G) * b_b[:, None]).to(DT), input_precision=PREC).to(DT))
-        tl.store(KG + p_tk, (b_k * tl.exp2(tl.minimum(gc[None, :] - G, 0.))).to(DT))
-        tl.store(GAM + base * BK + o_k, tl.exp2(gc))
+    if PRE:
+        _solve_w_kg(W, KG, GAM, TOT, base, b_t, BT, BC, BK, BKW, PREC)
+    else:
+        # ---- W = T (β K e^G), kg = K e^{G_C − G}, γ = e^{G_C}: by column slices of BKW (gate and cumsum are per
+        # column; the L2 norm needs the whole row first), fewer live registers
+        rstd = tl.full([BT], 1.0, tl.float32)
+        if L2NORM:
+            _, rstd = _l2norm(_chunk_tile(k, i_h, bos, eos, H, K, BT, BK).to(tl.float32), True)
+        for sl in tl.static_range(BK // BKW):
+            o_k = sl * BKW + tl.arange(0, BKW)
+            m_k = o_k < K
+            m = (t < eos)[:, None] & m_k[None, :]
+            p_in = (t * H + i_h)[:, None] * K + o_k[None, :]
+            b_g = _gate_fwd(tl.load(g + p_in, mask=m, other=0.).to(tl.float32), i_h, A_log, dt_bias, lb, o_k, m_k, K,
+                            USE_GATE, HAS_LB, HAS_A, HAS_DT)
+            b_g = tl.where(m, b_g, 0.) * 1.4426950408889634
+            G = tl.cumsum(b_g, axis=0)
+            gc = tl.sum(b_g, axis=0)
+            b_k = tl.load(k + p_in, mask=m, other=0.).to(tl.float32) * rstd[:, None]
+            p_tk = (base * BT + o_t[:, None]) * BK + o_k[None, :]
+            tl.store(W + p_tk, tl.dot(b_t, (b_k * tl.exp2(G) * b_b[:, None]).to(DT), input_precision=PREC).to(DT))
+            tl.store(KG + p_tk, (b_k * tl.exp2(tl.minimum(gc[None, :] - G, 0.))).to(DT))
+            tl.store(GAM + base * BK + o_k, tl.exp2(gc))
 
 
 def _launch(warps: int, stages: int, maxnreg: int | None) -> dict:
@@ -443,15 +512,25 @@ def launch_prep_rows(q, k, v, g, beta, A_log, dt_bias, bufs: dict, tab: ChunkTab
     common = dict(USE_GATE=flags["use_gate"], HAS_LB=lower_bound is not None, HAS_A=A_log is not None,
                   HAS_DT=dt_bias is not None, L2NORM=flags["l2norm"], BETA_SIGMOID=flags["beta_sigmoid"],
                   IS_VARLEN=tab.varlen, PREC=dot_precision(q.dtype))
+    pre = bool(cfg.rows_stack and cfg.rows_pre)
+    nb = BT // BC
+    if pre:
+        _prep_blocks[(n * nb, H)](
+            k, g, a_log, dtb, bufs["KG"], bufs["TOT"],
+            tab.cu, tab.chunk_seq, tab.chunk_off, c0, ncw, tab.T, tab.NT, H, K, lb, BT=BT, BC=BC, BK=BK,
+            USE_GATE=common["USE_GATE"], HAS_LB=common["HAS_LB"], HAS_A=common["HAS_A"], HAS_DT=common["HAS_DT"],
+            L2NORM=common["L2NORM"], IS_VARLEN=common["IS_VARLEN"], **_launch(cfg.blocks_warps, 1, None))
+    extra = dict(KR=bufs["KG"], TOT=bufs["TOT"], X=bufs["W"], PRE=True) if pre else {}
     kernel = _prep_rows_qk if cfg.rows_stack else _prep_rows
-    kernel[(n * (BT // BC), H)](
+    kernel[(n * nb, H)](
         q, k, g, beta, a_log, dtb, bufs["QG"], bufs["AQK"], LK,
         tab.cu, tab.chunk_seq, tab.chunk_off, c0, ncw, tab.T, tab.NT, H, K, scale, lb,
         BT=BT, BC=BC, BK=BK, EXACT_DIAG=flags["exact_diag"],
         AB_BF16=bool(cfg.prep_ab_bf16) and q.dtype == torch.bfloat16,
-        **_launch(cfg.rows_warps, cfg.rows_stages, cfg.rows_maxnreg), **common)
+        **extra, **_launch(cfg.rows_warps, cfg.rows_stages, cfg.rows_maxnreg), **common)
     _prep_solve[(n, H)](
         k, v, g, beta, a_log, dtb, bufs["W"], bufs["U"], bufs["KG"], bufs["GAM"], bufs["TM"], LK,
         tab.cu, tab.chunk_seq, tab.chunk_off, c0, ncw, tab.T, tab.NT, H, K, V, lb,
         BT=BT, BC=BC, BK=BK, BVP=BVP, BKW=min(BK, cfg.solve_bkw), BVW=min(BVP, cfg.solve_bkw), STORE_T=store_t,
+        **(dict(TOT=bufs["TOT"], PRE=True) if pre else {}),
         **_launch(cfg.solve_warps, cfg.solve_stages, cfg.solve_maxnreg), **common)
