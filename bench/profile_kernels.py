@@ -86,8 +86,9 @@ def show(case: str, rows: list, scale: float = 1.0) -> None:
         print(f"  {ms * scale:9.3f} ms  x{cnt:<5.1f} {name}", flush=True)
 
 
-def window_case(mode: str) -> dict:
+def window_case(mode: str, pre: bool = True) -> dict:
     cf.FwdConfig.prep_mode = mode
+    cf.FwdConfig.rows_pre = pre
     T, H, flags, x, tab, ncw, bufs, o, ht, args = _window_1m()
 
     def f() -> None:
@@ -95,7 +96,8 @@ def window_case(mode: str) -> dict:
         cf.launch_state(bufs, o, None, ht, tab, 0, ncw, H, 128, 128)
 
     rows = profile(f)
-    show(f"1M H=32 window prep+state, prep {mode}", rows, tab.NC / ncw)
+    show(f"1M H=32 window prep+state, prep {mode}{'' if pre else ' (no block pre-pass)'}", rows, tab.NC / ncw)
+    cf.FwdConfig.rows_pre = True
     return dict(rows=rows, scale=tab.NC / ncw)
 
 
@@ -107,8 +109,8 @@ def main() -> int:
     res: dict = {"check_rows": check_rows()}
     with_fla = not a.no_fla and _fla_module() is not None
     # (a) one inference window at 1M, H=32
-    for mode in ("v3", "rows"):
-        res[f"window_{mode}"] = window_case(mode)
+    for mode, pre in (("v3", True), ("rows", False), ("rows", True)):
+        res[f"window_{mode}_{pre}"] = window_case(mode, pre)
         torch.cuda.empty_cache()
     cf.FwdConfig.prep_mode = DEFAULT_MODE
     # (b) training shape
