@@ -86,9 +86,10 @@ def show(case: str, rows: list, scale: float = 1.0) -> None:
         print(f"  {ms * scale:9.3f} ms  x{cnt:<5.1f} {name}", flush=True)
 
 
-def window_case(mode: str, pre: bool = True) -> dict:
-    cf.FwdConfig.prep_mode = mode
-    cf.FwdConfig.rows_pre = pre
+def window_case(label: str, **over) -> dict:
+    saved = {n: getattr(cf.FwdConfig, n) for n in over}
+    for n, v in over.items():
+        setattr(cf.FwdConfig, n, v)
     T, H, flags, x, tab, ncw, bufs, o, ht, args = _window_1m()
 
     def f() -> None:
@@ -96,8 +97,9 @@ def window_case(mode: str, pre: bool = True) -> dict:
         cf.launch_state(bufs, o, None, ht, tab, 0, ncw, H, 128, 128)
 
     rows = profile(f)
-    show(f"1M H=32 window prep+state, prep {mode}{'' if pre else ' (no block pre-pass)'}", rows, tab.NC / ncw)
-    cf.FwdConfig.rows_pre = True
+    show(f"1M H=32 window prep+state, {label}", rows, tab.NC / ncw)
+    for n, v in saved.items():
+        setattr(cf.FwdConfig, n, v)
     return dict(rows=rows, scale=tab.NC / ncw)
 
 
@@ -109,8 +111,15 @@ def main() -> int:
     res: dict = {"check_rows": check_rows()}
     with_fla = not a.no_fla and _fla_module() is not None
     # (a) one inference window at 1M, H=32
-    for mode, pre in (("v3", True), ("rows", False), ("rows", True)):
-        res[f"window_{mode}_{pre}"] = window_case(mode, pre)
+    cases = {"prep v3": dict(prep_mode="v3"), "rows, no block pre-pass": dict(prep_mode="rows", rows_pre=False),
+             "rows (default)": dict(prep_mode="rows", rows_pre=True),
+             "rows, rows kernel ≤128 regs": dict(prep_mode="rows", rows_maxnreg=128),
+             "rows, 8-warp solve": dict(prep_mode="rows", solve_warps=8, solve_maxnreg=None)}
+    for label, over in cases.items():
+        try:
+            res[f"window {label}"] = window_case(label, **over)
+        except Exception as e:  # noqa: BLE001
+            print(f"{label}: {e!r}"[:300], flush=True)
         torch.cuda.empty_cache()
     cf.FwdConfig.prep_mode = DEFAULT_MODE
     # (b) training shape

@@ -409,7 +409,7 @@ def _solve_w_kg(W, KG, GAM, TOT, base, b_t, BT: tl.constexpr, BC: tl.constexpr, 
         suffix = tl.zeros([BT, BKW], dtype=tl.float32)  # Σ_{J' > block(row)} tot_J'
         total = tl.zeros([BKW], dtype=tl.float32)
         for jj in tl.static_range(NB):  # summed from the last block down, like the rows kernel's d
-            J: tl.constexpr = NB - 1 - jj
+            J = NB - 1 - jj
             tot = tl.load(TOT + (base * NB + J) * BK + o_k)
             suffix = tl.where((rb < J)[:, None], suffix + tot[None, :], suffix)
             total += tot
