@@ -508,7 +508,7 @@ class FwdConfig:
     # kernel did that 6 times per chunk: 57.8 of its 92 ms per 1M, profile run s3), and the solve reads X = β k̂ e^G
     # and kr instead of recomputing the gate and norm over the whole chunk
     rows_pre = True
-    blocks_warps = 8
+    blocks_warps = 4
     rows_warps = 4
     rows_stages = 1
     solve_warps = 4

@@ -192,25 +192,26 @@ def _prep_blocks(
     USE_GATE: tl.constexpr, HAS_LB: tl.constexpr, HAS_A: tl.constexpr, HAS_DT: tl.constexpr,
     L2NORM: tl.constexpr, IS_VARLEN: tl.constexpr,
 ):
-    """Per chunk (grid (chunks, H)), for each of its 16-row blocks J, what later row blocks and the solve need of
-    it, computed once instead of once per (row block, J) pair: kr_J = k̂_J e^{tot_J − s_J} (≤ 1, the right factor
-    relative to the block's last row; into the KG buffer's rows) and tot_J = Σ_{j∈J} g_j (log2, fp32, into
-    ``TOT``). One program per chunk: a program per 16-row block was launch-bound (15 ms per 1M tokens at H=32)."""
+    """Per 16-row block J of a chunk (grid (4·chunks, H)), what later row blocks and the solve need of it, computed
+    once instead of once per (row block, J) pair: kr_J = k̂_J e^{tot_J − s_J} (≤ 1, the right factor relative to
+    the block's last row; into the KG buffer's rows) and tot_J = Σ_{j∈J} g_j (log2, fp32, into ``TOT``).
+    A program per block: one per chunk ([4, 16, K] cumsum) measured 2× slower on an H200 (30 vs 15 ms per 1M)."""
     NB: tl.constexpr = BT // BC
-    i_c = tl.program_id(0)
+    pid = tl.program_id(0)
+    i_c = pid // NB
+    J = pid % NB
     i_h = tl.program_id(1)
     bos, eos = _chunk_pos(c0 + i_c, cu, chunk_seq, chunk_off, T, NT, BT, IS_VARLEN)
     base = (i_h * NCw + i_c).to(tl.int64)
-    g3 = tl.reshape(_rows_gate(g, A_log, dt_bias, i_h, bos, eos, H, K, lb, BT, BK, USE_GATE, HAS_LB, HAS_A, HAS_DT),
-                    [NB, BC, BK])
-    tot = tl.sum(g3, axis=1)  # [NB, BK]
-    k3 = tl.reshape(_rows_x(k, i_h, bos, eos, H, K, BT, BK, L2NORM), [NB, BC, BK])
-    kr = tl.reshape(k3 * tl.exp2(tot[:, None, :] - tl.cumsum(g3, axis=1)), [BT, BK])
-    o_t = tl.arange(0, BT)
+    tJ = bos + J * BC
+    g_J = _rows_gate(g, A_log, dt_bias, i_h, tJ, eos, H, K, lb, BC, BK, USE_GATE, HAS_LB, HAS_A, HAS_DT)
+    k_J = _rows_x(k, i_h, tJ, eos, H, K, BC, BK, L2NORM)
+    tot = tl.sum(g_J, axis=0)
+    o_s = tl.arange(0, BC)
     o_k = tl.arange(0, BK)
-    o_b = tl.arange(0, NB)
-    tl.store(KR + (base * BT + o_t[:, None]) * BK + o_k[None, :], kr.to(KR.dtype.element_ty))
-    tl.store(TOT + (base * NB + o_b[:, None]) * BK + o_k[None, :], tot)
+    tl.store(KR + (base * BT + J * BC + o_s[:, None]) * BK + o_k[None, :],
+             (k_J * tl.exp2(tot[None, :] - tl.cumsum(g_J, axis=0))).to(KR.dtype.element_ty))
+    tl.store(TOT + (base * NB + J) * BK + o_k, tot)
 
 
 @triton.jit
@@ -515,7 +516,7 @@ def launch_prep_rows(q, k, v, g, beta, A_log, dt_bias, bufs: dict, tab: ChunkTab
     pre = bool(cfg.rows_stack and cfg.rows_pre)
     nb = BT // BC
     if pre:
-        _prep_blocks[(n, H)](
+        _prep_blocks[(n * nb, H)](
             k, g, a_log, dtb, bufs["KG"], bufs["TOT"],
             tab.cu, tab.chunk_seq, tab.chunk_off, c0, ncw, tab.T, tab.NT, H, K, lb, BT=BT, BC=BC, BK=BK,
             USE_GATE=common["USE_GATE"], HAS_LB=common["HAS_LB"], HAS_A=common["HAS_A"], HAS_DT=common["HAS_DT"],
