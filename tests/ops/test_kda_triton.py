@@ -138,6 +138,7 @@ CASES = [  # (B, T, H, K, V, kwargs, reference kwargs)
     # error is the dg error (~5e-6, within 1e-4) times that factor: checked at 1e-3 (seed-dependent: 2e-8..2e-4).
     (1, 100, 1, 16, 16, {"beta_logit": 12.0, "repeat_keys": True}, {"tol_params": 1e-3}),
     (1, 100, 1, 16, 16, {}, {"l2": False, "bsig": False}),
+    (1, 100, 2, 24, 40, {}, {}),  # head dims that are not powers of two (padded tiles, masked columns)
 ]
 
 
