@@ -19,8 +19,9 @@ once, so a run cut short keeps its numbers):
    B=8 T=4096 H=32, prefill B=1 T=1M at H=32 and H=8, decode B=64 H=32.
 
 A short table is printed last; ``kda_sweep.json`` holds everything, ``best`` the chosen overrides.
-``K3_SWEEP_ROWS=1`` adds the experimental rows prep (wrong on an H200 in run 4a; run ``bench/rows_quick.py`` first:
-a failing variant can leave the CUDA context unusable for every later variant of the same process).
+The prep group has the v3 prep and the rows prep (the default since session 3) with its knobs. A failing variant can
+leave the CUDA context unusable for every later variant of the same process: check new kernels with
+``bench/profile_kernels.py`` or the gpu_quick tests first.
 """
 
 from __future__ import annotations
@@ -62,8 +63,8 @@ CLASSES = {"F": cf.FwdConfig, "B": cb.BwdConfig, "D": fr.DecodeConfig, "P": _pre
 
 # variant groups: name → overrides "Class.attr" → value ("F" FwdConfig, "B" BwdConfig, "D" DecodeConfig). Each
 # variant spells out its whole group (v2's settings + its changes), so the labels stay true whatever the defaults.
-PREP_V2 = {"F.prep_warps": 8, "F.prep_ab_bf16": False, "F.prep_inv_scratch": False, "F.prep_split": False,
-           "F.wu_warps": 4}
+PREP_V2 = {"F.prep_mode": "v3", "F.prep_warps": 8, "F.prep_ab_bf16": False, "F.prep_inv_scratch": False,
+           "F.prep_split": False, "F.wu_warps": 4}
 STATE_V2 = {"F.state_bv": 32, "F.state_warps": 4, "F.state_stages": 2}
 BWD_V2 = {"B.state_bv": 32, "B.state_warps": 4, "B.wy_bv": 64, "B.wy_warps": 8, "B.intra_warps": 8,
           "B.intra_prec_half": "tf32x3", "B.intra_recompute": False}
@@ -72,14 +73,22 @@ DEC_V2 = {"D.bv": 32, "D.warps": 4, "D.stages": 1, "D.fused_out": False, "D.base
 V2 = {**PREP_V2, **STATE_V2, **BWD_V2, **DEC_V2}
 _INV, _AB, _SPLIT = {"F.prep_inv_scratch": True}, {"F.prep_ab_bf16": True}, {"F.prep_split": True}
 # v3 (run 3) measured every v2-era knob; run 4 keeps the v2 base and the v3 defaults and adds the v4 designs.
-P7 = {**_INV, **_AB, **_SPLIT, "F.prep_warps": 4}
-_ROWS = {**P7, "F.prep_mode": "rows"}
+P7 = {**_INV, **_AB, **_SPLIT, "F.prep_warps": 4, "F.prep_mode": "v3"}
+# v5 (session 3): the rows prep with the block pre-pass is the default; its knobs
+_ROWS = {**P7, "F.prep_mode": "rows", "F.rows_pre": True, "F.rows_maxnreg": 128, "F.blocks_warps": 4,
+         "F.blocks_per_program": 1}
 PREP = {name: {**PREP_V2, **ch} for name, ch in {
     "p7 v3: split, scratch inverse, bf16 operands, 4w": P7,
-    **({"r1 rows (A by row blocks | T + W,U)": _ROWS} if os.environ.get("K3_SWEEP_ROWS") == "1" else {}),
+    "r2 rows + block pre-pass, rows ≤128 regs (v5)": _ROWS,
+    "r3 r2, pre-pass 2 warps": {**_ROWS, "F.blocks_warps": 2},
+    "r4 r2, rows ≤96 regs": {**_ROWS, "F.rows_maxnreg": 96},
+    "r5 r2, solve BKW 64": {**_ROWS, "F.solve_bkw": 64},
+    "r6 r2, rows 2 warps": {**_ROWS, "F.rows_warps": 2, "F.rows_maxnreg": None},
+    "r7 r2, pre-pass 2 blocks per program": {**_ROWS, "F.blocks_per_program": 2},
+    "r8 r2, pre-pass 4 blocks per program": {**_ROWS, "F.blocks_per_program": 4},
 }.items()}
 STATE = {f"s bv={bv} w={w} st={st}": {"F.state_bv": bv, "F.state_warps": w, "F.state_stages": st}
-         for bv, w, st in ((32, 4, 3), (16, 2, 3), (64, 8, 3))}
+         for bv, w, st in ((32, 4, 3), (16, 2, 3), (64, 8, 3), (64, 4, 3))}
 _SPL = {"B.intra_warps": 4, "B.intra_prec_half": "bf16x3", "B.intra_split": True}
 BWD = {name: {**BWD_V2, **ch} for name, ch in {
     "b0 v2": {},
@@ -106,8 +115,11 @@ DEC = {name: {**DEC_V2, **ch} for name, ch in {
     "d17 persistent 16/SM 1w bv16": {**_DF, "D.persist": 16, "D.bv": 16, "D.warps": 1},
     "d18 persistent 8/SM 2w bv32": {**_DF, "D.persist": 8, "D.bv": 32, "D.warps": 2},
     "d19 persistent 6/SM 2w bv16": {**_DF, "D.persist": 6, "D.bv": 16, "D.warps": 2},
+    "d20 persistent 7/SM 2w bv32": {**_DF, "D.persist": 7, "D.bv": 32, "D.warps": 2},
+    "d21 persistent 6/SM 2w bv32": {**_DF, "D.persist": 6, "D.bv": 32, "D.warps": 2},
 }.items()}
 if DRY:  # keep the interpreter run short: one non-base variant per group
+    PREP = dict(list(PREP.items())[:2])
     STATE = dict(list(STATE.items())[:2])
     BWD = dict(list(BWD.items())[:2])
     DEC = dict(list(DEC.items())[i] for i in (0, 2))

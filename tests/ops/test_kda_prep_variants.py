@@ -190,6 +190,18 @@ def test_rows_without_block_prepass(monkeypatch, case):
 
 
 @cpu_only
+@pytest.mark.parametrize("per", [2, 4])
+def test_rows_block_prepass_blocks_per_program(monkeypatch, per):
+    """The block pre-pass with 2 or 4 sixteen-row blocks per program (a varlen batch with a ragged last chunk and
+    an empty sequence, training) equals the recurrence; a count that does not divide the 4 blocks is refused."""
+    monkeypatch.setattr(cf.FwdConfig, "blocks_per_program", per)
+    check(make_inputs(200, 2, 16, 16, N=5, seed=5), 1e-4, cu=[0, 1, 64, 64, 130, 200])
+    monkeypatch.setattr(cf.FwdConfig, "blocks_per_program", 3)
+    with pytest.raises(ValueError, match="blocks_per_program"):
+        run(make_inputs(70, 1, 16, 16), torch.float32, -5.0, True, None, False)
+
+
+@cpu_only
 def test_rows_k128_training():
     """K = V = 128 (the production head size), two chunks."""
     check(make_inputs(70, 1, 128, 128, seed=6), 1e-4)

@@ -7,8 +7,9 @@ W = T(β K e^G), U = T(β V), kg = K e^{G_C − G}, qg = scale · Q e^G, A_qk, �
 ``_kda_fwd_state`` — the sequential pass, grid (V-blocks, N·H), fp32 state in registers:
 V' = U − W S;  O = qg S + A_qk V';  S ← Diag(γ) S + kgᵀ V'.
 
-``FwdConfig.prep_mode = "rows"`` replaces the prep by ``chunk_prep``'s two kernels (A by 16-row blocks, one light
-program per row block; then T, W, U, kg, γ per chunk) writing the same buffers.
+``FwdConfig.prep_mode = "rows"`` (the default since session 3: faster on an H200 and equal within rounding)
+replaces the prep by ``chunk_prep``'s three kernels (a block pre-pass; A by 16-row blocks, one light program per row
+block; then T, W, U, kg, γ per chunk) writing the same buffers; ``"v3"`` keeps the single fused prep below.
 
 Inference (no grad) runs the pair over windows of chunks with window-sized buffers, so working memory does not
 grow with T; training runs one window over everything and keeps the buffers (and the per-chunk states) for backward.
@@ -509,6 +510,7 @@ class FwdConfig:
     # and kr instead of recomputing the gate and norm over the whole chunk
     rows_pre = True
     blocks_warps = 4
+    blocks_per_program = 1  # 16-row blocks per pre-pass program (1, 2, 4; each its own tile): 1 = 15 ms per 1M
     rows_warps = 4
     rows_stages = 1
     solve_warps = 4

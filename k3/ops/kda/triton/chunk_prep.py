@@ -1,4 +1,5 @@
-"""Chunked KDA forward prep as two kernels with many small independent programs (``FwdConfig.prep_mode = "rows"``).
+"""Chunked KDA forward prep as three kernels with many small independent programs (``FwdConfig.prep_mode = "rows"``,
+the default).
 
 Same outputs as ``chunk_fwd._kda_fwd_prep`` (+ ``_kda_fwd_wu``): per chunk of BT = 64 rows (four 16-row sub-blocks)
 A_qk, qg = scale·Q e^G, T = (I + A_kk)^{-1} (training), W = T(β K e^G), U = T(β V), kg = K e^{G_C − G}, γ = e^{G_C}.
@@ -17,12 +18,20 @@ above the diagonal), of L = β A_kk (fp32 scratch ``LK [BT, BT]``) and of qg. ``
 ``FwdConfig.rows_stack``) is the same with q and k of the row block interleaved into one [32, K] left operand: one
 product per block pair. Programs: light (4 warps, ~170 registers on sm_90), 4 per chunk and head.
 
+``_prep_blocks`` (``FwdConfig.rows_pre``, on) runs first — grid (4·chunks, H), one program per 16-row block J:
+kr_J = k̂_J e^{tot_J − s_J} (≤ 1, into the kg buffer) and the block's gate total tot_J (fp32, ``TOT``). The rows
+kernel then loads kr_J and scales it by e^{d} (d = the totals of the blocks in between, ≤ 0) instead of recomputing
+block J's gate, cumsum and norm (6 times per chunk), and writes X = β k̂ e^G into the W buffer; the solve forms
+W = T X and kg_J = kr_J e^{Σ_{J' > J} tot_J'} in place, without the gate or the norm (H200, 1M tokens at H = 32:
+prep 92.6 → 73.2 ms with the rows kernel capped at 128 registers).
+
 ``_prep_solve`` — grid (chunks, H): T = (I + L)^{-1} from the scratch: the four 16×16 diagonal inverses by forward
 substitution on one stacked [64, 16] tile (built transposed: column s of D_bᵀ = e_s − D_bᵀ L_b[s, :]ᵀ, the row read
 from memory, the reduction inside a tile row), D written back over L's diagonal blocks, then the block merge by
 16×16 blocks (T_IJ = −D_I Σ_{J≤M<I} L_IM T_MJ, fp32 mma.sync like the v3 prep), written back over L's lower blocks
 (store → barrier → reload, the hand-off the v3 prep uses), and T reloaded as one [64, 64] tile; then W = T X,
-U = T Y as [64, 64] × [64, 128] products, kg and γ from a fresh whole-chunk gate cumsum.
+U = T Y as [64, 64] × [64, 128] products, kg and γ (from the pre-pass buffers, or — without it — from a fresh
+whole-chunk gate cumsum).
 """
 
 from __future__ import annotations
@@ -183,26 +192,12 @@ def _prep_rows(
         tl.store(_tile_ptr(AQK, base, r0, J * BC, BT, BC), zt)
 
 
-@triton.jit(do_not_specialize=['c0', 'NCw', 'T', 'NT', 'H'])
-def _prep_blocks(
-    k, g, A_log, dt_bias, KR, TOT,
-    cu, chunk_seq, chunk_off, c0, NCw, T, NT,
-    H, K: tl.constexpr, lb,
-    BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
-    USE_GATE: tl.constexpr, HAS_LB: tl.constexpr, HAS_A: tl.constexpr, HAS_DT: tl.constexpr,
-    L2NORM: tl.constexpr, IS_VARLEN: tl.constexpr,
-):
-    """Per 16-row block J of a chunk (grid (4·chunks, H)), what later row blocks and the solve need of it, computed
-    once instead of once per (row block, J) pair: kr_J = k̂_J e^{tot_J − s_J} (≤ 1, the right factor relative to
-    the block's last row; into the KG buffer's rows) and tot_J = Σ_{j∈J} g_j (log2, fp32, into ``TOT``).
-    A program per block: one per chunk ([4, 16, K] cumsum) measured 2× slower on an H200 (30 vs 15 ms per 1M)."""
+@triton.jit
+def _block_kr(k, g, A_log, dt_bias, KR, TOT, base, i_h, bos, eos, J, H, K, lb, BT: tl.constexpr, BC: tl.constexpr,
+              BK: tl.constexpr, USE_GATE: tl.constexpr, HAS_LB: tl.constexpr, HAS_A: tl.constexpr,
+              HAS_DT: tl.constexpr, L2NORM: tl.constexpr):
+    """kr_J = k̂_J e^{tot_J − s_J} and tot_J of 16-row block J of the chunk at ``bos`` (see ``_prep_blocks``)."""
     NB: tl.constexpr = BT // BC
-    pid = tl.program_id(0)
-    i_c = pid // NB
-    J = pid % NB
-    i_h = tl.program_id(1)
-    bos, eos = _chunk_pos(c0 + i_c, cu, chunk_seq, chunk_off, T, NT, BT, IS_VARLEN)
-    base = (i_h * NCw + i_c).to(tl.int64)
     tJ = bos + J * BC
     g_J = _rows_gate(g, A_log, dt_bias, i_h, tJ, eos, H, K, lb, BC, BK, USE_GATE, HAS_LB, HAS_A, HAS_DT)
     k_J = _rows_x(k, i_h, tJ, eos, H, K, BC, BK, L2NORM)
@@ -212,6 +207,32 @@ def _prep_blocks(
     tl.store(KR + (base * BT + J * BC + o_s[:, None]) * BK + o_k[None, :],
              (k_J * tl.exp2(tot[None, :] - tl.cumsum(g_J, axis=0))).to(KR.dtype.element_ty))
     tl.store(TOT + (base * NB + J) * BK + o_k, tot)
+
+
+@triton.jit(do_not_specialize=['c0', 'NCw', 'T', 'NT', 'H'])
+def _prep_blocks(
+    k, g, A_log, dt_bias, KR, TOT,
+    cu, chunk_seq, chunk_off, c0, NCw, T, NT,
+    H, K: tl.constexpr, lb,
+    BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
+    USE_GATE: tl.constexpr, HAS_LB: tl.constexpr, HAS_A: tl.constexpr, HAS_DT: tl.constexpr,
+    L2NORM: tl.constexpr, IS_VARLEN: tl.constexpr, PER: tl.constexpr = 1,
+):
+    """Per 16-row block J of a chunk (grid (4·chunks / PER, H); PER blocks per program, each its own [16, K] tile),
+    what later row blocks and the solve need of it, computed once instead of once per (row block, J) pair:
+    kr_J = k̂_J e^{tot_J − s_J} (≤ 1, the right factor relative to the block's last row; into the KG buffer's rows)
+    and tot_J = Σ_{j∈J} g_j (log2, fp32, into ``TOT``). One program per chunk as a [4, 16, K] reshape + cumsum
+    measured 2× slower on an H200 (30 vs 15 ms per 1M at PER = 1)."""
+    NB: tl.constexpr = BT // BC
+    pid = tl.program_id(0)
+    i_c = pid // (NB // PER)
+    J0 = (pid % (NB // PER)) * PER
+    i_h = tl.program_id(1)
+    bos, eos = _chunk_pos(c0 + i_c, cu, chunk_seq, chunk_off, T, NT, BT, IS_VARLEN)
+    base = (i_h * NCw + i_c).to(tl.int64)
+    for j in tl.static_range(PER):
+        _block_kr(k, g, A_log, dt_bias, KR, TOT, base, i_h, bos, eos, J0 + j, H, K, lb, BT, BC, BK, USE_GATE,
+                  HAS_LB, HAS_A, HAS_DT, L2NORM)
 
 
 @triton.jit
@@ -312,11 +333,10 @@ def _prep_rows_qk(
     # ---- earlier blocks J = I−1 … 0 (right factor ≤ 1, see _prep_rows)
     d = tl.zeros([BK], dtype=tl.float32)
     allk = (o_r >= 0)[:, None] & (o_j >= 0)[None, :]
-    NB_: tl.constexpr = BT // BC
     for jj in range(0, I):
         J = I - 1 - jj
         if PRE:  # kr_J and tot_J from ``_prep_blocks``: one tile load instead of the gate, cumsum and norm again
-            tot = tl.load(TOT + (base * NB_ + J) * BK + o_k)
+            tot = tl.load(TOT + (base * NB + J) * BK + o_k)
             kJ = tl.load(KR + (base * BT + J * BC + o_j[:, None]) * BK + o_k[None, :]).to(tl.float32)
             kr = _op(tl.trans(kJ * tl.exp2(d)[None, :]), AB_BF16)
         else:
@@ -516,11 +536,14 @@ def launch_prep_rows(q, k, v, g, beta, A_log, dt_bias, bufs: dict, tab: ChunkTab
     pre = bool(cfg.rows_stack and cfg.rows_pre)
     nb = BT // BC
     if pre:
-        _prep_blocks[(n * nb, H)](
+        per = int(cfg.blocks_per_program)
+        if per not in (1, 2, 4):
+            raise ValueError(f"FwdConfig.blocks_per_program: expected 1, 2 or 4, got {per!r}")
+        _prep_blocks[(n * nb // per, H)](
             k, g, a_log, dtb, bufs["KG"], bufs["TOT"],
             tab.cu, tab.chunk_seq, tab.chunk_off, c0, ncw, tab.T, tab.NT, H, K, lb, BT=BT, BC=BC, BK=BK,
             USE_GATE=common["USE_GATE"], HAS_LB=common["HAS_LB"], HAS_A=common["HAS_A"], HAS_DT=common["HAS_DT"],
-            L2NORM=common["L2NORM"], IS_VARLEN=common["IS_VARLEN"], **_launch(cfg.blocks_warps, 1, None))
+            L2NORM=common["L2NORM"], IS_VARLEN=common["IS_VARLEN"], PER=per, **_launch(cfg.blocks_warps, 1, None))
     extra = dict(KR=bufs["KG"], TOT=bufs["TOT"], X=bufs["W"], PRE=True) if pre else {}
     kernel = _prep_rows_qk if cfg.rows_stack else _prep_rows
     kernel[(n * nb, H)](
