@@ -66,8 +66,9 @@ CLASSES = {"F": cf.FwdConfig, "B": cb.BwdConfig, "D": fr.DecodeConfig, "P": _pre
 PREP_V2 = {"F.prep_mode": "v3", "F.prep_warps": 8, "F.prep_ab_bf16": False, "F.prep_inv_scratch": False,
            "F.prep_split": False, "F.wu_warps": 4}
 STATE_V2 = {"F.state_bv": 32, "F.state_warps": 4, "F.state_stages": 2}
-BWD_V2 = {"B.state_bv": 32, "B.state_warps": 4, "B.wy_bv": 64, "B.wy_warps": 8, "B.intra_warps": 8,
-          "B.intra_prec_half": "tf32x3", "B.intra_recompute": False}
+BWD_V2 = {"B.state_bv": 32, "B.state_warps": 4, "B.state_stages": 2, "B.wy_bv": 64, "B.wy_warps": 8,
+          "B.intra_warps": 8, "B.intra_prec_half": "tf32x3", "B.intra_recompute": False, "B.intra_split": False,
+          "B.wy_kb": False, "B.wy_split": False}
 DEC_V2 = {"D.bv": 32, "D.warps": 4, "D.stages": 1, "D.fused_out": False, "D.base_ptr": False, "D.evict": False,
           "D.persist": 0, "D.persist_stages": 3, "D.maxnreg": None}
 V2 = {**PREP_V2, **STATE_V2, **BWD_V2, **DEC_V2}
@@ -89,7 +90,8 @@ PREP = {name: {**PREP_V2, **ch} for name, ch in {
 }.items()}
 STATE = {f"s bv={bv} w={w} st={st}": {"F.state_bv": bv, "F.state_warps": w, "F.state_stages": st}
          for bv, w, st in ((32, 4, 3), (16, 2, 3), (64, 8, 3), (64, 4, 3))}
-_SPL = {"B.intra_warps": 4, "B.intra_prec_half": "bf16x3", "B.intra_split": True}
+_SPL = {"B.intra_warps": 4, "B.intra_prec_half": "bf16x3", "B.intra_split": True, "B.intra_split_maxnreg": 0,
+        "B.intra_split_bk": 64, "B.intra_split_stack": False}
 BWD = {name: {**BWD_V2, **ch} for name, ch in {
     "b0 v2": {},
     "b3 v3: intra 4w bf16x3": {"B.intra_warps": 4, "B.intra_prec_half": "bf16x3"},
@@ -103,6 +105,13 @@ BWD = {name: {**BWD_V2, **ch} for name, ch in {
     "s7 s1 + WY per K-block": {**_SPL, "B.wy_kb": True},
     "s8 s7 + state 3 stages": {**_SPL, "B.wy_kb": True, "B.state_stages": 3},
     "w1 v3 + WY per K-block": {"B.intra_warps": 4, "B.intra_prec_half": "bf16x3", "B.wy_kb": True},
+    "s9 s4 (v4 default)": {**_SPL, "B.intra_split_maxnreg": 128, "B.state_stages": 3},
+    "s10 s9 + WY as two launches (8 warps)": {**_SPL, "B.intra_split_maxnreg": 128, "B.state_stages": 3,
+                                              "B.wy_split": True},
+    "s11 s10, BV 32": {**_SPL, "B.intra_split_maxnreg": 128, "B.state_stages": 3, "B.wy_split": True,
+                       "B.wy_bv": 32},
+    "s12 s9 + stacked intra operands": {**_SPL, "B.intra_split_maxnreg": 128, "B.state_stages": 3,
+                                        "B.intra_split_stack": True},
 }.items()}
 _DF = {"D.base_ptr": True, "D.fused_out": True}
 DEC = {name: {**DEC_V2, **ch} for name, ch in {

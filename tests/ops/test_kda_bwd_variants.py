@@ -43,11 +43,15 @@ VARIANTS = {
     "wy_kb_2pass": dict(wy_kb=True, wy_kb_two_pass=True, wy_kb_bk=16, wy_kb_bv=16, intra_split=True),
     "wy_kb_split": dict(wy_kb=True, wy_kb_bk=16, wy_kb_bv=16, intra_split=True, intra_split_bk=16,
                         intra_split_stack=True),
+    # the fused WY kernel as two launches (dV' pass, then V' pass), with the split and the fused intra kernel
+    "wy_split": dict(wy_split=True, intra_split=True),
+    "wy_split_fused_intra": dict(wy_split=True, intra_split=False, wy_bv=16),
 }
 # only for the K = V = 128 case (production head size): both new paths, 64-column slices / K-blocks / V-blocks
 K128 = {"both_k128": dict(intra_split=True, intra_split_bk=64, wy_kb=True, wy_kb_bk=64, wy_kb_bv=64),
         "split_one_slice_stack_k128": dict(intra_split=True, intra_split_bk=128, intra_split_stack=True,
-                                           intra_split_warps=8, intra_split_maxnreg=128)}
+                                           intra_split_warps=8, intra_split_maxnreg=128),
+        "wy_split_k128": dict(wy_split=True, intra_split=True, wy_bv=64)}
 LAUNCHERS = {"intra_split": "launch_intra_split", "wy_kb": "launch_wy_kb"}
 
 
@@ -71,9 +75,14 @@ def variant(request, monkeypatch):
     for knob, launcher in LAUNCHERS.items():
         if knobs.get(knob):
             _count(monkeypatch, launcher, calls)
+    passes: list = []  # the WY kernel's launches (3 = fused; 1 then 2 = wy_split)
+    real_launch = chunk_bwd._wy_launch
+    monkeypatch.setattr(chunk_bwd, "_wy_launch", lambda p, cfg: passes.append(p) or real_launch(p, cfg))
     yield request.param
     expected = {LAUNCHERS[n] for n in LAUNCHERS if knobs.get(n)}
     assert set(calls) == expected, f"launched {set(calls)}, expected {expected}"
+    if not knobs.get("wy_kb"):
+        assert set(passes) == ({1, 2} if knobs.get("wy_split") else {3}), passes
 
 
 # dA_log is one number, Σ over every (token, channel) of dg_act · ∂g/∂A_log; for some inputs its terms cancel
@@ -95,8 +104,8 @@ CASES = [  # (B, T, H, K, V, make_inputs kwargs, check kwargs)
 
 # every case for the two variants that run every new kernel with several K-slices / K-blocks; the one-slice
 # "split" and "wy_kb" (with the fused intra kernel) on the cases that stress different code (time budget)
-FULL = [(v, c) for v in ("split_kslices", "wy_kb_split") for c in CASES] + \
-    [(v, CASES[i]) for v in ("split", "wy_kb", "wy_kb_2pass") for i in (1, 3, 4)]
+FULL = [(v, c) for v in ("split_kslices", "wy_kb_split", "wy_split") for c in CASES] + \
+    [(v, CASES[i]) for v in ("split", "wy_kb", "wy_kb_2pass", "wy_split_fused_intra") for i in (1, 3, 4)]
 
 
 @cpu_only
@@ -158,6 +167,8 @@ GPU_VARIANTS = {  # the launch shapes the sweep times (chunk_bwd.BwdConfig), bf1
                                         intra_split_stack=True, intra_split_maxnreg=128),
     "both": dict(intra_split=True, intra_split_bk=32, intra_split_warps=4, wy_kb=True),
     "wy_kb_2pass": dict(intra_split=True, wy_kb=True, wy_kb_two_pass=True),
+    "wy_split": dict(intra_split=True, wy_split=True),
+    "wy_split_cap128": dict(intra_split=True, wy_split=True, wy_split_maxnreg=128),
 }
 
 

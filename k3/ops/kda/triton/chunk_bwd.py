@@ -79,6 +79,13 @@ class BwdConfig:
     wy_kb_stages = 1
     wy_kb_maxnreg = 0  # > 0: ptxas register cap
     wy_kb_two_pass = False  # dv/dL/dA_qk launch first, handing dY, V' to the K-block launch (no recompute)
+    # WY backward as two launches of ``_kda_bwd_wy`` (the dV' pass, then the V' pass), each program holding half the
+    # accumulators: the fused kernel needs 255 registers + 520 B of spills at 8 warps (sm_90), one program per SM,
+    # ~6.5 ms at B=8 T=4096 H=32 (session 3 profile). Not yet timed on a GPU.
+    wy_split = False  # sm_90 at 8 warps: 255 registers with 72 / 48 B of spills (fused: 520 B), still 1 program/SM
+    wy_split_warps = 8
+    wy_split_stages = 1
+    wy_split_maxnreg = 0  # > 0: ptxas register cap
 
 
 @triton.jit(do_not_specialize=['NC', 'T', 'NT', 'H'])
@@ -129,35 +136,17 @@ def _kda_bwd_state(
     tl.store(dh0 + p_s, dS, mask=m_s)
 
 
-@triton.jit(do_not_specialize=['NC', 'T', 'NT', 'H'])
-def _kda_bwd_wy(
-    q, k, v, g, beta, A_log, dt_bias, do, RN, GS,
-    W, U, QG, TM, HS, DHS, DV,
-    dv, DQ, DK, DG, DB, DL, DAQ,
-    cu, chunk_seq, chunk_off, NC, T, NT,
-    H, K: tl.constexpr, V: tl.constexpr, scale, lb,
-    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BVP: tl.constexpr,
-    USE_GATE: tl.constexpr, HAS_LB: tl.constexpr, HAS_A: tl.constexpr, HAS_DT: tl.constexpr,
-    L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr, IS_VARLEN: tl.constexpr, PREC: tl.constexpr,
-    STORE_RN: tl.constexpr, STORE_G: tl.constexpr,
-):
-    # Two passes over V-blocks, each with few accumulators (register pressure). With T X = W and T Y = U:
-    # dX = Tᵀ dW = −dY Sᵀ and dL = −Tᵀ (dW Xᵀ + dV' Yᵀ) Tᵀ = −(dX Wᵀ + dY Uᵀ), so neither dT nor X is formed.
-    i_c = tl.program_id(0)
-    i_h = tl.program_id(1)
-    DT: tl.constexpr = W.dtype.element_ty
-    bos, eos = _chunk_pos(i_c, cu, chunk_seq, chunk_off, T, NT, BT, IS_VARLEN)
-    base = (i_h * NC + i_c).to(tl.int64)
+@triton.jit
+def _wy_through_dvn(do, v, dv, U, TM, HS, DV, base, i_h, bos, eos, H, V: tl.constexpr, b_b,
+                    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BVP: tl.constexpr, PREC: tl.constexpr):
+    """WY backward, pass through dV' over V-blocks: dY = Tᵀ dV' → dv (= β dY) and dβ's V share; returns
+    dqg = Σ dO Sᵀ, dX = −Σ dY Sᵀ, Σ dY Uᵀ and dβ (V share)."""
+    DT: tl.constexpr = HS.dtype.element_ty
     o_t = tl.arange(0, BT)
     o_k = tl.arange(0, BK)
     t = bos + o_t
     m_t = t < eos
-    b_b = _chunk_beta(beta, i_h, bos, eos, H, BT, BETA_SIGMOID)
-    p_tk = (base * BT + o_t[:, None]) * BK + o_k[None, :]
-    p_tt = (base * BT + o_t[:, None]) * BT + o_t[None, :]
-    b_tm = tl.load(TM + p_tt)
-
-    # pass 1 (through dV'): dY = Tᵀ dV' → dv, dβ; dqg = Σ dO Sᵀ; dX = −Σ dY Sᵀ; Σ dY Uᵀ
+    b_tm = tl.load(TM + (base * BT + o_t[:, None]) * BT + o_t[None, :])
     dqg = tl.zeros([BT, BK], dtype=tl.float32)
     dx = tl.zeros([BT, BK], dtype=tl.float32)
     dlu = tl.zeros([BT, BT], dtype=tl.float32)
@@ -177,9 +166,24 @@ def _kda_bwd_wy(
         dqg += tl.dot(b_do, tl.trans(b_s), input_precision=PREC)
         dx -= tl.dot(b_dyd, tl.trans(b_s), input_precision=PREC)
         dlu += tl.dot(b_dyd, tl.trans(tl.load(U + p_tv)), input_precision=PREC)
-    b_w = tl.load(W + p_tk)
+    return dqg, dx, dlu, db
+
+
+@triton.jit
+def _wy_store_dvn(q, k, g, A_log, dt_bias, RN, GS, b_w, QG, DQ, DK, DG, DB, DL, dqg, dx, dlu, db, b_b, base, i_h,
+                  bos, eos, H, K, scale, lb, BT: tl.constexpr, BK: tl.constexpr,
+                  USE_GATE: tl.constexpr, HAS_LB: tl.constexpr, HAS_A: tl.constexpr, HAS_DT: tl.constexpr,
+                  L2NORM: tl.constexpr, PREC: tl.constexpr, STORE_RN: tl.constexpr, STORE_G: tl.constexpr):
+    """After the dV' pass: dL = −(dX Wᵀ + Σ dY Uᵀ) (strictly lower), dq (= dqg e^G scale), dk and dg's shares
+    through X = β K e^G and qg, dβ; the split intra backward's 1/‖q‖, 1/‖k‖ and within-sub-block gate cumsums.
+    Returns (k̂, G) for the V' pass."""
+    DT: tl.constexpr = b_w.dtype
+    o_t = tl.arange(0, BT)
+    o_k = tl.arange(0, BK)
+    m_t = (bos + o_t) < eos
+    p_tk = (base * BT + o_t[:, None]) * BK + o_k[None, :]
     dL = -(tl.dot(dx.to(DT), tl.trans(b_w), input_precision=PREC) + dlu)
-    tl.store(DL + p_tt, tl.where(o_t[:, None] > o_t[None, :], dL, 0.))
+    tl.store(DL + (base * BT + o_t[:, None]) * BT + o_t[None, :], tl.where(o_t[:, None] > o_t[None, :], dL, 0.))
     b_k, rk = _l2norm(_chunk_tile(k, i_h, bos, eos, H, K, BT, BK).to(tl.float32), L2NORM)
     if STORE_RN:  # per-row 1/‖q‖, 1/‖k‖ for the split intra backward, which walks K in slices
         _, rq = _l2norm(_chunk_tile(q, i_h, bos, eos, H, K, BT, BK).to(tl.float32), L2NORM)
@@ -196,9 +200,20 @@ def _kda_bwd_wy(
     kb = b_k * eG * b_b[:, None]  # X = β K e^G
     tl.store(DG + p_tk, dqg * tl.load(QG + p_tk).to(tl.float32) + dx * kb)
     tl.store(DK + p_tk, dx * eG * b_b[:, None])
-    db += tl.sum(dx * b_k * eG, axis=1)
+    tl.store(DB + base * BT + o_t, db + tl.sum(dx * b_k * eG, axis=1))
+    return b_k, G
 
-    # pass 2 (through V'): V' = U − W S; dkg = Σ V' dS'ᵀ; dA_qk = Σ dO V'ᵀ; γ's share Σ S ⊙ dS'
+
+@triton.jit
+def _wy_through_vn(do, U, b_w, HS, DHS, base, i_h, bos, eos, H, V: tl.constexpr,
+                   BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BVP: tl.constexpr, PREC: tl.constexpr):
+    """WY backward, pass through V' = U − W S over V-blocks: returns dkg = Σ V' dS'ᵀ, dA_qk = Σ dO V'ᵀ (unscaled)
+    and γ's share Σ S ⊙ dS'."""
+    DT: tl.constexpr = b_w.dtype
+    o_t = tl.arange(0, BT)
+    o_k = tl.arange(0, BK)
+    t = bos + o_t
+    m_t = t < eos
     dkg = tl.zeros([BT, BK], dtype=tl.float32)
     daq = tl.zeros([BT, BT], dtype=tl.float32)
     dgam = tl.zeros([BK], dtype=tl.float32)
@@ -214,14 +229,62 @@ def _kda_bwd_wy(
         dkg += tl.dot(b_vn, tl.trans(b_ds), input_precision=PREC)
         daq += tl.dot(b_do, tl.trans(b_vn), input_precision=PREC)
         dgam += tl.sum(b_s.to(tl.float32) * b_ds.to(tl.float32), axis=1)
-    tl.store(DAQ + p_tt, tl.where(o_t[:, None] >= o_t[None, :], daq * scale, 0.))
+    return dkg, daq, dgam
+
+
+@triton.jit
+def _wy_store_vn(DAQ, DK, DG, dkg, daq, dgam, b_k, G, base, scale, BT: tl.constexpr, BK: tl.constexpr):
+    """After the V' pass: dA_qk (lower, × scale), and dkg's shares of dk and dg (kg = k e^{G_C − G}), γ's share on
+    the last row of dg; dk, dg are read back and updated (the dV' pass stored their first shares)."""
+    o_t = tl.arange(0, BT)
+    o_k = tl.arange(0, BK)
+    p_tk = (base * BT + o_t[:, None]) * BK + o_k[None, :]
+    tl.store(DAQ + (base * BT + o_t[:, None]) * BT + o_t[None, :],
+             tl.where(o_t[:, None] >= o_t[None, :], daq * scale, 0.))
     Glast = _row(G, BT - 1, o_t)
     eL = tl.exp2(Glast[None, :] - G)
     kL = b_k * eL
     dgl = tl.sum(dkg * kL, axis=0) + tl.exp2(Glast) * dgam
     tl.store(DK + p_tk, tl.load(DK + p_tk) + dkg * eL)
     tl.store(DG + p_tk, tl.load(DG + p_tk) - dkg * kL + tl.where((o_t == BT - 1)[:, None], dgl[None, :], 0.))
-    tl.store(DB + base * BT + o_t, db)
+
+
+@triton.jit(do_not_specialize=['NC', 'T', 'NT', 'H'])
+def _kda_bwd_wy(
+    q, k, v, g, beta, A_log, dt_bias, do, RN, GS,
+    W, U, QG, TM, HS, DHS, DV,
+    dv, DQ, DK, DG, DB, DL, DAQ,
+    cu, chunk_seq, chunk_off, NC, T, NT,
+    H, K: tl.constexpr, V: tl.constexpr, scale, lb,
+    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BVP: tl.constexpr,
+    USE_GATE: tl.constexpr, HAS_LB: tl.constexpr, HAS_A: tl.constexpr, HAS_DT: tl.constexpr,
+    L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr, IS_VARLEN: tl.constexpr, PREC: tl.constexpr,
+    STORE_RN: tl.constexpr, STORE_G: tl.constexpr, PASSES: tl.constexpr = 3,
+):
+    # Two passes over V-blocks, each with few accumulators (register pressure). With T X = W and T Y = U:
+    # dX = Tᵀ dW = −dY Sᵀ and dL = −Tᵀ (dW Xᵀ + dV' Yᵀ) Tᵀ = −(dX Wᵀ + dY Uᵀ), so neither dT nor X is formed.
+    # PASSES: 3 = both in one program; 1 = only the dV' pass, 2 = only the V' pass (``BwdConfig.wy_split``: two
+    # launches, the second after the first, each program with half the live accumulators).
+    i_c = tl.program_id(0)
+    i_h = tl.program_id(1)
+    bos, eos = _chunk_pos(i_c, cu, chunk_seq, chunk_off, T, NT, BT, IS_VARLEN)
+    base = (i_h * NC + i_c).to(tl.int64)
+    p_w = W + (base * BT + tl.arange(0, BT)[:, None]) * BK + tl.arange(0, BK)[None, :]
+    if PASSES & 1:
+        b_b = _chunk_beta(beta, i_h, bos, eos, H, BT, BETA_SIGMOID)
+        dqg, dx, dlu, db = _wy_through_dvn(do, v, dv, U, TM, HS, DV, base, i_h, bos, eos, H, V, b_b,
+                                           BT, BK, BV, BVP, PREC)
+        b_w = tl.load(p_w)  # after the dV' pass (as in the fused kernel before: fewer live registers there)
+        b_k, G = _wy_store_dvn(q, k, g, A_log, dt_bias, RN, GS, b_w, QG, DQ, DK, DG, DB, DL, dqg, dx, dlu, db, b_b,
+                               base, i_h, bos, eos, H, K, scale, lb, BT, BK, USE_GATE, HAS_LB, HAS_A, HAS_DT,
+                               L2NORM, PREC, STORE_RN, STORE_G)
+    else:
+        b_w = tl.load(p_w)
+        b_k, _ = _l2norm(_chunk_tile(k, i_h, bos, eos, H, K, BT, BK).to(tl.float32), L2NORM)
+        G = _chunk_gate_cumsum(g, i_h, bos, eos, A_log, dt_bias, H, K, lb, BT, BK, USE_GATE, HAS_LB, HAS_A, HAS_DT)
+    if PASSES & 2:
+        dkg, daq, dgam = _wy_through_vn(do, U, b_w, HS, DHS, base, i_h, bos, eos, H, V, BT, BK, BV, BVP, PREC)
+        _wy_store_vn(DAQ, DK, DG, dkg, daq, dgam, b_k, G, base, scale, BT, BK)
 
 
 @triton.jit
@@ -507,6 +570,17 @@ def bwd_state_pass(do, dht, saved: dict, tab: ChunkTable, H: int, K: int, V: int
     return DHS, DV, dh0
 
 
+def _wy_launch(passes: int, cfg) -> dict:
+    """Launch options of one WY-backward launch: the fused kernel's (wy_warps/stages), or the split passes'
+    (wy_split_warps/stages/maxnreg)."""
+    if passes == 3:
+        return dict(num_warps=cfg.wy_warps, num_stages=cfg.wy_stages)
+    opts = dict(num_warps=cfg.wy_split_warps, num_stages=cfg.wy_split_stages)
+    if cfg.wy_split_maxnreg:
+        opts["maxnreg"] = cfg.wy_split_maxnreg
+    return opts
+
+
 def kda_bwd(q, k, v, g, beta, A_log, dt_bias, initial_state, scale: float, do, dht, saved: dict, tab: ChunkTable,
             lower_bound, flags: dict, state_grads: tuple | None = None):
     """Gradients (dq, dk, dv, dg, dbeta, dA_log, ddt_bias, dh0) of chunk KDA; ``saved`` from the training forward.
@@ -561,12 +635,14 @@ def kda_bwd(q, k, v, g, beta, A_log, dt_bias, initial_state, scale: float, do, d
         DB = launch_wy_kb(q, k, v, g, beta, a_log, dtb, do, RN, GS, s, DHS, DV, dv, DQ, DK, DG, DL, DAQ, tab, H, K,
                           V, scale, lb, BT, BK, BVP, prec, flag_kw, store_rn, split, BwdConfig)
     else:
-        _kda_bwd_wy[(NC, H)](
-            q, k, v, g, beta, a_log, dtb, do, RN, GS, s["W"], s["U"], s["QG"], s["TM"], s["HS"], DHS, DV,
-            dv, DQ, DK, DG, DB, DL, DAQ, tab.cu, tab.chunk_seq, tab.chunk_off, NC, tab.T, tab.NT,
-            H, K, V, scale, lb, BT=BT, BK=BK, BV=min(BwdConfig.wy_bv, BVP), BVP=BVP, PREC=prec,
-            STORE_RN=store_rn, STORE_G=split, **flag_kw,
-            num_warps=BwdConfig.wy_warps, num_stages=BwdConfig.wy_stages)
+        # wy_split: the dV' pass, then the V' pass (it updates the dk, dg the first stored) as two launches
+        for passes in ((1, 2) if BwdConfig.wy_split else (3,)):
+            _kda_bwd_wy[(NC, H)](
+                q, k, v, g, beta, a_log, dtb, do, RN, GS, s["W"], s["U"], s["QG"], s["TM"], s["HS"], DHS, DV,
+                dv, DQ, DK, DG, DB, DL, DAQ, tab.cu, tab.chunk_seq, tab.chunk_off, NC, tab.T, tab.NT,
+                H, K, V, scale, lb, BT=BT, BK=BK, BV=min(BwdConfig.wy_bv, BVP), BVP=BVP, PREC=prec,
+                STORE_RN=store_rn, STORE_G=split, PASSES=passes, **flag_kw,
+                **_wy_launch(passes, BwdConfig))
 
     if split:
         DAP, DDT = launch_intra_split(q, k, g, beta, a_log, dtb, RN, GS, DQ, DK, DG, DB, DL, DAQ, dq, dk, dg, db,
