@@ -80,9 +80,10 @@ class BwdConfig:
     wy_kb_maxnreg = 0  # > 0: ptxas register cap
     wy_kb_two_pass = False  # dv/dL/dA_qk launch first, handing dY, V' to the K-block launch (no recompute)
     # WY backward as two launches of ``_kda_bwd_wy`` (the dV' pass, then the V' pass), each program holding half the
-    # accumulators: the fused kernel needs 255 registers + 520 B of spills at 8 warps (sm_90), one program per SM,
-    # ~6.5 ms at B=8 T=4096 H=32 (session 3 profile). Not yet timed on a GPU.
-    wy_split = False  # sm_90 at 8 warps: 255 registers with 72 / 48 B of spills (fused: 520 B), still 1 program/SM
+    # accumulators. sm_90 at 8 warps: 255 registers and 80 / 40 B of spills per pass against the fused kernel's
+    # 504 B (still one program per SM); the fused kernel is ~6.5 ms at B=8 T=4096 H=32 (session 3 profile).
+    # Not yet timed on a GPU, so off.
+    wy_split = False
     wy_split_warps = 8
     wy_split_stages = 1
     wy_split_maxnreg = 0  # > 0: ptxas register cap
