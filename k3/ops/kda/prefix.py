@@ -152,8 +152,10 @@ class SplitCostModel:
     from the sm_90 compile: the state pass at 3 stages holds 188 KiB of shared memory (1 per SM), the span pass
     112 KiB (2 per SM), 144 / 128 registers at 4 warps. The span step (same two dependent products, 60 % of the
     loads, two programs sharing an SM) is an assumption: 1.6 µs. The per-window and per-fold-step costs are
-    host/launch estimates. The prep (to compare whole calls, and for the overlapped unsplit path): 29.2 SM·µs
-    per chunk and head (v3: 115 ms per 1M tokens at H = 32)."""
+    host/launch estimates. The prep (to compare whole calls, and for the overlapped unsplit path): 18.4 SM·µs
+    per chunk and head (the v5 rows prep: 73.2 ms per 1M tokens at H = 32; v3's was 29.2). With it the model gives
+    92.5 ms for the overlapped unsplit 1M-token prefill at H = 32 (measured 91.2) and, at H = 8, 4 segments:
+    32.3 ms (measured 28.7; unsplit predicted 41.9, measured 35.9)."""
 
     sm_count: int = 132
     state_step_us: float = 1.8
@@ -164,7 +166,7 @@ class SplitCostModel:
     span_bv: int = 32
     window_us: float = 80.0  # span launch, fold set-up, index copies of one split window
     fold_step_us: float = 12.0  # one batched fp64 [K, K] × [K, V] product of the fold
-    prep_sm_us: float = 29.2  # SM·µs per chunk and head: v3 prep, ~29 ms for 16384 chunks × 8 heads on 132 SMs
+    prep_sm_us: float = 18.4  # SM·µs per chunk and head: v5 rows prep, 73.2 ms for 16384 chunks × 32 heads
     min_gain: float = 0.10  # split only when the whole call is predicted ≥ 10 % shorter
     overlap_exposed: float = 0.65  # share of the shorter of prep / state pass left exposed when they overlap
 
