@@ -190,12 +190,14 @@ def _wy_store_dvn(q, k, g, A_log, dt_bias, RN, GS, b_w, QG, DQ, DK, DG, DB, DL, 
         _, rq = _l2norm(_chunk_tile(q, i_h, bos, eos, H, K, BT, BK).to(tl.float32), L2NORM)
         tl.store(RN + base * (2 * BT) + o_t, rq)
         tl.store(RN + base * (2 * BT) + BT + o_t, rk)
-    G = _chunk_gate_cumsum(g, i_h, bos, eos, A_log, dt_bias, H, K, lb, BT, BK, USE_GATE, HAS_LB, HAS_A, HAS_DT)
-    if STORE_G:  # the split intra backward reads within-sub-block cumsums instead of recomputing the gate
-        m_g = m_t[:, None] & (o_k < K)[None, :]
-        b_gl = _gate_fwd(_chunk_tile(g, i_h, bos, eos, H, K, BT, BK).to(tl.float32), i_h, A_log, dt_bias, lb, o_k,
-                         o_k < K, K, USE_GATE, HAS_LB, HAS_A, HAS_DT)
-        tl.store(GS + p_tk, _seg_cumsum(tl.where(m_g, b_gl, 0.) * 1.4426950408889634, 16))
+    # the log2 gate once (the same values ``_chunk_gate_cumsum`` would sum): G, and for the split intra backward
+    # the within-sub-block cumsums it reads instead of recomputing the gate
+    m_g = m_t[:, None] & (o_k < K)[None, :]
+    b_gl = tl.where(m_g, _gate_fwd(_chunk_tile(g, i_h, bos, eos, H, K, BT, BK).to(tl.float32), i_h, A_log, dt_bias,
+                                   lb, o_k, o_k < K, K, USE_GATE, HAS_LB, HAS_A, HAS_DT), 0.) * 1.4426950408889634
+    G = tl.cumsum(b_gl, axis=0)
+    if STORE_G:
+        tl.store(GS + p_tk, _seg_cumsum(b_gl, 16))
     eG = tl.exp2(G)
     tl.store(DQ + p_tk, dqg * eG * scale)
     kb = b_k * eG * b_b[:, None]  # X = β K e^G
