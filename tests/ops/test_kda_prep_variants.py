@@ -290,6 +290,16 @@ def test_gpu_rows_bf16(monkeypatch, ab_bf16, case):
 
 
 @gpu
+@pytest.mark.parametrize("per,pre", [(1, False), (2, True), (4, True)])
+def test_gpu_rows_block_prepass_variants(monkeypatch, per, pre):
+    """bf16 on the GPU: without the block pre-pass, and with 2 or 4 blocks per pre-pass program, against the fp64
+    recurrence (training: every gradient; a varlen batch with a ragged chunk)."""
+    monkeypatch.setattr(cf.FwdConfig, "rows_pre", pre)
+    monkeypatch.setattr(cf.FwdConfig, "blocks_per_program", per)
+    check(make_inputs(1000, 4, 128, 128, N=3), 2e-2, torch.bfloat16, cu=[0, 333, 334, 1000])
+
+
+@gpu
 @pytest.mark.parametrize("ab_bf16,stack", [(True, True), (False, True), (True, False)])
 @pytest.mark.parametrize("case", ["random", "gates_at_bound", "beta_near_0"])
 def test_gpu_rows_buffers_match_v3(monkeypatch, ab_bf16, stack, case):
