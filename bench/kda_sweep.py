@@ -63,8 +63,8 @@ CLASSES = {"F": cf.FwdConfig, "B": cb.BwdConfig, "D": fr.DecodeConfig, "P": _pre
 
 # variant groups: name → overrides "Class.attr" → value ("F" FwdConfig, "B" BwdConfig, "D" DecodeConfig). Each
 # variant spells out its whole group (v2's settings + its changes), so the labels stay true whatever the defaults.
-PREP_V2 = {"F.prep_mode": "v3", "F.prep_warps": 8, "F.prep_ab_bf16": False, "F.prep_inv_scratch": False,
-           "F.prep_split": False, "F.wu_warps": 4}
+PREP_V2 = {"F.prep_mode": "v3", "F.fold_output": False, "F.prep_warps": 8, "F.prep_ab_bf16": False,
+           "F.prep_inv_scratch": False, "F.prep_split": False, "F.wu_warps": 4}
 STATE_V2 = {"F.state_bv": 32, "F.state_warps": 4, "F.state_stages": 2}
 BWD_V2 = {"B.state_bv": 32, "B.state_warps": 4, "B.state_stages": 2, "B.wy_bv": 64, "B.wy_warps": 8,
           "B.intra_warps": 8, "B.intra_prec_half": "tf32x3", "B.intra_recompute": False, "B.intra_split": False,
@@ -657,6 +657,8 @@ def main_run(a) -> int:
         pimpls = [("k3 best (auto split)", best_ov, ours), ("k3 best, unsplit", unsplit, ours),
                   ("k3 best, unsplit, overlapped windows", {**unsplit, "F.overlap_windows": True}, ours),
                   ("k3 best, auto split, overlapped windows", {**best_ov, "F.overlap_windows": True}, ours),
+                  ("k3 best, auto split, overlapped, folded output",
+                   {**best_ov, "F.overlap_windows": True, "F.fold_output": True}, ours),
                   ("k3 v2, unsplit", {**V2, "P.AUTO_SPLIT": False}, ours)]
         if fk is not None and "fla_fwd" not in failed:
             pimpls.append(("fla 0.6.0", None, fla))

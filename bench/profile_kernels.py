@@ -111,7 +111,7 @@ def main() -> int:
     res: dict = {"check_rows": check_rows()}
     with_fla = not a.no_fla and _fla_module() is not None
     # (a) one inference window at 1M, H=32
-    cases = {"rows (default)": dict(),
+    cases = {"rows (default)": dict(), "rows, folded output (3 products per state step)": dict(fold_output=True),
              "rows, 4-warp block pre-pass": dict(blocks_warps=4),
              "rows, solve stages 2": dict(solve_stages=2)}
     if os.environ.get("K3_PROFILE_ALL") == "1":  # the comparisons of session 3's first run

@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Quick GPU check of ``BwdConfig.wy_split`` (the WY backward as two launches) against the fused kernel: every
 gradient at B=8 T=4096 H=32 (bf16, the K3 call), then forward+backward timed for both; then the block pre-pass at
-2 blocks per program against 1 on one prefill window. Prints one line per step.  python bench/wy_split_quick.py"""
+1/2/4 blocks per program, and prep + state pass with and without the folded output, on one prefill window.
+Prints one line per step.  python bench/wy_split_quick.py"""
 
 from __future__ import annotations
 
@@ -62,6 +63,18 @@ def main() -> int:
                                     warmup=3, rep=50, return_mode="median")
         print(f"prep per 1M (H=32), pre-pass {per} block(s) per program: {t * tab.NC / ncw:.1f} ms", flush=True)
     FwdConfig.blocks_per_program = 1
+    for fold in (False, True):  # prep + state pass of the window, unfolded vs folded output
+        FwdConfig.fold_output = fold
+        bw = cf.alloc_chunk_buffers(H, ncw, 128, 128, torch.bfloat16, "cuda", store_t=False)
+
+        def window(bw=bw) -> None:
+            cf.launch_prep(*args, bw, tab, 0, ncw, 128**-0.5, -5.0, flags, False)
+            cf.launch_state(bw, o, None, ht, tab, 0, ncw, H, 128, 128)
+
+        t = triton.testing.do_bench(window, warmup=3, rep=50, return_mode="median")
+        print(f"prep + state per 1M (H=32), fold_output={fold}: {t * tab.NC / ncw:.1f} ms", flush=True)
+        del bw
+    FwdConfig.fold_output = False
     return 0
 
 

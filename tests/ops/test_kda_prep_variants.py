@@ -202,6 +202,32 @@ def test_rows_block_prepass_blocks_per_program(monkeypatch, per):
 
 
 @cpu_only
+@pytest.mark.parametrize("case", ["T1", "T100", "varlen_windows", "gates_at_bound", "unbounded", "split3", "k128"])
+def test_rows_folded_output_inference(monkeypatch, case):
+    """``fold_output``: the solve stores qw = qg − A_qk W and A_qk U, the state pass computes O = qw S + A_qk U —
+    inference only (windows, the split prefill); output and final state against the recurrence. Training in the
+    same configuration keeps the unfolded buffers (its gradients are checked too)."""
+    monkeypatch.setattr(cf.FwdConfig, "fold_output", True)
+    if case == "T1":
+        check(make_inputs(1, 2, 16, 32, seed=1), 1e-4, grad=False)
+    elif case == "T100":
+        check(make_inputs(100, 2, 16, 32, seed=2), 1e-4, grad=False)
+        check(make_inputs(100, 1, 16, 16, seed=2), 1e-4)  # training: not folded
+    elif case == "varlen_windows":
+        monkeypatch.setattr(cf.FwdConfig, "window_bytes", 1)  # one chunk per window: many folded windows
+        check(make_inputs(200, 2, 16, 16, N=5, seed=5), 1e-4, cu=[0, 1, 64, 64, 130, 200], grad=False)
+    elif case == "gates_at_bound":
+        check(make_inputs(150, 1, 16, 16, g_const=-5.0), 1e-4, gate=False, grad=False)
+    elif case == "unbounded":
+        check(make_inputs(150, 1, 16, 16, seed=4), 1e-4, lb=None, grad=False)
+    elif case == "split3":
+        monkeypatch.setenv("K3_KDA_SPLITS", "3")
+        check(make_inputs(400, 2, 16, 16, seed=7, mild=0.02), 1e-4, gate=False, grad=False)
+    else:
+        check(make_inputs(130, 1, 128, 128, seed=6), 1e-4, grad=False)
+
+
+@cpu_only
 def test_rows_k128_training():
     """K = V = 128 (the production head size), two chunks."""
     check(make_inputs(70, 1, 128, 128, seed=6), 1e-4)
@@ -297,6 +323,17 @@ def test_gpu_rows_block_prepass_variants(monkeypatch, per, pre):
     monkeypatch.setattr(cf.FwdConfig, "rows_pre", pre)
     monkeypatch.setattr(cf.FwdConfig, "blocks_per_program", per)
     check(make_inputs(1000, 4, 128, 128, N=3), 2e-2, torch.bfloat16, cu=[0, 333, 334, 1000])
+
+
+@gpu
+@pytest.mark.parametrize("splits", ["1", "3"])
+def test_gpu_rows_folded_output(monkeypatch, splits):
+    """bf16 on the GPU, inference with ``fold_output`` (unsplit and a forced 3-way split): output and final state
+    against the fp64 recurrence, a varlen batch with a ragged chunk, many windows."""
+    monkeypatch.setattr(cf.FwdConfig, "fold_output", True)
+    monkeypatch.setattr(cf.FwdConfig, "window_bytes", 1 << 20)
+    monkeypatch.setenv("K3_KDA_SPLITS", splits)
+    check(make_inputs(3000, 4, 128, 128, N=3), 2e-2, torch.bfloat16, cu=[0, 1333, 1334, 3000], grad=False)
 
 
 @gpu

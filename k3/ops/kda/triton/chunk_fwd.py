@@ -438,7 +438,10 @@ def _kda_fwd_state(
     H, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BVP: tl.constexpr,
     STORE_H: tl.constexpr, STORE_O: tl.constexpr, IS_VARLEN: tl.constexpr, PREC: tl.constexpr,
+    AU=None, FOLDED: tl.constexpr = False,
 ):
+    # FOLDED (inference, ``FwdConfig.fold_output``): QG holds qw = qg − A_qk W and AU = A_qk U, so the output is
+    # O = qw S + AU (``chunk_prep._prep_solve``): three products per chunk on the serial pass instead of four
     i_v = tl.program_id(0)
     i_nh = tl.program_id(1)
     i_n = i_nh // H
@@ -469,8 +472,12 @@ def _kda_fwd_state(
             b_vn = (b_u.to(tl.float32) - tl.dot(b_w, b_s, input_precision=PREC)).to(DT)
             if STORE_O:
                 b_qg = tl.load(QG + p_tk)
-                b_a = tl.load(AQK + (base * BT + o_t[:, None]) * BT + o_t[None, :])
-                b_o = tl.dot(b_qg, b_s, input_precision=PREC) + tl.dot(b_a, b_vn, input_precision=PREC)
+                if FOLDED:
+                    b_o = tl.dot(b_qg, b_s, input_precision=PREC) + tl.load(
+                        AU + (base * BT + o_t[:, None]) * BVP + o_v[None, :]).to(tl.float32)
+                else:
+                    b_a = tl.load(AQK + (base * BT + o_t[:, None]) * BT + o_t[None, :])
+                    b_o = tl.dot(b_qg, b_s, input_precision=PREC) + tl.dot(b_a, b_vn, input_precision=PREC)
                 t = bos + (c - cs).to(tl.int64) * BT + o_t
                 tl.store(o + (t * H + i_h)[:, None] * V + o_v[None, :], b_o.to(o.dtype.element_ty),
                          mask=(t < eos)[:, None] & m_v[None, :])
@@ -511,6 +518,10 @@ class FwdConfig:
     rows_pre = True
     blocks_warps = 4
     blocks_per_program = 1  # 16-row blocks per pre-pass program (1, 2, 4; each its own tile): 1 = 15 ms per 1M
+    # inference, rows prep: the solve folds the output's A_qk V' term into chunk-local buffers (qw = qg − A_qk W in
+    # place of qg, AU = A_qk U), so the serial state pass has three products per chunk instead of four (sm_90:
+    # three wgmma waits per step instead of four; +16 KB of window buffers per chunk and head). Not yet timed.
+    fold_output = False
     rows_warps = 4
     rows_stages = 1
     solve_warps = 4
@@ -547,6 +558,8 @@ def alloc_chunk_buffers(H: int, NC: int, BK: int, BVP: int, dt: torch.dtype, dev
     bufs["LD"] = torch.empty(*shape, dtype=torch.float32, device=device)
     if rows:  # per 16-row block gate totals (fp32), handed from the first rows kernel to the later ones
         bufs["TOT"] = torch.empty(H, NC, BT // BC, BK, dtype=torch.float32, device=device)
+    if rows and FwdConfig.fold_output and not store_t:  # inference only: training keeps qg and A_qk for backward
+        bufs["AU"] = torch.empty(H, NC, BT, BVP, **e)
     return bufs
 
 
@@ -554,7 +567,8 @@ def chunk_bytes(H: int, BK: int, BVP: int, dt: torch.dtype) -> int:
     """Bytes of intermediates per chunk (all heads)."""
     es = torch.finfo(dt).bits // 8
     if FwdConfig.prep_mode == "rows":  # T is not stored at inference; L goes through a [BT, BT] fp32 scratch
-        return H * (BT * (3 * BK + BVP + BT) * es + BK * 4 + BT * BT * 4 + (BT // BC) * BK * 4)
+        au = BT * BVP * es if FwdConfig.fold_output else 0  # inference windows (the only user of this size)
+        return H * (BT * (3 * BK + BVP + BT) * es + BK * 4 + BT * BT * 4 + (BT // BC) * BK * 4 + au)
     t_bytes = BT * BT * es if FwdConfig.prep_split else 0  # the split prep hands T over through memory
     return H * (BT * (3 * BK + BVP + BT) * es + BK * 4 + BT * BC * 4 + t_bytes)
 
@@ -610,6 +624,7 @@ def launch_state(bufs: dict, o, hs, ht, tab: ChunkTable, c0: int, c1: int, H: in
         tab.cu, tab.chunk_off, c0, c1, bufs["W"].shape[1], tab.NC, tab.T, tab.NT,
         H, K, V, BT=BT, BK=BK, BV=BV, BVP=BVP, STORE_H=hs is not None, STORE_O=store_o,
         IS_VARLEN=tab.varlen, PREC=dot_precision(bufs["W"].dtype),
+        **(dict(AU=bufs["AU"], FOLDED=True) if "AU" in bufs else {}),
         num_warps=FwdConfig.state_warps, num_stages=state_stages(FwdConfig.state_stages, bufs["W"].dtype),
     )
 

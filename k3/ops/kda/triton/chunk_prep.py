@@ -415,8 +415,18 @@ def _block_merge(LK, base, BT: tl.constexpr, BC: tl.constexpr, PREC: tl.constexp
 
 
 @triton.jit
+def _store_w(W, QG, b_aq, w, p_tk, FOLD: tl.constexpr, PREC: tl.constexpr):
+    """Store a column slice of W; with FOLD also fold it into qg's slice: qw = qg − A_qk W (``_prep_solve``)."""
+    DT: tl.constexpr = W.dtype.element_ty
+    w = w.to(DT)
+    tl.store(W + p_tk, w)
+    if FOLD:
+        tl.store(QG + p_tk, (tl.load(QG + p_tk).to(tl.float32) - tl.dot(b_aq, w, input_precision=PREC)).to(DT))
+
+
+@triton.jit
 def _solve_w_kg(W, KG, GAM, TOT, base, b_t, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
-                BKW: tl.constexpr, PREC: tl.constexpr):
+                BKW: tl.constexpr, PREC: tl.constexpr, QG=None, b_aq=None, FOLD: tl.constexpr = False):
     """The solve's W, kg, γ from ``_prep_blocks`` / ``_prep_rows_qk``'s buffers (no gate, cumsum or norm here):
     W = T X with X = β k̂ e^G read from W's own rows (solved in place); kg_J = kr_J e^{Σ_{J' > J} tot_J'}
     (≤ 1: kr_J is relative to block J's last row) in place over kr; γ = e^{Σ_J tot_J}."""
@@ -426,7 +436,7 @@ def _solve_w_kg(W, KG, GAM, TOT, base, b_t, BT: tl.constexpr, BC: tl.constexpr, 
     for sl in tl.static_range(BK // BKW):
         o_k = sl * BKW + tl.arange(0, BKW)
         p_tk = (base * BT + o_t[:, None]) * BK + o_k[None, :]
-        tl.store(W + p_tk, tl.dot(b_t, tl.load(W + p_tk), input_precision=PREC).to(W.dtype.element_ty))
+        _store_w(W, QG, b_aq, tl.dot(b_t, tl.load(W + p_tk), input_precision=PREC), p_tk, FOLD, PREC)
         suffix = tl.zeros([BT, BKW], dtype=tl.float32)  # Σ_{J' > block(row)} tot_J'
         total = tl.zeros([BKW], dtype=tl.float32)
         for jj in tl.static_range(NB):  # summed from the last block down, like the rows kernel's d
@@ -447,8 +457,12 @@ def _prep_solve(
     BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BVP: tl.constexpr, BKW: tl.constexpr,
     BVW: tl.constexpr, USE_GATE: tl.constexpr, HAS_LB: tl.constexpr, HAS_A: tl.constexpr, HAS_DT: tl.constexpr,
     L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr, IS_VARLEN: tl.constexpr, STORE_T: tl.constexpr,
-    PREC: tl.constexpr, TOT=None, PRE: tl.constexpr = False,
+    PREC: tl.constexpr, TOT=None, PRE: tl.constexpr = False, QG=None, AQK=None, AU=None,
+    FOLD: tl.constexpr = False,
 ):
+    # FOLD (inference, ``FwdConfig.fold_output``): the state pass's output O = qg S + A_qk V' with V' = U − W S is
+    # (qg − A_qk W) S + A_qk U, both chunk-local: qg is replaced by qw = qg − A_qk W in place and AU = A_qk U is
+    # stored, so the serial pass runs three products per chunk instead of four
     DT: tl.constexpr = W.dtype.element_ty
     i_c = tl.program_id(0)
     i_h = tl.program_id(1)
@@ -466,6 +480,10 @@ def _prep_solve(
                   other=0.).to(DT)
     if STORE_T:
         tl.store(TM + (base * BT + o_t[:, None]) * BT + o_t[None, :], b_t)
+    if FOLD:
+        b_aq = tl.load(AQK + (base * BT + o_t[:, None]) * BT + o_t[None, :])
+    else:
+        b_aq = tl.zeros([BT, BT], dtype=DT)  # unused
 
     # ---- U = T (β V)
     t = bos + o_t
@@ -474,11 +492,14 @@ def _prep_solve(
         o_v = sl * BVW + tl.arange(0, BVW)
         b_v = tl.load(v + (t * H + i_h)[:, None] * V + o_v[None, :], mask=(t < eos)[:, None] & (o_v < V)[None, :],
                       other=0.).to(tl.float32)
-        tl.store(U + (base * BT + o_t[:, None]) * BVP + o_v[None, :],
-                 tl.dot(b_t, (b_v * b_b[:, None]).to(DT), input_precision=PREC).to(DT))
+        p_tv = (base * BT + o_t[:, None]) * BVP + o_v[None, :]
+        b_u = tl.dot(b_t, (b_v * b_b[:, None]).to(DT), input_precision=PREC).to(DT)
+        tl.store(U + p_tv, b_u)
+        if FOLD:
+            tl.store(AU + p_tv, tl.dot(b_aq, b_u, input_precision=PREC).to(DT))
 
     if PRE:
-        _solve_w_kg(W, KG, GAM, TOT, base, b_t, BT, BC, BK, BKW, PREC)
+        _solve_w_kg(W, KG, GAM, TOT, base, b_t, BT, BC, BK, BKW, PREC, QG, b_aq, FOLD)
     else:
         # ---- W = T (β K e^G), kg = K e^{G_C − G}, γ = e^{G_C}: by column slices of BKW (gate and cumsum are per
         # column; the L2 norm needs the whole row first), fewer live registers
@@ -497,7 +518,8 @@ def _prep_solve(
             gc = tl.sum(b_g, axis=0)
             b_k = tl.load(k + p_in, mask=m, other=0.).to(tl.float32) * rstd[:, None]
             p_tk = (base * BT + o_t[:, None]) * BK + o_k[None, :]
-            tl.store(W + p_tk, tl.dot(b_t, (b_k * tl.exp2(G) * b_b[:, None]).to(DT), input_precision=PREC).to(DT))
+            _store_w(W, QG, b_aq, tl.dot(b_t, (b_k * tl.exp2(G) * b_b[:, None]).to(DT), input_precision=PREC), p_tk,
+                     FOLD, PREC)
             tl.store(KG + p_tk, (b_k * tl.exp2(tl.minimum(gc[None, :] - G, 0.))).to(DT))
             tl.store(GAM + base * BK + o_k, tl.exp2(gc))
 
@@ -557,4 +579,5 @@ def launch_prep_rows(q, k, v, g, beta, A_log, dt_bias, bufs: dict, tab: ChunkTab
         tab.cu, tab.chunk_seq, tab.chunk_off, c0, ncw, tab.T, tab.NT, H, K, V, lb,
         BT=BT, BC=BC, BK=BK, BVP=BVP, BKW=min(BK, cfg.solve_bkw), BVW=min(BVP, cfg.solve_bkw), STORE_T=store_t,
         **(dict(TOT=bufs["TOT"], PRE=True) if pre else {}),
+        **(dict(QG=bufs["QG"], AQK=bufs["AQK"], AU=bufs["AU"], FOLD=True) if "AU" in bufs else {}),
         **_launch(cfg.solve_warps, cfg.solve_stages, cfg.solve_maxnreg), **common)
