@@ -503,18 +503,18 @@ class FwdConfig:
     prep_split = True  # two kernels: A blocks + T (+ A_qk, qg, kg, γ), then W, U from the stored T
     wu_warps = 4
     wu_stages = 1
-    # "v3": ``_kda_fwd_prep`` (+ ``_kda_fwd_wu`` if prep_split), the knobs above. "rows": ``chunk_prep``'s two
-    # kernels — A by 16-row blocks, one light program per (row block, chunk, head), then T + W, U per (chunk, head)
-    # (prep_split / prep_inv_scratch / prep_warps do not apply; prep_ab_bf16 does). Sweep run 4a (H200): wrong
+    # "v3": ``_kda_fwd_prep`` (+ ``_kda_fwd_wu`` if prep_split), the knobs above. "rows": ``chunk_prep``'s
+    # kernels — a block pre-pass, A by 16-row blocks (one light program per row block, chunk and head), then T + W, U
+    # per (chunk, head) (prep_split / prep_inv_scratch / prep_warps do not apply; prep_ab_bf16 does). Sweep run 4a (H200): wrong
     # (NaN, T off) with T merged by chained [64, 64] tf32 wgmma products; merged by 16×16 blocks since, it matches
     # v3 on an H200 (session 3: every buffer ≤ 3e-4, fwd+bwd ≤ 3.2e-4) and is faster: 1M H=32 prep 110.9 → 92.0
     # ms, training prep 3.84 → 2.91 ms (bench/profile_kernels.py) — the default since
     prep_mode = "rows"
     rows_stack = True  # rows: q and k of a row block as one [32, K] left operand (one product per block pair)
     # rows (stacked): a first light kernel per 16-row block stores kr = k̂ e^{tot − s} and the block's gate total, so
-    # later row blocks load one tile per earlier block instead of recomputing its gate, cumsum and norm (the rows
-    # kernel did that 6 times per chunk: 57.8 of its 92 ms per 1M, profile run s3), and the solve reads X = β k̂ e^G
-    # and kr instead of recomputing the gate and norm over the whole chunk
+    # later row blocks load one tile per earlier block instead of recomputing its gate, cumsum and norm (6 times per
+    # chunk), and the solve reads X = β k̂ e^G and kr instead of recomputing the gate and norm over the whole chunk.
+    # H200, 1M tokens at H=32: rows kernel 58.2 → 35.4 ms, solve 34.4 → 30.1, + pre-pass 15.0 (session 3)
     rows_pre = True
     blocks_warps = 4
     blocks_per_program = 1  # 16-row blocks per pre-pass program (1, 2, 4; each its own tile): 1 = 15 ms per 1M
