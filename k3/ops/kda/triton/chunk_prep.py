@@ -348,14 +348,16 @@ def _prep_rows_qk(
         _store_qk_rows(AQK, LK, base, r0, J * BC, tl.dot(xo, kr, input_precision=PREC), b_b2, scale, allk, o_j,
                        o_j >= 0, BT, BC)
         d += tot
-    # qg = scale · q e^{c_I + s} from the even rows (d = c_I now)
-    tl.store(QG + (base * BT + r0 + tok[:, None]) * BK + o_k[None, :],
-             (xl * tl.exp2(d)[None, :] * scale).to(QG.dtype.element_ty),
-             mask=(o_r % 2 == 0)[:, None] & (o_k >= 0)[None, :])
-    if PRE:  # X = β k̂ e^{G} = β k̂ e^{s + c_I} from the odd rows, for the solve's W = T X (into W, solved in place)
-        tl.store(X + (base * BT + r0 + tok[:, None]) * BK + o_k[None, :],
-                 (xl * tl.exp2(d)[None, :] * b_b2[:, None]).to(X.dtype.element_ty),
-                 mask=(o_r % 2 == 1)[:, None] & (o_k >= 0)[None, :])
+    # qg = scale · q e^{c_I + s} from the even rows (d = c_I now); with PRE also X = β k̂ e^{s + c_I} from the odd
+    # rows, for the solve's W = T X (into W, solved in place): one scaled tile, two masked stores
+    p_out = (base * BT + r0 + tok[:, None]) * BK + o_k[None, :]
+    even = (o_r % 2 == 0)[:, None] & (o_k >= 0)[None, :]
+    if PRE:
+        y = (xl * tl.exp2(d)[None, :]) * tl.where(o_r % 2 == 0, scale, b_b2)[:, None]
+        tl.store(QG + p_out, y.to(QG.dtype.element_ty), mask=even)
+        tl.store(X + p_out, y.to(X.dtype.element_ty), mask=(o_r % 2 == 1)[:, None] & (o_k >= 0)[None, :])
+    else:
+        tl.store(QG + p_out, (xl * tl.exp2(d)[None, :] * scale).to(QG.dtype.element_ty), mask=even)
     zt = tl.zeros([BC, BC], dtype=tl.float32).to(AQK.dtype.element_ty)
     for J in range(I + 1, NB):  # A_qk is read whole by the state pass: zero above the diagonal
         tl.store(_tile_ptr(AQK, base, r0, J * BC, BT, BC), zt)
