@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
-"""Quick GPU check of the experimental rows prep (FwdConfig.prep_mode = "rows") against v3: every chunk buffer on
-random inputs (bf16, K = V = 128, a ragged last chunk), then one 1M-token window of prep at H = 32 timed for both.
+"""Quick GPU check of the rows prep (FwdConfig.prep_mode = "rows", the default since session 3) against v3: every
+chunk buffer on random inputs (bf16, K = V = 128, a ragged last chunk), then one 1M-token window of prep at H = 32
+timed for both.
 Prints one line per step; stops at the first failure.  python bench/rows_quick.py"""
 
 from __future__ import annotations
