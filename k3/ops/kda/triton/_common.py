@@ -207,15 +207,24 @@ def _chunk_tile(x, i_h, bos, eos, H, K, BT: tl.constexpr, BK: tl.constexpr):
 
 
 @triton.jit
+def _rows_gate(g, A_log, dt_bias, i_h, t0, eos, H, K, lb, BC: tl.constexpr, BK: tl.constexpr,
+               USE_GATE: tl.constexpr, HAS_LB: tl.constexpr, HAS_A: tl.constexpr, HAS_DT: tl.constexpr):
+    """Activated log2 decay of tokens [t0, t0 + BC), fp32 [BC, BK]; zero past ``eos`` and past K."""
+    o_s = tl.arange(0, BC)
+    o_k = tl.arange(0, BK)
+    t = t0 + o_s
+    m_k = o_k < K
+    m = (t < eos)[:, None] & m_k[None, :]
+    b_f = tl.load(g + t[:, None] * (H * K) + i_h * K + o_k[None, :], mask=m, other=0.).to(tl.float32)
+    b_g = _gate_fwd(b_f, i_h, A_log, dt_bias, lb, o_k, m_k, K, USE_GATE, HAS_LB, HAS_A, HAS_DT)
+    return tl.where(m, b_g, 0.) * 1.4426950408889634
+
+
+@triton.jit
 def _chunk_gate_cumsum(g, i_h, bos, eos, A_log, dt_bias, H, K, lb, BT: tl.constexpr, BK: tl.constexpr,
                        USE_GATE: tl.constexpr, HAS_LB: tl.constexpr, HAS_A: tl.constexpr, HAS_DT: tl.constexpr):
-    o_t = tl.arange(0, BT)
-    o_k = tl.arange(0, BK)
-    m_k = o_k < K
-    m = ((bos + o_t) < eos)[:, None] & m_k[None, :]
-    b_g = _gate_fwd(_chunk_tile(g, i_h, bos, eos, H, K, BT, BK).to(tl.float32), i_h, A_log, dt_bias, lb, o_k, m_k,
-                    K, USE_GATE, HAS_LB, HAS_A, HAS_DT)
-    return tl.cumsum(tl.where(m, b_g, 0.) * 1.4426950408889634, axis=0)
+    return tl.cumsum(_rows_gate(g, A_log, dt_bias, i_h, bos, eos, H, K, lb, BT, BK, USE_GATE, HAS_LB, HAS_A,
+                                HAS_DT), axis=0)
 
 
 @triton.jit

@@ -28,9 +28,9 @@ from k3.ops.kda.triton._common import (
     _chunk_gate_cumsum,
     _chunk_tile,
     _chunk_pos,
-    _gate_fwd,
     _chunk_range,
     _row,
+    _rows_gate,
     _seq_bounds,
     _sigmoid,
     dot_precision,
@@ -38,7 +38,7 @@ from k3.ops.kda.triton._common import (
     store_dtype,
 )
 from k3.ops.kda.triton.chunk_bwd_intra import _gate_bwd, _seg_cumsum, launch_intra_split, launch_wy_kb
-from k3.ops.kda.triton.chunk_fwd import _load_rows, _load_tile, _store_rows, _sub_gate, state_stages
+from k3.ops.kda.triton.chunk_fwd import _load_rows, _load_tile, _store_rows, state_stages
 from k3.ops.kda.triton._common import _l2norm
 
 
@@ -181,7 +181,6 @@ def _wy_store_dvn(q, k, g, A_log, dt_bias, RN, GS, b_w, QG, DQ, DK, DG, DB, DL, 
     DT: tl.constexpr = b_w.dtype
     o_t = tl.arange(0, BT)
     o_k = tl.arange(0, BK)
-    m_t = (bos + o_t) < eos
     p_tk = (base * BT + o_t[:, None]) * BK + o_k[None, :]
     dL = -(tl.dot(dx.to(DT), tl.trans(b_w), input_precision=PREC) + dlu)
     tl.store(DL + (base * BT + o_t[:, None]) * BT + o_t[None, :], tl.where(o_t[:, None] > o_t[None, :], dL, 0.))
@@ -192,9 +191,7 @@ def _wy_store_dvn(q, k, g, A_log, dt_bias, RN, GS, b_w, QG, DQ, DK, DG, DB, DL, 
         tl.store(RN + base * (2 * BT) + BT + o_t, rk)
     # the log2 gate once (the same values ``_chunk_gate_cumsum`` would sum): G, and for the split intra backward
     # the within-sub-block cumsums it reads instead of recomputing the gate
-    m_g = m_t[:, None] & (o_k < K)[None, :]
-    b_gl = tl.where(m_g, _gate_fwd(_chunk_tile(g, i_h, bos, eos, H, K, BT, BK).to(tl.float32), i_h, A_log, dt_bias,
-                                   lb, o_k, o_k < K, K, USE_GATE, HAS_LB, HAS_A, HAS_DT), 0.) * 1.4426950408889634
+    b_gl = _rows_gate(g, A_log, dt_bias, i_h, bos, eos, H, K, lb, BT, BK, USE_GATE, HAS_LB, HAS_A, HAS_DT)
     G = tl.cumsum(b_gl, axis=0)
     if STORE_G:
         tl.store(GS + p_tk, _seg_cumsum(b_gl, 16))
@@ -403,7 +400,8 @@ def _sub_fwd(q, k, g, A_log, dt_bias, i_h, bos, eos, H, K, lb, c, I: tl.constexp
              BK: tl.constexpr, USE_GATE: tl.constexpr, HAS_LB: tl.constexpr, HAS_A: tl.constexpr,
              HAS_DT: tl.constexpr, L2NORM: tl.constexpr):
     b_q, b_k, rq, rk = _sub_raw(q, k, i_h, bos, eos, H, K, I, BC, BK, L2NORM)
-    b_g = _sub_gate(g, A_log, dt_bias, i_h, bos, eos, H, K, lb, I, BC, BK, USE_GATE, HAS_LB, HAS_A, HAS_DT)
+    b_g = _rows_gate(g, A_log, dt_bias, i_h, bos + I * BC, eos, H, K, lb, BC, BK, USE_GATE, HAS_LB, HAS_A,
+                     HAS_DT)
     G = c[None, :] + tl.cumsum(b_g, axis=0)
     return b_q, b_k, rq, rk, G, c + tl.sum(b_g, axis=0)
 

@@ -37,9 +37,9 @@ from k3.ops.kda.triton._common import (
     _chunk_tile,
     _chunk_pos,
     _chunk_range,
-    _gate_fwd,
     _l2norm,
     _merge_T,
+    _rows_gate,
     _seq_bounds,
     _sigmoid,
     dot_precision,
@@ -60,20 +60,6 @@ def _exact_diag(aI, bI, gI, STRICT: tl.constexpr):
         keep = o_s[:, None] >= o_s[None, :]
     e = tl.exp2(tl.where(keep[:, :, None], gI[:, None, :] - gI[None, :, :], float("-inf")))
     return tl.sum(aI[:, None, :] * bI[None, :, :] * e, axis=2)
-
-
-@triton.jit
-def _sub_gate(g, A_log, dt_bias, i_h, bos, eos, H, K, lb, I: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
-              USE_GATE: tl.constexpr, HAS_LB: tl.constexpr, HAS_A: tl.constexpr, HAS_DT: tl.constexpr):
-    """Activated log2 decay of rows [I·BC, I·BC + BC) of a chunk, fp32 [BC, BK]; zero on padding."""
-    o_s = tl.arange(0, BC)
-    o_k = tl.arange(0, BK)
-    t = bos + I * BC + o_s
-    m_k = o_k < K
-    m = (t < eos)[:, None] & m_k[None, :]
-    b_f = tl.load(g + t[:, None] * (H * K) + i_h * K + o_k[None, :], mask=m, other=0.).to(tl.float32)
-    b_g = _gate_fwd(b_f, i_h, A_log, dt_bias, lb, o_k, m_k, K, USE_GATE, HAS_LB, HAS_A, HAS_DT)
-    return tl.where(m, b_g, 0.) * 1.4426950408889634
 
 
 @triton.jit
@@ -100,7 +86,8 @@ def _sub_state(q, k, g, beta, A_log, dt_bias, i_h, bos, eos, H, K, lb, c, I: tl.
                USE_GATE: tl.constexpr, HAS_LB: tl.constexpr, HAS_A: tl.constexpr, HAS_DT: tl.constexpr,
                L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr):
     """One sub-block: normalized q, k, β, the gate cumsum G = c + cumsum(g) (log2) and the next carry."""
-    b_g = _sub_gate(g, A_log, dt_bias, i_h, bos, eos, H, K, lb, I, BC, BK, USE_GATE, HAS_LB, HAS_A, HAS_DT)
+    b_g = _rows_gate(g, A_log, dt_bias, i_h, bos + I * BC, eos, H, K, lb, BC, BK, USE_GATE, HAS_LB, HAS_A,
+                     HAS_DT)
     b_q, b_k, b_b = _sub_qkb(q, k, beta, i_h, bos, eos, H, K, I, BC, BK, L2NORM, BETA_SIGMOID)
     G = c[None, :] + tl.cumsum(b_g, axis=0)
     return b_q, b_k, b_b, G, c + tl.sum(b_g, axis=0)

@@ -50,23 +50,10 @@ from k3.ops.kda.triton._common import (
     _gate_fwd,
     _l2norm,
     _merge_T,
+    _rows_gate,
     _sigmoid,
     dot_precision,
 )
-
-
-@triton.jit
-def _rows_gate(g, A_log, dt_bias, i_h, t0, eos, H, K, lb, BC: tl.constexpr, BK: tl.constexpr,
-               USE_GATE: tl.constexpr, HAS_LB: tl.constexpr, HAS_A: tl.constexpr, HAS_DT: tl.constexpr):
-    """Activated log2 decay of tokens [t0, t0 + BC), fp32 [BC, BK]; zero past ``eos`` and past K."""
-    o_s = tl.arange(0, BC)
-    o_k = tl.arange(0, BK)
-    t = t0 + o_s
-    m_k = o_k < K
-    m = (t < eos)[:, None] & m_k[None, :]
-    b_f = tl.load(g + t[:, None] * (H * K) + i_h * K + o_k[None, :], mask=m, other=0.).to(tl.float32)
-    b_g = _gate_fwd(b_f, i_h, A_log, dt_bias, lb, o_k, m_k, K, USE_GATE, HAS_LB, HAS_A, HAS_DT)
-    return tl.where(m, b_g, 0.) * 1.4426950408889634
 
 
 @triton.jit
