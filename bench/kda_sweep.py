@@ -50,6 +50,7 @@ from k3.ops.kda.triton import chunk_bwd as cb  # noqa: E402
 from k3.ops.kda.triton import chunk_fwd as cf  # noqa: E402
 from k3.ops.kda.triton import fused_recurrent as fr  # noqa: E402
 from k3.ops.kda.triton._common import make_chunk_table  # noqa: E402
+from k3.utils import overridden_attrs  # noqa: E402
 
 DEV = "cpu" if DRY else "cuda"
 DT = torch.float16 if DRY else torch.bfloat16  # the interpreter cannot load bf16
@@ -142,17 +143,14 @@ K3_FLAGS = dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_
 @contextlib.contextmanager
 def config(overrides: dict) -> Iterator[None]:
     """Apply "Class.attr" overrides for the duration of the block."""
-    old = {}
+    per_class: dict[str, dict] = {}
     for key, val in overrides.items():
         cls, attr = key.split(".")
-        old[key] = getattr(CLASSES[cls], attr)
-        setattr(CLASSES[cls], attr, val)
-    try:
+        per_class.setdefault(cls, {})[attr] = val
+    with contextlib.ExitStack() as stack:
+        for cls, values in per_class.items():
+            stack.enter_context(overridden_attrs(CLASSES[cls], **values))
         yield
-    finally:
-        for key, val in old.items():
-            cls, attr = key.split(".")
-            setattr(CLASSES[cls], attr, val)
 
 
 def sync() -> None:

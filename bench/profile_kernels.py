@@ -24,6 +24,7 @@ import torch  # noqa: E402
 from k3.bench.kda import K3_FLAGS, _fla, _fla_module, _inputs, _window_1m  # noqa: E402
 from k3.ops.kda import chunk_kda  # noqa: E402
 from k3.ops.kda.triton import chunk_fwd as cf  # noqa: E402
+from k3.utils import overridden_attrs  # noqa: E402
 
 
 DEFAULT_MODE = cf.FwdConfig.prep_mode
@@ -87,19 +88,15 @@ def show(case: str, rows: list, scale: float = 1.0) -> None:
 
 
 def window_case(label: str, **over) -> dict:
-    saved = {n: getattr(cf.FwdConfig, n) for n in over}
-    for n, v in over.items():
-        setattr(cf.FwdConfig, n, v)
-    T, H, flags, x, tab, ncw, bufs, o, ht, args = _window_1m()
+    with overridden_attrs(cf.FwdConfig, **over):
+        T, H, flags, x, tab, ncw, bufs, o, ht, args = _window_1m()
 
-    def f() -> None:
-        cf.launch_prep(*args, bufs, tab, 0, ncw, 128**-0.5, -5.0, flags, False)
-        cf.launch_state(bufs, o, None, ht, tab, 0, ncw, H, 128, 128)
+        def f() -> None:
+            cf.launch_prep(*args, bufs, tab, 0, ncw, 128**-0.5, -5.0, flags, False)
+            cf.launch_state(bufs, o, None, ht, tab, 0, ncw, H, 128, 128)
 
-    rows = profile(f)
+        rows = profile(f)
     show(f"1M H=32 window prep+state, {label}", rows, tab.NC / ncw)
-    for n, v in saved.items():
-        setattr(cf.FwdConfig, n, v)
     return dict(rows=rows, scale=tab.NC / ncw)
 
 

@@ -1,4 +1,5 @@
-"""Small helpers shared across the package: atomic file writes, file hashes, scoped environment variables."""
+"""Small helpers shared across the package: atomic file writes, file hashes, scoped environment variables and
+attributes."""
 
 from __future__ import annotations
 
@@ -7,9 +8,10 @@ import hashlib
 import os
 import tempfile
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
-__all__ = ["atomic_write_bytes", "atomic_write_text", "atomic_write_with", "env_var", "sha256_file"]
+__all__ = ["atomic_write_bytes", "atomic_write_text", "atomic_write_with", "env_var", "overridden_attrs",
+           "sha256_file"]
 
 
 def _umask() -> int:
@@ -77,3 +79,16 @@ def env_var(name: str, value: str | None) -> Iterator[None]:
             os.environ.pop(name, None)
         else:
             os.environ[name] = old
+
+
+@contextlib.contextmanager
+def overridden_attrs(obj: Any, **values: Any) -> Iterator[None]:
+    """Set attributes of ``obj`` (e.g. a class of launch knobs) inside the block; restore the old values after."""
+    old = {name: getattr(obj, name) for name in values}
+    for name, value in values.items():
+        setattr(obj, name, value)
+    try:
+        yield
+    finally:
+        for name, value in old.items():
+            setattr(obj, name, value)

@@ -26,11 +26,11 @@ import argparse
 import contextlib
 import os
 import time
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import torch
 
-from k3.utils import atomic_write_text, env_var
+from k3.utils import atomic_write_text, env_var, overridden_attrs
 
 __all__ = ["split_rows", "check_rows", "format_rows", "main"]
 
@@ -107,8 +107,7 @@ def _model_ms(unsplit_ms: float, H: int, T: int, K: int, P: int, impl: str) -> f
     return unsplit_ms + (m.prep_us([n], H) + m.predict_us(balanced_cut([n], P), H, K, K) - base) / 1e3
 
 
-@contextlib.contextmanager
-def _split_cfg(impl: str) -> Iterator[None]:
+def _split_cfg(impl: str) -> contextlib.AbstractContextManager:
     """``SplitConfig`` overrides of a row: ``… bv64`` → the split's state pass at BV 64, ``… overlap`` → the split's
     prep of the next window on a side stream."""
     from k3.ops.kda.triton.span import SplitConfig
@@ -118,29 +117,14 @@ def _split_cfg(impl: str) -> Iterator[None]:
         over["state_bv"] = 64
     if impl.startswith("split") and impl.endswith("overlap"):
         over["overlap_prep"] = True
-    old = {name: getattr(SplitConfig, name) for name in over}
-    for name, value in over.items():
-        setattr(SplitConfig, name, value)
-    try:
-        yield
-    finally:
-        for name, value in old.items():
-            setattr(SplitConfig, name, value)
+    return overridden_attrs(SplitConfig, **over)
 
 
-@contextlib.contextmanager
-def _overlap(on: bool) -> Iterator[None]:
-    """``FwdConfig.overlap_windows`` set inside the block (when the kernels have that knob)."""
+def _overlap(on: bool) -> contextlib.AbstractContextManager:
+    """``FwdConfig.overlap_windows`` set inside the block."""
     from k3.ops.kda.triton.chunk_fwd import FwdConfig
 
-    old = getattr(FwdConfig, "overlap_windows", None)
-    if old is not None:
-        FwdConfig.overlap_windows = on
-    try:
-        yield
-    finally:
-        if old is not None:
-            FwdConfig.overlap_windows = old
+    return overridden_attrs(FwdConfig, overlap_windows=on)
 
 
 def _fla() -> Callable[..., Any] | None:

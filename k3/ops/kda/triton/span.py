@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
-from typing import Callable, Iterator
+from typing import Callable
 
 import torch
 import triton
@@ -39,6 +39,7 @@ from k3.ops.kda.triton.chunk_fwd import (
     launch_prep,
     launch_state,
 )
+from k3.utils import overridden_attrs
 
 
 class SpanConfig:
@@ -328,20 +329,11 @@ def _span_and_fold(bufs: dict, ht: torch.Tensor, w: _Window, K: int, V: int, pre
     return entries
 
 
-@contextlib.contextmanager
-def _state_knobs() -> Iterator[None]:
+def _state_knobs() -> contextlib.AbstractContextManager:
     """``FwdConfig.state_*`` replaced by the non-None ``SplitConfig.state_*`` for one launch of the state pass."""
-    saved = {}
-    for name in ("state_bv", "state_warps", "state_stages"):
-        value = getattr(SplitConfig, name)
-        if value is not None:
-            saved[name] = getattr(FwdConfig, name)
-            setattr(FwdConfig, name, value)
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            setattr(FwdConfig, name, value)
+    names = ("state_bv", "state_warps", "state_stages")
+    return overridden_attrs(FwdConfig, **{n: getattr(SplitConfig, n) for n in names
+                                          if getattr(SplitConfig, n) is not None})
 
 
 def split_prefill_triton(
