@@ -503,7 +503,7 @@ class FwdConfig:
     # chunk), and the solve reads X = β k̂ e^G and kr instead of recomputing the gate and norm over the whole chunk.
     # H200, 1M tokens at H=32: rows kernel 58.2 → 35.4 ms, solve 34.4 → 30.1, + pre-pass 15.0 (session 3)
     rows_pre = True
-    blocks_warps = 4
+    blocks_warps = 2  # sweep v6 (H200): 2 warps 66.0 vs 4 warps 72.0 ms of prep per 1M tokens at H = 32
     blocks_per_program = 1  # 16-row blocks per pre-pass program (1, 2, 4; each its own tile): 1 = 15 ms per 1M
     # inference, rows prep: the solve folds the output's A_qk V' term into chunk-local buffers (qw = qg − A_qk W in
     # place of qg, AU = A_qk U), so the serial state pass has three products per chunk instead of four (sm_90:
@@ -513,10 +513,14 @@ class FwdConfig:
     rows_stages = 1
     solve_warps = 4
     solve_stages = 1
-    solve_bkw = 32  # rows: W, U, kg formed by column slices of this width (fewer live registers)
+    # rows: W, U, kg formed by column slices of this width; sweep v6 (H200): 64 → prep 66.4 vs 72.0 ms per 1M at
+    # H = 32 (32 had fewer live registers, but twice the slice loops)
+    solve_bkw = 64
     rows_maxnreg = 128  # rows: register cap per thread (session 3, H200: 154 → 128, 4 CTAs/SM, 35.4 → 30.7 ms/1M)
     solve_maxnreg = 128  # sm_90: 130 → 128 without spills at 4 warps, bkw 32: 4 CTAs per SM instead of 3
-    state_bv = 32  # BV 64/128 re-read less but leave SMs idle at B·H = 32 (1M prefill 44–74 ms vs 31)
+    # sweep v6 (H200, one window at H = 32): BV 64 at 4 warps 25.3 ms per 1M vs BV 32 30.7 (BV 64 at 8 warps 43.2):
+    # half the re-reads of W, kg, qg, A_qk, and 64 programs at B·H = 32 still overlap the next window's prep
+    state_bv = 64
     state_warps = 4
     state_stages = 3  # v2: 2; 3 stages: 39.6 → 31.2 ms per 1M, 1.14 → 0.81 ms at B=8 T=4096
     window_bytes = 1 << 30  # inference: bytes of chunk intermediates per window
