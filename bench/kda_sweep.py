@@ -88,6 +88,10 @@ PREP = {name: {**PREP_V2, **ch} for name, ch in {
     "r6 r2, rows 2 warps": {**_ROWS, "F.rows_warps": 2, "F.rows_maxnreg": None},
     "r7 r2, pre-pass 2 blocks per program": {**_ROWS, "F.blocks_per_program": 2},
     "r8 r2, pre-pass 4 blocks per program": {**_ROWS, "F.blocks_per_program": 4},
+    "r9 rows (v6 defaults: pre-pass 2 warps, solve BKW 64)": {**_ROWS, "F.blocks_warps": 2, "F.solve_bkw": 64,
+                                                             "F.prep_fast_gate": False},
+    "r10 r9 + fast bounded gate (rsqrt sigmoid)": {**_ROWS, "F.blocks_warps": 2, "F.solve_bkw": 64,
+                                                   "F.prep_fast_gate": True},
 }.items()}
 STATE = {f"s bv={bv} w={w} st={st}": {"F.state_bv": bv, "F.state_warps": w, "F.state_stages": st}
          for bv, w, st in ((32, 4, 3), (16, 2, 3), (64, 8, 3), (64, 4, 3))}
@@ -113,6 +117,8 @@ BWD = {name: {**BWD_V2, **ch} for name, ch in {
                        "B.wy_bv": 32},
     "s12 s9 + stacked intra operands": {**_SPL, "B.intra_split_maxnreg": 128, "B.state_stages": 3,
                                         "B.intra_split_stack": True},
+    "s13 s12 + reverse state pass BV 64": {**_SPL, "B.intra_split_maxnreg": 128, "B.state_stages": 3,
+                                           "B.intra_split_stack": True, "B.state_bv": 64},
 }.items()}
 _DF = {"D.base_ptr": True, "D.fused_out": True}
 DEC = {name: {**DEC_V2, **ch} for name, ch in {
@@ -127,6 +133,19 @@ DEC = {name: {**DEC_V2, **ch} for name, ch in {
     "d19 persistent 6/SM 2w bv16": {**_DF, "D.persist": 6, "D.bv": 16, "D.warps": 2},
     "d20 persistent 7/SM 2w bv32": {**_DF, "D.persist": 7, "D.bv": 32, "D.warps": 2},
     "d21 persistent 6/SM 2w bv32": {**_DF, "D.persist": 6, "D.bv": 32, "D.warps": 2},
+    # session 4: TMA state tiles (bulk loads pipelined, async bulk stores; the fit counts the store buffer)
+    "d3x1 tma 4/SM 2w bv32 st3": {**_DF, "D.persist": 8, "D.bv": 32, "D.warps": 2, "D.tma": True},
+    "d3x2 tma 6/SM 2w bv32 st2": {**_DF, "D.persist": 8, "D.bv": 32, "D.warps": 2, "D.tma": True,
+                                  "D.persist_stages": 2},
+    "d3x3 tma 7/SM 2w bv16 st3": {**_DF, "D.persist": 8, "D.bv": 16, "D.warps": 2, "D.tma": True},
+    "d3x4 tma 3/SM 4w bv64 st2": {**_DF, "D.persist": 8, "D.bv": 64, "D.warps": 4, "D.tma": True,
+                                  "D.persist_stages": 2},
+    "d3x5 tma 4/SM 4w bv32 st3": {**_DF, "D.persist": 8, "D.bv": 32, "D.warps": 4, "D.tma": True},
+    # session 4: one whole (sequence, head) per loop step, V-blocks unrolled (next head's 64 KB in flight)
+    "d3x6 head tiles 3/SM 4w bv32 st2": {**_DF, "D.persist": 8, "D.bv": 32, "D.warps": 4, "D.head_tiles": True,
+                                         "D.persist_stages": 2},
+    "d3x7 head tiles 2/SM 8w bv64 st2": {**_DF, "D.persist": 8, "D.bv": 64, "D.warps": 8, "D.head_tiles": True,
+                                         "D.persist_stages": 2},
 }.items()}
 if DRY:  # keep the interpreter run short: one non-base variant per group
     PREP = dict(list(PREP.items())[:2])

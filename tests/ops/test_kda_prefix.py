@@ -82,22 +82,28 @@ def test_split_plan():
 
 
 def test_cost_model_choice():
-    """The automatic rule splits where the serial state pass leaves SMs idle (B=1, H=8: 32 programs on 132 SMs)
-    and not where it fills them (H=32: 128 programs) or where a split cannot amortise (short T)."""
+    """The automatic rule splits where the serial state pass leaves SMs idle (B=1, H=8: 16 programs at BV 64 on 132
+    SMs) and not where the prep dominates (H=32) or where a split cannot amortise (short T)."""
     m = pf.SplitCostModel()
     n = (1 << 20) // 64
-    assert pf.choose_splits(1, 8, 1 << 20, 132) == 4 and pf.choose_splits(1, 8, 1 << 17, 132) == 4
-    assert pf.choose_splits(1, 32, 1 << 20, 132) == 1 and pf.choose_splits(1, 16, 1 << 20, 132) == 1
+    assert pf.choose_splits(1, 8, 1 << 20, 132) == 5 and pf.choose_splits(1, 8, 1 << 17, 132) == 5
+    assert pf.choose_splits(1, 32, 1 << 20, 132) == 1 and pf.choose_splits(1, 16, 1 << 20, 132) == 3
     assert pf.choose_splits(8, 32, 1 << 20, 132) == 1 and pf.choose_splits(1, 8, 4096, 132) == 1
-    # 4 segments: span 32 + 2·64 programs on 264 slots, state 128 programs on 132: one wave each
-    assert m.predict_us([[n]], 8, 128, 128) == pytest.approx(n * 1.8)
+    # 4 segments: span 32 + 2·64 programs on 264 slots, state 64 programs (BV 64) on 132: one wave each
+    assert m.predict_us([[n]], 8, 128, 128) == pytest.approx(n * 1.55)
     four = pf.balanced_cut([n], 4)
-    assert m.predict_us(four, 8, 128, 128) == pytest.approx(n / 4 * (1.8 + 1.6) + m.window_us + 2 * m.fold_step_us)
-    # one more segment needs a second wave of the state pass: slower
-    assert m.predict_us(pf.balanced_cut([n], 5), 8, 128, 128) > m.predict_us(four, 8, 128, 128)
+    assert m.predict_us(four, 8, 128, 128) == pytest.approx(n / 4 * (1.55 + 1.6) + m.window_us + 2 * m.fold_step_us)
+    # 9 segments need a second wave of the state pass (144 programs): slower than 8
+    assert m.predict_us(pf.balanced_cut([n], 9), 8, 128, 128) > m.predict_us(pf.balanced_cut([n], 8), 8, 128, 128)
+    # 8 segments (the span pass needs a second wave) are predicted less than tie_margin faster than 5 over the
+    # whole call (prep included): the fewer segments win
+    prep = m.prep_us([n], 8)
+    assert prep + m.predict_us(pf.balanced_cut([n], 8), 8, 128, 128) > (1 - m.tie_margin) * (
+        prep + m.predict_us(pf.balanced_cut([n], 5), 8, 128, 128))
+    assert m.best([n], 8, 128, 128, 32) == 5
     # against the overlapped unsplit path (measured on an H200: 47.9 ms; prep and state pass compete for the SMs,
     # ~65 % of the shorter one stays exposed) the split (measured 40.0 ms) still wins at H=8; at H=32 nothing splits
-    assert pf.choose_splits(1, 8, 1 << 20, 132, overlap=11) == 4
+    assert pf.choose_splits(1, 8, 1 << 20, 132, overlap=11) == 5
     assert pf.choose_splits(1, 32, 1 << 20, 132, overlap=40) == 1
     prep, serial = m.prep_us([n], 8), m.predict_us([[n]], 8, 128, 128)
     side = max(prep, serial) + m.overlap_exposed * min(prep, serial)
@@ -114,21 +120,21 @@ def test_auto_rule_on_cuda(monkeypatch):
     monkeypatch.setattr(pf, "_sm_count", lambda index: 132)
     cuda = torch.device("cuda", 0)
     P, model = pf._auto_splits([1 << 20], 8, 128, 128, cuda, "triton")
-    assert P == 4 and model is not None
+    assert P == 5 and model is not None
     assert pf._auto_splits([1 << 20], 32, 128, 128, cuda, "triton")[0] == 1
     assert pf._auto_splits([1 << 20] + [100] * 40, 8, 128, 128, cuda, "triton")[0] == 1  # SMs full already
     assert pf._auto_splits([1 << 20], 8, 128, 128, cuda, "torch")[0] == 1
     from k3.ops.kda.triton.chunk_fwd import FwdConfig
 
     monkeypatch.setattr(FwdConfig, "overlap_windows", True, raising=False)  # the unsplit path would overlap
-    assert pf._auto_splits([1 << 20], 8, 128, 128, cuda, "triton")[0] == 4  # (47.9 ms measured vs 40.0 split)
+    assert pf._auto_splits([1 << 20], 8, 128, 128, cuda, "triton")[0] == 5  # (31.2 ms measured vs 25–27 split)
     perfect = pf.SplitCostModel(overlap_exposed=0.0)  # were the overlap perfect, no split would pay
     assert perfect.best([(1 << 20) // 64], 8, 128, 128, 32, overlap=11) == 1
     monkeypatch.setattr(FwdConfig, "overlap_windows", False, raising=False)
     monkeypatch.setattr(pf, "AUTO_SPLIT", False)
     assert pf._auto_splits([1 << 20], 8, 128, 128, cuda, "triton")[0] == 1
     monkeypatch.setenv("K3_KDA_SPLITS", "auto")
-    assert pf._auto_splits([1 << 20], 8, 128, 128, cuda, "triton")[0] == 4
+    assert pf._auto_splits([1 << 20], 8, 128, 128, cuda, "triton")[0] == 5
     monkeypatch.setenv("K3_KDA_SPLITS", "1")
     assert pf._auto_splits([1 << 20], 8, 128, 128, cuda, "triton") == (1, None)
 

@@ -290,6 +290,27 @@ def test_rows_unstacked_variant(monkeypatch, case):
               lb=-5.0 if case == "slow_bounded" else None, gate=False)
 
 
+@cpu_only
+@pytest.mark.parametrize("case", ["varlen_training", "gates_at_bound", "causality"])
+def test_rows_fast_gate(monkeypatch, case):
+    """``prep_fast_gate``: the bounded gate and β sigmoid of the pre-pass and rows kernels as rsqrt(1 + 2^u)² —
+    against the recurrence (training: every gradient), with all gates at the bound, and bitwise causal. The first
+    case also checks that the knob reaches the kernels (outputs differ in the last bits from the default's)."""
+    x = make_inputs(200, 2, 16, 16, N=5, seed=5)
+    cu = [0, 1, 64, 64, 130, 200]
+    if case == "varlen_training":
+        ref, *_ = run(x, torch.float32, -5.0, True, cu, False)
+    monkeypatch.setattr(cf.FwdConfig, "prep_fast_gate", True)
+    if case == "varlen_training":
+        check(x, 1e-4, cu=cu)
+        o, *_ = run(x, torch.float32, -5.0, True, cu, False)
+        assert not torch.equal(o, ref)
+    elif case == "gates_at_bound":
+        check(make_inputs(100, 1, 16, 16, seed=3, g_const=40.0, beta_logit=-12.0), 1e-4)
+    else:
+        _causality(130, 1, 16, torch.float32, (17, 64, 127))
+
+
 def test_bad_prep_mode(monkeypatch):
     monkeypatch.setattr(cf.FwdConfig, "prep_mode", "nope")
     x = make_inputs(8, 1, 16, 16)
@@ -323,6 +344,15 @@ def test_gpu_rows_block_prepass_variants(monkeypatch, per, pre):
     monkeypatch.setattr(cf.FwdConfig, "rows_pre", pre)
     monkeypatch.setattr(cf.FwdConfig, "blocks_per_program", per)
     check(make_inputs(1000, 4, 128, 128, N=3), 2e-2, torch.bfloat16, cu=[0, 333, 334, 1000])
+
+
+@gpu
+def test_gpu_rows_fast_gate(monkeypatch):
+    """``prep_fast_gate`` in bf16 on the GPU: training against the fp64 recurrence (varlen, ragged chunk) and
+    bitwise causality."""
+    monkeypatch.setattr(cf.FwdConfig, "prep_fast_gate", True)
+    check(make_inputs(1000, 4, 128, 128, N=3), 2e-2, torch.bfloat16, cu=[0, 333, 334, 1000])
+    _causality(300, 2, 128, torch.bfloat16, (1, 17, 64, 127, 200))
 
 
 @gpu

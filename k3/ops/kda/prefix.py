@@ -147,27 +147,28 @@ class SplitCostModel:
     either pass walks its chunks one dependent step after the other; programs are list-scheduled on
     ``sm_count × per_sm`` slots in grid order.
 
-    Constants (one H200, kernels v3): state step 1.8 µs measured (B=1, H=8, T=1M: ~29 ms over 16384 chunks at
-    32 programs; H=32: 31.2 ms at 128 programs, so the step does not slow with one program per SM). CTAs per SM
-    from the sm_90 compile: the state pass at 3 stages holds 188 KiB of shared memory (1 per SM), the span pass
-    112 KiB (2 per SM), 144 / 128 registers at 4 warps. The span step (same two dependent products, 60 % of the
-    loads, two programs sharing an SM) is an assumption: 1.6 µs. The per-window and per-fold-step costs are
-    host/launch estimates. The prep (to compare whole calls, and for the overlapped unsplit path): 18.4 SM·µs
-    per chunk and head (the v5 rows prep: 73.2 ms per 1M tokens at H = 32; v3's was 29.2). With it the model gives
-    92.5 ms for the overlapped unsplit 1M-token prefill at H = 32 (measured 91.2) and, at H = 8, 4 segments:
-    32.3 ms (measured 28.7; unsplit predicted 41.9, measured 35.9)."""
+    Constants (one H200). State step: 1.55 µs per chunk at BV 64 / 4 warps (sweep v6: 25.3 ms over 16384 chunks at
+    B=1, H=32, 64 programs; BV 32 took 1.8–1.9 µs per 32 columns), and the step does not slow with one program per
+    SM. CTAs per SM from the sm_90 compile: the state pass at 3 stages holds one per SM, the span pass 112 KiB (2
+    per SM). The span step (same two dependent products, 60 % of the loads, two programs sharing an SM) is an
+    assumption: 1.6 µs. The per-window and per-fold-step costs are host/launch estimates. The prep (to compare
+    whole calls, and for the overlapped unsplit path): 16.6 SM·µs per chunk and head (v6 rows prep: 66 ms per 1M
+    tokens at H = 32; v5 18.4, v3 29.2). Checked against the v6 kernels (one H200, B=1, H=8, T=1M): P = 8
+    predicted 26.4 ms, measured 25.1; P = 4 29.5 / 27.4; the overlapped unsplit path 31.2 measured. The
+    predictions are saw-toothed in P (waves of programs), so a larger P must win by ``tie_margin``."""
 
     sm_count: int = 132
-    state_step_us: float = 1.8
+    state_step_us: float = 1.55
     span_step_us: float = 1.6
     state_per_sm: int = 1
     span_per_sm: int = 2
-    state_bv: int = 32
+    state_bv: int = 64
     span_bv: int = 32
     window_us: float = 80.0  # span launch, fold set-up, index copies of one split window
     fold_step_us: float = 12.0  # one batched fp64 [K, K] × [K, V] product of the fold
-    prep_sm_us: float = 18.4  # SM·µs per chunk and head: v5 rows prep, 73.2 ms for 16384 chunks × 32 heads
+    prep_sm_us: float = 16.6  # SM·µs per chunk and head: v6 rows prep, 66 ms for 16384 chunks × 32 heads
     min_gain: float = 0.10  # split only when the whole call is predicted ≥ 10 % shorter
+    tie_margin: float = 0.03  # a larger P must be predicted this much faster than the best smaller one
     overlap_exposed: float = 0.65  # share of the shorter of prep / state pass left exposed when they overlap
 
     def state_us(self, cuts: list[list[int]], H: int, V: int) -> float:
@@ -213,7 +214,7 @@ class SplitCostModel:
 
     def best(self, lens: list[int], H: int, K: int, V: int, max_splits: int, overlap: int = 1) -> int:
         """P for :func:`balanced_cut` of pieces of ``lens`` chunks: the fastest predicted total (prep + serial
-        passes), 1 unless it beats the unsplit total (``overlap`` = its window count when the unsplit path
+        passes; a larger P must win by ``tie_margin``), 1 unless it beats the unsplit total (``overlap`` = its window count when the unsplit path
         overlaps, see :meth:`unsplit_total_us`) by ``min_gain``; ties go to fewer segments."""
         if not lens:
             return 1
@@ -222,7 +223,7 @@ class SplitCostModel:
         best_p, best_t = 1, prep + self.predict_us([[n] for n in lens], H, K, V)
         for p in range(2, min(max_splits, max(lens)) + 1):
             t = prep + self.predict_us(balanced_cut(lens, p), H, K, V)
-            if t < best_t * 0.999:
+            if t < best_t * (1.0 - self.tie_margin):
                 best_p, best_t = p, t
         return best_p if best_p > 1 and best_t <= (1.0 - self.min_gain) * unsplit else 1
 

@@ -79,6 +79,40 @@ def _rows_beta(beta, i_h, t0, eos, H, BC: tl.constexpr, BETA_SIGMOID: tl.constex
 
 
 @triton.jit
+def _sigmoid_fast(x):
+    """σ(x) as ((1 + 2^{−x·log2 e})^{−1/2})²: one MUFU op for the reciprocal square root, where 1/(1 + e^{−x})
+    lowers to div.full (range test, scaling, rcp, multiply), and tl.exp2 (ex2.approx.ftz) instead of tl.exp
+    (ex2.approx with a range test and two predicated multiplies for subnormal results). Within a few ulp of σ, not
+    bitwise it."""
+    r = tl.math.rsqrt(1.0 + tl.exp2(x * -1.4426950408889634))  # exp2: ex2.approx.ftz, no subnormal fix-ups
+    return r * r
+
+
+@triton.jit
+def _gate2(g, A_log, dt_bias, i_h, t0, eos, H, K, lb, BC: tl.constexpr, BK: tl.constexpr, USE_GATE: tl.constexpr,
+           HAS_LB: tl.constexpr, HAS_A: tl.constexpr, HAS_DT: tl.constexpr, FAST: tl.constexpr):
+    """``_rows_gate`` (log2 decay of tokens [t0, t0 + BC), zero outside); ``FAST`` (``FwdConfig.prep_fast_gate``),
+    bounded gate only: σ by ``_sigmoid_fast`` and the constants folded, lb·log2(e)·σ(e^A (f + dt)) — fewer SASS ops
+    per element, not bitwise the default."""
+    if FAST and USE_GATE and HAS_LB:
+        o_s = tl.arange(0, BC)
+        o_k = tl.arange(0, BK)
+        t = t0 + o_s
+        m_k = o_k < K
+        m = (t < eos)[:, None] & m_k[None, :]
+        x = tl.load(g + t[:, None] * (H * K) + i_h * K + o_k[None, :], mask=m, other=0.).to(tl.float32)
+        if HAS_DT:
+            x = x + tl.load(dt_bias + i_h * K + o_k, mask=m_k, other=0.).to(tl.float32)[None, :]
+        c = -1.4426950408889634  # σ(a·x) = (1 + 2^{c·a·x})^{-1}: the scalars a = e^A and −log2(e) folded
+        if HAS_A:
+            c = c * tl.exp(tl.load(A_log + i_h).to(tl.float32))
+        r = tl.math.rsqrt(1.0 + tl.exp2(x * c))
+        return tl.where(m, r * r * (lb * 1.4426950408889634), 0.)
+    else:
+        return _rows_gate(g, A_log, dt_bias, i_h, t0, eos, H, K, lb, BC, BK, USE_GATE, HAS_LB, HAS_A, HAS_DT)
+
+
+@triton.jit
 def _op(x, AB_BF16: tl.constexpr):
     """Tensor-core operand: bf16 (fp32 accumulation) for bf16 inputs when asked; bf16 keeps fp32's exponent range,
     so the diagonal block's right factor (≤ e^{5·15}) stays finite."""
@@ -182,11 +216,11 @@ def _prep_rows(
 @triton.jit
 def _block_kr(k, g, A_log, dt_bias, KR, TOT, base, i_h, bos, eos, J, H, K, lb, BT: tl.constexpr, BC: tl.constexpr,
               BK: tl.constexpr, USE_GATE: tl.constexpr, HAS_LB: tl.constexpr, HAS_A: tl.constexpr,
-              HAS_DT: tl.constexpr, L2NORM: tl.constexpr):
+              HAS_DT: tl.constexpr, L2NORM: tl.constexpr, FAST_GATE: tl.constexpr = False):
     """kr_J = k̂_J e^{tot_J − s_J} and tot_J of 16-row block J of the chunk at ``bos`` (see ``_prep_blocks``)."""
     NB: tl.constexpr = BT // BC
     tJ = bos + J * BC
-    g_J = _rows_gate(g, A_log, dt_bias, i_h, tJ, eos, H, K, lb, BC, BK, USE_GATE, HAS_LB, HAS_A, HAS_DT)
+    g_J = _gate2(g, A_log, dt_bias, i_h, tJ, eos, H, K, lb, BC, BK, USE_GATE, HAS_LB, HAS_A, HAS_DT, FAST_GATE)
     k_J = _rows_x(k, i_h, tJ, eos, H, K, BC, BK, L2NORM)
     tot = tl.sum(g_J, axis=0)
     o_s = tl.arange(0, BC)
@@ -203,7 +237,7 @@ def _prep_blocks(
     H, K: tl.constexpr, lb,
     BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
     USE_GATE: tl.constexpr, HAS_LB: tl.constexpr, HAS_A: tl.constexpr, HAS_DT: tl.constexpr,
-    L2NORM: tl.constexpr, IS_VARLEN: tl.constexpr, PER: tl.constexpr = 1,
+    L2NORM: tl.constexpr, IS_VARLEN: tl.constexpr, PER: tl.constexpr = 1, FAST_GATE: tl.constexpr = False,
 ):
     """Per 16-row block J of a chunk (grid (4·chunks / PER, H); PER blocks per program, each its own [16, K] tile),
     what later row blocks and the solve need of it, computed once instead of once per (row block, J) pair:
@@ -219,7 +253,7 @@ def _prep_blocks(
     base = (i_h * NCw + i_c).to(tl.int64)
     for j in tl.static_range(PER):
         _block_kr(k, g, A_log, dt_bias, KR, TOT, base, i_h, bos, eos, J0 + j, H, K, lb, BT, BC, BK, USE_GATE,
-                  HAS_LB, HAS_A, HAS_DT, L2NORM)
+                  HAS_LB, HAS_A, HAS_DT, L2NORM, FAST_GATE)
 
 
 @triton.jit
@@ -278,7 +312,7 @@ def _prep_rows_qk(
     USE_GATE: tl.constexpr, HAS_LB: tl.constexpr, HAS_A: tl.constexpr, HAS_DT: tl.constexpr,
     L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr, IS_VARLEN: tl.constexpr,
     EXACT_DIAG: tl.constexpr, PREC: tl.constexpr, AB_BF16: tl.constexpr,
-    KR=None, TOT=None, X=None, PRE: tl.constexpr = False,
+    KR=None, TOT=None, X=None, PRE: tl.constexpr = False, FAST_GATE: tl.constexpr = False,
 ):
     """``_prep_rows`` with q and k of the row block stacked into ONE [32, K] left operand (rows interleaved), so
     each product is [32, K] × [K, 16]: one tensor-core product per block pair instead of two, and at 2 warps each
@@ -297,12 +331,15 @@ def _prep_rows_qk(
     t0 = bos + r0
     b_b2 = tl.load(beta + (t0 + tok) * H + i_h, mask=(t0 + tok) < eos, other=0.).to(tl.float32)  # β of token(r)
     if BETA_SIGMOID:
-        b_b2 = _sigmoid(b_b2)
+        if FAST_GATE:
+            b_b2 = _sigmoid_fast(b_b2)
+        else:
+            b_b2 = _sigmoid(b_b2)
 
     # ---- own rows: s = within-block cumsum (G_i − c_I exactly as summed); gate and exponentials on the 16
     # tokens, then repeated onto rows 2i and 2i+1 of the interleaved tile
-    s16 = tl.cumsum(_rows_gate(g, A_log, dt_bias, i_h, t0, eos, H, K, lb, BC, BK, USE_GATE, HAS_LB, HAS_A, HAS_DT),
-                    axis=0)
+    s16 = tl.cumsum(_gate2(g, A_log, dt_bias, i_h, t0, eos, H, K, lb, BC, BK, USE_GATE, HAS_LB, HAS_A, HAS_DT,
+                           FAST_GATE), axis=0)
     x = _rows_qk(q, k, i_h, t0, eos, H, K, BC, BK, L2NORM)
     xl = x * _rows2(tl.exp2(s16), BC, BK)  # ≤ 1; kept in fp32 for qg
     xo = _op(xl, AB_BF16)
@@ -328,7 +365,8 @@ def _prep_rows_qk(
             kr = _op(tl.trans(kJ * tl.exp2(d)[None, :]), AB_BF16)
         else:
             tJ = bos + J * BC
-            g_J = _rows_gate(g, A_log, dt_bias, i_h, tJ, eos, H, K, lb, BC, BK, USE_GATE, HAS_LB, HAS_A, HAS_DT)
+            g_J = _gate2(g, A_log, dt_bias, i_h, tJ, eos, H, K, lb, BC, BK, USE_GATE, HAS_LB, HAS_A, HAS_DT,
+                         FAST_GATE)
             k_J = _rows_x(k, i_h, tJ, eos, H, K, BC, BK, L2NORM)
             tot = tl.sum(g_J, axis=0)
             kr = _op(tl.trans(k_J * tl.exp2((tot[None, :] - tl.cumsum(g_J, axis=0)) + d[None, :])), AB_BF16)
@@ -426,16 +464,16 @@ def _solve_w_kg(W, KG, GAM, TOT, base, b_t, BT: tl.constexpr, BC: tl.constexpr, 
         o_k = sl * BKW + tl.arange(0, BKW)
         p_tk = (base * BT + o_t[:, None]) * BK + o_k[None, :]
         _store_w(W, QG, b_aq, tl.dot(b_t, tl.load(W + p_tk), input_precision=PREC), p_tk, FOLD, PREC)
-        suffix = tl.zeros([BT, BKW], dtype=tl.float32)  # Σ_{J' > block(row)} tot_J'
-        total = tl.zeros([BKW], dtype=tl.float32)
-        for jj in tl.static_range(NB):  # summed from the last block down, like the rows kernel's d
+        # e^{Σ_{J' > block(row)} tot_J'} takes one value per (row block, column): exponentials of [BKW] vectors,
+        # then selected per row block (bitwise the per-element form: the same sums, summed in the same order)
+        fac = tl.full([BT, BKW], 1.0, tl.float32)  # the last block: e^0
+        acc = tl.zeros([BKW], dtype=tl.float32)
+        for jj in tl.static_range(NB - 1):  # summed from the last block down, like the rows kernel's d
             J = NB - 1 - jj
-            tot = tl.load(TOT + (base * NB + J) * BK + o_k)
-            suffix = tl.where((rb < J)[:, None], suffix + tot[None, :], suffix)
-            total += tot
-        tl.store(KG + p_tk, (tl.load(KG + p_tk).to(tl.float32) * tl.exp2(tl.minimum(suffix, 0.))
-                             ).to(KG.dtype.element_ty))
-        tl.store(GAM + base * BK + o_k, tl.exp2(total))
+            acc += tl.load(TOT + (base * NB + J) * BK + o_k)  # Σ_{J' ≥ J}: the suffix of block J − 1
+            fac = tl.where((rb == J - 1)[:, None], tl.exp2(tl.minimum(acc, 0.))[None, :], fac)
+        tl.store(KG + p_tk, (tl.load(KG + p_tk).to(tl.float32) * fac).to(KG.dtype.element_ty))
+        tl.store(GAM + base * BK + o_k, tl.exp2(acc + tl.load(TOT + base * NB * BK + o_k)))
 
 
 @triton.jit(do_not_specialize=['c0', 'NCw', 'T', 'NT', 'H'])
@@ -545,6 +583,7 @@ def launch_prep_rows(q, k, v, g, beta, A_log, dt_bias, bufs: dict, tab: ChunkTab
                   HAS_DT=dt_bias is not None, L2NORM=flags["l2norm"], BETA_SIGMOID=flags["beta_sigmoid"],
                   IS_VARLEN=tab.varlen, PREC=dot_precision(q.dtype))
     pre = bool(cfg.rows_stack and cfg.rows_pre)
+    fast = bool(getattr(cfg, "prep_fast_gate", False))  # bounded gate and β: σ by rsqrt (stacked rows kernels)
     nb = BT // BC
     if pre:
         per = int(cfg.blocks_per_program)
@@ -554,8 +593,11 @@ def launch_prep_rows(q, k, v, g, beta, A_log, dt_bias, bufs: dict, tab: ChunkTab
             k, g, a_log, dtb, bufs["KG"], bufs["TOT"],
             tab.cu, tab.chunk_seq, tab.chunk_off, c0, ncw, tab.T, tab.NT, H, K, lb, BT=BT, BC=BC, BK=BK,
             USE_GATE=common["USE_GATE"], HAS_LB=common["HAS_LB"], HAS_A=common["HAS_A"], HAS_DT=common["HAS_DT"],
-            L2NORM=common["L2NORM"], IS_VARLEN=common["IS_VARLEN"], PER=per, **_launch(cfg.blocks_warps, 1, None))
+            L2NORM=common["L2NORM"], IS_VARLEN=common["IS_VARLEN"], PER=per, FAST_GATE=fast,
+            **_launch(cfg.blocks_warps, 1, None))
     extra = dict(KR=bufs["KG"], TOT=bufs["TOT"], X=bufs["W"], PRE=True) if pre else {}
+    if cfg.rows_stack:
+        extra["FAST_GATE"] = fast
     kernel = _prep_rows_qk if cfg.rows_stack else _prep_rows
     kernel[(n * nb, H)](
         q, k, g, beta, a_log, dtb, bufs["QG"], bufs["AQK"], LK,
