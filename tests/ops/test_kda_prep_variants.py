@@ -295,10 +295,13 @@ def test_rows_unstacked_variant(monkeypatch, case):
 def test_rows_fast_gate(monkeypatch, case):
     """``prep_fast_gate``: the bounded gate and β sigmoid of the pre-pass and rows kernels as rsqrt(1 + 2^u)² —
     against the recurrence (training: every gradient), with all gates at the bound, and bitwise causal. The first
-    case also checks that the knob reaches the kernels (outputs differ in the last bits from the default's)."""
+    case also checks that the knob reaches the kernels (outputs differ in the last bits from the plain σ's, which
+    it also checks against the recurrence)."""
     x = make_inputs(200, 2, 16, 16, N=5, seed=5)
     cu = [0, 1, 64, 64, 130, 200]
     if case == "varlen_training":
+        monkeypatch.setattr(cf.FwdConfig, "prep_fast_gate", False)
+        check(x, 1e-4, cu=cu)
         ref, *_ = run(x, torch.float32, -5.0, True, cu, False)
     monkeypatch.setattr(cf.FwdConfig, "prep_fast_gate", True)
     if case == "varlen_training":
