@@ -314,6 +314,30 @@ def test_rows_fast_gate(monkeypatch, case):
         _causality(130, 1, 16, torch.float32, (17, 64, 127))
 
 
+@cpu_only
+@pytest.mark.parametrize("case", ["varlen_training", "gates_at_bound", "causality", "unbounded"])
+def test_rows_pre_e(monkeypatch, case):
+    """``rows_pre_e``: the rows kernel reads E = e^s from the pre-pass (through the qg rows) instead of recomputing
+    its block's gate — against the recurrence (training: every gradient, varlen with empty and one-token
+    sequences), all gates at the bound with β near 0, bitwise causal, and unbounded gates (the exact diagonal keeps
+    the recomputed s). The first case also checks that the knob reaches the kernels."""
+    x = make_inputs(200, 2, 16, 16, N=5, seed=7)
+    cu = [0, 1, 64, 64, 130, 200]
+    if case == "varlen_training":
+        ref, *_ = run(x, torch.float32, -5.0, True, cu, False)
+    monkeypatch.setattr(cf.FwdConfig, "rows_pre_e", True)
+    if case == "varlen_training":
+        check(x, 1e-4, cu=cu)
+        o, *_ = run(x, torch.float32, -5.0, True, cu, False)
+        assert not torch.equal(o, ref)
+    elif case == "gates_at_bound":
+        check(make_inputs(100, 1, 16, 16, seed=3, g_const=40.0, beta_logit=-12.0), 1e-4)
+    elif case == "unbounded":
+        check(make_inputs(150, 2, 16, 16, seed=4), 1e-4, lb=None)
+    else:
+        _causality(130, 1, 16, torch.float32, (17, 64, 127))
+
+
 def test_bad_prep_mode(monkeypatch):
     monkeypatch.setattr(cf.FwdConfig, "prep_mode", "nope")
     x = make_inputs(8, 1, 16, 16)
@@ -355,6 +379,17 @@ def test_gpu_rows_fast_gate(monkeypatch):
     bitwise causality."""
     monkeypatch.setattr(cf.FwdConfig, "prep_fast_gate", True)
     check(make_inputs(1000, 4, 128, 128, N=3), 2e-2, torch.bfloat16, cu=[0, 333, 334, 1000])
+    _causality(300, 2, 128, torch.bfloat16, (1, 17, 64, 127, 200))
+
+
+@pytest.mark.gpu_quick
+@gpu
+def test_gpu_rows_pre_e(monkeypatch):
+    """``rows_pre_e`` in bf16 on the GPU (E rounded to bf16 in the qg buffer): training against the fp64 recurrence
+    (varlen, ragged chunk), all gates at the bound with β near 1 and repeated keys, and bitwise causality."""
+    monkeypatch.setattr(cf.FwdConfig, "rows_pre_e", True)
+    check(make_inputs(1000, 4, 128, 128, N=3), 2e-2, torch.bfloat16, cu=[0, 333, 334, 1000])
+    check(make_inputs(500, 2, 128, 128, g_const=40.0, beta_logit=12.0, repeat_keys=True), 2e-2, torch.bfloat16)
     _causality(300, 2, 128, torch.bfloat16, (1, 17, 64, 127, 200))
 
 

@@ -509,6 +509,10 @@ class FwdConfig:
     # no tl.exp subnormal fix-ups); sm_90 SASS per thread: pre-pass 1504 → 1248, rows 1968 → 1800; a few ulp off
     # the plain σ. Sweep v6b (H200): prep 61.3 → 59.0 ms per 1M tokens at H = 32, training prep 1.95 → 1.88 ms
     prep_fast_gate = True
+    # rows with the pre-pass (bounded gates): the pre-pass also stores E = e^s (within-block decay, rows ≤ i) in the
+    # qg rows, so the rows kernel loads it instead of recomputing its block's gate, cumsum and exponentials (E is
+    # rounded to the buffer dtype: bf16 for bf16 inputs). Not yet timed
+    rows_pre_e = False
     # inference, rows prep: the solve folds the output's A_qk V' term into chunk-local buffers (qw = qg − A_qk W in
     # place of qg, AU = A_qk U), so the serial state pass has three products per chunk instead of four (sm_90:
     # three wgmma waits per step instead of four; +16 KB of window buffers per chunk and head). Not yet timed.

@@ -216,18 +216,24 @@ def _prep_rows(
 @triton.jit
 def _block_kr(k, g, A_log, dt_bias, KR, TOT, base, i_h, bos, eos, J, H, K, lb, BT: tl.constexpr, BC: tl.constexpr,
               BK: tl.constexpr, USE_GATE: tl.constexpr, HAS_LB: tl.constexpr, HAS_A: tl.constexpr,
-              HAS_DT: tl.constexpr, L2NORM: tl.constexpr, FAST_GATE: tl.constexpr = False):
-    """kr_J = k̂_J e^{tot_J − s_J} and tot_J of 16-row block J of the chunk at ``bos`` (see ``_prep_blocks``)."""
+              HAS_DT: tl.constexpr, L2NORM: tl.constexpr, FAST_GATE: tl.constexpr = False, E=None,
+              STORE_E: tl.constexpr = False):
+    """kr_J = k̂_J e^{tot_J − s_J} and tot_J of 16-row block J of the chunk at ``bos`` (see ``_prep_blocks``);
+    ``STORE_E``: also E_J = e^{s_J} (≤ 1, the within-block decay of each row: rows ≤ i only) into the block's rows
+    of ``E`` (the qg buffer, which the rows kernel reads and then overwrites with qg)."""
     NB: tl.constexpr = BT // BC
     tJ = bos + J * BC
     g_J = _gate2(g, A_log, dt_bias, i_h, tJ, eos, H, K, lb, BC, BK, USE_GATE, HAS_LB, HAS_A, HAS_DT, FAST_GATE)
     k_J = _rows_x(k, i_h, tJ, eos, H, K, BC, BK, L2NORM)
     tot = tl.sum(g_J, axis=0)
+    s_J = tl.cumsum(g_J, axis=0)
     o_s = tl.arange(0, BC)
     o_k = tl.arange(0, BK)
-    tl.store(KR + (base * BT + J * BC + o_s[:, None]) * BK + o_k[None, :],
-             (k_J * tl.exp2(tot[None, :] - tl.cumsum(g_J, axis=0))).to(KR.dtype.element_ty))
+    p = (base * BT + J * BC + o_s[:, None]) * BK + o_k[None, :]
+    tl.store(KR + p, (k_J * tl.exp2(tot[None, :] - s_J)).to(KR.dtype.element_ty))
     tl.store(TOT + (base * NB + J) * BK + o_k, tot)
+    if STORE_E:
+        tl.store(E + p, tl.exp2(s_J).to(E.dtype.element_ty))
 
 
 @triton.jit(do_not_specialize=['c0', 'NCw', 'T', 'NT', 'H'])
@@ -238,6 +244,7 @@ def _prep_blocks(
     BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
     USE_GATE: tl.constexpr, HAS_LB: tl.constexpr, HAS_A: tl.constexpr, HAS_DT: tl.constexpr,
     L2NORM: tl.constexpr, IS_VARLEN: tl.constexpr, PER: tl.constexpr = 1, FAST_GATE: tl.constexpr = False,
+    E=None, STORE_E: tl.constexpr = False,
 ):
     """Per 16-row block J of a chunk (grid (4·chunks / PER, H); PER blocks per program, each its own [16, K] tile),
     what later row blocks and the solve need of it, computed once instead of once per (row block, J) pair:
@@ -253,7 +260,7 @@ def _prep_blocks(
     base = (i_h * NCw + i_c).to(tl.int64)
     for j in tl.static_range(PER):
         _block_kr(k, g, A_log, dt_bias, KR, TOT, base, i_h, bos, eos, J0 + j, H, K, lb, BT, BC, BK, USE_GATE,
-                  HAS_LB, HAS_A, HAS_DT, L2NORM, FAST_GATE)
+                  HAS_LB, HAS_A, HAS_DT, L2NORM, FAST_GATE, E, STORE_E)
 
 
 @triton.jit
@@ -313,6 +320,7 @@ def _prep_rows_qk(
     L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr, IS_VARLEN: tl.constexpr,
     EXACT_DIAG: tl.constexpr, PREC: tl.constexpr, AB_BF16: tl.constexpr,
     KR=None, TOT=None, X=None, PRE: tl.constexpr = False, FAST_GATE: tl.constexpr = False,
+    LOAD_E: tl.constexpr = False,
 ):
     """``_prep_rows`` with q and k of the row block stacked into ONE [32, K] left operand (rows interleaved), so
     each product is [32, K] × [K, 16]: one tensor-core product per block pair instead of two, and at 2 warps each
@@ -337,21 +345,30 @@ def _prep_rows_qk(
             b_b2 = _sigmoid(b_b2)
 
     # ---- own rows: s = within-block cumsum (G_i − c_I exactly as summed); gate and exponentials on the 16
-    # tokens, then repeated onto rows 2i and 2i+1 of the interleaved tile
-    s16 = tl.cumsum(_gate2(g, A_log, dt_bias, i_h, t0, eos, H, K, lb, BC, BK, USE_GATE, HAS_LB, HAS_A, HAS_DT,
-                           FAST_GATE), axis=0)
+    # tokens, then repeated onto rows 2i and 2i+1 of the interleaved tile. LOAD_E: E = e^s from the pre-pass (the
+    # qg rows of this block, overwritten below), instead of the gate, its cumsum and the exponentials again
+    o_k = tl.arange(0, BK)
     x = _rows_qk(q, k, i_h, t0, eos, H, K, BC, BK, L2NORM)
-    xl = x * _rows2(tl.exp2(s16), BC, BK)  # ≤ 1; kept in fp32 for qg
+    if LOAD_E:
+        e16 = tl.load(QG + (base * BT + r0 + o_j[:, None]) * BK + o_k[None, :]).to(tl.float32)
+    else:
+        s16 = tl.cumsum(_gate2(g, A_log, dt_bias, i_h, t0, eos, H, K, lb, BC, BK, USE_GATE, HAS_LB, HAS_A, HAS_DT,
+                               FAST_GATE), axis=0)
+        e16 = tl.exp2(s16)
+    xl = x * _rows2(e16, BC, BK)  # ≤ 1; kept in fp32 for qg
     xo = _op(xl, AB_BF16)
 
     # ---- diagonal block (columns = the block's own k rows)
-    o_k = tl.arange(0, BK)
     keep = (tok[:, None] >= o_j[None, :]) & ((o_r % 2 == 0)[:, None] | (tok[:, None] > o_j[None, :]))
-    if EXACT_DIAG:
+    if EXACT_DIAG:  # (never with LOAD_E: the exact loop needs s itself)
         dg = _exact_diag_stacked(x, _rows2(s16, BC, BK), BC)
     else:
         k16 = _rows_x(k, i_h, t0, eos, H, K, BC, BK, L2NORM)
-        dg = tl.dot(xo, _op(tl.trans(k16 * tl.exp2(-s16)), AB_BF16), input_precision=PREC)  # right ≤ e^{5·15}
+        if LOAD_E:
+            kd = k16 / e16  # E ≥ 2^{−16·5·log2 e}: finite, and ≤ e^{5·15} after the division like e^{−s}
+        else:
+            kd = k16 * tl.exp2(-s16)
+        dg = tl.dot(xo, _op(tl.trans(kd), AB_BF16), input_precision=PREC)  # right ≤ e^{5·15}
     _store_qk_rows(AQK, LK, base, r0, r0, dg, b_b2, scale, keep, o_j, o_j >= 0, BT, BC)
 
     # ---- earlier blocks J = I−1 … 0 (right factor ≤ 1, see _prep_rows)
@@ -377,6 +394,8 @@ def _prep_rows_qk(
     # rows, for the solve's W = T X (into W, solved in place): one scaled tile, two masked stores
     p_out = (base * BT + r0 + tok[:, None]) * BK + o_k[None, :]
     even = (o_r % 2 == 0)[:, None] & (o_k >= 0)[None, :]
+    if LOAD_E:
+        tl.debug_barrier()  # every thread has read its E rows before qg overwrites them (other layouts, other threads)
     if PRE:
         y = (xl * tl.exp2(d)[None, :]) * tl.where(o_r % 2 == 0, scale, b_b2)[:, None]
         tl.store(QG + p_out, y.to(QG.dtype.element_ty), mask=even)
@@ -584,6 +603,8 @@ def launch_prep_rows(q, k, v, g, beta, A_log, dt_bias, bufs: dict, tab: ChunkTab
                   IS_VARLEN=tab.varlen, PREC=dot_precision(q.dtype))
     pre = bool(cfg.rows_stack and cfg.rows_pre)
     fast = bool(getattr(cfg, "prep_fast_gate", False))  # bounded gate and β: σ by rsqrt (stacked rows kernels)
+    # E = e^s from the pre-pass through the qg buffer (the exact diagonal of unbounded gates needs s itself)
+    use_e = pre and bool(cfg.rows_pre_e) and not flags["exact_diag"]
     nb = BT // BC
     if pre:
         per = int(cfg.blocks_per_program)
@@ -594,8 +615,8 @@ def launch_prep_rows(q, k, v, g, beta, A_log, dt_bias, bufs: dict, tab: ChunkTab
             tab.cu, tab.chunk_seq, tab.chunk_off, c0, ncw, tab.T, tab.NT, H, K, lb, BT=BT, BC=BC, BK=BK,
             USE_GATE=common["USE_GATE"], HAS_LB=common["HAS_LB"], HAS_A=common["HAS_A"], HAS_DT=common["HAS_DT"],
             L2NORM=common["L2NORM"], IS_VARLEN=common["IS_VARLEN"], PER=per, FAST_GATE=fast,
-            **_launch(cfg.blocks_warps, 1, None))
-    extra = dict(KR=bufs["KG"], TOT=bufs["TOT"], X=bufs["W"], PRE=True) if pre else {}
+            E=bufs["QG"], STORE_E=use_e, **_launch(cfg.blocks_warps, 1, None))
+    extra = dict(KR=bufs["KG"], TOT=bufs["TOT"], X=bufs["W"], PRE=True, LOAD_E=use_e) if pre else {}
     if cfg.rows_stack:
         extra["FAST_GATE"] = fast
     kernel = _prep_rows_qk if cfg.rows_stack else _prep_rows
