@@ -511,8 +511,9 @@ class FwdConfig:
     prep_fast_gate = True
     # rows with the pre-pass (bounded gates): the pre-pass also stores E = e^s (within-block decay, rows ≤ i) in the
     # qg rows, so the rows kernel loads it instead of recomputing its block's gate, cumsum and exponentials (E is
-    # rounded to the buffer dtype: bf16 for bf16 inputs). Not yet timed
-    rows_pre_e = False
+    # rounded to the buffer dtype: bf16 for bf16 inputs). H200 (bench/pre_e_quick.py, session 4): prep 57.9 → 53.8 ms
+    # per 1M at H = 32 (sm_90 rows kernel 1792 → 1504 instructions per thread), prefill H=32 1M 69.4 → 68.2 ms
+    rows_pre_e = True
     # inference, rows prep: the solve folds the output's A_qk V' term into chunk-local buffers (qw = qg − A_qk W in
     # place of qg, AU = A_qk U), so the serial state pass has three products per chunk instead of four (sm_90:
     # three wgmma waits per step instead of four; +16 KB of window buffers per chunk and head). Not yet timed.
