@@ -78,7 +78,7 @@ _INV, _AB, _SPLIT = {"F.prep_inv_scratch": True}, {"F.prep_ab_bf16": True}, {"F.
 P7 = {**_INV, **_AB, **_SPLIT, "F.prep_warps": 4, "F.prep_mode": "v3"}
 # v5 (session 3): the rows prep with the block pre-pass is the default; its knobs
 _ROWS = {**P7, "F.prep_mode": "rows", "F.rows_pre": True, "F.rows_maxnreg": 128, "F.blocks_warps": 4,
-         "F.blocks_per_program": 1}
+         "F.blocks_per_program": 1, "F.prep_fast_gate": False, "F.rows_pre_e": False, "F.solve_bkw": 32}
 PREP = {name: {**PREP_V2, **ch} for name, ch in {
     "p7 v3: split, scratch inverse, bf16 operands, 4w": P7,
     "r2 rows + block pre-pass, rows ≤128 regs (v5)": _ROWS,
@@ -92,6 +92,8 @@ PREP = {name: {**PREP_V2, **ch} for name, ch in {
                                                              "F.prep_fast_gate": False},
     "r10 r9 + fast bounded gate (rsqrt sigmoid)": {**_ROWS, "F.blocks_warps": 2, "F.solve_bkw": 64,
                                                    "F.prep_fast_gate": True},
+    "r11 r10 + E from the pre-pass (v6c default)": {**_ROWS, "F.blocks_warps": 2, "F.solve_bkw": 64,
+                                                     "F.prep_fast_gate": True, "F.rows_pre_e": True},
 }.items()}
 STATE = {f"s bv={bv} w={w} st={st}": {"F.state_bv": bv, "F.state_warps": w, "F.state_stages": st}
          for bv, w, st in ((32, 4, 3), (16, 2, 3), (64, 8, 3), (64, 4, 3))}

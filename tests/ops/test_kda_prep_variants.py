@@ -315,15 +315,17 @@ def test_rows_fast_gate(monkeypatch, case):
 
 
 @cpu_only
-@pytest.mark.parametrize("case", ["varlen_training", "gates_at_bound", "causality", "unbounded"])
+@pytest.mark.parametrize("case", ["varlen_training", "gates_at_bound", "causality", "unbounded", "fp16_at_bound"])
 def test_rows_pre_e(monkeypatch, case):
     """``rows_pre_e``: the rows kernel reads E = e^s from the pre-pass (through the qg rows) instead of recomputing
     its block's gate — against the recurrence (training: every gradient, varlen with empty and one-token
     sequences), all gates at the bound with β near 0, bitwise causal, and unbounded gates (the exact diagonal keeps
-    the recomputed s). The first case also checks that the knob reaches the kernels."""
+    the recomputed s); fp16 inputs with every log-decay at the bound stay finite and right (fp16 buffers would
+    flush E to zero: they keep the recomputation). The first case also checks that the knob reaches the kernels."""
     x = make_inputs(200, 2, 16, 16, N=5, seed=7)
     cu = [0, 1, 64, 64, 130, 200]
     if case == "varlen_training":
+        monkeypatch.setattr(cf.FwdConfig, "rows_pre_e", False)
         ref, *_ = run(x, torch.float32, -5.0, True, cu, False)
     monkeypatch.setattr(cf.FwdConfig, "rows_pre_e", True)
     if case == "varlen_training":
@@ -334,6 +336,8 @@ def test_rows_pre_e(monkeypatch, case):
         check(make_inputs(100, 1, 16, 16, seed=3, g_const=40.0, beta_logit=-12.0), 1e-4)
     elif case == "unbounded":
         check(make_inputs(150, 2, 16, 16, seed=4), 1e-4, lb=None)
+    elif case == "fp16_at_bound":
+        check(make_inputs(100, 1, 16, 16, seed=3, g_const=-5.0), 2e-2, torch.float16, gate=False)
     else:
         _causality(130, 1, 16, torch.float32, (17, 64, 127))
 

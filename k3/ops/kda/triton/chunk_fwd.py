@@ -511,7 +511,7 @@ class FwdConfig:
     prep_fast_gate = True
     # rows with the pre-pass (bounded gates): the pre-pass also stores E = e^s (within-block decay, rows ≤ i) in the
     # qg rows, so the rows kernel loads it instead of recomputing its block's gate, cumsum and exponentials (E is
-    # rounded to the buffer dtype: bf16 for bf16 inputs). H200 (bench/pre_e_quick.py, session 4): prep 57.9 → 53.8 ms
+    # rounded to the buffer dtype: bf16 for bf16 inputs; fp16 buffers keep the recomputation, their range is short). H200 (bench/pre_e_quick.py, session 4): prep 57.9 → 53.8 ms
     # per 1M at H = 32 (sm_90 rows kernel 1792 → 1504 instructions per thread), prefill H=32 1M 69.4 → 68.2 ms
     rows_pre_e = True
     # inference, rows prep: the solve folds the output's A_qk V' term into chunk-local buffers (qw = qg − A_qk W in

@@ -603,8 +603,11 @@ def launch_prep_rows(q, k, v, g, beta, A_log, dt_bias, bufs: dict, tab: ChunkTab
                   IS_VARLEN=tab.varlen, PREC=dot_precision(q.dtype))
     pre = bool(cfg.rows_stack and cfg.rows_pre)
     fast = bool(getattr(cfg, "prep_fast_gate", False))  # bounded gate and β: σ by rsqrt (stacked rows kernels)
-    # E = e^s from the pre-pass through the qg buffer (the exact diagonal of unbounded gates needs s itself)
-    use_e = pre and bool(cfg.rows_pre_e) and not flags["exact_diag"]
+    # E = e^s from the pre-pass through the qg buffer (the exact diagonal of unbounded gates needs s itself). Only
+    # where the buffer keeps fp32's exponent range: E reaches 2^-115 within a block under the bound, which fp16
+    # flushes to zero (and the diagonal divides by E)
+    use_e = (pre and bool(cfg.rows_pre_e) and not flags["exact_diag"]
+             and bufs["QG"].dtype in (torch.float32, torch.bfloat16))
     nb = BT // BC
     if pre:
         per = int(cfg.blocks_per_program)
