@@ -135,19 +135,6 @@ DEC = {name: {**DEC_V2, **ch} for name, ch in {
     "d19 persistent 6/SM 2w bv16": {**_DF, "D.persist": 6, "D.bv": 16, "D.warps": 2},
     "d20 persistent 7/SM 2w bv32": {**_DF, "D.persist": 7, "D.bv": 32, "D.warps": 2},
     "d21 persistent 6/SM 2w bv32": {**_DF, "D.persist": 6, "D.bv": 32, "D.warps": 2},
-    # session 4: TMA state tiles (bulk loads pipelined, async bulk stores; the fit counts the store buffer)
-    "d3x1 tma 4/SM 2w bv32 st3": {**_DF, "D.persist": 8, "D.bv": 32, "D.warps": 2, "D.tma": True},
-    "d3x2 tma 6/SM 2w bv32 st2": {**_DF, "D.persist": 8, "D.bv": 32, "D.warps": 2, "D.tma": True,
-                                  "D.persist_stages": 2},
-    "d3x3 tma 7/SM 2w bv16 st3": {**_DF, "D.persist": 8, "D.bv": 16, "D.warps": 2, "D.tma": True},
-    "d3x4 tma 3/SM 4w bv64 st2": {**_DF, "D.persist": 8, "D.bv": 64, "D.warps": 4, "D.tma": True,
-                                  "D.persist_stages": 2},
-    "d3x5 tma 4/SM 4w bv32 st3": {**_DF, "D.persist": 8, "D.bv": 32, "D.warps": 4, "D.tma": True},
-    # session 4: one whole (sequence, head) per loop step, V-blocks unrolled (next head's 64 KB in flight)
-    "d3x6 head tiles 3/SM 4w bv32 st2": {**_DF, "D.persist": 8, "D.bv": 32, "D.warps": 4, "D.head_tiles": True,
-                                         "D.persist_stages": 2},
-    "d3x7 head tiles 2/SM 8w bv64 st2": {**_DF, "D.persist": 8, "D.bv": 64, "D.warps": 8, "D.head_tiles": True,
-                                         "D.persist_stages": 2},
 }.items()}
 if DRY:  # keep the interpreter run short: one non-base variant per group
     PREP = dict(list(PREP.items())[:2])

@@ -36,10 +36,6 @@ VARIANTS = {
     "bv16 fused": dict(bv=16, fused_out=True, base_ptr=True),
     "persistent": dict(persist=2, persist_stages=3, fused_out=True, base_ptr=True, evict=True, maxnreg=96),
     "persistent bv16 unfused": dict(persist=1, persist_stages=2, bv=16),
-    # TMA descriptors (the interpreter runs them as masked loads/stores, out-of-bounds boxes included)
-    "tma bv16": dict(persist=2, persist_stages=3, bv=16, tma=True),
-    "tma unfused": dict(persist=1, persist_stages=2, fused_out=False, tma=True),
-    "head tiles bv16": dict(persist=2, persist_stages=2, bv=16, head_tiles=True),
 }
 
 
@@ -287,33 +283,6 @@ def test_host_ops_per_decode_call(monkeypatch, persist):
     assert len(launches) == 2 and all(len(g) == (1 if persist else 2) for g in launches)
 
 
-@pytest.mark.parametrize("knobs, K, T, idx, want", [
-    (dict(), 16, 1, False, "_kda_decode_persistent"),
-    (dict(tma=True), 16, 1, False, "_kda_decode_tma"),
-    (dict(tma=True), 16, 1, True, "_kda_decode_tma"),
-    (dict(tma=True), 12, 1, False, "_kda_decode_persistent"),  # K ≠ BK: a box would reach into the next head
-    (dict(tma=True), 16, 2, False, "_kda_recurrent"),
-    (dict(head_tiles=True), 12, 1, True, "_kda_decode_heads"),
-    (dict(tma=True, persist=0), 16, 1, False, "_kda_recurrent"),
-])
-def test_decode_kernel_choice(monkeypatch, knobs, K, T, idx, want):
-    """Which kernel a decode call launches for each knob (launches stubbed): the session-4 variants only where
-    they apply, the pointer kernels otherwise."""
-    names = ("_kda_recurrent", "_kda_decode_persistent", "_kda_decode_tma", "_kda_decode_heads")
-    launched = []
-    for n in names:
-        monkeypatch.setattr(fr, n, type("Stub", (), {"__getitem__": lambda self, grid, n=n:
-                                                     lambda *a, **kw: launched.append(n)})())
-    for name, val in knobs.items():
-        monkeypatch.setattr(fr.DecodeConfig, name, val)
-    x = make(3, T, K=K)
-    pool = torch.zeros(4, H, K, V)
-    fused_recurrent_kda_triton(*(x[n].float() for n in ("q", "k", "v", "g", "beta")), K ** -0.5,
-                               pool if idx else x["s0"].float(), True, True, True, True, LB, None, x["A"].float(),
-                               x["dt"].float(), ssm_state_indices=torch.tensor([2, -1, 0]) if idx else None)
-    assert launched == [want]
-
-
 def test_persistent_grid_fits_in_one_wave():
     """Every persistent program is resident at once: registers (at the derived cap) and pipeline buffers of
     per_sm programs fit one SM, so no program waits for a slot and then runs its whole share of tiles late."""
@@ -325,9 +294,6 @@ def test_persistent_grid_fits_in_one_wave():
                     assert 1 <= per_sm <= persist and cap >= 8
                     assert per_sm * warps * 32 * cap <= fr._REGS_PER_SM or per_sm == 1
                     assert per_sm == 1 or per_sm * ((stages - 1) * 128 * BV * 4 + 1024) <= fr._SMEM_PER_SM
-    for stages in (2, 3):  # TMA: one more tile (the bulk store's buffer) per program
-        per_sm, _ = fr._persistent_fit(8, 2, stages, 128, 32, None, extra_tiles=1)
-        assert per_sm * (stages * 128 * 32 * 4 + 1024) <= fr._SMEM_PER_SM
     assert fr._persistent_fit(4, 4, 3, 128, 32, None) == (4, 128)  # the proposed default: no spills on sm_90
     assert fr._persistent_fit(4, 4, 3, 128, 32, 96) == (4, 96)
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.tools.tensor_descriptor import TensorDescriptor
 
 from k3.ops.kda.triton._common import _gate_fwd, _seq_bounds, _sigmoid
 
@@ -30,12 +29,6 @@ class DecodeConfig:
       tiles with a ``persist_stages``-deep cp.async pipeline, so the next tiles' state is in flight (in shared
       memory, not registers) while one is computed. Dense T = 1 decode only (other calls use the tiled kernel).
       The register cap follows from ``persist`` (every program must be resident: 4 programs of 4 warps → 128).
-    - ``tma``: the persistent grid with the state tiles moved by TMA (host descriptors, ``[K, BV]`` boxes): bulk
-      loads pipelined by the compiler, asynchronous bulk stores out of one shared-memory buffer (counted in the
-      programs-per-SM fit), no per-thread state addresses. Needs K a power of two, whole V-blocks, sm_90+.
-    - ``head_tiles``: the persistent grid with one (sequence, head) per loop step and its NV V-blocks unrolled:
-      gate, norms and β once per head, the whole contiguous K·V state of the next head in flight, each V-block
-      stored as soon as it is updated (``persist_stages`` 2: (stages − 1)·K·V·4 bytes of buffers per program).
     - ``maxnreg``: register cap per thread (None = the compiler's choice for the tiled kernel, the fitting cap for
       the persistent one); e.g. 80 gives the tiled kernel (BV 32, 4 warps, base_ptr) 6 programs per SM instead of
       5 (sm_90: 32 B of spill stack).
@@ -53,9 +46,6 @@ class DecodeConfig:
     persist = 8
     persist_stages = 3
     maxnreg: int | None = None
-    # session 4 (not yet timed; both need persist > 0 and fall back to the kernels above where they do not apply)
-    tma = False
-    head_tiles = False
 
 
 _SM_COUNT: dict[int, int] = {}
@@ -79,14 +69,12 @@ _SMEM_PER_SM = 233472
 
 
 def _persistent_fit(persist: int, warps: int, stages: int, BK: int, BV: int,
-                    maxnreg: int | None, extra_tiles: int = 0) -> tuple[int, int]:
+                    maxnreg: int | None) -> tuple[int, int]:
     """(programs per SM, register cap) for the persistent grid. Every program must be resident at once — a
     program that waits for a free slot would run its whole share of tiles after the others — so the register cap
     is derived from ``persist`` (unless given) and the count is lowered to what the pipeline buffers'
-    shared memory allows ((stages − 1) state tiles in flight, fp32, plus ``extra_tiles`` more — the TMA store
-    buffer — plus ≤ 4 KiB of vectors and scratch). BV is the width of the state block one loop step moves (V for
-    ``head_tiles``)."""
-    smem = (max(stages, 2) - 1 + extra_tiles) * BK * BV * 4 + 4096 + 1024
+    shared memory allows ((stages − 1) state tiles in flight, fp32, plus ≤ 4 KiB of vectors and scratch)."""
+    smem = (max(stages, 2) - 1) * BK * BV * 4 + 4096 + 1024
     per_sm = max(1, min(persist, _SMEM_PER_SM // smem, 64 // warps, 32))
     cap = min(255, _REGS_PER_SM // (per_sm * warps * 32) // 8 * 8)
     return per_sm, cap if maxnreg is None else min(cap, maxnreg)
@@ -123,30 +111,6 @@ def _token_inputs(q, k, v, g, beta, A_log, dt_bias, t, i_h, H, o_k, o_v, m_k, m_
     b_f = tl.load(g + p, mask=m_k, other=0.).to(tl.float32)
     b_v = tl.load(v + (t * H + i_h) * V + o_v, mask=m_v, other=0.).to(tl.float32)
     b_b = tl.load(beta + t * H + i_h).to(tl.float32)
-    b_q, b_k, b_a, b_b = _finish_inputs(b_q, b_k, b_f, b_b, i_h, A_log, dt_bias, lb, o_k, m_k, K, USE_GATE, HAS_LB,
-                                        HAS_A, HAS_DT, L2NORM, BETA_SIGMOID)
-    return b_q, b_k, b_a, b_v, b_b
-
-
-@triton.jit
-def _head_inputs(q, k, g, beta, A_log, dt_bias, t, i_h, H, o_k, m_k, lb, K: tl.constexpr, USE_GATE: tl.constexpr,
-                 HAS_LB: tl.constexpr, HAS_A: tl.constexpr, HAS_DT: tl.constexpr, L2NORM: tl.constexpr,
-                 BETA_SIGMOID: tl.constexpr):
-    """The V-independent part of ``_token_inputs``: (q̂, k̂, e^g [BK], β) of token t, head i_h."""
-    p = (t * H + i_h) * K + o_k
-    b_k = tl.load(k + p, mask=m_k, other=0.).to(tl.float32)
-    b_q = tl.load(q + p, mask=m_k, other=0.).to(tl.float32)
-    b_f = tl.load(g + p, mask=m_k, other=0.).to(tl.float32)
-    b_b = tl.load(beta + t * H + i_h).to(tl.float32)
-    return _finish_inputs(b_q, b_k, b_f, b_b, i_h, A_log, dt_bias, lb, o_k, m_k, K, USE_GATE, HAS_LB, HAS_A, HAS_DT,
-                          L2NORM, BETA_SIGMOID)
-
-
-@triton.jit
-def _finish_inputs(b_q, b_k, b_f, b_b, i_h, A_log, dt_bias, lb, o_k, m_k, K: tl.constexpr, USE_GATE: tl.constexpr,
-                   HAS_LB: tl.constexpr, HAS_A: tl.constexpr, HAS_DT: tl.constexpr, L2NORM: tl.constexpr,
-                   BETA_SIGMOID: tl.constexpr):
-    """L2 norms, β sigmoid and the decay e^g (1 on padding) from the raw fp32 vectors."""
     if L2NORM:
         b_k = b_k / tl.sqrt(tl.sum(b_k * b_k) + 1e-6)
         b_q = b_q / tl.sqrt(tl.sum(b_q * b_q) + 1e-6)
@@ -154,7 +118,7 @@ def _finish_inputs(b_q, b_k, b_f, b_b, i_h, A_log, dt_bias, lb, o_k, m_k, K: tl.
         b_b = _sigmoid(b_b)
     b_g = _gate_fwd(b_f, i_h, A_log, dt_bias, lb, o_k, m_k, K, USE_GATE, HAS_LB, HAS_A, HAS_DT, ROWS=False)
     b_a = tl.exp(tl.where(m_k, b_g, 0.))
-    return b_q, b_k, b_a, b_b
+    return b_q, b_k, b_a, b_v, b_b
 
 
 @triton.jit
@@ -260,123 +224,9 @@ def _kda_decode_persistent(
                      eviction_policy=EVICT)
 
 
-@triton.jit(do_not_specialize=['H', 'n_tiles', 'NP', 'OOB'])
-def _kda_decode_tma(
-    q, k, v, g, beta, A_log, dt_bias, o, d_in, d_out, idx, n_tiles, NP, OOB,
-    H, K: tl.constexpr, V: tl.constexpr, scale, lb,
-    BK: tl.constexpr, BV: tl.constexpr, NV: tl.constexpr,
-    USE_GATE: tl.constexpr, HAS_LB: tl.constexpr, HAS_A: tl.constexpr, HAS_DT: tl.constexpr,
-    L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr, USE_IDX: tl.constexpr,
-    USE_S0: tl.constexpr, STORE_S: tl.constexpr, FUSED: tl.constexpr, STAGES: tl.constexpr,
-):
-    """``_kda_decode_persistent`` with the state tile moved by TMA: ``d_in``/``d_out`` are 2-D descriptors over the
-    state viewed as ``[slots·H·K, V]`` with a ``[K, BV]`` box (K = BK: a box never reaches into the next head).
-    One thread issues each tile's bulk copy, so the per-thread address math and the 16 LDGSTS + 16 STG per tile
-    go away; the pipeliner keeps the next STAGES − 1 boxes in flight, and the store is an asynchronous bulk copy
-    out of shared memory (the program does not hold the tile's registers until the bytes have left).
-    A negative pool slot maps to row ``OOB`` (= the descriptor's row count): the box is wholly out of bounds, so
-    the load fills zeros and the store writes nothing — the masked path of the pointer kernels."""
-    o_k = tl.arange(0, BK)
-    m_k = o_k < K
-    for i in tl.range(tl.program_id(0), n_tiles, NP, num_stages=STAGES):
-        i_v = i % NV
-        i_nh = i // NV
-        i_n = i_nh // H
-        i_h = i_nh % H
-        o_v = i_v * BV + tl.arange(0, BV)
-        m_v = o_v < V
-        if USE_IDX:
-            slot = tl.load(idx + i_n).to(tl.int32)
-            row = tl.where(slot >= 0, (slot * H + i_h) * K, OOB)
-        else:
-            row = i_nh * K
-        if USE_S0:
-            S = d_in.load([row, i_v * BV]).to(tl.float32)
-        else:
-            S = tl.zeros([BK, BV], dtype=tl.float32)
-        t = i_n.to(tl.int64)
-        b_q, b_k, b_a, b_v, b_b = _token_inputs(q, k, v, g, beta, A_log, dt_bias, t, i_h, H, o_k, o_v, m_k, m_v,
-                                                lb, K, V, USE_GATE, HAS_LB, HAS_A, HAS_DT, L2NORM, BETA_SIGMOID)
-        S, b_o = _token_update(S, b_q, b_k, b_a, b_v, b_b, scale, FUSED)
-        tl.store(o + (t * H + i_h) * V + o_v, b_o.to(o.dtype.element_ty), mask=m_v)
-        if STORE_S:
-            d_out.store([row, i_v * BV], S)
-
-
-@triton.jit(do_not_specialize=['H', 'n_heads', 'NP'])
-def _kda_decode_heads(
-    q, k, v, g, beta, A_log, dt_bias, o, s_in, s_out, idx, n_heads, NP,
-    H, K: tl.constexpr, V: tl.constexpr, scale, lb,
-    BK: tl.constexpr, BV: tl.constexpr, NV: tl.constexpr,
-    USE_GATE: tl.constexpr, HAS_LB: tl.constexpr, HAS_A: tl.constexpr, HAS_DT: tl.constexpr,
-    L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr, USE_IDX: tl.constexpr,
-    USE_S0: tl.constexpr, STORE_S: tl.constexpr,
-    FUSED: tl.constexpr, BASE_PTR: tl.constexpr, EVICT: tl.constexpr, STAGES: tl.constexpr,
-):
-    """Dense T = 1, one (sequence, head) per loop step: NP programs loop over the N·H heads. The state's V columns
-    are NV independent blocks (each column's update needs only its own column and the [K] vectors), unrolled
-    here: the gate, L2 norms and β are computed once per head instead of once per V-block (4× fewer of the
-    loop body's cross-warp reductions at BV 32), each block is stored as soon as it is updated, and the pipeliner
-    keeps the whole next head — one contiguous K·V·4 bytes — in flight per program."""
-    o_k = tl.arange(0, BK)
-    m_k = o_k < K
-    for i_nh in tl.range(tl.program_id(0), n_heads, NP, num_stages=STAGES):
-        i_n = i_nh // H
-        i_h = i_nh % H
-        t = i_n.to(tl.int64)
-        b_q, b_k, b_a, b_b = _head_inputs(q, k, g, beta, A_log, dt_bias, t, i_h, H, o_k, m_k, lb, K, USE_GATE,
-                                          HAS_LB, HAS_A, HAS_DT, L2NORM, BETA_SIGMOID)
-        for i_v in tl.static_range(NV):
-            o_v = i_v * BV + tl.arange(0, BV)
-            m_v = o_v < V
-            S, slot, m_s = _load_state(s_in, idx, i_n, i_h, H, o_k, o_v, m_k, m_v, K, V, BK, BV, USE_IDX, USE_S0,
-                                       BASE_PTR, EVICT)
-            b_v = tl.load(v + (t * H + i_h) * V + o_v, mask=m_v, other=0.).to(tl.float32)
-            S, b_o = _token_update(S, b_q, b_k, b_a, b_v, b_b, scale, FUSED)
-            tl.store(o + (t * H + i_h) * V + o_v, b_o.to(o.dtype.element_ty), mask=m_v)
-            if STORE_S:
-                tl.store(_state_ptrs(s_out, slot, i_h, H, o_k, o_v, K, V, BASE_PTR), S, mask=m_s,
-                         eviction_policy=EVICT)
-
-
 # ---------------------------------------------------------------------------------------------------------------
 # host wrapper
 # ---------------------------------------------------------------------------------------------------------------
-
-_TMA_FLAGS = ("USE_GATE", "HAS_LB", "HAS_A", "HAS_DT", "L2NORM", "BETA_SIGMOID", "USE_IDX", "USE_S0", "STORE_S")
-
-
-def _tma_ok(q: torch.Tensor, s_in: torch.Tensor | None, s_out: torch.Tensor | None, K: int, V: int, BK: int,
-            BV: int, H: int) -> bool:
-    """Whether the TMA decode kernel applies: a state to read or write, K a power of two (a [K, BV] box must not
-    reach into the next head), whole V-blocks, 16-byte aligned state bases, row coordinates within int32, and
-    TMA hardware (sm_90+; the interpreter runs the descriptors on the CPU). Otherwise the pointer kernels run."""
-    if (s_in is None and s_out is None) or K != BK or V % BV or BV * 4 < 16:
-        return False
-    for s in (s_in, s_out):
-        if s is not None and (s.data_ptr() % 16 or s.shape[0] * H * K >= 2 ** 31 - 1):
-            return False
-    if q.device.type != "cuda":
-        return True
-    i = q.device.index if q.device.index is not None else torch.cuda.current_device()
-    if i not in _CC:
-        _CC[i] = torch.cuda.get_device_capability(i)[0]
-    return _CC[i] >= 9
-
-
-_CC: dict[int, int] = {}
-
-
-def _state_descriptors(s_in: torch.Tensor | None, s_out: torch.Tensor | None, H: int, K: int, V: int,
-                       BV: int) -> tuple[TensorDescriptor, TensorDescriptor, int]:
-    """Host TMA descriptors over the input and output states viewed as ``[slots·H·K, V]`` with a ``[K, BV]`` box
-    (one missing state borrows the other's descriptor: the kernel does not touch it), and the out-of-bounds row
-    for negative pool slots (the input's row count: its box is wholly outside, so it loads zeros; with the pool
-    in place that is also the output's row count, so the store is dropped)."""
-    d = [None if s is None else TensorDescriptor(s, [s.shape[0] * H * K, V], [V, 1], [K, BV]) for s in (s_in, s_out)]
-    d_in, d_out = d[0] or d[1], d[1] or d[0]
-    return d_in, d_out, d_in.shape[0]
-
 
 
 def fused_recurrent_kda_triton(
@@ -443,24 +293,7 @@ def fused_recurrent_kda_triton(
     scale, lb = float(scale), float(lower_bound) if lower_bound is not None else 0.0
     launch = dict(num_warps=cfg.warps) if cfg.maxnreg is None else dict(num_warps=cfg.warps, maxnreg=cfg.maxnreg)
     NV = -(-V // BV)
-    if cfg.persist > 0 and cu_seqlens is None and T == 1 and N > 0 and cfg.tma and _tma_ok(q, s_in, s_out, K, V, BK,
-                                                                                        BV, H):
-        n_tiles = N * H * NV
-        per_sm, maxnreg = _persistent_fit(cfg.persist, cfg.warps, cfg.persist_stages, BK, BV, cfg.maxnreg,
-                                          extra_tiles=int(store))
-        NP = min(n_tiles, per_sm * _sm_count(q.device))
-        d_in, d_out, oob = _state_descriptors(s_in, s_out, H, K, V, BV)
-        _kda_decode_tma[(NP,)](*ptrs[:8], d_in, d_out, ptrs[10], n_tiles, NP, oob, H, K, V, scale, lb, BK=BK, BV=BV,
-                               NV=NV, STAGES=cfg.persist_stages, FUSED=flags["FUSED"],
-                               **{n: flags[n] for n in _TMA_FLAGS}, num_warps=cfg.warps, maxnreg=maxnreg,
-                               num_stages=cfg.persist_stages)
-    elif cfg.persist > 0 and cu_seqlens is None and T == 1 and N > 0 and cfg.head_tiles:
-        per_sm, maxnreg = _persistent_fit(cfg.persist, cfg.warps, cfg.persist_stages, BK, NV * BV, cfg.maxnreg)
-        NP = min(N * H, per_sm * _sm_count(q.device))
-        _kda_decode_heads[(NP,)](*ptrs, N * H, NP, H, K, V, scale, lb, BK=BK, BV=BV, NV=NV,
-                                 STAGES=cfg.persist_stages, **flags, num_warps=cfg.warps, maxnreg=maxnreg,
-                                 num_stages=cfg.persist_stages)
-    elif cfg.persist > 0 and cu_seqlens is None and T == 1 and N > 0:
+    if cfg.persist > 0 and cu_seqlens is None and T == 1 and N > 0:
         n_tiles = N * H * NV
         per_sm, maxnreg = _persistent_fit(cfg.persist, cfg.warps, cfg.persist_stages, BK, BV, cfg.maxnreg)
         NP = min(n_tiles, per_sm * _sm_count(q.device))
