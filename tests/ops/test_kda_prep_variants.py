@@ -291,43 +291,23 @@ def test_rows_unstacked_variant(monkeypatch, case):
 
 
 @cpu_only
-@pytest.mark.parametrize("case", ["varlen_training", "gates_at_bound", "causality"])
-def test_rows_fast_gate(monkeypatch, case):
-    """``prep_fast_gate``: the bounded gate and β sigmoid of the pre-pass and rows kernels as rsqrt(1 + 2^u)² —
-    against the recurrence (training: every gradient), with all gates at the bound, and bitwise causal. The first
-    case also checks that the knob reaches the kernels (outputs differ in the last bits from the plain σ's, which
-    it also checks against the recurrence)."""
-    x = make_inputs(200, 2, 16, 16, N=5, seed=5)
-    cu = [0, 1, 64, 64, 130, 200]
-    if case == "varlen_training":
-        monkeypatch.setattr(cf.FwdConfig, "prep_fast_gate", False)
-        check(x, 1e-4, cu=cu)
-        ref, *_ = run(x, torch.float32, -5.0, True, cu, False)
-    monkeypatch.setattr(cf.FwdConfig, "prep_fast_gate", True)
-    if case == "varlen_training":
-        check(x, 1e-4, cu=cu)
-        o, *_ = run(x, torch.float32, -5.0, True, cu, False)
-        assert not torch.equal(o, ref)
-    elif case == "gates_at_bound":
-        check(make_inputs(100, 1, 16, 16, seed=3, g_const=40.0, beta_logit=-12.0), 1e-4)
-    else:
-        _causality(130, 1, 16, torch.float32, (17, 64, 127))
-
-
-@cpu_only
+@pytest.mark.parametrize("knob", ["prep_fast_gate", "rows_pre_e"])
 @pytest.mark.parametrize("case", ["varlen_training", "gates_at_bound", "causality", "unbounded", "fp16_at_bound"])
-def test_rows_pre_e(monkeypatch, case):
-    """``rows_pre_e``: the rows kernel reads E = e^s from the pre-pass (through the qg rows) instead of recomputing
-    its block's gate — against the recurrence (training: every gradient, varlen with empty and one-token
-    sequences), all gates at the bound with β near 0, bitwise causal, and unbounded gates (the exact diagonal keeps
-    the recomputed s); fp16 inputs with every log-decay at the bound stay finite and right (fp16 buffers would
-    flush E to zero: they keep the recomputation). The first case also checks that the knob reaches the kernels."""
+def test_rows_knob(monkeypatch, knob, case):
+    """Two prep knobs against the recurrence: ``prep_fast_gate`` (the bounded gate and β sigmoid of the pre-pass and
+    rows kernels as rsqrt(1 + 2^u)²) and ``rows_pre_e`` (the rows kernel reads E = e^s from the pre-pass, through
+    the qg rows, instead of recomputing its block's gate; fp16 buffers keep the recomputation, they would flush E
+    to zero). Cases: training (every gradient) on a varlen batch with empty and one-token sequences — which also
+    checks the knob-off path and that the knob reaches the kernels (outputs differ in the last bits) —, every gate
+    at the bound with β near 0, bitwise causality, unbounded gates (exact diagonal), fp16 with every log-decay at
+    the bound."""
     x = make_inputs(200, 2, 16, 16, N=5, seed=7)
     cu = [0, 1, 64, 64, 130, 200]
     if case == "varlen_training":
-        monkeypatch.setattr(cf.FwdConfig, "rows_pre_e", False)
+        monkeypatch.setattr(cf.FwdConfig, knob, False)
+        check(x, 1e-4, cu=cu)
         ref, *_ = run(x, torch.float32, -5.0, True, cu, False)
-    monkeypatch.setattr(cf.FwdConfig, "rows_pre_e", True)
+    monkeypatch.setattr(cf.FwdConfig, knob, True)
     if case == "varlen_training":
         check(x, 1e-4, cu=cu)
         o, *_ = run(x, torch.float32, -5.0, True, cu, False)

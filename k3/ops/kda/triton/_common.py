@@ -208,16 +208,30 @@ def _chunk_tile(x, i_h, bos, eos, H, K, BT: tl.constexpr, BK: tl.constexpr):
 
 @triton.jit
 def _rows_gate(g, A_log, dt_bias, i_h, t0, eos, H, K, lb, BC: tl.constexpr, BK: tl.constexpr,
-               USE_GATE: tl.constexpr, HAS_LB: tl.constexpr, HAS_A: tl.constexpr, HAS_DT: tl.constexpr):
-    """Activated log2 decay of tokens [t0, t0 + BC), fp32 [BC, BK]; zero past ``eos`` and past K."""
+               USE_GATE: tl.constexpr, HAS_LB: tl.constexpr, HAS_A: tl.constexpr, HAS_DT: tl.constexpr,
+               FAST: tl.constexpr = False):
+    """Activated log2 decay of tokens [t0, t0 + BC), fp32 [BC, BK]; zero past ``eos`` and past K.
+    ``FAST`` (bounded gate only; ``FwdConfig.prep_fast_gate``): σ(a·x) = (1 + 2^{c·x})^{-1} with c = −a·log2 e
+    folded once and the inverse as rsqrt(·)² — one MUFU op where 1/(1 + e^{−x}) lowers to a full division, and
+    exp2 (ex2.approx.ftz) without tl.exp's subnormal fix-ups; a few ulp off the plain σ, not bitwise it."""
     o_s = tl.arange(0, BC)
     o_k = tl.arange(0, BK)
     t = t0 + o_s
     m_k = o_k < K
     m = (t < eos)[:, None] & m_k[None, :]
     b_f = tl.load(g + t[:, None] * (H * K) + i_h * K + o_k[None, :], mask=m, other=0.).to(tl.float32)
-    b_g = _gate_fwd(b_f, i_h, A_log, dt_bias, lb, o_k, m_k, K, USE_GATE, HAS_LB, HAS_A, HAS_DT)
-    return tl.where(m, b_g, 0.) * 1.4426950408889634
+    if FAST and USE_GATE and HAS_LB:
+        if HAS_DT:
+            b_f = b_f + tl.load(dt_bias + i_h * K + o_k, mask=m_k, other=0.).to(tl.float32)[None, :]
+        c = -1.4426950408889634
+        if HAS_A:
+            c = c * tl.exp(tl.load(A_log + i_h).to(tl.float32))
+        r = tl.math.rsqrt(1.0 + tl.exp2(b_f * c))
+        out = tl.where(m, r * r * (lb * 1.4426950408889634), 0.)
+    else:
+        b_g = _gate_fwd(b_f, i_h, A_log, dt_bias, lb, o_k, m_k, K, USE_GATE, HAS_LB, HAS_A, HAS_DT)
+        out = tl.where(m, b_g, 0.) * 1.4426950408889634
+    return out
 
 
 @triton.jit

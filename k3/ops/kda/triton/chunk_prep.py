@@ -89,30 +89,6 @@ def _sigmoid_fast(x):
 
 
 @triton.jit
-def _gate2(g, A_log, dt_bias, i_h, t0, eos, H, K, lb, BC: tl.constexpr, BK: tl.constexpr, USE_GATE: tl.constexpr,
-           HAS_LB: tl.constexpr, HAS_A: tl.constexpr, HAS_DT: tl.constexpr, FAST: tl.constexpr):
-    """``_rows_gate`` (log2 decay of tokens [t0, t0 + BC), zero outside); ``FAST`` (``FwdConfig.prep_fast_gate``),
-    bounded gate only: σ by ``_sigmoid_fast`` and the constants folded, lb·log2(e)·σ(e^A (f + dt)) — fewer SASS ops
-    per element, not bitwise the default."""
-    if FAST and USE_GATE and HAS_LB:
-        o_s = tl.arange(0, BC)
-        o_k = tl.arange(0, BK)
-        t = t0 + o_s
-        m_k = o_k < K
-        m = (t < eos)[:, None] & m_k[None, :]
-        x = tl.load(g + t[:, None] * (H * K) + i_h * K + o_k[None, :], mask=m, other=0.).to(tl.float32)
-        if HAS_DT:
-            x = x + tl.load(dt_bias + i_h * K + o_k, mask=m_k, other=0.).to(tl.float32)[None, :]
-        c = -1.4426950408889634  # σ(a·x) = (1 + 2^{c·a·x})^{-1}: the scalars a = e^A and −log2(e) folded
-        if HAS_A:
-            c = c * tl.exp(tl.load(A_log + i_h).to(tl.float32))
-        r = tl.math.rsqrt(1.0 + tl.exp2(x * c))
-        return tl.where(m, r * r * (lb * 1.4426950408889634), 0.)
-    else:
-        return _rows_gate(g, A_log, dt_bias, i_h, t0, eos, H, K, lb, BC, BK, USE_GATE, HAS_LB, HAS_A, HAS_DT)
-
-
-@triton.jit
 def _op(x, AB_BF16: tl.constexpr):
     """Tensor-core operand: bf16 (fp32 accumulation) for bf16 inputs when asked; bf16 keeps fp32's exponent range,
     so the diagonal block's right factor (≤ e^{5·15}) stays finite."""
@@ -223,7 +199,8 @@ def _block_kr(k, g, A_log, dt_bias, KR, TOT, base, i_h, bos, eos, J, H, K, lb, B
     of ``E`` (the qg buffer, which the rows kernel reads and then overwrites with qg)."""
     NB: tl.constexpr = BT // BC
     tJ = bos + J * BC
-    g_J = _gate2(g, A_log, dt_bias, i_h, tJ, eos, H, K, lb, BC, BK, USE_GATE, HAS_LB, HAS_A, HAS_DT, FAST_GATE)
+    g_J = _rows_gate(g, A_log, dt_bias, i_h, tJ, eos, H, K, lb, BC, BK, USE_GATE, HAS_LB, HAS_A, HAS_DT,
+                     FAST_GATE)
     k_J = _rows_x(k, i_h, tJ, eos, H, K, BC, BK, L2NORM)
     tot = tl.sum(g_J, axis=0)
     s_J = tl.cumsum(g_J, axis=0)
@@ -352,8 +329,8 @@ def _prep_rows_qk(
     if LOAD_E:
         e16 = tl.load(QG + (base * BT + r0 + o_j[:, None]) * BK + o_k[None, :]).to(tl.float32)
     else:
-        s16 = tl.cumsum(_gate2(g, A_log, dt_bias, i_h, t0, eos, H, K, lb, BC, BK, USE_GATE, HAS_LB, HAS_A, HAS_DT,
-                               FAST_GATE), axis=0)
+        s16 = tl.cumsum(_rows_gate(g, A_log, dt_bias, i_h, t0, eos, H, K, lb, BC, BK, USE_GATE, HAS_LB, HAS_A,
+                                   HAS_DT, FAST_GATE), axis=0)
         e16 = tl.exp2(s16)
     xl = x * _rows2(e16, BC, BK)  # ≤ 1; kept in fp32 for qg
     xo = _op(xl, AB_BF16)
@@ -382,8 +359,8 @@ def _prep_rows_qk(
             kr = _op(tl.trans(kJ * tl.exp2(d)[None, :]), AB_BF16)
         else:
             tJ = bos + J * BC
-            g_J = _gate2(g, A_log, dt_bias, i_h, tJ, eos, H, K, lb, BC, BK, USE_GATE, HAS_LB, HAS_A, HAS_DT,
-                         FAST_GATE)
+            g_J = _rows_gate(g, A_log, dt_bias, i_h, tJ, eos, H, K, lb, BC, BK, USE_GATE, HAS_LB, HAS_A, HAS_DT,
+                             FAST_GATE)
             k_J = _rows_x(k, i_h, tJ, eos, H, K, BC, BK, L2NORM)
             tot = tl.sum(g_J, axis=0)
             kr = _op(tl.trans(k_J * tl.exp2((tot[None, :] - tl.cumsum(g_J, axis=0)) + d[None, :])), AB_BF16)
