@@ -23,7 +23,10 @@ kr_J = k̂_J e^{tot_J − s_J} (≤ 1, into the kg buffer) and the block's gate 
 kernel then loads kr_J and scales it by e^{d} (d = the totals of the blocks in between, ≤ 0) instead of recomputing
 block J's gate, cumsum and norm (6 times per chunk), and writes X = β k̂ e^G into the W buffer; the solve forms
 W = T X and kg_J = kr_J e^{Σ_{J' > J} tot_J'} in place, without the gate or the norm (H200, 1M tokens at H = 32:
-prep 92.6 → 73.2 ms with the rows kernel capped at 128 registers).
+prep 92.6 → 73.2 ms with the rows kernel capped at 128 registers). With ``FwdConfig.rows_pre_e`` (bounded gates,
+bf16/fp32 buffers) the pre-pass also stores E_J = e^{s_J} in the block's qg rows, and the rows kernel loads it
+instead of recomputing its own block's gate, cumsum and exponentials (E_i depends on rows ≤ i only, so causality
+holds bitwise), then overwrites those rows with qg (H200: prep 57.9 → 53.8 ms per 1M at H = 32).
 
 ``_prep_solve`` — grid (chunks, H): T = (I + L)^{-1} from the scratch: the four 16×16 diagonal inverses by forward
 substitution on one stacked [64, 16] tile (built transposed: column s of D_bᵀ = e_s − D_bᵀ L_b[s, :]ᵀ, the row read
@@ -579,7 +582,7 @@ def launch_prep_rows(q, k, v, g, beta, A_log, dt_bias, bufs: dict, tab: ChunkTab
                   HAS_DT=dt_bias is not None, L2NORM=flags["l2norm"], BETA_SIGMOID=flags["beta_sigmoid"],
                   IS_VARLEN=tab.varlen, PREC=dot_precision(q.dtype))
     pre = bool(cfg.rows_stack and cfg.rows_pre)
-    fast = bool(getattr(cfg, "prep_fast_gate", False))  # bounded gate and β: σ by rsqrt (stacked rows kernels)
+    fast = bool(cfg.prep_fast_gate)  # bounded gate and β: σ by rsqrt (pre-pass and stacked rows kernels)
     # E = e^s from the pre-pass through the qg buffer (the exact diagonal of unbounded gates needs s itself). Only
     # where the buffer keeps fp32's exponent range: E reaches 2^-115 within a block under the bound, which fp16
     # flushes to zero (and the diagonal divides by E)
