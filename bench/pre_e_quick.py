@@ -34,24 +34,27 @@ def ms(fn) -> float:
     return triton.testing.do_bench(fn, warmup=3, rep=60, return_mode="median")
 
 
-def main() -> int:
+def training() -> bool:
+    """Every output and gradient with the knob on vs off, then fwd+bwd time for both."""
     x = _inputs(8, 4096, 32, grad=True)
     do = torch.randn_like(x["v"])
     out = {}
     for e in (False, True):
         FwdConfig.rows_pre_e = e
-        out[e] = [t.clone() for t in grads(x, do)]
+        out[e] = [t.detach().clone() for t in grads(x, do)]
     errs = [rel(a, b) for a, b in zip(out[True], out[False])]
-    ok = all(e < 2e-2 for e in errs) and all(torch.isfinite(t).all() for t in out[True])
+    ok = all(e < 2e-2 for e in errs) and all(bool(torch.isfinite(t).all()) for t in out[True])
     print("rows_pre_e vs default, o h dq dk dv dg dbeta:", [f"{e:.1e}" for e in errs], "OK" if ok else "FAIL",
           flush=True)
-    if not ok:
-        return 1
-    for e in (False, True):
-        FwdConfig.rows_pre_e = e
-        print(f"fwd+bwd B=8 T=4096 H=32, rows_pre_e={e}: {ms(lambda: grads(x, do)):.3f} ms", flush=True)
-    del x, do, out
-    torch.cuda.empty_cache()
+    if ok:
+        for e in (False, True):
+            FwdConfig.rows_pre_e = e
+            print(f"fwd+bwd B=8 T=4096 H=32, rows_pre_e={e}: {ms(lambda: grads(x, do)):.3f} ms", flush=True)
+    return ok
+
+
+def prep_window() -> None:
+    """The prep of one 1M-token window at H=32, scaled to the sequence."""
     from k3.bench.kda import _window_1m
     from k3.ops.kda.triton import chunk_fwd as cf
 
@@ -60,17 +63,26 @@ def main() -> int:
         FwdConfig.rows_pre_e = e
         t = ms(lambda: cf.launch_prep(*args, bufs, tab, 0, ncw, 128**-0.5, -5.0, flags, False))
         print(f"prep per 1M (H=32), rows_pre_e={e}: {t * tab.NC / ncw:.1f} ms", flush=True)
-    del x, bufs, o, ht, args
-    torch.cuda.empty_cache()
-    for H in (32, 8):
-        x = _inputs(1, 1 << 20, H)
-        with torch.no_grad():
-            for e in (False, True):
-                FwdConfig.rows_pre_e = e
-                print(f"prefill B=1 H={H} T=1M, rows_pre_e={e}: {ms(lambda: _ours(x)):.2f} ms", flush=True)
-        del x
-        torch.cuda.empty_cache()
-    FwdConfig.rows_pre_e = False
+
+
+def prefill(H: int) -> None:
+    x = _inputs(1, 1 << 20, H)
+    with torch.no_grad():
+        for e in (False, True):
+            FwdConfig.rows_pre_e = e
+            print(f"prefill B=1 H={H} T=1M, rows_pre_e={e}: {ms(lambda: _ours(x)):.2f} ms", flush=True)
+
+
+def main() -> int:
+    default = FwdConfig.rows_pre_e
+    try:
+        if not training():
+            return 1
+        for step in (prep_window, lambda: prefill(32), lambda: prefill(8)):
+            torch.cuda.empty_cache()
+            step()
+    finally:
+        FwdConfig.rows_pre_e = default
     return 0
 
 
