@@ -84,7 +84,7 @@ class BwdConfig:
     # WY backward as two launches of ``_kda_bwd_wy`` (the dV' pass, then the V' pass), each program holding half the
     # accumulators. sm_90 at 8 warps: 255 registers and 80 / 40 B of spills per pass against the fused kernel's
     # 504 B (still one program per SM); the fused kernel is ~6.5 ms at B=8 T=4096 H=32 (session 3 profile).
-    # Not yet timed on a GPU, so off.
+    # H200 (session 4): no gain, 14.99 vs 14.81 ms fwd+bwd at B=8 T=4096 H=32, so off.
     wy_split = False
     wy_split_warps = 8
     wy_split_stages = 1

@@ -504,19 +504,21 @@ class FwdConfig:
     # H200, 1M tokens at H=32: rows kernel 58.2 → 35.4 ms, solve 34.4 → 30.1, + pre-pass 15.0 (session 3)
     rows_pre = True
     blocks_warps = 2  # sweep v6 (H200): 2 warps 66.0 vs 4 warps 72.0 ms of prep per 1M tokens at H = 32
-    blocks_per_program = 1  # 16-row blocks per pre-pass program (1, 2, 4; each its own tile): 1 = 15 ms per 1M
+    blocks_per_program = 1  # 16-row blocks per pre-pass program (1, 2, 4): v6 sweep 72.4 / 72.8 / 75.0 ms of prep
     # rows (stacked): bounded gate and β sigmoid as rsqrt(1 + 2^{−x·log2 e})² with the scalars folded (no div.full,
     # no tl.exp subnormal fix-ups); sm_90 SASS per thread: pre-pass 1504 → 1248, rows 1968 → 1800; a few ulp off
     # the plain σ. Sweep v6b (H200): prep 61.3 → 59.0 ms per 1M tokens at H = 32, training prep 1.95 → 1.88 ms
     prep_fast_gate = True
     # rows with the pre-pass (bounded gates): the pre-pass also stores E = e^s (within-block decay, rows ≤ i) in the
     # qg rows, so the rows kernel loads it instead of recomputing its block's gate, cumsum and exponentials (E is
-    # rounded to the buffer dtype: bf16 for bf16 inputs; fp16 buffers keep the recomputation, their range is short). H200 (bench/pre_e_quick.py, session 4): prep 57.9 → 53.8 ms
-    # per 1M at H = 32 (sm_90 rows kernel 1792 → 1504 instructions per thread), prefill H=32 1M 69.4 → 68.2 ms
+    # rounded to the buffer dtype: bf16 for bf16 inputs; fp16 buffers keep the recomputation, their range is
+    # short). H200 (bench/pre_e_quick.py, session 4): prep 57.9 → 53.8 ms per 1M at H = 32 (sm_90 rows kernel
+    # 1792 → 1504 instructions per thread), prefill H=32 1M 69.4 → 68.2 ms
     rows_pre_e = True
     # inference, rows prep: the solve folds the output's A_qk V' term into chunk-local buffers (qw = qg − A_qk W in
     # place of qg, AU = A_qk U), so the serial state pass has three products per chunk instead of four (sm_90:
-    # three wgmma waits per step instead of four; +16 KB of window buffers per chunk and head). Not yet timed.
+    # three wgmma waits per step instead of four; +16 KB of window buffers per chunk and head). Measured slower
+    # (H200, sweep v6: 1M prefill at H = 32 82.3 vs 71.7 ms; prep + state of a window 112.5 vs 103.0), so off.
     fold_output = False
     rows_warps = 4
     rows_stages = 1

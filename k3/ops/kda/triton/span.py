@@ -159,14 +159,14 @@ class SplitConfig:
     window_bytes: int | None = None  # chunk buffers per window; None: max(FwdConfig's, min(cap, share of free))
     window_cap = 2 << 30  # larger windows only save per-window launches (~0.1 ms each)
     free_share = 0.25  # of the free device memory, at most
-    # the segmented state pass: None = FwdConfig's. With P segments its programs fill the SMs, where BV 64 moves
-    # more columns per SM-µs (v3 sweep: 64 columns per 2.7 µs step vs 32 per 1.9); not yet measured in the split
+    # the segmented state pass: None = FwdConfig's (BV 64 at 4 warps since session 4: 1.55 µs per 64-column step,
+    # the split rows of kda_split_h200.md were measured with it)
     state_bv: int | None = None
     state_warps: int | None = None
     state_stages: int | None = None
     # CUDA: the prep of window w + 1 on a side stream beside the span / fold / state pass of window w (two window
-    # buffers). The split's serial passes fill most SMs, so the gain is bounded (~3 ms of ~43 predicted at B=1,
-    # H=8, T=1M); not yet measured
+    # buffers). The split's serial passes fill most SMs, so the gain is bounded: H200 (session 4) 27.29 vs 27.39 ms
+    # at B=1, H=8, T=1M, 4 segments — none, so off
     overlap_prep = False
 
 
