@@ -214,8 +214,8 @@ class SplitCostModel:
 
     def best(self, lens: list[int], H: int, K: int, V: int, max_splits: int, overlap: int = 1) -> int:
         """P for :func:`balanced_cut` of pieces of ``lens`` chunks: the fastest predicted total (prep + serial
-        passes; a larger P must win by ``tie_margin``), 1 unless it beats the unsplit total (``overlap`` = its window count when the unsplit path
-        overlaps, see :meth:`unsplit_total_us`) by ``min_gain``; ties go to fewer segments."""
+        passes; a larger P must win by ``tie_margin``), 1 unless it beats the unsplit total (``overlap`` = its
+        window count when the unsplit path overlaps, see :meth:`unsplit_total_us`) by ``min_gain``."""
         if not lens:
             return 1
         prep = self.prep_us(lens, H)

@@ -55,6 +55,7 @@ from k3.ops.kda.triton._common import (
     _merge_T,
     _rows_gate,
     _sigmoid,
+    _sigmoid_fast,
     dot_precision,
 )
 
@@ -79,16 +80,6 @@ def _rows_beta(beta, i_h, t0, eos, H, BC: tl.constexpr, BETA_SIGMOID: tl.constex
     if BETA_SIGMOID:
         b_b = _sigmoid(b_b)
     return tl.where(m_t, b_b, 0.)
-
-
-@triton.jit
-def _sigmoid_fast(x):
-    """σ(x) as ((1 + 2^{−x·log2 e})^{−1/2})²: one MUFU op for the reciprocal square root, where 1/(1 + e^{−x})
-    lowers to div.full (range test, scaling, rcp, multiply), and tl.exp2 (ex2.approx.ftz) instead of tl.exp
-    (ex2.approx with a range test and two predicated multiplies for subnormal results). Within a few ulp of σ, not
-    bitwise it."""
-    r = tl.math.rsqrt(1.0 + tl.exp2(x * -1.4426950408889634))  # exp2: ex2.approx.ftz, no subnormal fix-ups
-    return r * r
 
 
 @triton.jit
