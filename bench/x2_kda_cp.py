@@ -149,15 +149,22 @@ def main() -> None:
     c = build_cp_context(torch.tensor([0, T]))
     xs = make(T, H, K, c.start, c.end, dev, seed=2)
     tcp = timed(lambda: fwd_bwd(xs, ps, c), a.iters)
+    from k3.ops.kda.cp import CPConfig
+    from k3.utils import overridden_attrs
+
+    with overridden_attrs(CPConfig, halves=False):  # the one-piece serial passes, for comparison
+        t_one = timed(lambda: fwd_bwd(xs, ps, c), a.iters)
     tf = timed(lambda: torch.no_grad()(chunk_kda)(*xs, A_log=ps[0], dt_bias=ps[1], cp_context=c, **FLAGS), a.iters)
-    t_all = torch.tensor([tcp, tf], device=dev)
+    t_all = torch.tensor([tcp, tf, t_one], device=dev)
     dist.all_reduce(t_all, op=dist.ReduceOp.MAX)
     res.update(T=T, H=H, K=K, one_gpu_fwd_bwd_ms=t1, cp_fwd_bwd_ms=float(t_all[0]), cp_fwd_ms=float(t_all[1]),
-               speedup=t1 / float(t_all[0]))
+               speedup=t1 / float(t_all[0]), cp_fwd_bwd_ms_no_halves=float(t_all[2]))
     if rank == 0:
         print(json.dumps(res, indent=1))
         print(f"\n| case | ms |\n|---|---|\n| 1 GPU fwd+bwd, B=1 T={T:,} H={H} | {t1:.1f} |\n"
               f"| {W}-rank CP fwd+bwd | {res['cp_fwd_bwd_ms']:.1f} (x{res['speedup']:.2f}) |\n"
+              f"| {W}-rank CP fwd+bwd, halves off | {res['cp_fwd_bwd_ms_no_halves']:.1f} "
+              f"(x{t1 / res['cp_fwd_bwd_ms_no_halves']:.2f}) |\n"
               f"| {W}-rank CP fwd only | {res['cp_fwd_ms']:.1f} |\n")
         print("| T | forward summary bytes/rank/layer | backward J bytes | conv halo bytes | H·K·(K+V)·4 |\n"
               "|---|---|---|---|---|")

@@ -161,6 +161,34 @@ def _check_errors(rank, W):
     assert o.shape == (1, 12, H, V)
 
 
+def _check_halves(rank: int, W: int) -> None:
+    """Slices of 3 chunks run their serial passes as two halves (Triton training path): same checks, and the
+    halves must really be taken where a sequence crosses the rank's edges (else the test proves nothing)."""
+    from k3.ops.kda import cp
+
+    plan, taken = cp._halves_plan, []
+
+    def spy(ctx, tab):
+        hv = plan(ctx, tab)
+        taken.append(hv is not None)
+        return hv
+
+    cp._halves_plan = spy
+    try:
+        with_min = cp.CPConfig.halves_min_chunks
+        cp.CPConfig.halves_min_chunks = 2
+        L = 160
+        T = W * L
+        for i, (cu, fused) in enumerate([([0, T], False), ([0, T], True), ([0, 7, T], False)]):
+            taken.clear()
+            _check_scenario(rank, W, T, cu, fused, seed=30 + i)
+            want = len(cu) == 2 or rank > 0  # [0, 7, T]: rank 0 holds two pieces and keeps the one-piece path
+            assert taken == [want], f"rank {rank} scenario {i}: halves taken {taken}"
+    finally:
+        cp._halves_plan = plan
+        cp.CPConfig.halves_min_chunks = with_min
+
+
 def _worker(rank: int, W: int, port: int, backend: str) -> None:
     # "triton" runs the Triton kernels in the CPU interpreter (TRITON_INTERPRET=1 from the conftest is inherited):
     # its training path is a different algorithm (parallel backward from gathered entry-state gradients)
@@ -179,6 +207,8 @@ def _worker(rank: int, W: int, port: int, backend: str) -> None:
             ([0, 3, L + 20, L + 20, T], True),     # an empty sequence, a crossing one
         ]):
             _check_scenario(rank, W, T, cu, fused, seed=10 + i)
+        if backend == "triton":
+            _check_halves(rank, W)
         _check_halo(W, W * 6, [0, 4, 13, W * 6] if W > 2 else [0, 4, 7, W * 6])
         _check_halo(W, W * 2, [0, W * 2])  # slices shorter than the halo: rows come from several ranks
         if W == 2:

@@ -309,6 +309,87 @@ def _span_from_buffers(bufs: dict, tab: Any, H: int, K: int, V: int, need_M: boo
     return M, S_ext
 
 
+class CPConfig:
+    """Knobs of the Triton context-parallel training step (class attributes, so a benchmark can switch them)."""
+
+    # A rank whose slice is one piece of a sequence that crosses ranks cuts it into two chunk-aligned halves A, B for
+    # its serial passes (see ``_CPChunkTriton``). At H = 32 a state pass fills 64 of an H200's 132 SMs, so the
+    # two halves run side by side, and what the other rank waits for comes from the span pass (no outputs) rather
+    # than a whole state pass. H200, 256K tokens per rank (bench/x2_cp_parts.py): forward state pass 9.78 ms whole
+    # vs 5.50 as two halves, reverse 7.17 vs 4.69, span pass over a half (V + K columns) 2.07.
+    halves = True
+    halves_min_chunks = 64  # shorter slices keep one piece: the extra launches would cost more than they hide
+    span_bv = 64  # span pass launch: 64 columns (sweep above: 2.07 ms vs 2.39 at 32), 3 stages
+    span_warps = 4
+    span_stages = 3
+
+
+@dataclass
+class _Halves:
+    """The two chunk-aligned halves of a one-piece slice: A = chunks [0, m), B = [m, NC); segment tables for the
+    state passes (both halves, A alone, B alone) and the halves' transition matrices once the forward has them."""
+
+    both: Any
+    a: Any
+    b: Any
+    M_A: torch.Tensor | None = None
+    M_B: torch.Tensor | None = None
+
+
+def _halves_plan(ctx: KDACPContext, tab: Any) -> _Halves | None:
+    """Halves for this rank's slice when it is one piece continuing across a rank edge and long enough."""
+    from k3.ops.kda.triton._common import BT, ChunkTable  # noqa: PLC0415
+
+    if not CPConfig.halves or ctx.local_cu_seqlens.numel() != 2 or tab.NC < max(2, CPConfig.halves_min_chunks):
+        return None
+    if not (ctx.first_continues or ctx.last_continues):
+        return None
+    m, L = tab.NC // 2, tab.cu_cpu[-1]
+    to = dict(dtype=torch.int32, device=tab.chunk_seq.device)
+
+    def table(cu: list[int], off: list[int]) -> Any:  # chunk numbers of the slice's table: the buffers' indexing
+        return ChunkTable(len(cu) - 1, tab.NC, 0, 0, True, torch.tensor(cu, **to), tab.chunk_seq,
+                          torch.tensor(off, **to), cu, off)
+
+    return _Halves(table([0, m * BT, L], [0, m, tab.NC]), table([0, m * BT], [0, m]),
+                   table([m * BT, L], [m, tab.NC]))
+
+
+def _span_halves(bufs: dict, hv: _Halves, first: bool, last: bool, H: int, K: int, V: int
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """``(E_A, M_A, E_B, M_B)`` fp32 from one span launch over the kept chunk buffers: half A from the slice's
+    entry (zero: with ``first`` its map (M_A, E_A) from [0 | I], else its final state E_A alone), half B's map
+    only with ``last`` (else None)."""
+    from k3.ops.kda.triton._common import BT, dot_precision  # noqa: PLC0415
+    from k3.ops.kda.triton.span import _kda_span_rows  # noqa: PLC0415
+
+    BK, BVP = bufs["W"].shape[-1], bufs["U"].shape[-1]
+    dev = bufs["W"].device
+    off = hv.both.chunk_off_cpu
+    R = 2 if last else 1
+    rows = torch.tensor([off[0], off[1]][:R] + [off[1], off[2]][:R] + [int(first), 1][:R], dtype=torch.int32,
+                        device=dev)  # row starts, ends, "M wanted", in one upload
+    cs, ce, row_m = rows[:R], rows[R:2 * R], rows[2 * R:]
+    SE = torch.zeros(R, H, K, V, dtype=torch.float32, device=dev)
+    Mt = torch.eye(K, dtype=torch.float32, device=dev).repeat(R, H, 1, 1)
+    bv = min(CPConfig.span_bv, BVP, BK)
+    _kda_span_rows[((BVP + BK) // bv, R * H)](
+        bufs["W"], bufs["U"], bufs["KG"], bufs["GAM"], SE, Mt, cs, ce, row_m, 0, bufs["W"].shape[1], H, K, V,
+        BT=BT, BK=BK, BV=bv, BVP=BVP, PREC=dot_precision(bufs["W"].dtype),
+        num_warps=CPConfig.span_warps, num_stages=CPConfig.span_stages)
+    return SE[0], Mt[0], (SE[1] if last else None), (Mt[1] if last else None)
+
+
+def _fold_right(ctx: KDACPContext, J_all: torch.Tensor, M_all: torch.Tensor) -> torch.Tensor:
+    """The gradient on this rank's last final state: later ranks' entry-state gradients folded from the right,
+    ``dS_out(r) = J(r+1) + M(r+1)ᵀ dS_out(r+1)`` (the M term only where rank r+1's one piece runs through)."""
+    dS = torch.zeros_like(J_all[0])
+    for j in range(ctx.world_size - 1, ctx.rank, -1):  # dS = gradient on rank j's last final state
+        d_in = J_all[j] + (M_all[j].transpose(-1, -2) @ dS if ctx.send_M_all[j] else 0.0)
+        dS = d_in if ctx.last_continues_all[j - 1] else torch.zeros_like(dS)
+    return dS
+
+
 class _CPChunkTriton(torch.autograd.Function):
     """Context-parallel training step on the Triton kernels, with every rank's backward running in parallel.
 
@@ -341,7 +422,14 @@ class _CPChunkTriton(torch.autograd.Function):
         M = torch.zeros(H, K, K, dtype=torch.float32, device=dev)
         E = torch.zeros(H, K, V, dtype=torch.float32, device=dev)
         saved = None
-        if not ctx.first_continues:
+        hv = _halves_plan(ctx, tab)
+        if hv is not None:
+            E_A, hv.M_A, E_B, hv.M_B = _span_halves(bufs, hv, ctx.first_continues, ctx.last_continues, H, K, V)
+            if ctx.last_continues:  # the whole piece's map, (M_B, E_B) ∘ (M_A, E_A)
+                E = hv.M_B @ E_A + E_B
+                if ctx.send_M:
+                    M = hv.M_B @ hv.M_A
+        elif not ctx.first_continues:
             saved = state_all(bufs, o, ht, tab, H, K, V)
             if ctx.last_continues:
                 E = ht[-1]
@@ -353,14 +441,17 @@ class _CPChunkTriton(torch.autograd.Function):
         ctx.last_bytes_sent = packed.numel() * packed.element_size()
         _check_headers(gathered, ctx, None)
         body = gathered[:, :-_HEADER].reshape(ctx.world_size, H, K, V + K)
-        if ctx.first_continues:
-            S = torch.zeros(H, K, V, dtype=torch.float32, device=dev)
-            for j in ctx.pre_ranks:
-                S = body[j, :, :, V:] @ S + body[j, :, :, :V]
+        S = torch.zeros(H, K, V, dtype=torch.float32, device=dev)
+        for j in ctx.pre_ranks:
+            S = body[j, :, :, V:] @ S + body[j, :, :, :V]
+        if hv is not None:  # both halves' state passes at once, from their exact entry states
+            ht = torch.stack([S, hv.M_A @ S + E_A if ctx.first_continues else E_A])
+            saved = state_all(bufs, o, ht, hv.both, H, K, V)
+        elif ctx.first_continues:
             ht[0] = S
             saved = state_all(bufs, o, ht, tab, H, K, V)
         fctx.save_for_backward(q, k, v, g, beta, A_log, dt_bias)
-        fctx.saved, fctx.tab, fctx.M_all = saved, tab, body[:, :, :, V:].contiguous()
+        fctx.saved, fctx.tab, fctx.M_all, fctx.halves = saved, tab, body[:, :, :, V:].contiguous(), hv
         fctx.cp, fctx.scale, fctx.kflags, fctx.lower_bound = ctx, scale, kflags, lower_bound
         return o
 
@@ -372,26 +463,57 @@ class _CPChunkTriton(torch.autograd.Function):
         ctx, tab, saved = fctx.cp, fctx.tab, fctx.saved
         H, K, V, dev = q.shape[2], q.shape[3], v.shape[3], q.device
         do = do.contiguous()
-        first = None
-        J = torch.zeros(H, K, V, dtype=torch.float32, device=dev)
-        if ctx.first_continues:
-            first = bwd_state_pass(do, None, saved, tab, H, K, V, q.dtype)
-            J = first[2][0]
-        J_all = _gather(J, ctx.group, ctx.world_size)
-        ctx.last_bwd_bytes_sent = J.numel() * J.element_size()
         dht = None
-        if ctx.last_continues:
-            dS = torch.zeros(H, K, V, dtype=torch.float32, device=dev)
-            for j in range(ctx.world_size - 1, ctx.rank, -1):  # dS = gradient on rank j's last final state
-                d_in = J_all[j] + (fctx.M_all[j].transpose(-1, -2) @ dS if ctx.send_M_all[j] else 0.0)
-                dS = d_in if ctx.last_continues_all[j - 1] else torch.zeros_like(dS)
-            dht = torch.zeros(tab.N, H, K, V, dtype=torch.float32, device=dev)
-            dht[-1] = dS
-            first = None  # the state pass must see dht
+        if fctx.halves is not None:
+            first = _halves_state_grads(fctx, do, q.dtype, H, K, V)
+        else:
+            first = None
+            J = torch.zeros(H, K, V, dtype=torch.float32, device=dev)
+            if ctx.first_continues:
+                first = bwd_state_pass(do, None, saved, tab, H, K, V, q.dtype)
+                J = first[2][0]
+            J_all = _gather(J, ctx.group, ctx.world_size)
+            ctx.last_bwd_bytes_sent = J.numel() * J.element_size()
+            if ctx.last_continues:
+                dht = torch.zeros(tab.N, H, K, V, dtype=torch.float32, device=dev)
+                dht[-1] = _fold_right(ctx, J_all, fctx.M_all)
+                first = None  # the state pass must see dht
         dq, dk, dv, dg, db, dA, ddt, _ = kda_bwd(q, k, v, g, beta, A_log, dt_bias, None, fctx.scale, do, dht, saved,
                                                  tab, fctx.lower_bound, fctx.kflags, state_grads=first)
         fctx.saved = None
         return dq, dk, dv, dg, db, dA, ddt, None, None, None, None
+
+
+def _halves_state_grads(fctx: Any, do: torch.Tensor, dtype: torch.dtype, H: int, K: int, V: int
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The reverse state passes of a rank whose slice runs as two halves: ``(DHS, DV, dh0)`` for ``kda_bwd``.
+
+    Before the gather of J, the pass that needs no other rank: with ``first_continues`` both halves side by side
+    from a zero terminal gradient (B's results are then final if nothing comes from later ranks), giving
+    J = dh0_A + M_Aᵀ dh0_B; else (the rank's entry is known) half B alone from zero, its pull dh0_B. After it, with
+    the gradient dS on the slice's final state from later ranks: both halves again, B from dS and A from
+    dh0_B + M_Bᵀ dS (B's pull on A's end); without one: half A alone from dh0_B."""
+    from k3.ops.kda.triton._common import BT, next_pow2, store_dtype  # noqa: PLC0415
+    from k3.ops.kda.triton.chunk_bwd import bwd_state_pass  # noqa: PLC0415
+
+    ctx, saved, hv, NC = fctx.cp, fctx.saved, fctx.halves, fctx.tab.NC
+    BK, BVP = next_pow2(K), next_pow2(V)
+    out = (torch.empty(H, NC, BK, BVP, dtype=store_dtype(dtype), device=do.device),
+           torch.empty(H, NC, BT, BVP, dtype=store_dtype(dtype), device=do.device))
+    J = torch.zeros(H, K, V, dtype=torch.float32, device=do.device)
+    if ctx.first_continues:
+        d0 = bwd_state_pass(do, None, saved, hv.both, H, K, V, dtype, out=out)[2]
+        pull_B = d0[1]
+        J = d0[0] + hv.M_A.transpose(-1, -2) @ pull_B
+    else:
+        pull_B = bwd_state_pass(do, None, saved, hv.b, H, K, V, dtype, out=out)[2][0]
+    J_all = _gather(J, ctx.group, ctx.world_size)
+    ctx.last_bwd_bytes_sent = J.numel() * J.element_size()
+    if ctx.last_continues:
+        dS = _fold_right(ctx, J_all, fctx.M_all)
+        dht = torch.stack([pull_B + hv.M_B.transpose(-1, -2) @ dS, dS])
+        return bwd_state_pass(do, dht, saved, hv.both, H, K, V, dtype, out=out)
+    return bwd_state_pass(do, pull_B[None].contiguous(), saved, hv.a, H, K, V, dtype, out=out)
 
 
 def cp_conv_halo(x_local: torch.Tensor, ctx: KDACPContext, kernel_size: int | None = None) -> torch.Tensor:

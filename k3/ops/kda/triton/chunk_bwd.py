@@ -552,17 +552,22 @@ def _kda_bwd_intra(
         tl.store(DA + base, dA)
 
 
-def bwd_state_pass(do, dht, saved: dict, tab: ChunkTable, H: int, K: int, V: int, dtype: torch.dtype):
+def bwd_state_pass(do, dht, saved: dict, tab: ChunkTable, H: int, K: int, V: int, dtype: torch.dtype,
+                   out: tuple[torch.Tensor, torch.Tensor] | None = None):
     """The reverse state pass alone: ``(DHS, DV, dh0)`` — per-chunk state gradients, dV' and the gradient of each
     sequence's initial state. Context parallel runs it first with ``dht = None`` to learn the entry-state gradient
-    it owes the previous rank, before the full backward."""
+    it owes the previous rank, before the full backward. ``out = (DHS, DV)``: write into these (only the chunks of
+    ``tab``'s sequences; a segment table over part of the chunks leaves the others as they are)."""
     dev = do.device
     N, NC = tab.N, tab.NC
     BK, BVP = next_pow2(K), next_pow2(V)
     dt = store_dtype(dtype)
     dh0 = torch.zeros(N, H, K, V, dtype=torch.float32, device=dev)
-    DHS = torch.empty(H, NC, BK, BVP, dtype=dt, device=dev)
-    DV = torch.empty(H, NC, BT, BVP, dtype=dt, device=dev)
+    if out is None:
+        DHS = torch.empty(H, NC, BK, BVP, dtype=dt, device=dev)
+        DV = torch.empty(H, NC, BT, BVP, dtype=dt, device=dev)
+    else:
+        DHS, DV = out
     bv = min(BwdConfig.state_bv, BVP)
     s = saved
     _kda_bwd_state[(BVP // bv, N * H)](
