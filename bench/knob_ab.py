@@ -1,0 +1,114 @@
+#!/usr/bin/env python3
+"""A/B of config knobs in one process: each variant's outputs against the default's, then its times.
+
+    python bench/knob_ab.py --cases prefill32 prefill8 \\
+        --variant st2 FwdConfig.state_stages=2 --variant win2g FwdConfig.window_bytes=2147483648
+
+Knobs are ``Class.attr=value`` for FwdConfig, BwdConfig (``chunk_fwd`` / ``chunk_bwd``), SplitConfig (``span``),
+DecodeConfig (``fused_recurrent``) and CPConfig (``k3.ops.kda.cp``); values are Python literals. Cases (bf16,
+K = V = 128, the K3 call): ``prefill32`` / ``prefill8`` = B=1 T=1M at H=32 / 8 without grad, ``train`` = fwd+bwd
+B=8 T=4096 H=32, ``train32k`` = fwd+bwd B=1 T=32768 H=32. Check: the variant's output of each prefill case at
+T=128K (and every gradient of the train cases) against the default's, relative RMS (bf16: ≤ 2e-2 passes). Times are
+``do_bench`` medians (ms); one table at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import os
+import sys
+from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+
+from k3.bench.kda import _inputs, _ours  # noqa: E402
+from k3.ops.kda.cp import CPConfig  # noqa: E402
+from k3.ops.kda.triton.chunk_bwd import BwdConfig  # noqa: E402
+from k3.ops.kda.triton.chunk_fwd import FwdConfig  # noqa: E402
+from k3.ops.kda.triton.fused_recurrent import DecodeConfig  # noqa: E402
+from k3.ops.kda.triton.span import SplitConfig  # noqa: E402
+from k3.utils import overridden_attrs  # noqa: E402
+
+CLASSES = {c.__name__: c for c in (FwdConfig, BwdConfig, SplitConfig, DecodeConfig, CPConfig)}
+CASES = {"prefill32": (1, 1 << 20, 32, False), "prefill8": (1, 1 << 20, 8, False),
+         "train": (8, 4096, 32, True), "train32k": (1, 32768, 32, True)}
+
+
+def parse(specs: list[str]) -> dict[Any, dict[str, Any]]:
+    out: dict[Any, dict[str, Any]] = {}
+    for spec in specs:
+        lhs, val = spec.split("=", 1)
+        cls, attr = lhs.split(".")
+        if cls not in CLASSES or not hasattr(CLASSES[cls], attr):
+            raise ValueError(f"unknown knob {lhs!r}")
+        out.setdefault(CLASSES[cls], {})[attr] = ast.literal_eval(val)
+    return out
+
+
+class applied:
+    """Context manager: every (class → attrs) override at once."""
+
+    def __init__(self, knobs: dict[Any, dict[str, Any]]) -> None:
+        self.ctxs = [overridden_attrs(c, **kv) for c, kv in knobs.items()]
+
+    def __enter__(self) -> None:
+        for c in self.ctxs:
+            c.__enter__()
+
+    def __exit__(self, *exc: object) -> None:
+        for c in reversed(self.ctxs):
+            c.__exit__(*exc)
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30))
+
+
+def run(case: str, x: dict, do: torch.Tensor | None) -> list[torch.Tensor]:
+    if do is None:
+        with torch.no_grad():
+            return [_ours(x)[0]]
+    for n in ("q", "k", "v", "g", "beta"):
+        x[n].grad = None
+    o, _ = _ours(x)
+    o.backward(do)
+    return [o.detach()] + [x[n].grad for n in ("q", "k", "v", "g", "beta")]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--cases", nargs="+", default=["prefill32", "prefill8"], choices=list(CASES))
+    ap.add_argument("--variant", nargs="+", action="append", default=[], metavar=("NAME", "KNOB"))
+    ap.add_argument("--rep", type=float, default=300.0)
+    a = ap.parse_args()
+    variants = [("default", {})] + [(v[0], parse(v[1:])) for v in a.variant]
+    rows: dict[str, dict[str, str]] = {n: {} for n, _ in variants}
+    for case in a.cases:
+        B, T, H, grad = CASES[case]
+        xc = _inputs(B, min(T, 1 << 17) if not grad else T, H, grad=grad, seed=1)
+        doc = torch.randn_like(xc["v"]) if grad else None
+        ref = [t.clone() for t in run(case, xc, doc)]
+        x = _inputs(B, T, H, grad=grad)
+        do = torch.randn_like(x["v"]) if grad else None
+        for name, knobs in variants:
+            with applied(knobs):
+                err = max(rel(u, r) for u, r in zip(run(case, xc, doc), ref))
+                ok = err <= 2e-2
+                t = triton.testing.do_bench(lambda: run(case, x, do), warmup=3, rep=a.rep, return_mode="median")
+            rows[name][case] = f"{t:.2f}" + ("" if ok else f" (FAIL {err:.1e})")
+            print(f"{case} {name}: {t:.3f} ms, check {err:.1e}", flush=True)
+        del x, xc, ref
+        torch.cuda.empty_cache()
+    print("\n| variant | knobs | " + " | ".join(a.cases) + " |\n|---|---|" + "---:|" * len(a.cases))
+    for name, knobs in variants:
+        kn = ", ".join(f"{c.__name__}.{k}={v!r}" for c, kv in knobs.items() for k, v in kv.items()) or "—"
+        print(f"| {name} | {kn} | " + " | ".join(rows[name].get(c, "") for c in a.cases) + " |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
