@@ -7,9 +7,10 @@
 Knobs are ``Class.attr=value`` for FwdConfig, BwdConfig (``chunk_fwd`` / ``chunk_bwd``), SplitConfig (``span``),
 DecodeConfig (``fused_recurrent``) and CPConfig (``k3.ops.kda.cp``); values are Python literals. Cases (bf16,
 K = V = 128, the K3 call): ``prefill32`` / ``prefill8`` = B=1 T=1M at H=32 / 8 without grad, ``train`` = fwd+bwd
-B=8 T=4096 H=32, ``train32k`` = fwd+bwd B=1 T=32768 H=32. Check: the variant's output of each prefill case at
-T=128K (and every gradient of the train cases) against the default's, relative RMS (bf16: ≤ 2e-2 passes). Times are
-``do_bench`` medians (ms); one table at the end.
+B=8 T=4096 H=32, ``train32k`` = fwd+bwd B=1 T=32768 H=32, ``decode`` = one step B=64 H=32 from an fp32 state.
+Check: the variant's output of each prefill case at T=128K (every gradient of the train cases, output and state of
+the decode) against the default's, relative RMS (bf16: ≤ 2e-2 passes). Times are ``do_bench`` medians (ms); one
+table at the end. A variant that faults poisons the process: run doubtful ones in a process of their own.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 import triton  # noqa: E402
 
-from k3.bench.kda import _inputs, _ours  # noqa: E402
+from k3.bench.kda import K3_FLAGS, _inputs, _ours  # noqa: E402
 from k3.ops.kda.cp import CPConfig  # noqa: E402
 from k3.ops.kda.triton.chunk_bwd import BwdConfig  # noqa: E402
 from k3.ops.kda.triton.chunk_fwd import FwdConfig  # noqa: E402
@@ -35,7 +36,7 @@ from k3.utils import overridden_attrs  # noqa: E402
 
 CLASSES = {c.__name__: c for c in (FwdConfig, BwdConfig, SplitConfig, DecodeConfig, CPConfig)}
 CASES = {"prefill32": (1, 1 << 20, 32, False), "prefill8": (1, 1 << 20, 8, False),
-         "train": (8, 4096, 32, True), "train32k": (1, 32768, 32, True)}
+         "train": (8, 4096, 32, True), "train32k": (1, 32768, 32, True), "decode": (64, 1, 32, False)}
 
 
 def parse(specs: list[str]) -> dict[Any, dict[str, Any]]:
@@ -69,6 +70,13 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def run(case: str, x: dict, do: torch.Tensor | None) -> list[torch.Tensor]:
+    if case == "decode":  # one step from an fp32 state to a new one
+        from k3.ops.kda import fused_recurrent_kda
+
+        with torch.no_grad():
+            return list(fused_recurrent_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], A_log=x["A_log"],
+                                            dt_bias=x["dt_bias"], initial_state=x["h0"], output_final_state=True,
+                                            **K3_FLAGS))
     if do is None:
         with torch.no_grad():
             return [_ours(x)[0]]
@@ -90,9 +98,11 @@ def main() -> int:
     for case in a.cases:
         B, T, H, grad = CASES[case]
         xc = _inputs(B, min(T, 1 << 17) if not grad else T, H, grad=grad, seed=1)
+        x = _inputs(B, T, H, grad=grad)
+        xc["h0"] = torch.randn(B, H, 128, 128, device="cuda")
+        x["h0"] = torch.randn(B, H, 128, 128, device="cuda")
         doc = torch.randn_like(xc["v"]) if grad else None
         ref = [t.clone() for t in run(case, xc, doc)]
-        x = _inputs(B, T, H, grad=grad)
         do = torch.randn_like(x["v"]) if grad else None
         for name, knobs in variants:
             with applied(knobs):
