@@ -109,7 +109,7 @@ def main() -> int:
                 err = max(rel(u, r) for u, r in zip(run(case, xc, doc), ref))
                 ok = err <= 2e-2
                 t = triton.testing.do_bench(lambda: run(case, x, do), warmup=3, rep=a.rep, return_mode="median")
-            rows[name][case] = f"{t:.2f}" + ("" if ok else f" (FAIL {err:.1e})")
+            rows[name][case] = (f"{t:.2f}" if t >= 1 else f"{t:.4f}") + ("" if ok else f" (FAIL {err:.1e})")
             print(f"{case} {name}: {t:.3f} ms, check {err:.1e}", flush=True)
         del x, xc, ref
         torch.cuda.empty_cache()
