@@ -31,10 +31,12 @@ FLAGS = dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sig
              safe_gate=True, lower_bound=-5.0)
 
 
-def make(T: int, H: int, K: int, start: int, end: int, dev: torch.device, seed: int = 0) -> list[torch.Tensor]:
-    """Tokens [start, end) of one global random stream (the same values whichever rank builds them)."""
+def make(T: int, H: int, K: int, start: int, end: int, dev: torch.device, seed: int = 0,
+         dt: torch.dtype | None = None) -> list[torch.Tensor]:
+    """Tokens [start, end) of one global random stream (the same values whichever rank builds them); bf16 on GPUs
+    unless ``dt`` is given, fp32 on CPU (the dry run may use Triton's interpreter: no bf16)."""
     gen = torch.Generator(device=dev).manual_seed(seed)
-    dt = torch.float32 if dev.type == "cpu" else torch.bfloat16  # the dry run may use Triton's interpreter (no bf16)
+    dt = torch.float32 if dev.type == "cpu" else (dt or torch.bfloat16)
     full = lambda *s: torch.randn(*s, generator=gen, device=dev, dtype=dt)  # noqa: E731
     xs = []
     for shape in ((1, T, H, K), (1, T, H, K), (1, T, H, K), (1, T, H, K), (1, T, H)):
@@ -85,6 +87,7 @@ def main() -> None:
     ap.add_argument("--bytes-T", type=int, nargs="+", default=[262144, 524288])
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--check-only", action="store_true", help="exactness and bytes only, no timing")
     ap.add_argument("--cpu", action="store_true", help="dry run of this script with gloo on CPU (tiny sizes)")
     a = ap.parse_args()
     dist.init_process_group("gloo" if a.cpu else "nccl")
@@ -107,8 +110,8 @@ def main() -> None:
     Tc = a.check_T
     ctx = build_cp_context(torch.tensor([0, Tc]), conv1d_kernel_size=4)
     res["check"] = {"T": Tc}
-    for label, dtb in (("k3_init", 0.0), ("carry", -8.0)):
-        full, ps = make(Tc, H, K, 0, Tc, dev), params(H, K, dev, dtb)
+    for label, dtb, dt in (("k3_init", 0.0, None), ("carry", -8.0, None), ("carry_fp32", -8.0, torch.float32)):
+        full, ps = make(Tc, H, K, 0, Tc, dev, dt=dt), params(H, K, dev, dtb)
         o_ref, g_ref = fwd_bwd(full, ps)
         loc = [ctx.shard(x) for x in full]
         o_cp, g_cp = fwd_bwd(loc, ps, ctx)  # NB the loss is a mean over local tokens: rescale below
@@ -128,7 +131,7 @@ def main() -> None:
         res["check"][label] = {"max_rel_err": float(worst[:-1].max()), "errs": worst[:-1].tolist(),
                                "entry_effect": float(worst[-1])}
         del full, o_ref, g_ref, loc, o_cp, g_cp, o_alone
-    res["check"]["max_rel_err"] = max(res["check"][k]["max_rel_err"] for k in ("k3_init", "carry"))
+    res["check"]["max_rel_err"] = max(res["check"][k]["max_rel_err"] for k in ("k3_init", "carry"))  # bf16
     ps = params(H, K, dev)
     if not a.cpu:
         torch.cuda.empty_cache()
@@ -147,6 +150,11 @@ def main() -> None:
     if not a.cpu:
         torch.cuda.empty_cache()
 
+    if a.check_only:
+        if rank == 0:
+            print(json.dumps(res, indent=1))
+        dist.destroy_process_group()
+        return
     # 3. timing: 1 GPU (rank 0, full T) then CP (every rank, its slice)
     T = a.T
     t1 = float("nan")
@@ -188,7 +196,8 @@ def main() -> None:
         print(f"\nexactness at T={Tc:,} (worst rank): max rel-RMS over output and all gradients = "
               f"{ck['k3_init']['max_rel_err']:.2e} with the K3 init, {ck['carry']['max_rel_err']:.2e} with slowly "
               f"decaying gates (a lost entry state would cost {ck['k3_init']['entry_effect']:.1e} / "
-              f"{ck['carry']['entry_effect']:.1e}) (backend {res['backend']}, {res['gpu']})")
+              f"{ck['carry']['entry_effect']:.1e}); fp32 inputs, slow gates: {ck['carry_fp32']['max_rel_err']:.2e} "
+              f"(backend {res['backend']}, {res['gpu']})")
         if a.json:
             from k3.utils import atomic_write_text
 
