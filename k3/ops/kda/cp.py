@@ -361,6 +361,7 @@ def _span_halves(bufs: dict, hv: _Halves, first: bool, last: bool, H: int, K: in
     entry (zero: with ``first`` its map (M_A, E_A) from [0 | I], else its final state E_A alone), half B's map
     only with ``last`` (else None)."""
     from k3.ops.kda.triton._common import BT, dot_precision  # noqa: PLC0415
+    from k3.ops.kda.triton.chunk_fwd import state_stages  # noqa: PLC0415
     from k3.ops.kda.triton.span import _kda_span_rows  # noqa: PLC0415
 
     BK, BVP = bufs["W"].shape[-1], bufs["U"].shape[-1]
@@ -376,7 +377,7 @@ def _span_halves(bufs: dict, hv: _Halves, first: bool, last: bool, H: int, K: in
     _kda_span_rows[((BVP + BK) // bv, R * H)](
         bufs["W"], bufs["U"], bufs["KG"], bufs["GAM"], SE, Mt, cs, ce, row_m, 0, bufs["W"].shape[1], H, K, V,
         BT=BT, BK=BK, BV=bv, BVP=BVP, PREC=dot_precision(bufs["W"].dtype),
-        num_warps=CPConfig.span_warps, num_stages=CPConfig.span_stages)
+        num_warps=CPConfig.span_warps, num_stages=state_stages(CPConfig.span_stages, bufs["W"].dtype))
     return SE[0], Mt[0], (SE[1] if last else None), (Mt[1] if last else None)
 
 
