@@ -581,12 +581,13 @@ def bwd_state_pass(do, dht, saved: dict, tab: ChunkTable, H: int, K: int, V: int
     return DHS, DV, dh0
 
 
-def _wy_launch(passes: int, cfg) -> dict:
+def _wy_launch(passes: int, cfg, dtype: torch.dtype) -> dict:
     """Launch options of one WY-backward launch: the fused kernel's (wy_warps/stages), or the split passes'
-    (wy_split_warps/stages/maxnreg)."""
+    (wy_split_warps/stages/maxnreg). fp32 buffers double the tiles: sm_90 needs 246 KB of shared memory for the
+    fused kernel at 3 stages (147 KB at 2), so their stages are capped like the state passes'."""
     if passes == 3:
-        return dict(num_warps=cfg.wy_warps, num_stages=cfg.wy_stages)
-    opts = dict(num_warps=cfg.wy_split_warps, num_stages=cfg.wy_split_stages)
+        return dict(num_warps=cfg.wy_warps, num_stages=state_stages(cfg.wy_stages, dtype))
+    opts = dict(num_warps=cfg.wy_split_warps, num_stages=state_stages(cfg.wy_split_stages, dtype))
     if cfg.wy_split_maxnreg:
         opts["maxnreg"] = cfg.wy_split_maxnreg
     return opts
@@ -656,7 +657,7 @@ def kda_bwd(q, k, v, g, beta, A_log, dt_bias, initial_state, scale: float, do, d
                 dv, DQ, DK, DG, DB, DL, DAQ, tab.cu, tab.chunk_seq, tab.chunk_off, NC, tab.T, tab.NT,
                 H, K, V, scale, lb, BT=BT, BK=BK, BV=min(BwdConfig.wy_bv, BVP), BVP=BVP, PREC=prec,
                 STORE_RN=store_rn, STORE_G=split, PASSES=passes, **flag_kw,
-                **_wy_launch(passes, BwdConfig))
+                **_wy_launch(passes, BwdConfig, s["W"].dtype))
 
     if split:
         DAP, DDT = launch_intra_split(q, k, g, beta, a_log, dtb, RN, GS, DQ, DK, DG, DB, DL, DAQ, dq, dk, dg, db,

@@ -632,8 +632,9 @@ def launch_state(bufs: dict, o, hs, ht, tab: ChunkTable, c0: int, c1: int, H: in
 
 
 def state_stages(stages: int, dtype: torch.dtype) -> int:
-    """Pipeline depth of a state pass: fp32 buffers (the fp32 path) take twice the shared memory per stage, so at
-    K = V = 128 more than 2 stages exceed the 227 KiB of an H200 SM (3 stages: 256 KiB, a launch failure)."""
+    """Pipeline depth of a kernel whose stages hold chunk-buffer tiles (state passes, span passes, the WY backward):
+    fp32 buffers (the fp32 path) take twice the shared memory per stage, so at K = V = 128 more than 2 stages
+    exceed the 227 KiB of an H200 SM (the forward state pass at 3 stages: 256 KiB, a launch failure)."""
     return min(stages, 2) if dtype == torch.float32 else stages
 
 
