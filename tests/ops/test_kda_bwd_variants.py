@@ -191,3 +191,18 @@ def test_gpu_bf16_bwd_variants_varlen(monkeypatch, name):
     cu = [0, 1, 100, 100, 613, 1000]
     x = make_inputs(1, 1000, 4, 128, 128, N=5)
     check_against_reference(x, 2e-2, dtype=torch.bfloat16, cu=cu)
+
+
+def test_fp32_tiles_fit_sm90_shared_memory():
+    """Kernels whose pipeline stages hold chunk-buffer tiles ask for at most 2 stages with fp32 buffers: 3 stages of
+    fp32 tiles exceed an H200 SM's 227 KiB (the WY backward at 3 stages needs 246 KB: a launch failure on the fp32
+    path, seen on the device), while bf16 buffers keep the configured depth."""
+    from k3.ops.kda.triton.chunk_bwd import BwdConfig, _wy_launch
+    from k3.ops.kda.triton.chunk_fwd import state_stages
+    from k3.utils import overridden_attrs
+
+    with overridden_attrs(BwdConfig, wy_stages=3, wy_split_stages=3):
+        for passes in (1, 2, 3):
+            assert _wy_launch(passes, BwdConfig, torch.float32)["num_stages"] == 2
+            assert _wy_launch(passes, BwdConfig, torch.bfloat16)["num_stages"] == 3
+    assert state_stages(3, torch.float32) == 2 and state_stages(3, torch.float16) == 3
