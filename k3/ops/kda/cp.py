@@ -404,6 +404,10 @@ class _CPChunkTriton(torch.autograd.Function):
     the later ranks' J from the right, ``dS_out(r) = J(r+1) + M(r+1)ᵀ dS_out(r+1)`` (the M term only where rank
     r+1's one piece runs through), and runs its full backward with that as the gradient of its last piece's final
     state. No rank waits on another's backward; each sends ``H·K·V·4`` bytes more (``ctx.last_bwd_bytes_sent``).
+
+    A one-piece slice long enough (``CPConfig.halves``) runs each of those serial passes as two chunk-aligned halves
+    side by side, its summary from the span pass (``_span_halves``) and its reverse passes by
+    ``_halves_state_grads``: what the other ranks wait for is a span pass or two half passes, not a whole pass.
     """
 
     @staticmethod
