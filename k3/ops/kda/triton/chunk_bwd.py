@@ -48,9 +48,10 @@ class BwdConfig:
     state_bv = 64  # sweep v6b (H200, B=8 T=4096 H=32): whole backward 11.34 → 11.10 ms vs BV 32
     state_warps = 4
     state_stages = 3  # run 4b: 13.39 → 13.13 ms (split intra); fp32 buffers are capped at 2 (shared memory)
-    # bench/knob_ab.py (H200, session 5), fwd+bwd B=8 T=4096 H=32: 1 / 2 / 3 stages 13.42 / 13.08 / 12.69 ms (B=1
-    # T=32K 14.25 / 13.92 / 13.54), bitwise the same results; 4 warps 18.0, 16 warps 15.6, BV 128 16.9. BV 32 stops the fused kernel
-    # with an illegal memory access on the H200 (correct in the interpreter), so the launcher refuses it
+    # bench/knob_ab.py (H200, session 5), fwd+bwd B=8 T=4096 H=32: 1 / 2 / 3 stages 13.42 / 13.08 / 12.69 ms
+    # (B=1 T=32K 14.25 / 13.92 / 13.54), bitwise the same results; 4 warps 18.0, 16 warps 15.6, BV 128 16.9.
+    # fp32 buffers are capped at 2 stages (shared memory). BV 32 stops the fused kernel with an illegal memory
+    # access on the H200 (correct in the interpreter), so the launcher refuses it
     wy_bv = 64
     wy_warps = 8
     wy_stages = 3
