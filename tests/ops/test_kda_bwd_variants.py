@@ -77,7 +77,8 @@ def variant(request, monkeypatch):
             _count(monkeypatch, launcher, calls)
     passes: list = []  # the WY kernel's launches (3 = fused; 1 then 2 = wy_split)
     real_launch = chunk_bwd._wy_launch
-    monkeypatch.setattr(chunk_bwd, "_wy_launch", lambda p, cfg: passes.append(p) or real_launch(p, cfg))
+    monkeypatch.setattr(chunk_bwd, "_wy_launch",
+                        lambda p, cfg, dtype: passes.append(p) or real_launch(p, cfg, dtype))
     yield request.param
     expected = {LAUNCHERS[n] for n in LAUNCHERS if knobs.get(n)}
     assert set(calls) == expected, f"launched {set(calls)}, expected {expected}"
