@@ -175,7 +175,7 @@ def _check_halves(rank: int, W: int) -> None:
 
     cp._halves_plan = spy
     try:
-        with_min = cp.CPConfig.halves_min_chunks
+        min_chunks = cp.CPConfig.halves_min_chunks
         cp.CPConfig.halves_min_chunks = 2
         L = 160
         T = W * L
@@ -186,7 +186,7 @@ def _check_halves(rank: int, W: int) -> None:
             assert taken == [want], f"rank {rank} scenario {i}: halves taken {taken}"
     finally:
         cp._halves_plan = plan
-        cp.CPConfig.halves_min_chunks = with_min
+        cp.CPConfig.halves_min_chunks = min_chunks
 
 
 def _worker(rank: int, W: int, port: int, backend: str) -> None:
