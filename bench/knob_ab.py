@@ -17,9 +17,10 @@ from __future__ import annotations
 
 import argparse
 import ast
+import contextlib
 import os
 import sys
-from typing import Any
+from typing import Any, Iterator
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -50,19 +51,13 @@ def parse(specs: list[str]) -> dict[Any, dict[str, Any]]:
     return out
 
 
-class applied:
-    """Context manager: every (class → attrs) override at once."""
-
-    def __init__(self, knobs: dict[Any, dict[str, Any]]) -> None:
-        self.ctxs = [overridden_attrs(c, **kv) for c, kv in knobs.items()]
-
-    def __enter__(self) -> None:
-        for c in self.ctxs:
-            c.__enter__()
-
-    def __exit__(self, *exc: object) -> None:
-        for c in reversed(self.ctxs):
-            c.__exit__(*exc)
+@contextlib.contextmanager
+def applied(knobs: dict[Any, dict[str, Any]]) -> Iterator[None]:
+    """Every (class → attrs) override at once, restored after the block."""
+    with contextlib.ExitStack() as stack:
+        for c, kv in knobs.items():
+            stack.enter_context(overridden_attrs(c, **kv))
+        yield
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:

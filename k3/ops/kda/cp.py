@@ -498,20 +498,18 @@ def _halves_state_grads(fctx: Any, do: torch.Tensor, dtype: torch.dtype, H: int,
     J = dh0_A + M_Aᵀ dh0_B; else (the rank's entry is known) half B alone from zero, its pull dh0_B. After it, with
     the gradient dS on the slice's final state from later ranks: both halves again, B from dS and A from
     dh0_B + M_Bᵀ dS (B's pull on A's end); without one: half A alone from dh0_B."""
-    from k3.ops.kda.triton._common import BT, next_pow2, store_dtype  # noqa: PLC0415
     from k3.ops.kda.triton.chunk_bwd import bwd_state_pass  # noqa: PLC0415
 
-    ctx, saved, hv, NC = fctx.cp, fctx.saved, fctx.halves, fctx.tab.NC
-    BK, BVP = next_pow2(K), next_pow2(V)
-    out = (torch.empty(H, NC, BK, BVP, dtype=store_dtype(dtype), device=do.device),
-           torch.empty(H, NC, BT, BVP, dtype=store_dtype(dtype), device=do.device))
+    ctx, saved, hv = fctx.cp, fctx.saved, fctx.halves
     J = torch.zeros(H, K, V, dtype=torch.float32, device=do.device)
     if ctx.first_continues:
-        d0 = bwd_state_pass(do, None, saved, hv.both, H, K, V, dtype, out=out)[2]
+        DHS, DV, d0 = bwd_state_pass(do, None, saved, hv.both, H, K, V, dtype)
         pull_B = d0[1]
         J = d0[0] + hv.M_A.transpose(-1, -2) @ pull_B
     else:
-        pull_B = bwd_state_pass(do, None, saved, hv.b, H, K, V, dtype, out=out)[2][0]
+        DHS, DV, d0 = bwd_state_pass(do, None, saved, hv.b, H, K, V, dtype)
+        pull_B = d0[0]
+    out = (DHS, DV)  # the passes after the gather rewrite their chunks in place
     J_all = _gather(J, ctx.group, ctx.world_size)
     ctx.last_bwd_bytes_sent = J.numel() * J.element_size()
     if ctx.last_continues:
