@@ -25,6 +25,14 @@ if not hasattr(k3_runs, "run_cli"):
     _spec.loader.exec_module(k3_runs)
 
 
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """On a GPU machine no test module may turn the interpreter on: kernels decorated after that would run
+    interpreted on CUDA tensors (the GPU tests then take hours instead of seconds, as they once did)."""
+    if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") == "1":
+        raise pytest.UsageError("TRITON_INTERPRET=1 was set on a machine with a GPU (by a test module at import, or "
+                                "by the caller): the GPU tests would run in Triton's interpreter")
+
+
 @pytest.fixture(scope="session")
 def runs_base(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.getbasetemp() / "k3_runs"

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import os
 
-os.environ.setdefault("TRITON_INTERPRET", "1")  # before any triton import: Triton kernels run on the CPU
-
 import pytest
 import torch
+
+if not torch.cuda.is_available():  # before triton is imported (tests/conftest.py does the same)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 import torch.nn.functional as F
 
 from k3.ops.kda import chunk_kda, naive_recurrent_kda
