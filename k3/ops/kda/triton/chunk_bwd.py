@@ -93,11 +93,6 @@ class BwdConfig:
     wy_split_warps = 8
     wy_split_stages = 1
     wy_split_maxnreg = 0  # > 0: ptxas register cap
-    # L2 eviction hints in the fused WY backward (one program per SM streams ~600 KB per chunk and head, and the
-    # V' pass re-reads what the dV' pass read or wrote ~20 µs before: S, dO, U and the dk, dg shares): 0 = none;
-    # 1 = the dV' pass's reads of those and its dk/dg stores evict_last, the V' pass's re-reads evict_first;
-    # 2 = also evict_first on the tiles read once (dV', v, T, dS'). Results are bitwise the same.
-    wy_evict = 0
 
 
 @triton.jit(do_not_specialize=['NC', 'T', 'NT', 'H'])
@@ -150,8 +145,7 @@ def _kda_bwd_state(
 
 @triton.jit
 def _wy_through_dvn(do, v, dv, U, TM, HS, DV, base, i_h, bos, eos, H, V: tl.constexpr, b_b,
-                    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BVP: tl.constexpr, PREC: tl.constexpr,
-                    EV_KEEP: tl.constexpr, EV_ONCE: tl.constexpr):
+                    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BVP: tl.constexpr, PREC: tl.constexpr):
     """WY backward, pass through dV' over V-blocks: dY = Tᵀ dV' → dv (= β dY) and dβ's V share; returns
     dqg = Σ dO Sᵀ, dX = −Σ dY Sᵀ, Σ dY Uᵀ and dβ (V share)."""
     DT: tl.constexpr = HS.dtype.element_ty
@@ -159,7 +153,7 @@ def _wy_through_dvn(do, v, dv, U, TM, HS, DV, base, i_h, bos, eos, H, V: tl.cons
     o_k = tl.arange(0, BK)
     t = bos + o_t
     m_t = t < eos
-    b_tm = tl.load(TM + (base * BT + o_t[:, None]) * BT + o_t[None, :], eviction_policy=EV_ONCE)
+    b_tm = tl.load(TM + (base * BT + o_t[:, None]) * BT + o_t[None, :])
     dqg = tl.zeros([BT, BK], dtype=tl.float32)
     dx = tl.zeros([BT, BK], dtype=tl.float32)
     dlu = tl.zeros([BT, BT], dtype=tl.float32)
@@ -169,16 +163,16 @@ def _wy_through_dvn(do, v, dv, U, TM, HS, DV, base, i_h, bos, eos, H, V: tl.cons
         m_tv = m_t[:, None] & (o_v < V)[None, :]
         p_v = (t * H + i_h)[:, None] * V + o_v[None, :]
         p_tv = (base * BT + o_t[:, None]) * BVP + o_v[None, :]
-        b_s = tl.load(HS + (base * BK + o_k[:, None]) * BVP + o_v[None, :], eviction_policy=EV_KEEP)
-        b_do = tl.load(do + p_v, mask=m_tv, other=0., eviction_policy=EV_KEEP).to(DT)
-        b_dy = tl.dot(tl.trans(b_tm), tl.load(DV + p_tv, eviction_policy=EV_ONCE), input_precision=PREC)
-        b_vv = tl.load(v + p_v, mask=m_tv, other=0., eviction_policy=EV_ONCE).to(tl.float32)
+        b_s = tl.load(HS + (base * BK + o_k[:, None]) * BVP + o_v[None, :])
+        b_do = tl.load(do + p_v, mask=m_tv, other=0.).to(DT)
+        b_dy = tl.dot(tl.trans(b_tm), tl.load(DV + p_tv), input_precision=PREC)
+        b_vv = tl.load(v + p_v, mask=m_tv, other=0.).to(tl.float32)
         tl.store(dv + p_v, (b_dy * b_b[:, None]).to(dv.dtype.element_ty), mask=m_tv)
         db += tl.sum(b_dy * b_vv, axis=1)
         b_dyd = b_dy.to(DT)
         dqg += tl.dot(b_do, tl.trans(b_s), input_precision=PREC)
         dx -= tl.dot(b_dyd, tl.trans(b_s), input_precision=PREC)
-        dlu += tl.dot(b_dyd, tl.trans(tl.load(U + p_tv, eviction_policy=EV_KEEP)), input_precision=PREC)
+        dlu += tl.dot(b_dyd, tl.trans(tl.load(U + p_tv)), input_precision=PREC)
     return dqg, dx, dlu, db
 
 
@@ -186,8 +180,7 @@ def _wy_through_dvn(do, v, dv, U, TM, HS, DV, base, i_h, bos, eos, H, V: tl.cons
 def _wy_store_dvn(q, k, g, A_log, dt_bias, RN, GS, b_w, QG, DQ, DK, DG, DB, DL, dqg, dx, dlu, db, b_b, base, i_h,
                   bos, eos, H, K, scale, lb, BT: tl.constexpr, BK: tl.constexpr,
                   USE_GATE: tl.constexpr, HAS_LB: tl.constexpr, HAS_A: tl.constexpr, HAS_DT: tl.constexpr,
-                  L2NORM: tl.constexpr, PREC: tl.constexpr, STORE_RN: tl.constexpr, STORE_G: tl.constexpr,
-                  EV_KEEP: tl.constexpr):
+                  L2NORM: tl.constexpr, PREC: tl.constexpr, STORE_RN: tl.constexpr, STORE_G: tl.constexpr):
     """After the dV' pass: dL = −(dX Wᵀ + Σ dY Uᵀ) (strictly lower), dq (= dqg e^G scale), dk and dg's shares
     through X = β K e^G and qg, dβ; the split intra backward's 1/‖q‖, 1/‖k‖ and within-sub-block gate cumsums.
     Returns (k̂, G) for the V' pass."""
@@ -211,16 +204,15 @@ def _wy_store_dvn(q, k, g, A_log, dt_bias, RN, GS, b_w, QG, DQ, DK, DG, DB, DL, 
     eG = tl.exp2(G)
     tl.store(DQ + p_tk, dqg * eG * scale)
     kb = b_k * eG * b_b[:, None]  # X = β K e^G
-    tl.store(DG + p_tk, dqg * tl.load(QG + p_tk).to(tl.float32) + dx * kb, eviction_policy=EV_KEEP)
-    tl.store(DK + p_tk, dx * eG * b_b[:, None], eviction_policy=EV_KEEP)
+    tl.store(DG + p_tk, dqg * tl.load(QG + p_tk).to(tl.float32) + dx * kb)
+    tl.store(DK + p_tk, dx * eG * b_b[:, None])
     tl.store(DB + base * BT + o_t, db + tl.sum(dx * b_k * eG, axis=1))
     return b_k, G
 
 
 @triton.jit
 def _wy_through_vn(do, U, b_w, HS, DHS, base, i_h, bos, eos, H, V: tl.constexpr,
-                   BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BVP: tl.constexpr, PREC: tl.constexpr,
-                   EV_DONE: tl.constexpr, EV_ONCE: tl.constexpr):
+                   BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BVP: tl.constexpr, PREC: tl.constexpr):
     """WY backward, pass through V' = U − W S over V-blocks: returns dkg = Σ V' dS'ᵀ, dA_qk = Σ dO V'ᵀ (unscaled)
     and γ's share Σ S ⊙ dS'."""
     DT: tl.constexpr = b_w.dtype
@@ -235,12 +227,11 @@ def _wy_through_vn(do, U, b_w, HS, DHS, base, i_h, bos, eos, H, V: tl.constexpr,
         o_v = i_v * BV + tl.arange(0, BV)
         m_tv = m_t[:, None] & (o_v < V)[None, :]
         p_kv = (base * BK + o_k[:, None]) * BVP + o_v[None, :]
-        b_s = tl.load(HS + p_kv, eviction_policy=EV_DONE)
-        b_ds = tl.load(DHS + p_kv, eviction_policy=EV_ONCE)
-        b_vn = (tl.load(U + (base * BT + o_t[:, None]) * BVP + o_v[None, :], eviction_policy=EV_DONE).to(tl.float32)
+        b_s = tl.load(HS + p_kv)
+        b_ds = tl.load(DHS + p_kv)
+        b_vn = (tl.load(U + (base * BT + o_t[:, None]) * BVP + o_v[None, :]).to(tl.float32)
                 - tl.dot(b_w, b_s, input_precision=PREC)).to(DT)
-        b_do = tl.load(do + (t * H + i_h)[:, None] * V + o_v[None, :], mask=m_tv, other=0.,
-                       eviction_policy=EV_DONE).to(DT)
+        b_do = tl.load(do + (t * H + i_h)[:, None] * V + o_v[None, :], mask=m_tv, other=0.).to(DT)
         dkg += tl.dot(b_vn, tl.trans(b_ds), input_precision=PREC)
         daq += tl.dot(b_do, tl.trans(b_vn), input_precision=PREC)
         dgam += tl.sum(b_s.to(tl.float32) * b_ds.to(tl.float32), axis=1)
@@ -248,8 +239,7 @@ def _wy_through_vn(do, U, b_w, HS, DHS, base, i_h, bos, eos, H, V: tl.constexpr,
 
 
 @triton.jit
-def _wy_store_vn(DAQ, DK, DG, dkg, daq, dgam, b_k, G, base, scale, BT: tl.constexpr, BK: tl.constexpr,
-                 EV_DONE: tl.constexpr):
+def _wy_store_vn(DAQ, DK, DG, dkg, daq, dgam, b_k, G, base, scale, BT: tl.constexpr, BK: tl.constexpr):
     """After the V' pass: dA_qk (lower, × scale), and dkg's shares of dk and dg (kg = k e^{G_C − G}), γ's share on
     the last row of dg; dk, dg are read back and updated (the dV' pass stored their first shares)."""
     o_t = tl.arange(0, BT)
@@ -261,9 +251,8 @@ def _wy_store_vn(DAQ, DK, DG, dkg, daq, dgam, b_k, G, base, scale, BT: tl.conste
     eL = tl.exp2(Glast[None, :] - G)
     kL = b_k * eL
     dgl = tl.sum(dkg * kL, axis=0) + tl.exp2(Glast) * dgam
-    tl.store(DK + p_tk, tl.load(DK + p_tk, eviction_policy=EV_DONE) + dkg * eL)
-    tl.store(DG + p_tk, tl.load(DG + p_tk, eviction_policy=EV_DONE) - dkg * kL
-             + tl.where((o_t == BT - 1)[:, None], dgl[None, :], 0.))
+    tl.store(DK + p_tk, tl.load(DK + p_tk) + dkg * eL)
+    tl.store(DG + p_tk, tl.load(DG + p_tk) - dkg * kL + tl.where((o_t == BT - 1)[:, None], dgl[None, :], 0.))
 
 
 @triton.jit(do_not_specialize=['NC', 'T', 'NT', 'H'])
@@ -277,7 +266,6 @@ def _kda_bwd_wy(
     USE_GATE: tl.constexpr, HAS_LB: tl.constexpr, HAS_A: tl.constexpr, HAS_DT: tl.constexpr,
     L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr, IS_VARLEN: tl.constexpr, PREC: tl.constexpr,
     STORE_RN: tl.constexpr, STORE_G: tl.constexpr, PASSES: tl.constexpr = 3,
-    EV_KEEP: tl.constexpr = "", EV_DONE: tl.constexpr = "", EV_ONCE: tl.constexpr = "",
 ):
     # Two passes over V-blocks, each with few accumulators (register pressure). With T X = W and T Y = U:
     # dX = Tᵀ dW = −dY Sᵀ and dL = −Tᵀ (dW Xᵀ + dV' Yᵀ) Tᵀ = −(dX Wᵀ + dY Uᵀ), so neither dT nor X is formed.
@@ -291,19 +279,18 @@ def _kda_bwd_wy(
     if PASSES & 1:
         b_b = _chunk_beta(beta, i_h, bos, eos, H, BT, BETA_SIGMOID)
         dqg, dx, dlu, db = _wy_through_dvn(do, v, dv, U, TM, HS, DV, base, i_h, bos, eos, H, V, b_b,
-                                           BT, BK, BV, BVP, PREC, EV_KEEP, EV_ONCE)
+                                           BT, BK, BV, BVP, PREC)
         b_w = tl.load(p_w)  # after the dV' pass (as in the fused kernel before: fewer live registers there)
         b_k, G = _wy_store_dvn(q, k, g, A_log, dt_bias, RN, GS, b_w, QG, DQ, DK, DG, DB, DL, dqg, dx, dlu, db, b_b,
                                base, i_h, bos, eos, H, K, scale, lb, BT, BK, USE_GATE, HAS_LB, HAS_A, HAS_DT,
-                               L2NORM, PREC, STORE_RN, STORE_G, EV_KEEP)
+                               L2NORM, PREC, STORE_RN, STORE_G)
     else:
         b_w = tl.load(p_w)
         b_k, _ = _l2norm(_chunk_tile(k, i_h, bos, eos, H, K, BT, BK).to(tl.float32), L2NORM)
         G = _chunk_gate_cumsum(g, i_h, bos, eos, A_log, dt_bias, H, K, lb, BT, BK, USE_GATE, HAS_LB, HAS_A, HAS_DT)
     if PASSES & 2:
-        dkg, daq, dgam = _wy_through_vn(do, U, b_w, HS, DHS, base, i_h, bos, eos, H, V, BT, BK, BV, BVP, PREC,
-                                        EV_DONE, EV_ONCE)
-        _wy_store_vn(DAQ, DK, DG, dkg, daq, dgam, b_k, G, base, scale, BT, BK, EV_DONE)
+        dkg, daq, dgam = _wy_through_vn(do, U, b_w, HS, DHS, base, i_h, bos, eos, H, V, BT, BK, BV, BVP, PREC)
+        _wy_store_vn(DAQ, DK, DG, dkg, daq, dgam, b_k, G, base, scale, BT, BK)
 
 
 @triton.jit
@@ -600,10 +587,7 @@ def _wy_launch(passes: int, cfg, dtype: torch.dtype) -> dict:
     (wy_split_warps/stages/maxnreg). fp32 buffers double the tiles: sm_90 needs 246 KB of shared memory for the
     fused kernel at 3 stages (147 KB at 2), so their stages are capped like the state passes'."""
     if passes == 3:
-        ev = int(cfg.wy_evict)
-        hints = dict(EV_KEEP="evict_last" if ev >= 1 else "", EV_DONE="evict_first" if ev >= 1 else "",
-                     EV_ONCE="evict_first" if ev >= 2 else "")
-        return dict(num_warps=cfg.wy_warps, num_stages=state_stages(cfg.wy_stages, dtype), **hints)
+        return dict(num_warps=cfg.wy_warps, num_stages=state_stages(cfg.wy_stages, dtype))
     opts = dict(num_warps=cfg.wy_split_warps, num_stages=state_stages(cfg.wy_split_stages, dtype))
     if cfg.wy_split_maxnreg:
         opts["maxnreg"] = cfg.wy_split_maxnreg
