@@ -6,10 +6,10 @@ import os
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 if not torch.cuda.is_available():  # before triton is imported (tests/conftest.py does the same)
     os.environ.setdefault("TRITON_INTERPRET", "1")
-import torch.nn.functional as F
 
 from k3.ops.kda import chunk_kda, naive_recurrent_kda
 from k3.ops.kda import prefix as pf
