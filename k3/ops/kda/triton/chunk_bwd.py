@@ -74,7 +74,9 @@ class BwdConfig:
     # T=4096 H=32): whole backward 11.69 → 11.22 ms
     intra_split_stack = True
     intra_dg_bk = 32  # K-slice of the dG → dg pass
-    intra_dg_warps = 4
+    # bench/knob_ab.py (H200, session 6): 2 warps 12.65 / 12.64 / 12.60 vs 12.71 / 12.71 / 12.70 ms fwd+bwd at B=8
+    # T=4096 H=32 in three runs, B=1 T=32K 13.49 vs 13.55; bitwise the same results
+    intra_dg_warps = 2
     # WY backward per (chunk, head, K-block) in one pass over V (chunk_bwd_intra.py): dL = −dY V'ᵀ, no dX Wᵀ and
     # no second pass; one more program per chunk-head writes dv, dL, dA_qk. Run 4b: no gain (whole backward 13.46
     # vs 13.39 ms with the split intra, 19.93 vs 19.57 with v3's): every program recomputes dY = Tᵀ dV', V' = U − W S.
