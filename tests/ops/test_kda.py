@@ -217,6 +217,8 @@ def test_state_pool_in_place():
         fused_recurrent_kda_pool(q, k, v, g, b, pool, torch.tensor([0, 6, 1]))
     with pytest.raises(ValueError, match="state_pool"):
         fused_recurrent_kda_pool(q, k, v, g, b, pool.double(), idx)
+    with pytest.raises(ValueError, match="initial_state"):  # slots without a pool
+        fused_recurrent_kda(q, k, v, g, b, initial_state=None, ssm_state_indices=idx)
 
 
 def _bad_calls():
@@ -230,6 +232,7 @@ def _bad_calls():
         ("g", dict(g=g[:, :5])),
         ("beta", dict(beta=b[..., None])),
         ("q", dict(q=q.to(torch.int32))),
+        ("k", dict(k=k.half())),  # q and k must share a dtype
         ("beta", dict(beta=b.to(torch.float64).to("meta"))),  # wrong device
         ("initial_state", dict(initial_state=S.double())),
         ("initial_state", dict(initial_state=S[:1])),

@@ -89,7 +89,7 @@ def run(x: dict, dtype: torch.dtype, lb: float | None, gate: bool, cu: list[int]
     K = x["q"].shape[-1]
     o, ht = chunk_kda(dx["q"], dx["k"], dx["v"], dx["g"], dx["beta"], scale=K ** -0.5, initial_state=dx["s0"],
                       output_final_state=True, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=gate,
-                      use_beta_sigmoid_in_kernel=True, safe_gate=lb is not None and gate, lower_bound=lb,
+                      use_beta_sigmoid_in_kernel=True, safe_gate=lb is not None, lower_bound=lb,
                       cu_seqlens=torch.tensor(cu, device=DEV) if cu is not None else None,
                       A_log=dx["A"] if gate else None, dt_bias=dx["dt"] if gate else None)
     if not grad:

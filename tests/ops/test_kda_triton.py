@@ -211,6 +211,39 @@ def test_fp16_forward():
     assert rel(o, ro) < 2e-2 and rel(ht, rh) < 2e-2
 
 
+@cpu_only
+@pytest.mark.parametrize("safe_gate,glo,fast", [(False, -12.0, False), (True, -5.0, True), (True, -3.0, True)])
+def test_public_precomputed_gate_with_lower_bound(monkeypatch, safe_gate, glo, fast):
+    """The public ``chunk_kda`` with a precomputed g and ``lower_bound`` set (fla's meaning): without safe_gate the
+    bound promises nothing, so log-decays far below it (−12 here: e^{12·15} overflows fp32 in the fast diagonal
+    blocks) take the exact path; with safe_gate the caller promises g ≥ bound and the fast path runs. Output, final
+    state and every gradient against the fp64 recurrence."""
+    from k3.ops.kda import chunk_kda
+    from k3.ops.kda.triton import chunk as tchunk
+
+    monkeypatch.setenv("K3_KDA_BACKEND", "triton")
+    seen = []
+    real = tchunk._flags
+    monkeypatch.setattr(tchunk, "_flags", lambda *a: seen.append(real(*a)) or seen[-1])
+    x = make_inputs(1, 100, 1, 16, 16, gate=False)
+    gen = torch.Generator().manual_seed(3)
+    x["g"] = glo * torch.rand(x["g"].shape, generator=gen, dtype=torch.float64)  # in (glo, 0]
+    xt = {n: t.float().requires_grad_() for n, t in x.items() if n not in ("A", "dt")}
+    o, ht = chunk_kda(xt["q"], xt["k"], xt["v"], xt["g"], xt["beta"], initial_state=xt["s0"],
+                      output_final_state=True, use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True,
+                      safe_gate=safe_gate, lower_bound=-5.0 if glo < -5 else glo)
+    assert [f["exact_diag"] for f in seen] == [not fast]
+    xr = {n: t.clone().requires_grad_() for n, t in x.items() if n not in ("A", "dt")}
+    ro, rh = reference(xr, 16 ** -0.5, True, False, True, None, None)
+    gen = torch.Generator().manual_seed(1)
+    do, dht = torch.randn(ro.shape, generator=gen, dtype=torch.float64), torch.randn(rh.shape, generator=gen,
+                                                                                     dtype=torch.float64)
+    ((o.double() * do).sum() + (ht.double() * dht).sum()).backward()
+    ((ro * do).sum() + (rh * dht).sum()).backward()
+    errs = {"o": rel(o, ro), "ht": rel(ht, rh), **{"d" + n: rel(xt[n].grad, xr[n].grad) for n in xt}}
+    assert all(e <= 1e-4 for e in errs.values()), errs
+
+
 def _causality(T, H, K, V, dtype, ts):
     x = make_inputs(1, T, H, K, V, seed=7)
     o, *_ = run_chunk(x, dtype, grad=False, out_final=False)

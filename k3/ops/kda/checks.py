@@ -36,6 +36,8 @@ def check_kda_inputs(
     _need(q.dim() == 4, lambda: f"q must be [B, T, H, K], got shape {tuple(q.shape)}")
     B, T, H, K = q.shape
     _need(k.shape == q.shape, lambda: f"k must have q's shape {tuple(q.shape)}, got {tuple(k.shape)}")
+    _need(k.dtype == q.dtype, lambda: f"k must have q's dtype {q.dtype} (the kernels multiply them as one operand "
+          f"type), got {k.dtype}")
     _need(v.dim() == 4 and v.shape[:2] == q.shape[:2],
           lambda: f"v must be [B, T, H, V] with q's B={B}, T={T}, got {tuple(v.shape)}")
     _need(v.shape[2] == H, lambda: f"v has {v.shape[2]} heads but q/k have H={H}: heads must match (no GVA)")

@@ -152,17 +152,25 @@ def chunk_kda(
         use_qk_l2norm_in_kernel: q, k ← x / sqrt(Σx² + 1e-6) per head.
         use_gate_in_kernel: g ← lower_bound·sigmoid(exp(A_log)·(g + dt_bias)) if ``lower_bound`` is set (A_log may
             then be None), else −exp(A_log)·softplus(g + dt_bias). ``A_log [H]``, ``dt_bias [H*K]`` fp32.
-        safe_gate: requires ``lower_bound`` with the fused gate (the bounded fast path).
-        lower_bound: in [−5, 0).
+        safe_gate: requires ``lower_bound`` with the fused gate (the bounded fast path). With a precomputed ``g``
+            (``use_gate_in_kernel=False``) it is the caller's promise, as in fla, that every log-decay is
+            ≥ ``lower_bound`` (−5 if None); the Triton kernels then take their fast diagonal blocks.
+        lower_bound: in [−5, 0). With a precomputed ``g`` and ``safe_gate=False`` it bounds nothing (as in fla):
+            any log-decay ≤ 0 is computed exactly.
         cu_seqlens: ``[N+1]`` int cumulative lengths of sequences packed along T; needs B = 1.
         cp_context: a context from :func:`k3.ops.kda.build_cp_context` (context parallel; B = 1, varlen stream).
 
     Returns:
-        ``(o [B, T, H, V] in q.dtype, final_state [N, H, K, V] fp32 or None)``.
+        ``(o [B, T, H, V] in q.dtype, final_state [N, H, K, V] fp32 (fp64 for fp64 inputs) or None)``.
     """
     # With cp_context, cu_seqlens (if given at all) are the GLOBAL ones: the context checks them, on every rank.
     scale, lb = check_kda_call(q, k, v, g, beta, scale, initial_state, use_gate_in_kernel, safe_gate, lower_bound,
                                cu_seqlens if cp_context is None else None, A_log, dt_bias)
+    if not use_gate_in_kernel:
+        # The backends read ``lower_bound`` with a precomputed g as "every log-decay is ≥ this": the Triton
+        # kernels' 16-row diagonal blocks rely on it (e^{−g} over a block must stay finite). Only safe_gate makes
+        # that promise; a lower_bound alone does not clamp g (fla ignores it there too), so it must not reach them.
+        lb = (lb if lb is not None else -5.0) if safe_gate else None
     args = (q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, use_gate_in_kernel,
             use_beta_sigmoid_in_kernel, lb, cu_seqlens, A_log, dt_bias)
     backend = select_backend(q.device)

@@ -107,7 +107,10 @@ def fused_recurrent_kda(
         pool, initial_state = initial_state, None
     scale, lb = check_kda_call(q, k, v, g, beta, scale, initial_state, use_gate_in_kernel, safe_gate, lower_bound,
                                cu_seqlens, A_log, dt_bias)
-    if pool is not None:
+    if ssm_state_indices is not None:
+        if pool is None:
+            raise ValueError("initial_state must be the state pool [P, H, K, V] fp32 when ssm_state_indices is given, "
+                             "got None")
         B, _, H, K = q.shape
         N = B if cu_seqlens is None else cu_seqlens.numel() - 1
         _check_pool(pool, ssm_state_indices, N, H, K, v.shape[-1], q.device)
