@@ -199,6 +199,21 @@ def test_fused_recurrent_matches_chunk(lower_bound):
     assert rel(o2, o1) < 1e-5 and rel(S2, S1) < 1e-5 and len(lens) == S2.shape[0]
 
 
+def test_fused_recurrent_takes_fla_positional_order():
+    """fla's ``fused_recurrent_kda(q, k, v, g, beta, A_log, dt_bias, scale, initial_state, output_final_state,
+    use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel, ...)``: a positional fla call gives
+    the keyword call's result."""
+    (q, k, v, g, b), S0 = make(2, 5, 2, 8, 8, gate="raw", state=True, dtype=torch.float32)
+    A_log, dt_bias = torch.randn(2) * 0.3, torch.randn(16) * 0.3
+    o1, S1 = fused_recurrent_kda(q, k, v, g, b, A_log, dt_bias, 0.3, S0, True, True, True, True)
+    o2, S2 = fused_recurrent_kda(q, k, v, g, b, A_log=A_log, dt_bias=dt_bias, scale=0.3, initial_state=S0,
+                                 output_final_state=True, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+                                 use_beta_sigmoid_in_kernel=True)
+    o3, _ = fused_recurrent_kda(q, k, v, g, b, A_log=A_log, dt_bias=dt_bias, scale=0.5, initial_state=S0,
+                                use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True)
+    assert torch.equal(o1, o2) and torch.equal(S1, S2) and not torch.equal(o1, o3)
+
+
 def test_state_pool_in_place():
     (q, k, v, g, b), _ = make(3, 1, 2, 8, 8, dtype=torch.float32)
     pool = torch.randn(6, 2, 8, 8)

@@ -79,6 +79,8 @@ def fused_recurrent_kda(
     v: torch.Tensor,
     g: torch.Tensor,
     beta: torch.Tensor,
+    A_log: torch.Tensor | None = None,
+    dt_bias: torch.Tensor | None = None,
     scale: float | None = None,
     initial_state: torch.Tensor | None = None,
     output_final_state: bool = False,
@@ -88,12 +90,12 @@ def fused_recurrent_kda(
     safe_gate: bool = False,
     lower_bound: float | None = None,
     cu_seqlens: torch.Tensor | None = None,
-    A_log: torch.Tensor | None = None,
-    dt_bias: torch.Tensor | None = None,
     cp_context: None = None,
     ssm_state_indices: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Recurrent KDA for decoding; forward only (no autograd). Arguments and shapes as :func:`chunk_kda`.
+    """Recurrent KDA for decoding; forward only (no autograd). Arguments and shapes as :func:`chunk_kda`; the
+    positional order is fla's ``fused_recurrent_kda`` (``A_log, dt_bias`` right after ``beta``, then ``scale,
+    initial_state, …``), so positional fla calls work unchanged.
 
     ``ssm_state_indices [N]`` (int): ``initial_state`` is then a state pool ``[P, H, K, V]`` fp32; sequence n starts
     from ``initial_state[ssm_state_indices[n]]`` and its final state is written back there IN PLACE; the pool is
