@@ -175,6 +175,15 @@ def test_decode_pool_in_place(variant, nan_empty):
     assert p is pool
     assert_close(o, pool[idx], ro, rs, 1e-5)
     assert torch.count_nonzero(pool[[1, 4]]) == 0
+    # a strided pool (every other slot of a larger buffer) is updated in place through a dense copy
+    big = torch.randn(10, H, K, V)
+    pool = big[::2]
+    pool[idx] = lo["s0"]
+    before = big.clone()
+    o, p = ours(dict(lo, s0=pool), ssm_state_indices=idx)
+    assert p is pool and not pool.is_contiguous()
+    assert_close(o, pool[idx], ro, rs, 1e-5)
+    assert torch.equal(big[1::2], before[1::2]) and torch.equal(pool[[1, 4]], before[::2][[1, 4]])
 
 
 # ------------------------------------------------------------------------------------------------ host side

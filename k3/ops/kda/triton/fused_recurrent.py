@@ -264,9 +264,8 @@ def fused_recurrent_kda_triton(
     o = torch.empty(B, T, H, V, dtype=q.dtype, device=q.device)
     if use_idx:
         pool = initial_state
-        if not pool.is_contiguous():
-            raise ValueError("initial_state (the state pool) must be contiguous to be updated in place")
-        s_in = s_out = pool
+        # the kernels index the pool densely: a strided view is updated through a dense copy, written back below
+        s_in = s_out = pool if pool.is_contiguous() else pool.contiguous()
         idx = ssm_state_indices
         if idx.device != q.device or idx.dtype not in (torch.int32, torch.int64) or not idx.is_contiguous():
             idx = idx.to(device=q.device, dtype=torch.int64).contiguous()
@@ -305,5 +304,7 @@ def fused_recurrent_kda_triton(
         _kda_recurrent[(NV, N * H)](*ptrs, cu, T, H, K, V, scale, lb, BK=BK, BV=BV,
                                     IS_VARLEN=cu_seqlens is not None, **flags, **launch, num_stages=cfg.stages)
     if use_idx:
+        if s_out is not pool:
+            pool.copy_(s_out)
         return o, pool
     return o, s_out
