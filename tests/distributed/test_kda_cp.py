@@ -157,6 +157,16 @@ def _check_errors(rank, W):
     else:
         with pytest.raises(ValueError, match="member"):
             build_cp_context(cu, group=solo)
+    # an error on ONE rank only: every rank raises instead of waiting in the all_gather
+    h0 = torch.zeros(len(ctx.local_cu_seqlens) - 1, H, K, V)
+    with pytest.raises(ValueError, match="initial_state" if rank == 0 else "rank\\(s\\) \\[0\\] reported bad input"):
+        chunk_kda(*loc, cp_context=ctx, initial_state=h0 if rank == 0 else None)
+    beta = loc[4][..., None] if rank == 1 else loc[4]  # fails chunk_kda's argument checks on rank 1 only
+    with pytest.raises(ValueError, match="beta" if rank == 1 else "rank\\(s\\) \\[1\\] reported bad input"):
+        chunk_kda(*loc[:4], beta, cp_context=ctx)
+    grad = [x.clone().requires_grad_(rank == 0) for x in loc]  # rank 1 would never join the backward
+    with pytest.raises(ValueError, match="need grad on rank\\(s\\) \\[0\\]"):
+        chunk_kda(*grad, cp_context=ctx)
     o, _ = chunk_kda(*loc, cp_context=ctx)  # the group is still usable after all of that
     assert o.shape == (1, 12, H, V)
 

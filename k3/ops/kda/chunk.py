@@ -8,6 +8,7 @@ picks the backend, and routes long no-grad prefills to the exact split path (``p
 
 from __future__ import annotations
 
+import contextlib
 import os
 from types import ModuleType
 from typing import Any, Callable
@@ -163,9 +164,18 @@ def chunk_kda(
     Returns:
         ``(o [B, T, H, V] in q.dtype, final_state [N, H, K, V] fp32 (fp64 for fp64 inputs) or None)``.
     """
-    # With cp_context, cu_seqlens (if given at all) are the GLOBAL ones: the context checks them, on every rank.
-    scale, lb = check_kda_call(q, k, v, g, beta, scale, initial_state, use_gate_in_kernel, safe_gate, lower_bound,
-                               cu_seqlens if cp_context is None else None, A_log, dt_bias)
+    # With cp_context, cu_seqlens (if given at all) are the GLOBAL ones: the context checks them, on every rank;
+    # an argument error on one rank is reported to the others first (they would wait in the all_gather otherwise).
+    reported = contextlib.nullcontext()
+    if cp_context is not None:
+        from k3.ops.kda.cp import cp_reported  # noqa: PLC0415
+
+        reported = cp_reported(cp_context, q, v)
+    with reported:
+        if cp_context is not None and (initial_state is not None or output_final_state):
+            raise ValueError("initial_state / output_final_state are not supported with cp_context (as in fla)")
+        scale, lb = check_kda_call(q, k, v, g, beta, scale, initial_state, use_gate_in_kernel, safe_gate,
+                                   lower_bound, cu_seqlens if cp_context is None else None, A_log, dt_bias)
     if not use_gate_in_kernel:
         # The backends read ``lower_bound`` with a precomputed g as "every log-decay is ≥ this": the Triton
         # kernels' 16-row diagonal blocks rely on it (e^{−g} over a block must stay finite). Only safe_gate makes

@@ -8,24 +8,30 @@ of the earlier ranks that hold its first sequence (``S ← M_j S + E_j``) into t
 piece, then runs its local forward. The backward is the transposed mirror, built by autograd: the gradient of the
 gathered summaries is summed over ranks (all_reduce on gloo, reduce_scatter on NCCL) and each rank keeps its own.
 
-A 4-value header (local length, world size, cu_seqlens fingerprint, ok flag) rides in the same all_gather, so a
-rank with bad input makes EVERY rank raise ``ValueError`` instead of leaving the others waiting in a collective.
+A 4-value header (local length, world size, cu_seqlens fingerprint, status) rides in the same all_gather, so a
+rank with bad input makes EVERY rank raise ``ValueError`` instead of leaving the others waiting in a collective:
+its slice, its cu_seqlens, its group, an initial_state / output_final_state, any argument error of ``chunk_kda``
+(:func:`cp_reported`), and inputs that need grad on some ranks only (the backward's collectives must pair up).
 Bytes sent per rank per call: ``H·K·(K+V)·4 + 16`` (fp32), independent of T (``ctx.last_bytes_sent``).
 """
 
 from __future__ import annotations
 
 import bisect
+import contextlib
 import zlib
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["KDACPContext", "build_cp_context", "cp_chunk_kda", "cp_conv_halo"]
+__all__ = ["KDACPContext", "build_cp_context", "cp_chunk_kda", "cp_conv_halo", "cp_reported"]
 
 _HEADER = 4
+# the header's status: bad input, fine without gradients, fine with gradients (every rank must agree on the last)
+_BAD, _OK, _OK_GRAD = 0.0, 1.0, 2.0
 
 
 @dataclass
@@ -159,8 +165,13 @@ def _all_gather(x: torch.Tensor, ctx: KDACPContext) -> torch.Tensor:
     return _AllGather.apply(x, ctx.group, ctx.world_size, ctx.rank)
 
 
-def _local_problem(ctx: KDACPContext, q: torch.Tensor, cu_seqlens: torch.Tensor | None) -> str | None:
+def _local_problem(ctx: KDACPContext, q: torch.Tensor, cu_seqlens: torch.Tensor | None,
+                   initial_state: torch.Tensor | None, output_final_state: bool) -> str | None:
     """Rank-local input errors, reported through the header so that every rank raises together."""
+    if initial_state is not None or output_final_state:
+        return "initial_state / output_final_state are not supported with cp_context (as in fla)"
+    if q.shape[0] != 1:
+        return f"q: context parallel needs the packed varlen layout B == 1, got B={q.shape[0]}"
     if q.shape[1] != ctx.end - ctx.start:
         return (f"q has {q.shape[1]} local tokens but the cp_context slice of rank {ctx.rank} holds "
                 f"{ctx.end - ctx.start} (cu_seqlens total {int(ctx.cu_seqlens[-1])} / group size {ctx.world_size})")
@@ -177,9 +188,14 @@ def _check_headers(gathered: torch.Tensor, ctx: KDACPContext, problem: str | Non
     hdr = gathered[:, -_HEADER:].detach().double().cpu()
     if problem is not None:
         raise ValueError(f"cp_context: {problem}")
-    bad = [j for j in range(ctx.world_size) if hdr[j, 3] != 1.0]
+    bad = [j for j in range(ctx.world_size) if hdr[j, 3] not in (_OK, _OK_GRAD)]
     if bad:
-        raise ValueError(f"cp_context: rank(s) {bad} reported bad input (slice length or cu_seqlens mismatch)")
+        raise ValueError(f"cp_context: rank(s) {bad} reported bad input (their own error names it: slice length, "
+                         f"cu_seqlens, group, or an argument of chunk_kda)")
+    grad = [j for j in range(ctx.world_size) if hdr[j, 3] == _OK_GRAD]
+    if grad and len(grad) < ctx.world_size:
+        raise ValueError(f"cp_context: inputs need grad on rank(s) {grad} but not on the others: with context "
+                         f"parallel every rank must run the backward (its collectives pair up across ranks)")
     if not bool((hdr[:, 0] == hdr[0, 0]).all()):
         raise ValueError(f"cp_context: mismatched slice lengths across ranks: {hdr[:, 0].long().tolist()}")
     if not bool((hdr[:, 1] == ctx.world_size).all()):
@@ -213,16 +229,12 @@ def cp_chunk_kda(
 
     if not isinstance(ctx, KDACPContext):
         raise ValueError(f"cp_context must come from k3.ops.kda.build_cp_context, got {type(ctx).__name__}")
-    if initial_state is not None or output_final_state:
-        raise ValueError("initial_state / output_final_state are not supported with cp_context (as in fla)")
-    if q.shape[0] != 1:
-        raise ValueError(f"q: context parallel needs the packed varlen layout B == 1, got B={q.shape[0]}")
     H, K, V = q.shape[2], q.shape[3], v.shape[3]
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     flags = (use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel, lower_bound)
     need_grad = torch.is_grad_enabled() and any(
         isinstance(x, torch.Tensor) and x.requires_grad for x in (q, k, v, g, beta, A_log, dt_bias))
-    problem = _local_problem(ctx, q, cu_seqlens)
+    problem = _local_problem(ctx, q, cu_seqlens, initial_state, output_final_state)
     dev = q.device
     if backend == "triton" and need_grad and problem is None:
         if not use_gate_in_kernel:
@@ -250,8 +262,7 @@ def cp_chunk_kda(
         E = Es[0].to(acc)
         if ctx.send_M:
             M = Ms[0].to(acc)
-    header = torch.tensor([float(q.shape[1]), float(ctx.world_size), float(ctx.fingerprint),
-                           0.0 if problem else 1.0], dtype=acc, device=dev)
+    header = _header(ctx, q.shape[1], _BAD if problem else (_OK_GRAD if need_grad else _OK), dev, acc)
     packed = torch.cat([torch.cat([E, M], -1).flatten(), header])  # [H·K·(V+K) + 4]
     if need_grad:
         # Every rank must run the gather's backward collective, whatever inputs autograd.grad() is asked for:
@@ -283,9 +294,27 @@ def cp_chunk_kda(
     return o, None
 
 
-def _header(ctx: KDACPContext, n_local: int, ok: bool, dev: torch.device) -> torch.Tensor:
-    return torch.tensor([float(n_local), float(ctx.world_size), float(ctx.fingerprint), 1.0 if ok else 0.0],
-                        dtype=torch.float32, device=dev)
+def _header(ctx: KDACPContext, n_local: int, status: float, dev: torch.device,
+            dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return torch.tensor([float(n_local), float(ctx.world_size), float(ctx.fingerprint), status], dtype=dtype,
+                        device=dev)
+
+
+@contextlib.contextmanager
+def cp_reported(ctx: Any, q: torch.Tensor, v: torch.Tensor) -> Iterator[None]:
+    """A ``ValueError`` raised inside (``chunk_kda``'s argument checks) is first sent to the other ranks: this rank
+    joins the forward's all_gather with a bad-input header, so they raise too instead of waiting in it. Needs a
+    ``KDACPContext`` and q, v shaped ``[B, T, H, K]`` / ``[B, T, H, V]`` (the gathered size); otherwise it can only
+    raise here."""
+    try:
+        yield
+    except ValueError:
+        if isinstance(ctx, KDACPContext) and q.dim() == 4 and v.dim() == 4:
+            H, K, V = q.shape[2], q.shape[3], v.shape[3]
+            dt = torch.float64 if q.dtype == torch.float64 else torch.float32
+            body = torch.zeros(H * K * (V + K), dtype=dt, device=q.device)
+            _gather(torch.cat([body, _header(ctx, q.shape[1], _BAD, q.device, dt)]), ctx.group, ctx.world_size)
+        raise
 
 
 def _span_from_buffers(bufs: dict, tab: Any, H: int, K: int, V: int, need_M: bool
@@ -441,7 +470,7 @@ class _CPChunkTriton(torch.autograd.Function):
         elif ctx.last_continues:
             Ms, Es = _span_from_buffers(bufs, tab, H, K, V, need_M=ctx.send_M)
             E, M = Es[-1], (Ms[-1] if ctx.send_M else M)
-        packed = torch.cat([torch.cat([E, M], -1).flatten(), _header(ctx, L, True, dev)])
+        packed = torch.cat([torch.cat([E, M], -1).flatten(), _header(ctx, L, _OK_GRAD, dev)])
         gathered = _gather(packed, ctx.group, ctx.world_size)
         ctx.last_bytes_sent = packed.numel() * packed.element_size()
         _check_headers(gathered, ctx, None)
