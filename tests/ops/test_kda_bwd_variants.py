@@ -46,6 +46,8 @@ VARIANTS = {
     # the fused WY kernel as two launches (dV' pass, then V' pass), with the split and the fused intra kernel
     "wy_split": dict(wy_split=True, intra_split=True),
     "wy_split_fused_intra": dict(wy_split=True, intra_split=False, wy_bv=16),
+    # A_qk's diagonal through the split intra kernel's products (the pre-session-6 form)
+    "diag_in_products": dict(intra_qk_diag_apart=False),
 }
 # only for the K = V = 128 case (production head size): both new paths, 64-column slices / K-blocks / V-blocks
 K128 = {"both_k128": dict(intra_split=True, intra_split_bk=64, wy_kb=True, wy_kb_bk=64, wy_kb_bv=64),
@@ -170,6 +172,7 @@ GPU_VARIANTS = {  # the launch shapes the sweep times (chunk_bwd.BwdConfig), bf1
     "wy_kb_2pass": dict(intra_split=True, wy_kb=True, wy_kb_two_pass=True),
     "wy_split": dict(intra_split=True, wy_split=True),
     "wy_split_cap128": dict(intra_split=True, wy_split=True, wy_split_maxnreg=128),
+    "diag_in_products": dict(intra_qk_diag_apart=False),
 }
 
 

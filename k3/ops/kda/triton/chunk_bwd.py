@@ -73,6 +73,10 @@ class BwdConfig:
     # one MMA per walk step on stacked operands instead of two (half the staging rounds); sweep v6 (H200, B=8
     # T=4096 H=32): whole backward 11.69 → 11.22 ms
     intra_split_stack = True
+    # A_qk's diagonal kept out of the split intra kernel's products (its dq/dk terms added exactly; its dG shares
+    # cancel): dg with every log-decay at the bound 6e-5 → 1.5e-6 (exact diagonal) / ~1e-5 (bounded fast path)
+    # relative RMS in fp32 (interpreter). sm_90: 248 vs 200 B of spill stack; not yet timed on a GPU (session 6)
+    intra_qk_diag_apart = True
     intra_dg_bk = 32  # K-slice of the dG → dg pass
     # bench/knob_ab.py (H200, session 6): 2 warps 12.65 / 12.64 / 12.60 vs 12.71 / 12.71 / 12.70 ms fwd+bwd at B=8
     # T=4096 H=32 in three runs, B=1 T=32K 13.49 vs 13.55; bitwise the same results

@@ -164,7 +164,7 @@ def _intra_block(q, k, beta, RN, GS, DQ, DK, DG, DB, DL, DAQ, dq, dk, dbeta,
                  base, i_h, bos, eos, H, K, I,
                  BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BKS: tl.constexpr,
                  L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr, EXACT_DIAG: tl.constexpr, PREC: tl.constexpr,
-                 STACK: tl.constexpr):
+                 STACK: tl.constexpr, DIAG_APART: tl.constexpr = True):
     """Sub-block I of one chunk: see the module docstring. STACK: the two products of a walk step that share an
     operand run as one MMA with the other operands stacked ([dA_qk; dL] rows on the row side, [q̂; βk̂] rows on the
     column side): half the operand staging rounds. Register economy: K is walked in slices of BKS columns
@@ -186,7 +186,14 @@ def _intra_block(q, k, beta, RN, GS, DQ, DK, DG, DB, DL, DAQ, dq, dk, dbeta,
     r = I * BC + o_s
     m_t = r < L
     bI = _blk_beta(bb, L, H, I, BC, BETA_SIGMOID)
-    dAq = _tile(DAQ + sa, I, I, BT, BC)
+    # A_qk's diagonal (i = j, decay e^0) adds dA_ii k̂_i to dq_i and dA_ii q̂_i to dk_i, whose shares of dG,
+    # q̂ ⊙ dA_ii k̂ and − k̂ ⊙ dA_ii q̂, cancel exactly. Taken through the products they cancel only to rounding of
+    # the largest terms in play, which the reverse cumsum then sums over the chunk: with every decay at the bound
+    # (where dg itself is small) that was 6e-5 of dg in fp32 (2e-6 without). So the products skip the diagonal and
+    # its exact terms go to dq and dk alone (DIAG_APART; ``BwdConfig.intra_qk_diag_apart``).
+    eye = (o_s[:, None] == o_s[None, :]) & DIAG_APART
+    dd = tl.load(DAQ + sa + (I * BC + o_s) * (BT + 1)) * DIAG_APART  # dA_qk[i, i] (× scale), read as a vector
+    dAq = tl.where(eye, 0., _tile(DAQ + sa, I, I, BT, BC))
     dL = _tile(DL + sa, I, I, BT, BC)
     db = tl.load(DB + base * BT + r)
     for ks in range(0, BK // BKS):
@@ -227,33 +234,36 @@ def _intra_block(q, k, beta, RN, GS, DQ, DK, DG, DB, DL, DAQ, dq, dk, dbeta,
         else:
             kd = kI * tl.exp2(-sI)  # ≤ e^{5·16} under the bounded gate
             if STACK:
-                accq, accr = _unstack(tl.dot(_tile2(DAQ + sa, DL + sa, I, I, BT, BC), kd, acc2,
-                                             input_precision=PREC), BC)
+                o2 = tl.arange(0, 2 * BC) % BC  # dL's diagonal is zero (strictly lower): one mask for both halves
+                t2 = tl.where((o2[:, None] == o_s[None, :]) & DIAG_APART, 0., _tile2(DAQ + sa, DL + sa, I, I, BT, BC))
+                accq, accr = _unstack(tl.dot(t2, kd, acc2, input_precision=PREC), BC)
                 dq_a = accq * e
                 R = accr * e
-                s2 = tl.load(Sb + (I * BC + tl.arange(0, 2 * BC) % BC)[:, None] * BK + o_k[None, :])
+                s2 = tl.load(Sb + (I * BC + o2)[:, None] * BK + o_k[None, :])
                 x2 = _blk_x2(qb, kb, rnq, rnk, bb, L, H, HK, K, I, o_k, BC, L2NORM, BETA_SIGMOID)
-                cacc = tl.dot(_tile2_t(DAQ + sa, DL + sa, I, I, BT, BC), x2 * tl.exp2(s2 - tI[None, :]),
-                              input_precision=PREC)
+                t2t = tl.where((o_s[:, None] == o2[None, :]) & DIAG_APART, 0.,
+                               _tile2_t(DAQ + sa, DL + sa, I, I, BT, BC))
+                cacc = tl.dot(t2t, x2 * tl.exp2(s2 - tI[None, :]), input_precision=PREC)
             else:
                 dq_a = tl.dot(dAq, kd, accq, input_precision=PREC) * e
                 R = tl.dot(dL, kd, accr, input_precision=PREC) * e
                 up = tl.exp2(sI - tI[None, :])  # ≥ 1, ≤ e^{5·16}: the column side's reference is c_{I+1}
-                cacc = tl.dot(_tile_t(DAQ + sa, I, I, BT, BC), qI * up, input_precision=PREC)
+                cacc = tl.dot(tl.where(eye, 0., _tile_t(DAQ + sa, I, I, BT, BC)), qI * up, input_precision=PREC)
                 cacc = tl.dot(_tile_t(DL + sa, I, I, BT, BC), kI * (bI[:, None] * up), cacc, input_precision=PREC)
         dkr = R * bI[:, None]
         db += tl.sum(R * kI, axis=1)
         ONE: tl.constexpr = BKS == BK  # one slice: dq, dk finish in registers (no scratch round trip, no barrier)
+        dq_full = dq_a + dd[:, None] * kI  # + the diagonal's exact term (not in dG, see above)
         if ONE:
-            b_dq = tl.load(DQ + sk + o_sk) + dq_a
+            b_dq = tl.load(DQ + sk + o_sk) + dq_full
             if L2NORM:  # q̂ = qI here (the slice is the whole row)
                 b_dq = tl.load(rnq + r)[:, None] * (b_dq - qI * tl.sum(b_dq * qI, axis=1)[:, None])
             m = m_t[:, None] & (o_k < K)[None, :]
             tl.store(dq + row0 + r[:, None] * HK + o_k[None, :], b_dq.to(dq.dtype.element_ty), mask=m)
         else:
-            tl.store(DQ + sk + o_sk, tl.load(DQ + sk + o_sk) + dq_a)
+            tl.store(DQ + sk + o_sk, tl.load(DQ + sk + o_sk) + dq_full)
         dg_part = tl.load(DG + sk + o_sk) + qI * dq_a + kI * dkr
-        dk_part = tl.load(DK + sk + o_sk) + dkr
+        dk_part = tl.load(DK + sk + o_sk) + dkr + dd[:, None] * qI
         fI = tl.exp2(tI[None, :] - sI)  # ≤ 1
         # ---- column side, row blocks M > I (reference c_{I+1}: every factor ≤ 1); run = c_M − c_{I+1}
         run = tl.zeros([BKS], dtype=tl.float32)
@@ -318,7 +328,7 @@ def _kda_bwd_intra_sub(
     H, K: tl.constexpr,
     BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BKS: tl.constexpr,
     L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr, IS_VARLEN: tl.constexpr, EXACT_DIAG: tl.constexpr,
-    PREC: tl.constexpr, STACK: tl.constexpr,
+    PREC: tl.constexpr, STACK: tl.constexpr, DIAG_APART: tl.constexpr = True,
 ):
     NB: tl.constexpr = BT // BC
     i_ci = tl.program_id(0)
@@ -331,7 +341,7 @@ def _kda_bwd_intra_sub(
     # chunk's last row) are already right; the dg pass reads them as they are.
     if bos + i_i * BC < eos:
         _intra_block(q, k, beta, RN, GS, DQ, DK, DG, DB, DL, DAQ, dq, dk, dbeta, base, i_h, bos, eos, H, K, i_i,
-                     BT, BC, BK, BKS, L2NORM, BETA_SIGMOID, EXACT_DIAG, PREC, STACK)
+                     BT, BC, BK, BKS, L2NORM, BETA_SIGMOID, EXACT_DIAG, PREC, STACK, DIAG_APART)
 
 
 @triton.jit(do_not_specialize=['NC', 'T', 'NT', 'H'])
@@ -571,6 +581,7 @@ def launch_intra_split(q: torch.Tensor, k: torch.Tensor, g: torch.Tensor, beta: 
         q, k, beta, RN, GS, DQ, DK, DG, DB, DL, DAQ, dq, dk, db,
         tab.cu, tab.chunk_seq, tab.chunk_off, NC, tab.T, tab.NT, H, K, BT=BT, BC=BC, BK=BK,
         BKS=min(int(cfg.intra_split_bk), BK), EXACT_DIAG=exact_diag, PREC=prec, STACK=bool(cfg.intra_split_stack),
+        DIAG_APART=bool(cfg.intra_qk_diag_apart),
         L2NORM=flag_kw["L2NORM"], BETA_SIGMOID=flag_kw["BETA_SIGMOID"], IS_VARLEN=flag_kw["IS_VARLEN"],
         num_warps=cfg.intra_split_warps, num_stages=cfg.intra_split_stages, **cap)
     bkg = min(int(cfg.intra_dg_bk), BK)
