@@ -191,9 +191,11 @@ def _intra_block(q, k, beta, RN, GS, DQ, DK, DG, DB, DL, DAQ, dq, dk, dbeta,
     # the largest terms in play, which the reverse cumsum then sums over the chunk: with every decay at the bound
     # (where dg itself is small) that was 6e-5 of dg in fp32 (2e-6 without). So the products skip the diagonal and
     # its exact terms go to dq and dk alone (DIAG_APART; ``BwdConfig.intra_qk_diag_apart``).
-    eye = (o_s[:, None] == o_s[None, :]) & DIAG_APART
-    dd = tl.load(DAQ + sa + (I * BC + o_s) * (BT + 1)) * DIAG_APART  # dA_qk[i, i] (× scale), read as a vector
-    dAq = tl.where(eye, 0., _tile(DAQ + sa, I, I, BT, BC))
+    dAq = _tile(DAQ + sa, I, I, BT, BC)
+    if DIAG_APART:
+        eye = o_s[:, None] == o_s[None, :]
+        dd = tl.load(DAQ + sa + (I * BC + o_s) * (BT + 1))  # dA_qk[i, i] (× scale), read as a vector
+        dAq = tl.where(eye, 0., dAq)
     dL = _tile(DL + sa, I, I, BT, BC)
     db = tl.load(DB + base * BT + r)
     for ks in range(0, BK // BKS):
@@ -234,26 +236,34 @@ def _intra_block(q, k, beta, RN, GS, DQ, DK, DG, DB, DL, DAQ, dq, dk, dbeta,
         else:
             kd = kI * tl.exp2(-sI)  # ≤ e^{5·16} under the bounded gate
             if STACK:
-                o2 = tl.arange(0, 2 * BC) % BC  # dL's diagonal is zero (strictly lower): one mask for both halves
-                t2 = tl.where((o2[:, None] == o_s[None, :]) & DIAG_APART, 0., _tile2(DAQ + sa, DL + sa, I, I, BT, BC))
+                o2 = tl.arange(0, 2 * BC) % BC
+                t2 = _tile2(DAQ + sa, DL + sa, I, I, BT, BC)
+                if DIAG_APART:  # dL's diagonal is zero (strictly lower): one mask for both halves
+                    t2 = tl.where(o2[:, None] == o_s[None, :], 0., t2)
                 accq, accr = _unstack(tl.dot(t2, kd, acc2, input_precision=PREC), BC)
                 dq_a = accq * e
                 R = accr * e
                 s2 = tl.load(Sb + (I * BC + o2)[:, None] * BK + o_k[None, :])
                 x2 = _blk_x2(qb, kb, rnq, rnk, bb, L, H, HK, K, I, o_k, BC, L2NORM, BETA_SIGMOID)
-                t2t = tl.where((o_s[:, None] == o2[None, :]) & DIAG_APART, 0.,
-                               _tile2_t(DAQ + sa, DL + sa, I, I, BT, BC))
+                t2t = _tile2_t(DAQ + sa, DL + sa, I, I, BT, BC)
+                if DIAG_APART:
+                    t2t = tl.where(o_s[:, None] == o2[None, :], 0., t2t)
                 cacc = tl.dot(t2t, x2 * tl.exp2(s2 - tI[None, :]), input_precision=PREC)
             else:
                 dq_a = tl.dot(dAq, kd, accq, input_precision=PREC) * e
                 R = tl.dot(dL, kd, accr, input_precision=PREC) * e
                 up = tl.exp2(sI - tI[None, :])  # ≥ 1, ≤ e^{5·16}: the column side's reference is c_{I+1}
-                cacc = tl.dot(tl.where(eye, 0., _tile_t(DAQ + sa, I, I, BT, BC)), qI * up, input_precision=PREC)
+                aqt = _tile_t(DAQ + sa, I, I, BT, BC)
+                if DIAG_APART:
+                    aqt = tl.where(eye, 0., aqt)
+                cacc = tl.dot(aqt, qI * up, input_precision=PREC)
                 cacc = tl.dot(_tile_t(DL + sa, I, I, BT, BC), kI * (bI[:, None] * up), cacc, input_precision=PREC)
         dkr = R * bI[:, None]
         db += tl.sum(R * kI, axis=1)
         ONE: tl.constexpr = BKS == BK  # one slice: dq, dk finish in registers (no scratch round trip, no barrier)
-        dq_full = dq_a + dd[:, None] * kI  # + the diagonal's exact term (not in dG, see above)
+        dq_full = dq_a
+        if DIAG_APART:  # the diagonal's exact term (not in dG, see above); dk's below
+            dq_full = dq_a + dd[:, None] * kI
         if ONE:
             b_dq = tl.load(DQ + sk + o_sk) + dq_full
             if L2NORM:  # q̂ = qI here (the slice is the whole row)
@@ -263,7 +273,9 @@ def _intra_block(q, k, beta, RN, GS, DQ, DK, DG, DB, DL, DAQ, dq, dk, dbeta,
         else:
             tl.store(DQ + sk + o_sk, tl.load(DQ + sk + o_sk) + dq_full)
         dg_part = tl.load(DG + sk + o_sk) + qI * dq_a + kI * dkr
-        dk_part = tl.load(DK + sk + o_sk) + dkr + dd[:, None] * qI
+        dk_part = tl.load(DK + sk + o_sk) + dkr
+        if DIAG_APART:
+            dk_part += dd[:, None] * qI
         fI = tl.exp2(tI[None, :] - sI)  # ≤ 1
         # ---- column side, row blocks M > I (reference c_{I+1}: every factor ≤ 1); run = c_M − c_{I+1}
         run = tl.zeros([BKS], dtype=tl.float32)
