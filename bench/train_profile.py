@@ -5,7 +5,7 @@
     python bench/train_profile.py [--shape 8,4096,32] [--no-fla] [--json out.json]
 
 Per implementation: the do_bench median of the whole step, the sum of its kernels' times per step (the gap between
-the two is host time or launch gaps), and each kernel's time per step, largest first.
+the two is host time or launch gaps), and each kernel's time per step, largest first (``profile_kernels.profile``: kernels above 2 µs).
 """
 
 from __future__ import annotations
@@ -16,28 +16,12 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
 
 from k3.bench.kda import _bench, _fla, _fla_module, _inputs, _ours  # noqa: E402
-
-
-def kernel_table(fn, n: int = 5) -> list[tuple[str, float, float]]:
-    """(kernel name, ms per step, launches per step), largest first."""
-    from torch.profiler import ProfilerActivity, profile
-
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(n):
-            fn()
-        torch.cuda.synchronize()
-    rows = []
-    for ev in prof.key_averages():
-        if ev.device_type.name == "CUDA":
-            us = getattr(ev, "device_time_total", getattr(ev, "cuda_time_total", 0)) / n
-            rows.append((ev.key[:80], us / 1e3, ev.count / n))
-    return sorted(rows, key=lambda r: -r[1])
+from profile_kernels import profile as kernel_table  # noqa: E402  (kernel, ms per step, launches per step)
 
 
 def main() -> int:
