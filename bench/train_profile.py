@@ -5,7 +5,8 @@
     python bench/train_profile.py [--shape 8,4096,32] [--no-fla] [--json out.json]
 
 Per implementation: the do_bench median of the whole step, the sum of its kernels' times per step (the gap between
-the two is host time or launch gaps), and each kernel's time per step, largest first (``profile_kernels.profile``: kernels above 2 µs).
+the two is host time or launch gaps), and each kernel's time per step, largest first (``profile_kernels.profile``:
+kernels above 2 µs).
 """
 
 from __future__ import annotations
