@@ -170,10 +170,8 @@ def chunk_kda(
     if cp_context is not None:
         from k3.ops.kda.cp import cp_reported  # noqa: PLC0415
 
-        reported = cp_reported(cp_context, q, v)
+        reported = cp_reported(cp_context, q, v, initial_state, output_final_state)
     with reported:
-        if cp_context is not None and (initial_state is not None or output_final_state):
-            raise ValueError("initial_state / output_final_state are not supported with cp_context (as in fla)")
         scale, lb = check_kda_call(q, k, v, g, beta, scale, initial_state, use_gate_in_kernel, safe_gate,
                                    lower_bound, cu_seqlens if cp_context is None else None, A_log, dt_bias)
     if not use_gate_in_kernel:

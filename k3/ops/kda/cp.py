@@ -32,6 +32,7 @@ __all__ = ["KDACPContext", "build_cp_context", "cp_chunk_kda", "cp_conv_halo", "
 _HEADER = 4
 # the header's status: bad input, fine without gradients, fine with gradients (every rank must agree on the last)
 _BAD, _OK, _OK_GRAD = 0.0, 1.0, 2.0
+_NO_STATES = "initial_state / output_final_state are not supported with cp_context (as in fla)"
 
 
 @dataclass
@@ -169,7 +170,7 @@ def _local_problem(ctx: KDACPContext, q: torch.Tensor, cu_seqlens: torch.Tensor 
                    initial_state: torch.Tensor | None, output_final_state: bool) -> str | None:
     """Rank-local input errors, reported through the header so that every rank raises together."""
     if initial_state is not None or output_final_state:
-        return "initial_state / output_final_state are not supported with cp_context (as in fla)"
+        return _NO_STATES
     if q.shape[0] != 1:
         return f"q: context parallel needs the packed varlen layout B == 1, got B={q.shape[0]}"
     if q.shape[1] != ctx.end - ctx.start:
@@ -301,12 +302,16 @@ def _header(ctx: KDACPContext, n_local: int, status: float, dev: torch.device,
 
 
 @contextlib.contextmanager
-def cp_reported(ctx: Any, q: torch.Tensor, v: torch.Tensor) -> Iterator[None]:
+def cp_reported(ctx: Any, q: torch.Tensor, v: torch.Tensor, initial_state: torch.Tensor | None = None,
+                output_final_state: bool = False) -> Iterator[None]:
     """A ``ValueError`` raised inside (``chunk_kda``'s argument checks) is first sent to the other ranks: this rank
     joins the forward's all_gather with a bad-input header, so they raise too instead of waiting in it. Needs a
     ``KDACPContext`` and q, v shaped ``[B, T, H, K]`` / ``[B, T, H, V]`` (the gathered size); otherwise it can only
-    raise here."""
+    raise here. ``initial_state`` / ``output_final_state`` are refused first (before the argument checks, whose
+    message about the state's shape would mislead: no state is accepted)."""
     try:
+        if initial_state is not None or output_final_state:
+            raise ValueError(_NO_STATES)
         yield
     except ValueError:
         if isinstance(ctx, KDACPContext) and q.dim() == 4 and v.dim() == 4:
