@@ -60,7 +60,7 @@ class BwdConfig:
     # precision of the intra-chunk backward's fp32 dots for half inputs: plain tf32 cost 4e-2 in dg with every gate
     # at the bound (H200); 'tf32x3' and 'bf16x3' are the 3-pass splits (bf16x3 runs on the faster bf16 MMA; vs the
     # fp32 path its worst error in the sweep's checks was 9.2e-3, dA_log with every gate at the bound; tf32x3 1.5e-3)
-    intra_prec_half = "bf16x3"
+    intra_prec_half = "bf16x3"  # also "bf16": one pass on bf16-rounded operands (split intra kernel only)
     intra_recompute = False  # reload k̂ and recompute G at the end instead of keeping them live (fewer spills)
     # split intra backward (chunk_bwd_intra.py): one light program per (16-row sub-block, chunk, head) for the
     # A_qk / A_kk backward, then the reverse cumsum + gate backward per (chunk, head, K-slice). Measured (one H200,
@@ -675,7 +675,7 @@ def kda_bwd(q, k, v, g, beta, A_log, dt_bias, initial_state, scale: float, do, d
         _kda_bwd_intra[(NC, H)](
             q, k, g, beta, a_log, dtb, DQ, DK, DG, DB, DL, DAQ, dq, dk, dg, db, DAP, DDT,
             tab.cu, tab.chunk_seq, tab.chunk_off, NC, tab.T, tab.NT, H, K, lb, BT=BT, BC=BC, BK=BK,
-            EXACT_DIAG=flags["exact_diag"], PREC=prec_intra, RECOMPUTE=bool(BwdConfig.intra_recompute), **flag_kw,
+            EXACT_DIAG=flags["exact_diag"], PREC="bf16x3" if prec_intra == "bf16" else prec_intra, RECOMPUTE=bool(BwdConfig.intra_recompute), **flag_kw,
             num_warps=BwdConfig.intra_warps, num_stages=BwdConfig.intra_stages)
     if flags["use_gate"]:
         if dA is not None:

@@ -160,6 +160,17 @@ def _exact_diag_bwd(dAq, dL, b_q, b_k, b_b, G):
 
 
 @triton.jit
+def _mm(a, b, acc=None, PREC: tl.constexpr = "ieee"):
+    """tl.dot of fp32 operands at the intra backward's precision. "bf16": one bf16 MMA on operands rounded to
+    bf16 (fp32 accumulation), for half inputs now that A_qk's diagonal stays out of the products; otherwise
+    Triton's input_precision (tf32, tf32x3, bf16x3, ieee)."""
+    if PREC == "bf16":
+        return tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16), acc)
+    else:
+        return tl.dot(a, b, acc, input_precision=PREC)
+
+
+@triton.jit
 def _intra_block(q, k, beta, RN, GS, DQ, DK, DG, DB, DL, DAQ, dq, dk, dbeta,
                  base, i_h, bos, eos, H, K, I,
                  BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BKS: tl.constexpr,
@@ -215,10 +226,10 @@ def _intra_block(q, k, beta, RN, GS, DQ, DK, DG, DB, DL, DAQ, dq, dk, dbeta,
             kJ = _blk_x(kb, rnk, L, HK, K, J, o_k, BC, L2NORM)
             kd = kJ * tl.exp2((run + tJ)[None, :] - tl.load(Sb + o_j))
             if STACK:
-                acc2 = tl.dot(_tile2(DAQ + sa, DL + sa, I, J, BT, BC), kd, acc2, input_precision=PREC)
+                acc2 = _mm(_tile2(DAQ + sa, DL + sa, I, J, BT, BC), kd, acc2, PREC=PREC)
             else:
-                accq = tl.dot(_tile(DAQ + sa, I, J, BT, BC), kd, accq, input_precision=PREC)
-                accr = tl.dot(_tile(DL + sa, I, J, BT, BC), kd, accr, input_precision=PREC)
+                accq = _mm(_tile(DAQ + sa, I, J, BT, BC), kd, accq, PREC=PREC)
+                accr = _mm(_tile(DL + sa, I, J, BT, BC), kd, accr, PREC=PREC)
             run += tJ
         # ---- the diagonal block: finish the row side
         o_sk = r[:, None] * BK + o_k[None, :]
@@ -240,7 +251,7 @@ def _intra_block(q, k, beta, RN, GS, DQ, DK, DG, DB, DL, DAQ, dq, dk, dbeta,
                 t2 = _tile2(DAQ + sa, DL + sa, I, I, BT, BC)
                 if DIAG_APART:  # dL's diagonal is zero (strictly lower): one mask for both halves
                     t2 = tl.where(o2[:, None] == o_s[None, :], 0., t2)
-                accq, accr = _unstack(tl.dot(t2, kd, acc2, input_precision=PREC), BC)
+                accq, accr = _unstack(_mm(t2, kd, acc2, PREC=PREC), BC)
                 dq_a = accq * e
                 R = accr * e
                 s2 = tl.load(Sb + (I * BC + o2)[:, None] * BK + o_k[None, :])
@@ -248,16 +259,16 @@ def _intra_block(q, k, beta, RN, GS, DQ, DK, DG, DB, DL, DAQ, dq, dk, dbeta,
                 t2t = _tile2_t(DAQ + sa, DL + sa, I, I, BT, BC)
                 if DIAG_APART:
                     t2t = tl.where(o_s[:, None] == o2[None, :], 0., t2t)
-                cacc = tl.dot(t2t, x2 * tl.exp2(s2 - tI[None, :]), input_precision=PREC)
+                cacc = _mm(t2t, x2 * tl.exp2(s2 - tI[None, :]), PREC=PREC)
             else:
-                dq_a = tl.dot(dAq, kd, accq, input_precision=PREC) * e
-                R = tl.dot(dL, kd, accr, input_precision=PREC) * e
+                dq_a = _mm(dAq, kd, accq, PREC=PREC) * e
+                R = _mm(dL, kd, accr, PREC=PREC) * e
                 up = tl.exp2(sI - tI[None, :])  # ≥ 1, ≤ e^{5·16}: the column side's reference is c_{I+1}
                 aqt = _tile_t(DAQ + sa, I, I, BT, BC)
                 if DIAG_APART:
                     aqt = tl.where(eye, 0., aqt)
-                cacc = tl.dot(aqt, qI * up, input_precision=PREC)
-                cacc = tl.dot(_tile_t(DL + sa, I, I, BT, BC), kI * (bI[:, None] * up), cacc, input_precision=PREC)
+                cacc = _mm(aqt, qI * up, PREC=PREC)
+                cacc = _mm(_tile_t(DL + sa, I, I, BT, BC), kI * (bI[:, None] * up), cacc, PREC=PREC)
         dkr = R * bI[:, None]
         db += tl.sum(R * kI, axis=1)
         ONE: tl.constexpr = BKS == BK  # one slice: dq, dk finish in registers (no scratch round trip, no barrier)
@@ -284,15 +295,15 @@ def _intra_block(q, k, beta, RN, GS, DQ, DK, DG, DB, DL, DAQ, dq, dk, dbeta,
                 o_m2 = (M * BC + tl.arange(0, 2 * BC) % BC)[:, None] * BK + o_k[None, :]
                 lf2 = tl.exp2(tl.load(Sb + o_m2) + run[None, :])
                 x2 = _blk_x2(qb, kb, rnq, rnk, bb, L, H, HK, K, M, o_k, BC, L2NORM, BETA_SIGMOID)
-                cacc = tl.dot(_tile2_t(DAQ + sa, DL + sa, M, I, BT, BC), x2 * lf2, cacc, input_precision=PREC)
+                cacc = _mm(_tile2_t(DAQ + sa, DL + sa, M, I, BT, BC), x2 * lf2, cacc, PREC=PREC)
             else:
                 o_m = (M * BC + o_s)[:, None] * BK + o_k[None, :]
                 lf = tl.exp2(tl.load(Sb + o_m) + run[None, :])
                 qM = _blk_x(qb, rnq, L, HK, K, M, o_k, BC, L2NORM)
                 kM = _blk_x(kb, rnk, L, HK, K, M, o_k, BC, L2NORM)
                 bM = _blk_beta(bb, L, H, M, BC, BETA_SIGMOID)
-                cacc = tl.dot(_tile_t(DAQ + sa, M, I, BT, BC), qM * lf, cacc, input_precision=PREC)
-                cacc = tl.dot(_tile_t(DL + sa, M, I, BT, BC), kM * (bM[:, None] * lf), cacc, input_precision=PREC)
+                cacc = _mm(_tile_t(DAQ + sa, M, I, BT, BC), qM * lf, cacc, PREC=PREC)
+                cacc = _mm(_tile_t(DL + sa, M, I, BT, BC), kM * (bM[:, None] * lf), cacc, PREC=PREC)
             run += tl.load(Sb + (M * BC + BC - 1) * BK + o_k)
         dkc = cacc * fI
         if EXACT_DIAG:
