@@ -47,7 +47,11 @@ def parse(specs: list[str]) -> dict[Any, dict[str, Any]]:
         cls, attr = lhs.split(".")
         if cls not in CLASSES or not hasattr(CLASSES[cls], attr):
             raise ValueError(f"unknown knob {lhs!r}")
-        out.setdefault(CLASSES[cls], {})[attr] = ast.literal_eval(val)
+        try:
+            value = ast.literal_eval(val)
+        except (ValueError, SyntaxError):  # a bare word is a string: BwdConfig.intra_prec_half=tf32
+            value = val
+        out.setdefault(CLASSES[cls], {})[attr] = value
     return out
 
 
