@@ -203,10 +203,14 @@ def _intra_block(q, k, beta, RN, GS, DQ, DK, DG, DB, DL, DAQ, dq, dk, dbeta,
     # (where dg itself is small) that was 6e-5 of dg in fp32 (2e-6 without). So the products skip the diagonal and
     # its exact terms go to dq and dk alone (DIAG_APART; ``BwdConfig.intra_qk_diag_apart``).
     dAq = _tile(DAQ + sa, I, I, BT, BC)
+    # The exact terms join dq, dk where the full rows are read back for the L2-norm backward (several K-slices):
+    # inside the slice loop their [BC]-vector broadcasts cost spills and barriers (0.4 ms of a B=8 T=4096 step).
+    ONE: tl.constexpr = BKS == BK  # one slice: dq, dk finish in registers (no scratch round trip, no barrier)
     if DIAG_APART:
         eye = o_s[:, None] == o_s[None, :]
-        dd = tl.load(DAQ + sa + (I * BC + o_s) * (BT + 1))  # dA_qk[i, i] (× scale), read as a vector
         dAq = tl.where(eye, 0., dAq)
+        if ONE:
+            dd = tl.load(DAQ + sa + r * (BT + 1))  # dA_qk[i, i] (× scale), read as a vector
     dL = _tile(DL + sa, I, I, BT, BC)
     db = tl.load(DB + base * BT + r)
     for ks in range(0, BK // BKS):
@@ -271,21 +275,19 @@ def _intra_block(q, k, beta, RN, GS, DQ, DK, DG, DB, DL, DAQ, dq, dk, dbeta,
                 cacc = _mm(_tile_t(DL + sa, I, I, BT, BC), kI * (bI[:, None] * up), cacc, PREC=PREC)
         dkr = R * bI[:, None]
         db += tl.sum(R * kI, axis=1)
-        ONE: tl.constexpr = BKS == BK  # one slice: dq, dk finish in registers (no scratch round trip, no barrier)
-        dq_full = dq_a
-        if DIAG_APART:  # the diagonal's exact term (not in dG, see above); dk's below
-            dq_full = dq_a + dd[:, None] * kI
         if ONE:
-            b_dq = tl.load(DQ + sk + o_sk) + dq_full
+            b_dq = tl.load(DQ + sk + o_sk) + dq_a
+            if DIAG_APART:  # the diagonal's exact term (not in dG, see above); dk's below
+                b_dq += dd[:, None] * kI
             if L2NORM:  # q̂ = qI here (the slice is the whole row)
                 b_dq = tl.load(rnq + r)[:, None] * (b_dq - qI * tl.sum(b_dq * qI, axis=1)[:, None])
             m = m_t[:, None] & (o_k < K)[None, :]
             tl.store(dq + row0 + r[:, None] * HK + o_k[None, :], b_dq.to(dq.dtype.element_ty), mask=m)
         else:
-            tl.store(DQ + sk + o_sk, tl.load(DQ + sk + o_sk) + dq_full)
+            tl.store(DQ + sk + o_sk, tl.load(DQ + sk + o_sk) + dq_a)
         dg_part = tl.load(DG + sk + o_sk) + qI * dq_a + kI * dkr
         dk_part = tl.load(DK + sk + o_sk) + dkr
-        if DIAG_APART:
+        if DIAG_APART and ONE:
             dk_part += dd[:, None] * qI
         fI = tl.exp2(tI[None, :] - sI)  # ≤ 1
         # ---- column side, row blocks M > I (reference c_{I+1}: every factor ≤ 1); run = c_M − c_{I+1}
@@ -329,15 +331,21 @@ def _intra_block(q, k, beta, RN, GS, DQ, DK, DG, DB, DL, DAQ, dq, dk, dbeta,
         o_sk = r[:, None] * BK + o_k[None, :]
         b_dq = tl.load(DQ + sk + o_sk)
         b_dk = tl.load(DK + sk + o_sk)
-        if L2NORM:
+        if L2NORM or DIAG_APART:
             qI = tl.load(qb + o_x, mask=m, other=0.).to(tl.float32)
-            rq = tl.load(rnq + r)
-            qI = qI * rq[:, None]
-            b_dq = rq[:, None] * (b_dq - qI * tl.sum(b_dq * qI, axis=1)[:, None])
             kI = tl.load(kb + o_x, mask=m, other=0.).to(tl.float32)
-            rk = tl.load(rnk + r)
-            kI = kI * rk[:, None]
-            b_dk = rk[:, None] * (b_dk - kI * tl.sum(b_dk * kI, axis=1)[:, None])
+            if L2NORM:
+                rq = tl.load(rnq + r)
+                rk = tl.load(rnk + r)
+                qI = qI * rq[:, None]
+                kI = kI * rk[:, None]
+            if DIAG_APART:  # the diagonal's exact terms (see above), into the pre-norm dq, dk
+                dd = tl.load(DAQ + sa + r * (BT + 1))  # dA_qk[i, i] (× scale)
+                b_dq += dd[:, None] * kI
+                b_dk += dd[:, None] * qI
+            if L2NORM:
+                b_dq = rq[:, None] * (b_dq - qI * tl.sum(b_dq * qI, axis=1)[:, None])
+                b_dk = rk[:, None] * (b_dk - kI * tl.sum(b_dk * kI, axis=1)[:, None])
         tl.store(dq + row0 + o_x, b_dq.to(dq.dtype.element_ty), mask=m)
         tl.store(dk + row0 + o_x, b_dk.to(dk.dtype.element_ty), mask=m)
 
