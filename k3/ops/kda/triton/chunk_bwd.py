@@ -57,10 +57,14 @@ class BwdConfig:
     wy_stages = 3
     intra_warps = 4  # measured (v3 sweep): 4 warps + bf16x3 19.98 ms for the whole backward, v2 (8, tf32x3) 22.39
     intra_stages = 1
-    # precision of the intra-chunk backward's fp32 dots for half inputs: plain tf32 cost 4e-2 in dg with every gate
-    # at the bound (H200); 'tf32x3' and 'bf16x3' are the 3-pass splits (bf16x3 runs on the faster bf16 MMA; vs the
-    # fp32 path its worst error in the sweep's checks was 9.2e-3, dA_log with every gate at the bound; tf32x3 1.5e-3)
-    intra_prec_half = "bf16x3"  # also "bf16": one pass on bf16-rounded operands (split intra kernel only)
+    # precision of the intra-chunk backward's fp32 dots for half inputs. Plain tf32 once cost 4e-2 in dg with every
+    # gate at the bound (H200): that was A_qk's diagonal cancelling through the products, which
+    # ``intra_qk_diag_apart`` removes; since then tf32 gives the same errors as the 3-pass 'bf16x3' on every extreme
+    # case of ``bench/bwd_variant_errors.py`` (worst: dβ 9.4e-3, dg 3.9e-3; bf16 inputs vs fp64) and, H200, session
+    # 7, ``bench/knob_ab.py``: fwd+bwd B=8 T=4096 H=32 12.42 vs 13.11 ms, B=1 T=32K 13.19 vs 13.89. 'bf16' (one pass
+    # on bf16-rounded operands, split intra kernel only) was faster still (12.44 vs 12.96 with the session-6
+    # diagonal terms) but dt_bias's gradient reached 2.5e-2 (β ≈ 1, repeated keys).
+    intra_prec_half = "tf32"
     intra_recompute = False  # reload k̂ and recompute G at the end instead of keeping them live (fewer spills)
     # split intra backward (chunk_bwd_intra.py): one light program per (16-row sub-block, chunk, head) for the
     # A_qk / A_kk backward, then the reverse cumsum + gate backward per (chunk, head, K-slice). Measured (one H200,
@@ -74,8 +78,9 @@ class BwdConfig:
     # T=4096 H=32): whole backward 11.69 → 11.22 ms
     intra_split_stack = True
     # A_qk's diagonal kept out of the split intra kernel's products (its dq/dk terms added exactly; its dG shares
-    # cancel): dg with every log-decay at the bound 6e-5 → 1.5e-6 (exact diagonal) / ~1e-5 (bounded fast path)
-    # relative RMS in fp32 (interpreter). sm_90: 248 vs 200 B of spill stack; not yet timed on a GPU (session 6)
+    # cancel): dg with every log-decay at the bound 6e-5 → 5e-6 (exact diagonal) / 7e-6 (bounded fast path)
+    # relative RMS in fp32 (interpreter, K = 16). H200 (session 7): with the terms added inside the K-slice loop it
+    # cost 0.4 ms per B=8 T=4096 step (13.02 vs 12.64, spills); added at the full-row read-back, 12.42 vs 12.34 at tf32
     intra_qk_diag_apart = True
     intra_dg_bk = 32  # K-slice of the dG → dg pass
     # bench/knob_ab.py (H200, session 6): 2 warps 12.65 / 12.64 / 12.60 vs 12.71 / 12.71 / 12.70 ms fwd+bwd at B=8
@@ -96,6 +101,10 @@ class BwdConfig:
     # 504 B (still one program per SM); the fused kernel is ~6.5 ms at B=8 T=4096 H=32 (session 3 profile).
     # H200 (session 4): no gain, 14.99 vs 14.81 ms fwd+bwd at B=8 T=4096 H=32, so off.
     wy_split = False
+    # the V' pass's shares of dk and dG stored into two more fp32 buffers [H, NC, BT, BK] for the split intra kernel
+    # to add, instead of read back and rewritten at the end of every WY program (one program per SM: nothing hides
+    # that round trip). Not yet timed (session 7)
+    wy_vn_apart = False
     wy_split_warps = 8
     wy_split_stages = 1
     wy_split_maxnreg = 0  # > 0: ptxas register cap
@@ -245,9 +254,11 @@ def _wy_through_vn(do, U, b_w, HS, DHS, base, i_h, bos, eos, H, V: tl.constexpr,
 
 
 @triton.jit
-def _wy_store_vn(DAQ, DK, DG, dkg, daq, dgam, b_k, G, base, scale, BT: tl.constexpr, BK: tl.constexpr):
+def _wy_store_vn(DAQ, DK, DG, DK2, DG2, dkg, daq, dgam, b_k, G, base, scale, BT: tl.constexpr, BK: tl.constexpr,
+                 VN_APART: tl.constexpr):
     """After the V' pass: dA_qk (lower, × scale), and dkg's shares of dk and dg (kg = k e^{G_C − G}), γ's share on
-    the last row of dg; dk, dg are read back and updated (the dV' pass stored their first shares)."""
+    the last row of dg; dk, dg are read back and updated (the dV' pass stored their first shares), or with
+    VN_APART stored into DK2, DG2 for the split intra kernel to add (no read-back at the program's end)."""
     o_t = tl.arange(0, BT)
     o_k = tl.arange(0, BK)
     p_tk = (base * BT + o_t[:, None]) * BK + o_k[None, :]
@@ -257,21 +268,26 @@ def _wy_store_vn(DAQ, DK, DG, dkg, daq, dgam, b_k, G, base, scale, BT: tl.conste
     eL = tl.exp2(Glast[None, :] - G)
     kL = b_k * eL
     dgl = tl.sum(dkg * kL, axis=0) + tl.exp2(Glast) * dgam
-    tl.store(DK + p_tk, tl.load(DK + p_tk) + dkg * eL)
-    tl.store(DG + p_tk, tl.load(DG + p_tk) - dkg * kL + tl.where((o_t == BT - 1)[:, None], dgl[None, :], 0.))
+    dg_vn = tl.where((o_t == BT - 1)[:, None], dgl[None, :], 0.) - dkg * kL
+    if VN_APART:
+        tl.store(DK2 + p_tk, dkg * eL)
+        tl.store(DG2 + p_tk, dg_vn)
+    else:
+        tl.store(DK + p_tk, tl.load(DK + p_tk) + dkg * eL)
+        tl.store(DG + p_tk, tl.load(DG + p_tk) + dg_vn)
 
 
 @triton.jit(do_not_specialize=['NC', 'T', 'NT', 'H'])
 def _kda_bwd_wy(
     q, k, v, g, beta, A_log, dt_bias, do, RN, GS,
     W, U, QG, TM, HS, DHS, DV,
-    dv, DQ, DK, DG, DB, DL, DAQ,
+    dv, DQ, DK, DG, DK2, DG2, DB, DL, DAQ,
     cu, chunk_seq, chunk_off, NC, T, NT,
     H, K: tl.constexpr, V: tl.constexpr, scale, lb,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BVP: tl.constexpr,
     USE_GATE: tl.constexpr, HAS_LB: tl.constexpr, HAS_A: tl.constexpr, HAS_DT: tl.constexpr,
     L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr, IS_VARLEN: tl.constexpr, PREC: tl.constexpr,
-    STORE_RN: tl.constexpr, STORE_G: tl.constexpr, PASSES: tl.constexpr = 3,
+    STORE_RN: tl.constexpr, STORE_G: tl.constexpr, PASSES: tl.constexpr = 3, VN_APART: tl.constexpr = False,
 ):
     # Two passes over V-blocks, each with few accumulators (register pressure). With T X = W and T Y = U:
     # dX = Tᵀ dW = −dY Sᵀ and dL = −Tᵀ (dW Xᵀ + dV' Yᵀ) Tᵀ = −(dX Wᵀ + dY Uᵀ), so neither dT nor X is formed.
@@ -296,7 +312,7 @@ def _kda_bwd_wy(
         G = _chunk_gate_cumsum(g, i_h, bos, eos, A_log, dt_bias, H, K, lb, BT, BK, USE_GATE, HAS_LB, HAS_A, HAS_DT)
     if PASSES & 2:
         dkg, daq, dgam = _wy_through_vn(do, U, b_w, HS, DHS, base, i_h, bos, eos, H, V, BT, BK, BV, BVP, PREC)
-        _wy_store_vn(DAQ, DK, DG, dkg, daq, dgam, b_k, G, base, scale, BT, BK)
+        _wy_store_vn(DAQ, DK, DG, DK2, DG2, dkg, daq, dgam, b_k, G, base, scale, BT, BK, VN_APART)
 
 
 @triton.jit
@@ -624,8 +640,7 @@ def kda_bwd(q, k, v, g, beta, A_log, dt_bias, initial_state, scale: float, do, d
     BK, BVP = next_pow2(K), next_pow2(V)
     prec = dot_precision(q.dtype)
     # dG is a sum of row and column shares that cancel strongly when decays are strong (all gates at the bound):
-    # plain tf32 there cost 4e-2 relative error in dg on an H200 (fp16 and bf16 alike; ieee fp32 was fine), so the
-    # intra-chunk backward uses 3-pass tf32 for half inputs.
+    # fp32 inputs keep exact dots there; half inputs take ``BwdConfig.intra_prec_half``
     prec_intra = "ieee" if prec == "ieee" else BwdConfig.intra_prec_half
     if prec_intra.startswith("bf16") and os.environ.get("TRITON_INTERPRET", "0") == "1":
         prec_intra = "tf32x3"  # Triton's interpreter has no bf16x3 (it computes the dots in fp32 anyway)
@@ -650,6 +665,7 @@ def kda_bwd(q, k, v, g, beta, A_log, dt_bias, initial_state, scale: float, do, d
     RN = torch.empty(H, NC, 2, BT, **f32) if split and flags["l2norm"] else dummy
     GS = torch.empty(H, NC, BT, BK, **f32) if split else dummy
     store_rn = split and flags["l2norm"]
+    vn = None
     if BwdConfig.wy_kb:
         DB = launch_wy_kb(q, k, v, g, beta, a_log, dtb, do, RN, GS, s, DHS, DV, dv, DQ, DK, DG, DL, DAQ, tab, H, K,
                           V, scale, lb, BT, BK, BVP, prec, flag_kw, store_rn, split, BwdConfig)
@@ -658,24 +674,28 @@ def kda_bwd(q, k, v, g, beta, A_log, dt_bias, initial_state, scale: float, do, d
         if not BwdConfig.wy_split and BwdConfig.wy_bv < 64 and q.is_cuda:
             raise ValueError(f"BwdConfig.wy_bv: the fused WY backward needs 64 or 128 on CUDA (32 faults on sm_90), "
                              f"got {BwdConfig.wy_bv}")
+        # wy_vn_apart: the V' pass's dk, dG shares go to buffers of their own, added by the split intra kernel
+        vn = tuple(torch.empty(H, NC, BT, BK, **f32) for _ in range(2)) if split and BwdConfig.wy_vn_apart else None
         for passes in ((1, 2) if BwdConfig.wy_split else (3,)):
             _kda_bwd_wy[(NC, H)](
                 q, k, v, g, beta, a_log, dtb, do, RN, GS, s["W"], s["U"], s["QG"], s["TM"], s["HS"], DHS, DV,
-                dv, DQ, DK, DG, DB, DL, DAQ, tab.cu, tab.chunk_seq, tab.chunk_off, NC, tab.T, tab.NT,
-                H, K, V, scale, lb, BT=BT, BK=BK, BV=min(BwdConfig.wy_bv, BVP), BVP=BVP, PREC=prec,
-                STORE_RN=store_rn, STORE_G=split, PASSES=passes, **flag_kw,
+                dv, DQ, DK, DG, *(vn or (DK, DG)), DB, DL, DAQ, tab.cu, tab.chunk_seq, tab.chunk_off, NC, tab.T,
+                tab.NT, H, K, V, scale, lb, BT=BT, BK=BK, BV=min(BwdConfig.wy_bv, BVP), BVP=BVP, PREC=prec,
+                STORE_RN=store_rn, STORE_G=split, PASSES=passes, VN_APART=vn is not None, **flag_kw,
                 **_wy_launch(passes, BwdConfig, s["W"].dtype))
 
     if split:
         DAP, DDT = launch_intra_split(q, k, g, beta, a_log, dtb, RN, GS, DQ, DK, DG, DB, DL, DAQ, dq, dk, dg, db,
-                                      tab, H, K, lb, BT, BC, BK, prec_intra, flag_kw, flags["exact_diag"], BwdConfig)
+                                      tab, H, K, lb, BT, BC, BK, prec_intra, flag_kw, flags["exact_diag"], BwdConfig,
+                                      vn)
     else:
         DAP = torch.empty(H, NC, **f32)
         DDT = torch.empty(H, NC, BK, **f32)
         _kda_bwd_intra[(NC, H)](
             q, k, g, beta, a_log, dtb, DQ, DK, DG, DB, DL, DAQ, dq, dk, dg, db, DAP, DDT,
             tab.cu, tab.chunk_seq, tab.chunk_off, NC, tab.T, tab.NT, H, K, lb, BT=BT, BC=BC, BK=BK,
-            EXACT_DIAG=flags["exact_diag"], PREC="bf16x3" if prec_intra == "bf16" else prec_intra, RECOMPUTE=bool(BwdConfig.intra_recompute), **flag_kw,
+            EXACT_DIAG=flags["exact_diag"], PREC="bf16x3" if prec_intra == "bf16" else prec_intra,
+            RECOMPUTE=bool(BwdConfig.intra_recompute), **flag_kw,
             num_warps=BwdConfig.intra_warps, num_stages=BwdConfig.intra_stages)
     if flags["use_gate"]:
         if dA is not None:
