@@ -48,9 +48,6 @@ VARIANTS = {
     "wy_split_fused_intra": dict(wy_split=True, intra_split=False, wy_bv=16),
     # A_qk's diagonal through the split intra kernel's products (the pre-session-6 form)
     "diag_in_products": dict(intra_qk_diag_apart=False),
-    # the WY kernel's V'-pass shares of dk, dG in buffers of their own (fused and two-launch WY, K-slices)
-    "vn_apart": dict(wy_vn_apart=True),
-    "vn_apart_wy_split_kslices": dict(wy_vn_apart=True, wy_split=True, intra_split_bk=16, intra_dg_bk=16),
 }
 # only for the K = V = 128 case (production head size): both new paths, 64-column slices / K-blocks / V-blocks
 K128 = {"both_k128": dict(intra_split=True, intra_split_bk=64, wy_kb=True, wy_kb_bk=64, wy_kb_bv=64),
@@ -177,7 +174,6 @@ GPU_VARIANTS = {  # the launch shapes the sweep times (chunk_bwd.BwdConfig), bf1
     "wy_split_cap128": dict(intra_split=True, wy_split=True, wy_split_maxnreg=128),
     "diag_in_products": dict(intra_qk_diag_apart=False, intra_prec_half="bf16x3"),
     "bf16x3": dict(intra_prec_half="bf16x3"),
-    "vn_apart": dict(wy_vn_apart=True),
 }
 
 

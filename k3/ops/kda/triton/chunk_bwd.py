@@ -101,10 +101,9 @@ class BwdConfig:
     # 504 B (still one program per SM); the fused kernel is ~6.5 ms at B=8 T=4096 H=32 (session 3 profile).
     # H200 (session 4): no gain, 14.99 vs 14.81 ms fwd+bwd at B=8 T=4096 H=32, so off.
     wy_split = False
-    # the V' pass's shares of dk and dG stored into two more fp32 buffers [H, NC, BT, BK] for the split intra kernel
-    # to add, instead of read back and rewritten at the end of every WY program (one program per SM: nothing hides
-    # that round trip). Not yet timed (session 7)
-    wy_vn_apart = False
+    # Not adopted (H200, session 7, code in commit 84315b1): the V' pass's dk, dG shares stored into two more fp32
+    # buffers for the split intra kernel to add, instead of read back at the end of every WY program: 12.70 vs
+    # 12.35 ms (B=8 T=4096), 13.57 vs 13.19 (B=1 T=32K); sm_90 472 vs 432 B of spill stack
     wy_split_warps = 8
     wy_split_stages = 1
     wy_split_maxnreg = 0  # > 0: ptxas register cap
@@ -254,11 +253,9 @@ def _wy_through_vn(do, U, b_w, HS, DHS, base, i_h, bos, eos, H, V: tl.constexpr,
 
 
 @triton.jit
-def _wy_store_vn(DAQ, DK, DG, DK2, DG2, dkg, daq, dgam, b_k, G, base, scale, BT: tl.constexpr, BK: tl.constexpr,
-                 VN_APART: tl.constexpr):
+def _wy_store_vn(DAQ, DK, DG, dkg, daq, dgam, b_k, G, base, scale, BT: tl.constexpr, BK: tl.constexpr):
     """After the V' pass: dA_qk (lower, × scale), and dkg's shares of dk and dg (kg = k e^{G_C − G}), γ's share on
-    the last row of dg; dk, dg are read back and updated (the dV' pass stored their first shares), or with
-    VN_APART stored into DK2, DG2 for the split intra kernel to add (no read-back at the program's end)."""
+    the last row of dg; dk, dg are read back and updated (the dV' pass stored their first shares)."""
     o_t = tl.arange(0, BT)
     o_k = tl.arange(0, BK)
     p_tk = (base * BT + o_t[:, None]) * BK + o_k[None, :]
@@ -268,26 +265,21 @@ def _wy_store_vn(DAQ, DK, DG, DK2, DG2, dkg, daq, dgam, b_k, G, base, scale, BT:
     eL = tl.exp2(Glast[None, :] - G)
     kL = b_k * eL
     dgl = tl.sum(dkg * kL, axis=0) + tl.exp2(Glast) * dgam
-    dg_vn = tl.where((o_t == BT - 1)[:, None], dgl[None, :], 0.) - dkg * kL
-    if VN_APART:
-        tl.store(DK2 + p_tk, dkg * eL)
-        tl.store(DG2 + p_tk, dg_vn)
-    else:
-        tl.store(DK + p_tk, tl.load(DK + p_tk) + dkg * eL)
-        tl.store(DG + p_tk, tl.load(DG + p_tk) + dg_vn)
+    tl.store(DK + p_tk, tl.load(DK + p_tk) + dkg * eL)
+    tl.store(DG + p_tk, tl.load(DG + p_tk) - dkg * kL + tl.where((o_t == BT - 1)[:, None], dgl[None, :], 0.))
 
 
 @triton.jit(do_not_specialize=['NC', 'T', 'NT', 'H'])
 def _kda_bwd_wy(
     q, k, v, g, beta, A_log, dt_bias, do, RN, GS,
     W, U, QG, TM, HS, DHS, DV,
-    dv, DQ, DK, DG, DK2, DG2, DB, DL, DAQ,
+    dv, DQ, DK, DG, DB, DL, DAQ,
     cu, chunk_seq, chunk_off, NC, T, NT,
     H, K: tl.constexpr, V: tl.constexpr, scale, lb,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BVP: tl.constexpr,
     USE_GATE: tl.constexpr, HAS_LB: tl.constexpr, HAS_A: tl.constexpr, HAS_DT: tl.constexpr,
     L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr, IS_VARLEN: tl.constexpr, PREC: tl.constexpr,
-    STORE_RN: tl.constexpr, STORE_G: tl.constexpr, PASSES: tl.constexpr = 3, VN_APART: tl.constexpr = False,
+    STORE_RN: tl.constexpr, STORE_G: tl.constexpr, PASSES: tl.constexpr = 3,
 ):
     # Two passes over V-blocks, each with few accumulators (register pressure). With T X = W and T Y = U:
     # dX = Tᵀ dW = −dY Sᵀ and dL = −Tᵀ (dW Xᵀ + dV' Yᵀ) Tᵀ = −(dX Wᵀ + dY Uᵀ), so neither dT nor X is formed.
@@ -312,7 +304,7 @@ def _kda_bwd_wy(
         G = _chunk_gate_cumsum(g, i_h, bos, eos, A_log, dt_bias, H, K, lb, BT, BK, USE_GATE, HAS_LB, HAS_A, HAS_DT)
     if PASSES & 2:
         dkg, daq, dgam = _wy_through_vn(do, U, b_w, HS, DHS, base, i_h, bos, eos, H, V, BT, BK, BV, BVP, PREC)
-        _wy_store_vn(DAQ, DK, DG, DK2, DG2, dkg, daq, dgam, b_k, G, base, scale, BT, BK, VN_APART)
+        _wy_store_vn(DAQ, DK, DG, dkg, daq, dgam, b_k, G, base, scale, BT, BK)
 
 
 @triton.jit
@@ -665,7 +657,6 @@ def kda_bwd(q, k, v, g, beta, A_log, dt_bias, initial_state, scale: float, do, d
     RN = torch.empty(H, NC, 2, BT, **f32) if split and flags["l2norm"] else dummy
     GS = torch.empty(H, NC, BT, BK, **f32) if split else dummy
     store_rn = split and flags["l2norm"]
-    vn = None
     if BwdConfig.wy_kb:
         DB = launch_wy_kb(q, k, v, g, beta, a_log, dtb, do, RN, GS, s, DHS, DV, dv, DQ, DK, DG, DL, DAQ, tab, H, K,
                           V, scale, lb, BT, BK, BVP, prec, flag_kw, store_rn, split, BwdConfig)
@@ -674,20 +665,17 @@ def kda_bwd(q, k, v, g, beta, A_log, dt_bias, initial_state, scale: float, do, d
         if not BwdConfig.wy_split and BwdConfig.wy_bv < 64 and q.is_cuda:
             raise ValueError(f"BwdConfig.wy_bv: the fused WY backward needs 64 or 128 on CUDA (32 faults on sm_90), "
                              f"got {BwdConfig.wy_bv}")
-        # wy_vn_apart: the V' pass's dk, dG shares go to buffers of their own, added by the split intra kernel
-        vn = tuple(torch.empty(H, NC, BT, BK, **f32) for _ in range(2)) if split and BwdConfig.wy_vn_apart else None
         for passes in ((1, 2) if BwdConfig.wy_split else (3,)):
             _kda_bwd_wy[(NC, H)](
                 q, k, v, g, beta, a_log, dtb, do, RN, GS, s["W"], s["U"], s["QG"], s["TM"], s["HS"], DHS, DV,
-                dv, DQ, DK, DG, *(vn or (DK, DG)), DB, DL, DAQ, tab.cu, tab.chunk_seq, tab.chunk_off, NC, tab.T,
-                tab.NT, H, K, V, scale, lb, BT=BT, BK=BK, BV=min(BwdConfig.wy_bv, BVP), BVP=BVP, PREC=prec,
-                STORE_RN=store_rn, STORE_G=split, PASSES=passes, VN_APART=vn is not None, **flag_kw,
+                dv, DQ, DK, DG, DB, DL, DAQ, tab.cu, tab.chunk_seq, tab.chunk_off, NC, tab.T, tab.NT,
+                H, K, V, scale, lb, BT=BT, BK=BK, BV=min(BwdConfig.wy_bv, BVP), BVP=BVP, PREC=prec,
+                STORE_RN=store_rn, STORE_G=split, PASSES=passes, **flag_kw,
                 **_wy_launch(passes, BwdConfig, s["W"].dtype))
 
     if split:
         DAP, DDT = launch_intra_split(q, k, g, beta, a_log, dtb, RN, GS, DQ, DK, DG, DB, DL, DAQ, dq, dk, dg, db,
-                                      tab, H, K, lb, BT, BC, BK, prec_intra, flag_kw, flags["exact_diag"], BwdConfig,
-                                      vn)
+                                      tab, H, K, lb, BT, BC, BK, prec_intra, flag_kw, flags["exact_diag"], BwdConfig)
     else:
         DAP = torch.empty(H, NC, **f32)
         DDT = torch.empty(H, NC, BK, **f32)

@@ -171,11 +171,11 @@ def _mm(a, b, acc=None, PREC: tl.constexpr = "ieee"):
 
 
 @triton.jit
-def _intra_block(q, k, beta, RN, GS, DQ, DK, DG, DK2, DG2, DB, DL, DAQ, dq, dk, dbeta,
+def _intra_block(q, k, beta, RN, GS, DQ, DK, DG, DB, DL, DAQ, dq, dk, dbeta,
                  base, i_h, bos, eos, H, K, I,
                  BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BKS: tl.constexpr,
                  L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr, EXACT_DIAG: tl.constexpr, PREC: tl.constexpr,
-                 STACK: tl.constexpr, DIAG_APART: tl.constexpr = True, VN_APART: tl.constexpr = False):
+                 STACK: tl.constexpr, DIAG_APART: tl.constexpr = True):
     """Sub-block I of one chunk: see the module docstring. STACK: the two products of a walk step that share an
     operand run as one MMA with the other operands stacked ([dA_qk; dL] rows on the row side, [q̂; βk̂] rows on the
     column side): half the operand staging rounds. Register economy: K is walked in slices of BKS columns
@@ -287,9 +287,6 @@ def _intra_block(q, k, beta, RN, GS, DQ, DK, DG, DK2, DG2, DB, DL, DAQ, dq, dk, 
             tl.store(DQ + sk + o_sk, tl.load(DQ + sk + o_sk) + dq_a)
         dg_part = tl.load(DG + sk + o_sk) + qI * dq_a + kI * dkr
         dk_part = tl.load(DK + sk + o_sk) + dkr
-        if VN_APART:  # the WY kernel's V'-pass shares, in buffers of their own (``BwdConfig.wy_vn_apart``)
-            dg_part += tl.load(DG2 + sk + o_sk)
-            dk_part += tl.load(DK2 + sk + o_sk)
         if DIAG_APART and ONE:
             dk_part += dd[:, None] * qI
         fI = tl.exp2(tI[None, :] - sI)  # ≤ 1
@@ -356,13 +353,13 @@ def _intra_block(q, k, beta, RN, GS, DQ, DK, DG, DK2, DG2, DB, DL, DAQ, dq, dk, 
 @triton.jit(do_not_specialize=['NC', 'T', 'NT', 'H'])
 def _kda_bwd_intra_sub(
     q, k, beta, RN, GS,
-    DQ, DK, DG, DK2, DG2, DB, DL, DAQ,
+    DQ, DK, DG, DB, DL, DAQ,
     dq, dk, dbeta,
     cu, chunk_seq, chunk_off, NC, T, NT,
     H, K: tl.constexpr,
     BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BKS: tl.constexpr,
     L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr, IS_VARLEN: tl.constexpr, EXACT_DIAG: tl.constexpr,
-    PREC: tl.constexpr, STACK: tl.constexpr, DIAG_APART: tl.constexpr = True, VN_APART: tl.constexpr = False,
+    PREC: tl.constexpr, STACK: tl.constexpr, DIAG_APART: tl.constexpr = True,
 ):
     NB: tl.constexpr = BT // BC
     i_ci = tl.program_id(0)
@@ -372,13 +369,10 @@ def _kda_bwd_intra_sub(
     bos, eos = _chunk_pos(i_c, cu, chunk_seq, chunk_off, T, NT, BT, IS_VARLEN)
     base = (i_h * NC + i_c).to(tl.int64)
     # A sub-block made only of padding has q̂ = k̂ = 0: no share, and its DG rows (which may carry γ's share at the
-    # chunk's last row) are right once the V' pass's own rows are added; the dg pass reads them as they are.
+    # chunk's last row) are already right; the dg pass reads them as they are.
     if bos + i_i * BC < eos:
-        _intra_block(q, k, beta, RN, GS, DQ, DK, DG, DK2, DG2, DB, DL, DAQ, dq, dk, dbeta, base, i_h, bos, eos, H, K,
-                     i_i, BT, BC, BK, BKS, L2NORM, BETA_SIGMOID, EXACT_DIAG, PREC, STACK, DIAG_APART, VN_APART)
-    elif VN_APART:
-        o_sk = (i_i * BC + tl.arange(0, BC))[:, None] * BK + tl.arange(0, BK)[None, :] + base * (BT * BK)
-        tl.store(DG + o_sk, tl.load(DG + o_sk) + tl.load(DG2 + o_sk))
+        _intra_block(q, k, beta, RN, GS, DQ, DK, DG, DB, DL, DAQ, dq, dk, dbeta, base, i_h, bos, eos, H, K, i_i,
+                     BT, BC, BK, BKS, L2NORM, BETA_SIGMOID, EXACT_DIAG, PREC, STACK, DIAG_APART)
 
 
 @triton.jit(do_not_specialize=['NC', 'T', 'NT', 'H'])
@@ -607,17 +601,16 @@ def launch_intra_split(q: torch.Tensor, k: torch.Tensor, g: torch.Tensor, beta: 
                        DG: torch.Tensor, DB: torch.Tensor, DL: torch.Tensor, DAQ: torch.Tensor, dq: torch.Tensor,
                        dk: torch.Tensor, dg: torch.Tensor, db: torch.Tensor, tab, H: int, K: int, lb: float, BT: int,
                        BC: int, BK: int, prec: str, flag_kw: dict, exact_diag: bool,
-                       cfg, vn: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                       cfg) -> tuple[torch.Tensor, torch.Tensor]:
     """Run the two kernels on the WY kernel's scratch (``RN [H, NC, 2, BT]`` 1/‖q‖, 1/‖k‖; ``GS``, ``DQ``, ``DK``,
     ``DG [H, NC, BT, BK]``; ``DB [H, NC, BT]``; ``DL``, ``DAQ [H, NC, BT, BT]``, all fp32), writing dq, dk, dg, db.
     Returns the per-chunk partial sums ``(DAP [H, NC, NKG], DDT [H, NC, BK])`` (fp32; meaningful only with the
-    fused gate). ``cfg`` is ``BwdConfig``. DQ, DK, DG are overwritten (DG becomes dG). ``vn = (DK2, DG2)``: the WY
-    kernel's V'-pass shares of dk and dG, stored apart (``BwdConfig.wy_vn_apart``), added here."""
+    fused gate). ``cfg`` is ``BwdConfig``. DQ, DK, DG are overwritten (DG becomes dG)."""
     NC = tab.NC
     cap = {"maxnreg": int(cfg.intra_split_maxnreg)} if cfg.intra_split_maxnreg else {}
     _kda_bwd_intra_sub[(NC * (BT // BC), H)](
-        q, k, beta, RN, GS, DQ, DK, DG, *(vn if vn is not None else (DK, DG)), DB, DL, DAQ, dq, dk, db,
-        tab.cu, tab.chunk_seq, tab.chunk_off, NC, tab.T, tab.NT, H, K, BT=BT, BC=BC, BK=BK, VN_APART=vn is not None,
+        q, k, beta, RN, GS, DQ, DK, DG, DB, DL, DAQ, dq, dk, db,
+        tab.cu, tab.chunk_seq, tab.chunk_off, NC, tab.T, tab.NT, H, K, BT=BT, BC=BC, BK=BK,
         BKS=min(int(cfg.intra_split_bk), BK), EXACT_DIAG=exact_diag, PREC=prec, STACK=bool(cfg.intra_split_stack),
         DIAG_APART=bool(cfg.intra_qk_diag_apart),
         L2NORM=flag_kw["L2NORM"], BETA_SIGMOID=flag_kw["BETA_SIGMOID"], IS_VARLEN=flag_kw["IS_VARLEN"],
