@@ -174,6 +174,7 @@ GPU_VARIANTS = {  # the launch shapes the sweep times (chunk_bwd.BwdConfig), bf1
     "wy_split_cap128": dict(intra_split=True, wy_split=True, wy_split_maxnreg=128),
     "diag_in_products": dict(intra_qk_diag_apart=False, intra_prec_half="bf16x3"),
     "bf16x3": dict(intra_prec_half="bf16x3"),
+    "split_bk64_4w_cap128": dict(intra_split_bk=64, intra_split_warps=4),  # the default until session 7
 }
 
 

@@ -70,9 +70,13 @@ class BwdConfig:
     # A_qk / A_kk backward, then the reverse cumsum + gate backward per (chunk, head, K-slice). Measured (one H200,
     # sweep run 4b, B=8 T=4096 H=32, whole backward): 19.57 ms (v3 intra) → 13.39 (split) → 12.39 (+ maxnreg 128)
     intra_split = True
-    intra_split_warps = 4
+    # all of K in one slice at 8 warps (dq, dk finish in registers: no scratch round trip): with the tf32 dots it
+    # compiles without spills at the 128-register cap (sm_90; 168 B of spill stack at K-slice 64, 4 warps) and on the
+    # H200 (session 7, knob_ab) 12.22 vs 12.54 ms fwd+bwd at B=8 T=4096 H=32, 13.07 vs 13.37 at B=1 T=32K (K-slice
+    # 32: 13.73; 64 at 8 warps: 14.03; cap 168: 12.53). With bf16x3 dots it had been slower (13.29 vs 13.08).
+    intra_split_warps = 8
     intra_split_stages = 1
-    intra_split_bk = 64  # K-slice walked at a time by the split kernel (128 = all of K: fewer loads, more registers)
+    intra_split_bk = 128  # K-slice walked at a time by the split kernel (128 = all of K: fewer loads, more registers)
     intra_split_maxnreg = 128  # > 0: cap the split kernel's registers (ptxas maxnreg) to fit more programs per SM
     # one MMA per walk step on stacked operands instead of two (half the staging rounds); sweep v6 (H200, B=8
     # T=4096 H=32): whole backward 11.69 → 11.22 ms
