@@ -2,8 +2,8 @@
 """Every gradient's error against the fp64 recurrence for backward-knob variants, on the extreme inputs of the GPU
 tests (bf16, K = V = 128): the margins behind a knob change, printed as one table (worst gradient per case).
 
-    python bench/bwd_variant_errors.py --variant tf32 BwdConfig.intra_prec_half='"tf32"' \\
-        --variant bf16 BwdConfig.intra_prec_half='"bf16"'
+    python bench/bwd_variant_errors.py --variant bf16x3 BwdConfig.intra_prec_half=bf16x3 \\
+        --variant bf16 BwdConfig.intra_prec_half=bf16
 """
 
 from __future__ import annotations

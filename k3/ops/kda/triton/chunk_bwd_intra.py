@@ -162,8 +162,8 @@ def _exact_diag_bwd(dAq, dL, b_q, b_k, b_b, G):
 @triton.jit
 def _mm(a, b, acc=None, PREC: tl.constexpr = "ieee"):
     """tl.dot of fp32 operands at the intra backward's precision. "bf16": one bf16 MMA on operands rounded to
-    bf16 (fp32 accumulation), for half inputs now that A_qk's diagonal stays out of the products; otherwise
-    Triton's input_precision (tf32, tf32x3, bf16x3, ieee)."""
+    bf16 (fp32 accumulation; an option only: dt_bias's gradient reached 2.5e-2 with β ≈ 1 and repeated keys);
+    otherwise Triton's input_precision (tf32, tf32x3, bf16x3, ieee)."""
     if PREC == "bf16":
         return tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16), acc)
     else:
@@ -203,8 +203,9 @@ def _intra_block(q, k, beta, RN, GS, DQ, DK, DG, DB, DL, DAQ, dq, dk, dbeta,
     # (where dg itself is small) that was 6e-5 of dg in fp32 (2e-6 without). So the products skip the diagonal and
     # its exact terms go to dq and dk alone (DIAG_APART; ``BwdConfig.intra_qk_diag_apart``).
     dAq = _tile(DAQ + sa, I, I, BT, BC)
-    # The exact terms join dq, dk where the full rows are read back for the L2-norm backward (several K-slices):
-    # inside the slice loop their [BC]-vector broadcasts cost spills and barriers (0.4 ms of a B=8 T=4096 step).
+    # With several K-slices the exact terms join dq, dk where the full rows are read back for the L2-norm backward:
+    # inside the slice loop their [BC]-vector broadcasts cost spills and barriers (0.4 ms of a B=8 T=4096 step at
+    # K-slice 64, 4 warps). With one slice (the default: 8 warps, no spills) they are added in registers.
     ONE: tl.constexpr = BKS == BK  # one slice: dq, dk finish in registers (no scratch round trip, no barrier)
     if DIAG_APART:
         eye = o_s[:, None] == o_s[None, :]
