@@ -255,15 +255,17 @@ def breakdown_rows() -> list[dict]:
     tab = make_chunk_table(B, T, None, x["q"].device)
     args = (x["q"], x["k"], x["v"], x["g"], x["beta"], x["A_log"], x["dt_bias"])
     o_, ht_, saved = cf.kda_fwd(*args, 128**-0.5, None, tab, -5.0, flags, True)
-    bufs = {n: saved[n] for n in ("W", "U", "KG", "QG", "AQK", "GAM", "TM")}
+    bufs = {n: saved[n] for n in ("W", "U", "KG", "QG", "AQK", "GAM", "TM") if n in saved}
     scratch = cf.alloc_chunk_buffers(H, tab.NC, 128, 128, torch.bfloat16, "cuda", store_t=False)
-    bufs.update({n: scratch[n] for n in ("LD", "TOT") if n in scratch})  # the prep's scratches (not saved)
+    # the prep's scratches (not saved), and U when the forward kept V' in its place (FwdConfig.store_vn)
+    bufs.update({n: scratch[n] for n in ("LD", "TOT", "U") if n in scratch and n not in bufs})
     o = torch.empty_like(x["v"])
     ht = torch.zeros(B, H, 128, 128, device="cuda")
     do = torch.randn_like(x["v"])
     fns = {
         "prep (K1, stores T)": lambda: cf.launch_prep(*args, bufs, tab, 0, tab.NC, 128**-0.5, -5.0, flags, True),
-        "state pass (K2, stores h)": lambda: cf.launch_state(bufs, o, saved["HS"], ht, tab, 0, tab.NC, H, 128, 128),
+        "state pass (K2, stores h)": lambda: cf.launch_state(bufs, o, saved["HS"], ht, tab, 0, tab.NC, H, 128, 128,
+                                                             vn=saved.get("VN")),
         "backward (3 kernels)": lambda: cb.kda_bwd(x["q"], x["k"], x["v"], x["g"], x["beta"], x["A_log"],
                                                    x["dt_bias"], None, 128**-0.5, do, None, saved, tab, -5.0,
                                                    flags),

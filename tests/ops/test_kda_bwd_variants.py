@@ -158,6 +158,35 @@ def test_bwd_variant_fp16_equals_fused(variant, monkeypatch):
         assert rel(g_split[n], xr[n].grad) < 2e-2, n
 
 
+@cpu_only
+@pytest.mark.parametrize("wy_kb", [False, True])
+@pytest.mark.parametrize("case", [CASES[1], CASES[4], CASES[6]])
+def test_bwd_without_saved_vn(monkeypatch, wy_kb, case):
+    """``FwdConfig.store_vn = False``: the forward keeps U and the WY backward recomputes V' = U − W S (and dL
+    through dX Wᵀ + dY Uᵀ) instead of loading V'."""
+    from k3.ops.kda.triton.chunk_fwd import FwdConfig
+
+    monkeypatch.setattr(FwdConfig, "store_vn", False)
+    monkeypatch.setattr(BwdConfig, "wy_kb", wy_kb)
+    B, T, H, K, V, kw, rkw = case
+    check_against_reference(make_inputs(B, T, H, K, V, **kw), 1e-4, **rkw)
+
+
+def test_training_forward_saves_vn_not_u():
+    """The training forward hands V' (not U) to the backward, equal to U − W S from the saved entry states."""
+    from k3.ops.kda.triton._common import make_chunk_table
+    from k3.ops.kda.triton.chunk_fwd import kda_fwd, prep_all
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    x = make_inputs(1, 150, 2, 32, 32, seed=3)
+    a = [x[n].to(dev, torch.float32) for n in ("q", "k", "v", "g", "beta", "A", "dt")]
+    tab = make_chunk_table(1, 150, None, dev)
+    flags = dict(l2norm=True, use_gate=True, beta_sigmoid=True, exact_diag=False)
+    _, _, saved = kda_fwd(*a, 32 ** -0.5, None, tab, -5.0, flags, True)
+    assert "VN" in saved and "U" not in saved
+    U = prep_all(*a, 32 ** -0.5, tab, -5.0, flags)["U"]
+    vn = U - saved["W"] @ saved["HS"]
+    assert rel(saved["VN"], vn) < 1e-5
 # ---------------------------------------------------------------------------------------------- GPU (bf16)
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -198,15 +198,19 @@ def _wy_through_dvn(do, v, dv, U, TM, HS, DV, base, i_h, bos, eos, H, V: tl.cons
 def _wy_store_dvn(q, k, g, A_log, dt_bias, RN, GS, b_w, QG, DQ, DK, DG, DB, DL, dqg, dx, dlu, db, b_b, base, i_h,
                   bos, eos, H, K, scale, lb, BT: tl.constexpr, BK: tl.constexpr,
                   USE_GATE: tl.constexpr, HAS_LB: tl.constexpr, HAS_A: tl.constexpr, HAS_DT: tl.constexpr,
-                  L2NORM: tl.constexpr, PREC: tl.constexpr, STORE_RN: tl.constexpr, STORE_G: tl.constexpr):
-    """After the dV' pass: dL = −(dX Wᵀ + Σ dY Uᵀ) (strictly lower), dq (= dqg e^G scale), dk and dg's shares
-    through X = β K e^G and qg, dβ; the split intra backward's 1/‖q‖, 1/‖k‖ and within-sub-block gate cumsums.
-    Returns (k̂, G) for the V' pass."""
+                  L2NORM: tl.constexpr, PREC: tl.constexpr, STORE_RN: tl.constexpr, STORE_G: tl.constexpr,
+                  VN_SAVED: tl.constexpr):
+    """After the dV' pass: dL = −(dX Wᵀ + Σ dY Uᵀ) (strictly lower; = −Σ dY V'ᵀ, which ``dlu`` already is when
+    V' was loaded: VN_SAVED), dq (= dqg e^G scale), dk and dg's shares through X = β K e^G and qg, dβ; the split
+    intra backward's 1/‖q‖, 1/‖k‖ and within-sub-block gate cumsums. Returns (k̂, G) for the V' pass."""
     DT: tl.constexpr = b_w.dtype
     o_t = tl.arange(0, BT)
     o_k = tl.arange(0, BK)
     p_tk = (base * BT + o_t[:, None]) * BK + o_k[None, :]
-    dL = -(tl.dot(dx.to(DT), tl.trans(b_w), input_precision=PREC) + dlu)
+    if VN_SAVED:
+        dL = -dlu
+    else:
+        dL = -(tl.dot(dx.to(DT), tl.trans(b_w), input_precision=PREC) + dlu)
     tl.store(DL + (base * BT + o_t[:, None]) * BT + o_t[None, :], tl.where(o_t[:, None] > o_t[None, :], dL, 0.))
     b_k, rk = _l2norm(_chunk_tile(k, i_h, bos, eos, H, K, BT, BK).to(tl.float32), L2NORM)
     if STORE_RN:  # per-row 1/‖q‖, 1/‖k‖ for the split intra backward, which walks K in slices
@@ -230,9 +234,10 @@ def _wy_store_dvn(q, k, g, A_log, dt_bias, RN, GS, b_w, QG, DQ, DK, DG, DB, DL, 
 
 @triton.jit
 def _wy_through_vn(do, U, b_w, HS, DHS, base, i_h, bos, eos, H, V: tl.constexpr,
-                   BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BVP: tl.constexpr, PREC: tl.constexpr):
-    """WY backward, pass through V' = U − W S over V-blocks: returns dkg = Σ V' dS'ᵀ, dA_qk = Σ dO V'ᵀ (unscaled)
-    and γ's share Σ S ⊙ dS'."""
+                   BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BVP: tl.constexpr, PREC: tl.constexpr,
+                   VN_SAVED: tl.constexpr):
+    """WY backward, pass through V' = U − W S over V-blocks (V' loaded from ``U`` when VN_SAVED): returns
+    dkg = Σ V' dS'ᵀ, dA_qk = Σ dO V'ᵀ (unscaled) and γ's share Σ S ⊙ dS'."""
     DT: tl.constexpr = b_w.dtype
     o_t = tl.arange(0, BT)
     o_k = tl.arange(0, BK)
@@ -247,8 +252,11 @@ def _wy_through_vn(do, U, b_w, HS, DHS, base, i_h, bos, eos, H, V: tl.constexpr,
         p_kv = (base * BK + o_k[:, None]) * BVP + o_v[None, :]
         b_s = tl.load(HS + p_kv)
         b_ds = tl.load(DHS + p_kv)
-        b_vn = (tl.load(U + (base * BT + o_t[:, None]) * BVP + o_v[None, :]).to(tl.float32)
-                - tl.dot(b_w, b_s, input_precision=PREC)).to(DT)
+        if VN_SAVED:
+            b_vn = tl.load(U + (base * BT + o_t[:, None]) * BVP + o_v[None, :])
+        else:
+            b_vn = (tl.load(U + (base * BT + o_t[:, None]) * BVP + o_v[None, :]).to(tl.float32)
+                    - tl.dot(b_w, b_s, input_precision=PREC)).to(DT)
         b_do = tl.load(do + (t * H + i_h)[:, None] * V + o_v[None, :], mask=m_tv, other=0.).to(DT)
         dkg += tl.dot(b_vn, tl.trans(b_ds), input_precision=PREC)
         daq += tl.dot(b_do, tl.trans(b_vn), input_precision=PREC)
@@ -283,8 +291,9 @@ def _kda_bwd_wy(
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BVP: tl.constexpr,
     USE_GATE: tl.constexpr, HAS_LB: tl.constexpr, HAS_A: tl.constexpr, HAS_DT: tl.constexpr,
     L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr, IS_VARLEN: tl.constexpr, PREC: tl.constexpr,
-    STORE_RN: tl.constexpr, STORE_G: tl.constexpr, PASSES: tl.constexpr = 3,
+    STORE_RN: tl.constexpr, STORE_G: tl.constexpr, PASSES: tl.constexpr = 3, VN_SAVED: tl.constexpr = False,
 ):
+    # VN_SAVED: ``U`` holds V' (stored by the forward), so dL = −Σ dY V'ᵀ and the V' pass loads V': no W at all.
     # Two passes over V-blocks, each with few accumulators (register pressure). With T X = W and T Y = U:
     # dX = Tᵀ dW = −dY Sᵀ and dL = −Tᵀ (dW Xᵀ + dV' Yᵀ) Tᵀ = −(dX Wᵀ + dY Uᵀ), so neither dT nor X is formed.
     # PASSES: 3 = both in one program; 1 = only the dV' pass, 2 = only the V' pass (``BwdConfig.wy_split``: two
@@ -294,20 +303,28 @@ def _kda_bwd_wy(
     bos, eos = _chunk_pos(i_c, cu, chunk_seq, chunk_off, T, NT, BT, IS_VARLEN)
     base = (i_h * NC + i_c).to(tl.int64)
     p_w = W + (base * BT + tl.arange(0, BT)[:, None]) * BK + tl.arange(0, BK)[None, :]
+    DT: tl.constexpr = W.dtype.element_ty
     if PASSES & 1:
         b_b = _chunk_beta(beta, i_h, bos, eos, H, BT, BETA_SIGMOID)
         dqg, dx, dlu, db = _wy_through_dvn(do, v, dv, U, TM, HS, DV, base, i_h, bos, eos, H, V, b_b,
                                            BT, BK, BV, BVP, PREC)
-        b_w = tl.load(p_w)  # after the dV' pass (as in the fused kernel before: fewer live registers there)
+        if VN_SAVED:  # never read (a dtype carrier the compiler drops)
+            b_w = tl.zeros([BT, BK], dtype=DT)
+        else:
+            b_w = tl.load(p_w)  # after the dV' pass (as in the fused kernel before: fewer live registers there)
         b_k, G = _wy_store_dvn(q, k, g, A_log, dt_bias, RN, GS, b_w, QG, DQ, DK, DG, DB, DL, dqg, dx, dlu, db, b_b,
                                base, i_h, bos, eos, H, K, scale, lb, BT, BK, USE_GATE, HAS_LB, HAS_A, HAS_DT,
-                               L2NORM, PREC, STORE_RN, STORE_G)
+                               L2NORM, PREC, STORE_RN, STORE_G, VN_SAVED)
     else:
-        b_w = tl.load(p_w)
+        if VN_SAVED:
+            b_w = tl.zeros([BT, BK], dtype=DT)
+        else:
+            b_w = tl.load(p_w)
         b_k, _ = _l2norm(_chunk_tile(k, i_h, bos, eos, H, K, BT, BK).to(tl.float32), L2NORM)
         G = _chunk_gate_cumsum(g, i_h, bos, eos, A_log, dt_bias, H, K, lb, BT, BK, USE_GATE, HAS_LB, HAS_A, HAS_DT)
     if PASSES & 2:
-        dkg, daq, dgam = _wy_through_vn(do, U, b_w, HS, DHS, base, i_h, bos, eos, H, V, BT, BK, BV, BVP, PREC)
+        dkg, daq, dgam = _wy_through_vn(do, U, b_w, HS, DHS, base, i_h, bos, eos, H, V, BT, BK, BV, BVP, PREC,
+                                         VN_SAVED)
         _wy_store_vn(DAQ, DK, DG, dkg, daq, dgam, b_k, G, base, scale, BT, BK)
 
 
@@ -661,6 +678,8 @@ def kda_bwd(q, k, v, g, beta, A_log, dt_bias, initial_state, scale: float, do, d
     RN = torch.empty(H, NC, 2, BT, **f32) if split and flags["l2norm"] else dummy
     GS = torch.empty(H, NC, BT, BK, **f32) if split else dummy
     store_rn = split and flags["l2norm"]
+    vn_saved = "VN" in s  # the forward stored V' (``FwdConfig.store_vn``): the WY kernels load it, U is not kept
+    u_or_vn = s["VN"] if vn_saved else s["U"]
     if BwdConfig.wy_kb:
         DB = launch_wy_kb(q, k, v, g, beta, a_log, dtb, do, RN, GS, s, DHS, DV, dv, DQ, DK, DG, DL, DAQ, tab, H, K,
                           V, scale, lb, BT, BK, BVP, prec, flag_kw, store_rn, split, BwdConfig)
@@ -671,10 +690,10 @@ def kda_bwd(q, k, v, g, beta, A_log, dt_bias, initial_state, scale: float, do, d
                              f"got {BwdConfig.wy_bv}")
         for passes in ((1, 2) if BwdConfig.wy_split else (3,)):
             _kda_bwd_wy[(NC, H)](
-                q, k, v, g, beta, a_log, dtb, do, RN, GS, s["W"], s["U"], s["QG"], s["TM"], s["HS"], DHS, DV,
+                q, k, v, g, beta, a_log, dtb, do, RN, GS, s["W"], u_or_vn, s["QG"], s["TM"], s["HS"], DHS, DV,
                 dv, DQ, DK, DG, DB, DL, DAQ, tab.cu, tab.chunk_seq, tab.chunk_off, NC, tab.T, tab.NT,
                 H, K, V, scale, lb, BT=BT, BK=BK, BV=min(BwdConfig.wy_bv, BVP), BVP=BVP, PREC=prec,
-                STORE_RN=store_rn, STORE_G=split, PASSES=passes, **flag_kw,
+                STORE_RN=store_rn, STORE_G=split, PASSES=passes, VN_SAVED=vn_saved, **flag_kw,
                 **_wy_launch(passes, BwdConfig, s["W"].dtype))
 
     if split:

@@ -435,23 +435,27 @@ def _row_rnorm(x, i_h, bos, eos, H, K, BT: tl.constexpr, BK: tl.constexpr, BKW: 
 
 @triton.jit
 def _wy_dy_vn(TM, W, U, HS, DV, base, o_t, o_kf, o_v, BT: tl.constexpr, BK: tl.constexpr, BVP: tl.constexpr,
-              PREC: tl.constexpr):
-    """One V-block of dY = Tᵀ dV' (fp32) and V' = U − W S (store dtype). T and W are re-read per V-block (L1/L2
-    hits) rather than held in registers across the V loop."""
+              PREC: tl.constexpr, VN_SAVED: tl.constexpr):
+    """One V-block of dY = Tᵀ dV' (fp32) and V' (store dtype): loaded from ``U`` when the forward stored V' there
+    (VN_SAVED, ``FwdConfig.store_vn``), else recomputed as U − W S. T and W are re-read per V-block (L1/L2 hits)
+    rather than held in registers across the V loop."""
     DT: tl.constexpr = W.dtype.element_ty
     p_tv = (base * BT + o_t[:, None]) * BVP + o_v[None, :]
     b_tt = tl.load(TM + (base * BT + o_t[None, :]) * BT + o_t[:, None])  # Tᵀ by the addressing
     b_dy = tl.dot(b_tt, tl.load(DV + p_tv), input_precision=PREC)
-    b_s = tl.load(HS + (base * BK + o_kf[:, None]) * BVP + o_v[None, :])
-    b_w = tl.load(W + (base * BT + o_t[:, None]) * BK + o_kf[None, :])
-    b_vn = (tl.load(U + p_tv).to(tl.float32) - tl.dot(b_w, b_s, input_precision=PREC)).to(DT)
+    if VN_SAVED:
+        b_vn = tl.load(U + p_tv)
+    else:
+        b_s = tl.load(HS + (base * BK + o_kf[:, None]) * BVP + o_v[None, :])
+        b_w = tl.load(W + (base * BT + o_t[:, None]) * BK + o_kf[None, :])
+        b_vn = (tl.load(U + p_tv).to(tl.float32) - tl.dot(b_w, b_s, input_precision=PREC)).to(DT)
     return b_dy, b_vn
 
 
 @triton.jit
 def _wy_dv_dl(v, do, TM, W, U, HS, DV, dv, DL, DAQ, DBP, DYS, VNS, b_b, base, i_h, t, m_t, o_t, o_kf, H,
               V: tl.constexpr, scale, NKW: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-              BVP: tl.constexpr, PREC: tl.constexpr, STORE_DYVN: tl.constexpr):
+              BVP: tl.constexpr, PREC: tl.constexpr, STORE_DYVN: tl.constexpr, VN_SAVED: tl.constexpr):
     """The chunk-head's [BT, BT] outputs dL = −dY V'ᵀ (strictly lower), dA_qk = dO V'ᵀ (lower, × scale), plus
     dv = β dY and dY's share of dβ (partial number NKW). STORE_DYVN: also hand dY, V' (store dtype) to the
     K-block programs of a second launch through ``DYS`` / ``VNS`` ``[H, NC, BT, BVP]``."""
@@ -463,7 +467,7 @@ def _wy_dv_dl(v, do, TM, W, U, HS, DV, dv, DL, DAQ, DBP, DYS, VNS, b_b, base, i_
         o_v = i_v * BV + tl.arange(0, BV)
         m_tv = m_t[:, None] & (o_v < V)[None, :]
         p_v = (t * H + i_h)[:, None] * V + o_v[None, :]
-        b_dy, b_vn = _wy_dy_vn(TM, W, U, HS, DV, base, o_t, o_kf, o_v, BT, BK, BVP, PREC)
+        b_dy, b_vn = _wy_dy_vn(TM, W, U, HS, DV, base, o_t, o_kf, o_v, BT, BK, BVP, PREC, VN_SAVED)
         if STORE_DYVN:
             p_tv = (base * BT + o_t[:, None]) * BVP + o_v[None, :]
             tl.store(DYS + p_tv, b_dy.to(DT))
@@ -490,7 +494,7 @@ def _kda_bwd_wy_kb(
     BT: tl.constexpr, BK: tl.constexpr, BKW: tl.constexpr, BV: tl.constexpr, BVP: tl.constexpr,
     USE_GATE: tl.constexpr, HAS_LB: tl.constexpr, HAS_A: tl.constexpr, HAS_DT: tl.constexpr,
     L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr, IS_VARLEN: tl.constexpr, PREC: tl.constexpr,
-    STORE_RN: tl.constexpr, STORE_G: tl.constexpr, MODE: tl.constexpr,
+    STORE_RN: tl.constexpr, STORE_G: tl.constexpr, MODE: tl.constexpr, VN_SAVED: tl.constexpr = False,
 ):
     """WY backward, grid (chunks, heads, K/BKW + 1), one pass over V-blocks per program.
 
@@ -518,7 +522,7 @@ def _kda_bwd_wy_kb(
     b_b = _chunk_beta(beta, i_h, bos, eos, H, BT, BETA_SIGMOID)
     if i_k == NKW:
         _wy_dv_dl(v, do, TM, W, U, HS, DV, dv, DL, DAQ, DBP, DYS, VNS, b_b, base, i_h, t, m_t, o_t, o_kf, H, V,
-                  scale, NKW, BT, BK, BV, BVP, PREC, MODE == 1)
+                  scale, NKW, BT, BK, BV, BVP, PREC, MODE == 1, VN_SAVED)
         if L2NORM:
             if STORE_RN:
                 tl.store(RN + base * (2 * BT) + o_t, _row_rnorm(q, i_h, bos, eos, H, K, BT, BK, BKW))
@@ -538,7 +542,7 @@ def _kda_bwd_wy_kb(
                 b_dy = tl.load(DYS + p_tv).to(tl.float32)
                 b_vn = tl.load(VNS + p_tv)
             else:
-                b_dy, b_vn = _wy_dy_vn(TM, W, U, HS, DV, base, o_t, o_kf, o_v, BT, BK, BVP, PREC)
+                b_dy, b_vn = _wy_dy_vn(TM, W, U, HS, DV, base, o_t, o_kf, o_v, BT, BK, BVP, PREC, VN_SAVED)
             b_do = tl.load(do + (t * H + i_h)[:, None] * V + o_v[None, :], mask=m_tv, other=0.).to(DT)
             b_sk = tl.load(HS + p_kc)
             b_dsk = tl.load(DHS + p_kc)
@@ -589,10 +593,10 @@ def launch_wy_kb(q, k, v, g, beta, a_log, dtb, do, RN: torch.Tensor, GS: torch.T
         DYS = VNS = DV
     for mode, nz in ((1, 1), (2, nkw)) if two else ((0, nkw + 1),):
         _kda_bwd_wy_kb[(NC, H, nz)](
-            q, k, v, g, beta, a_log, dtb, do, RN, GS, s["W"], s["U"], s["QG"], s["TM"], s["HS"], DHS, DV,
-            dv, DQ, DK, DG, DBP, DL, DAQ, DYS, VNS, tab.cu, tab.chunk_seq, tab.chunk_off, NC, tab.T, tab.NT,
+            q, k, v, g, beta, a_log, dtb, do, RN, GS, s["W"], s.get("VN", s.get("U")), s["QG"], s["TM"], s["HS"],
+            DHS, DV, dv, DQ, DK, DG, DBP, DL, DAQ, DYS, VNS, tab.cu, tab.chunk_seq, tab.chunk_off, NC, tab.T, tab.NT,
             H, K, V, scale, lb, BT=BT, BK=BK, BKW=bkw, BV=min(int(cfg.wy_kb_bv), BVP), BVP=BVP, PREC=prec,
-            STORE_RN=store_rn, STORE_G=store_g, MODE=mode, **flag_kw,
+            STORE_RN=store_rn, STORE_G=store_g, MODE=mode, VN_SAVED="VN" in s, **flag_kw,
             num_warps=cfg.wy_kb_warps, num_stages=cfg.wy_kb_stages, **cap)
     return DBP.sum(2)
 

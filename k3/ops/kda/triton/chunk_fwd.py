@@ -425,8 +425,10 @@ def _kda_fwd_state(
     H, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BVP: tl.constexpr,
     STORE_H: tl.constexpr, STORE_O: tl.constexpr, IS_VARLEN: tl.constexpr, PREC: tl.constexpr,
-    AU=None, FOLDED: tl.constexpr = False,
+    AU=None, FOLDED: tl.constexpr = False, VN=None, STORE_VN: tl.constexpr = False,
 ):
+    # STORE_VN (training, ``FwdConfig.store_vn``): V' of every chunk goes to VN for the WY backward, which then
+    # loads it instead of recomputing U − W S (the same bf16 values: S is rounded to the store dtype either way).
     # FOLDED (inference, ``FwdConfig.fold_output``): QG holds qw = qg − A_qk W and AU = A_qk U, so the output is
     # O = qw S + AU (``chunk_prep._prep_solve``): three products per chunk on the serial pass instead of four
     i_v = tl.program_id(0)
@@ -457,6 +459,8 @@ def _kda_fwd_state(
             if STORE_H:
                 tl.store(HS + ((i_h * NCh + c).to(tl.int64) * BK + o_k[:, None]) * BVP + o_v[None, :], b_s)
             b_vn = (b_u.to(tl.float32) - tl.dot(b_w, b_s, input_precision=PREC)).to(DT)
+            if STORE_VN:
+                tl.store(VN + ((i_h * NCh + c).to(tl.int64) * BT + o_t[:, None]) * BVP + o_v[None, :], b_vn)
             if STORE_O:
                 b_qg = tl.load(QG + p_tk)
                 if FOLDED:
@@ -534,6 +538,9 @@ class FwdConfig:
     state_bv = 64
     state_warps = 4
     state_stages = 3  # v2: 2; 3 stages: 39.6 → 31.2 ms per 1M, 1.14 → 0.81 ms at B=8 T=4096
+    # training: the forward state pass stores V' (``VN``, the size of U, which the backward then no longer needs),
+    # so the WY backward loads V' instead of recomputing U − W S per chunk
+    store_vn = True
     window_bytes = 1 << 30  # inference: bytes of chunk intermediates per window
     # inference on CUDA: the prep of window w+1 on a side stream while the state pass of window w runs (two window
     # buffers, +window_bytes of memory); the serial state pass fills ~one CTA per SM, so prep can share the SMs.
@@ -616,7 +623,9 @@ def launch_prep(q, k, v, g, beta, A_log, dt_bias, bufs: dict, tab: ChunkTable, c
 
 
 def launch_state(bufs: dict, o, hs, ht, tab: ChunkTable, c0: int, c1: int, H: int, K: int, V: int,
-                 store_o: bool = True) -> None:
+                 store_o: bool = True, vn: torch.Tensor | None = None) -> None:
+    """The serial state pass over chunks [c0, c1) of ``tab``; ``hs`` / ``vn`` (``[H, tab.NC, ·, BVP]``): also store
+    every chunk's entry state / V' there (training)."""
     BK = bufs["W"].shape[-1]
     BVP = bufs["U"].shape[-1]
     BV = min(FwdConfig.state_bv, BVP)
@@ -627,6 +636,7 @@ def launch_state(bufs: dict, o, hs, ht, tab: ChunkTable, c0: int, c1: int, H: in
         H, K, V, BT=BT, BK=BK, BV=BV, BVP=BVP, STORE_H=hs is not None, STORE_O=store_o,
         IS_VARLEN=tab.varlen, PREC=dot_precision(bufs["W"].dtype),
         **(dict(AU=bufs["AU"], FOLDED=True) if "AU" in bufs else {}),
+        **(dict(VN=vn, STORE_VN=True) if vn is not None else {}),
         num_warps=FwdConfig.state_warps, num_stages=state_stages(FwdConfig.state_stages, bufs["W"].dtype),
     )
 
@@ -650,10 +660,15 @@ def prep_all(q, k, v, g, beta, A_log, dt_bias, scale: float, tab: ChunkTable, lo
 
 def state_all(bufs: dict, o, ht, tab: ChunkTable, H: int, K: int, V: int) -> dict:
     """Training: the state pass over every chunk from ``ht`` (updated in place to the final states), writing ``o``
-    and the per-chunk entry states; returns what the backward needs (the buffers plus ``HS``)."""
-    hs = torch.empty(H, tab.NC, bufs["W"].shape[-1], bufs["U"].shape[-1], dtype=bufs["W"].dtype, device=o.device)
-    launch_state(bufs, o, hs, ht, tab, 0, tab.NC, H, K, V)
-    return dict(bufs, HS=hs)
+    and the per-chunk entry states; returns what the backward needs (the buffers plus ``HS``, and with
+    ``FwdConfig.store_vn`` every chunk's V' as ``VN`` in place of U, which the backward then does not read)."""
+    BK, BVP = bufs["W"].shape[-1], bufs["U"].shape[-1]
+    hs = torch.empty(H, tab.NC, BK, BVP, dtype=bufs["W"].dtype, device=o.device)
+    vn = torch.empty_like(bufs["U"]) if FwdConfig.store_vn else None
+    launch_state(bufs, o, hs, ht, tab, 0, tab.NC, H, K, V, vn=vn)
+    if vn is None:
+        return dict(bufs, HS=hs)
+    return dict({n: b for n, b in bufs.items() if n != "U"}, HS=hs, VN=vn)
 
 
 def alloc_output_state(q, v, initial_state, tab: ChunkTable) -> tuple[torch.Tensor, torch.Tensor]:
