@@ -53,7 +53,8 @@ VARIANTS = {
 K128 = {"both_k128": dict(intra_split=True, intra_split_bk=64, wy_kb=True, wy_kb_bk=64, wy_kb_bv=64),
         "split_one_slice_stack_k128": dict(intra_split=True, intra_split_bk=128, intra_split_stack=True,
                                            intra_split_warps=8, intra_split_maxnreg=128),
-        "wy_split_k128": dict(wy_split=True, intra_split=True, wy_bv=64)}
+        "wy_split_k128": dict(wy_split=True, intra_split=True, wy_bv=64),
+        "wy_kb_default_k128": dict(wy_kb=True)}  # the default launch: four 32-column K-blocks + the dv/dL program
 LAUNCHERS = {"intra_split": "launch_intra_split", "wy_kb": "launch_wy_kb"}
 
 
@@ -71,6 +72,8 @@ def _count(monkeypatch, launcher: str, calls: list) -> None:
 def variant(request, monkeypatch):
     """Apply the variant's knobs and count its launches (the test fails if a switched-on path did not run)."""
     knobs = {**VARIANTS, **K128}[request.param]
+    # the variants name their WY path: the fused kernel unless they switch ``wy_kb`` on (the default since session 8)
+    monkeypatch.setattr(BwdConfig, "wy_kb", False)
     for name, val in knobs.items():
         monkeypatch.setattr(BwdConfig, name, val)
     calls: list = []
@@ -193,7 +196,8 @@ gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 GPU_VARIANTS = {  # the launch shapes the sweep times (chunk_bwd.BwdConfig), bf16 at K = V = 128
     "split_bk32_4w": dict(intra_split=True, intra_split_bk=32, intra_split_warps=4),
     "split_bk64_8w": dict(intra_split=True, intra_split_bk=64, intra_split_warps=8),
-    "wy_kb": dict(wy_kb=True),
+    "wy_kb": dict(wy_kb=True, wy_kb_bk=64, wy_kb_warps=8, wy_kb_stages=1),  # the K-block launch before session 8
+    "wy_kb_default": dict(wy_kb=True),
     "split_bk32_4w_stack": dict(intra_split=True, intra_split_bk=32, intra_split_warps=4, intra_split_stack=True),
     "split_bk128_8w_stack_cap128": dict(intra_split=True, intra_split_bk=128, intra_split_warps=8,
                                         intra_split_stack=True, intra_split_maxnreg=128),
@@ -212,6 +216,7 @@ GPU_VARIANTS = {  # the launch shapes the sweep times (chunk_bwd.BwdConfig), bf1
 @pytest.mark.parametrize("kw,rkw", [({}, {}), ({"gate": False, "g_override": -5.0}, {"gate": False}),
                                     ({"beta_logit": 12.0, "repeat_keys": True}, {}), ({"beta_logit": -12.0}, {})])
 def test_gpu_bf16_bwd_variants(monkeypatch, name, kw, rkw):
+    monkeypatch.setattr(BwdConfig, "wy_kb", False)  # as in the CPU variants: the fused WY unless switched on
     for knob, val in GPU_VARIANTS[name].items():
         monkeypatch.setattr(BwdConfig, knob, val)
     x = make_inputs(1, 300, 2, 128, 128, **kw)
@@ -221,6 +226,7 @@ def test_gpu_bf16_bwd_variants(monkeypatch, name, kw, rkw):
 @gpu
 @pytest.mark.parametrize("name", list(GPU_VARIANTS))
 def test_gpu_bf16_bwd_variants_varlen(monkeypatch, name):
+    monkeypatch.setattr(BwdConfig, "wy_kb", False)
     for knob, val in GPU_VARIANTS[name].items():
         monkeypatch.setattr(BwdConfig, knob, val)
     cu = [0, 1, 100, 100, 613, 1000]

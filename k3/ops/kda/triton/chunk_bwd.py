@@ -93,11 +93,16 @@ class BwdConfig:
     # WY backward per (chunk, head, K-block) in one pass over V (chunk_bwd_intra.py): dL = −dY V'ᵀ, no dX Wᵀ and
     # no second pass; one more program per chunk-head writes dv, dL, dA_qk. Run 4b: no gain (whole backward 13.46
     # vs 13.39 ms with the split intra, 19.93 vs 19.57 with v3's): every program recomputes dY = Tᵀ dV', V' = U − W S.
-    wy_kb = False
-    wy_kb_bk = 64
+    # With V' stored by the forward (``FwdConfig.store_vn``) the K-block programs no longer recompute U − W S, and
+    # the small K-blocks pay: H200, session 8, bench/knob_ab.py, fwd+bwd B=8 T=4096 H=32 (B=1 T=32K): fused WY
+    # 11.75 (12.38) ms; K-block 32 at 4 warps, 3 stages 10.76 (11.41); 2 stages 10.88, 1 stage 11.18, 4 stages
+    # 13.06; K-block 64 at 8 warps 11.92 (2 stages 11.59); K-block 16 13.31; 32 at 2 / 8 warps 12.99 / 13.45;
+    # V-block 32 11.67; register caps 128 / 168 12.73 / 11.30; two launches 10.78
+    wy_kb = True
+    wy_kb_bk = 32
     wy_kb_bv = 64
-    wy_kb_warps = 8
-    wy_kb_stages = 1
+    wy_kb_warps = 4
+    wy_kb_stages = 3
     wy_kb_maxnreg = 0  # > 0: ptxas register cap
     wy_kb_two_pass = False  # dv/dL/dA_qk launch first, handing dY, V' to the K-block launch (no recompute)
     # WY backward as two launches of ``_kda_bwd_wy`` (the dV' pass, then the V' pass), each program holding half the

@@ -38,6 +38,7 @@ import triton
 import triton.language as tl
 
 from k3.ops.kda.triton._common import _chunk_beta, _chunk_pos, _gate_fwd, _sigmoid, _softplus
+from k3.ops.kda.triton.chunk_fwd import state_stages
 
 
 @triton.jit
@@ -597,7 +598,7 @@ def launch_wy_kb(q, k, v, g, beta, a_log, dtb, do, RN: torch.Tensor, GS: torch.T
             DHS, DV, dv, DQ, DK, DG, DBP, DL, DAQ, DYS, VNS, tab.cu, tab.chunk_seq, tab.chunk_off, NC, tab.T, tab.NT,
             H, K, V, scale, lb, BT=BT, BK=BK, BKW=bkw, BV=min(int(cfg.wy_kb_bv), BVP), BVP=BVP, PREC=prec,
             STORE_RN=store_rn, STORE_G=store_g, MODE=mode, VN_SAVED="VN" in s, **flag_kw,
-            num_warps=cfg.wy_kb_warps, num_stages=cfg.wy_kb_stages, **cap)
+            num_warps=cfg.wy_kb_warps, num_stages=state_stages(cfg.wy_kb_stages, s["W"].dtype), **cap)
     return DBP.sum(2)
 
 
