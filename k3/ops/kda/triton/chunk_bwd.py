@@ -104,6 +104,9 @@ class BwdConfig:
     wy_kb_warps = 4
     wy_kb_stages = 3
     wy_kb_maxnreg = 0  # > 0: ptxas register cap
+    # grid (chunks, heads, K-blocks): a chunk-head's programs far apart in launch order, so its dO, dV', V', T are
+    # read from HBM by each; off = the chunk-head's programs adjacent (axis 0 = chunk · NZ + block), sharing via L2
+    wy_kb_z_major = False
     wy_kb_two_pass = False  # dv/dL/dA_qk launch first, handing dY, V' to the K-block launch (no recompute)
     # WY backward as two launches of ``_kda_bwd_wy`` (the dV' pass, then the V' pass), each program holding half the
     # accumulators. sm_90 at 8 warps: 255 registers and 80 / 40 B of spills per pass against the fused kernel's

@@ -496,23 +496,32 @@ def _kda_bwd_wy_kb(
     USE_GATE: tl.constexpr, HAS_LB: tl.constexpr, HAS_A: tl.constexpr, HAS_DT: tl.constexpr,
     L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr, IS_VARLEN: tl.constexpr, PREC: tl.constexpr,
     STORE_RN: tl.constexpr, STORE_G: tl.constexpr, MODE: tl.constexpr, VN_SAVED: tl.constexpr = False,
+    Z_MAJOR: tl.constexpr = False,
 ):
-    """WY backward, grid (chunks, heads, K/BKW + 1), one pass over V-blocks per program.
+    """WY backward, grid (chunks · NZ, heads) with NZ = K/BKW + 1 programs per chunk-head (axis 0 = chunk · NZ +
+    block, so a chunk-head's programs run side by side and share its dO, dV', V', T through L2; ``Z_MAJOR``: grid
+    (chunks, heads, NZ) instead, the layout before session 8), one pass over V-blocks per program.
 
     With T X = W, T Y = U, V' = U − W S and dY = Tᵀ dV': the [BT, K] outputs are column-local in K,
     dqg = dO Sᵀ, dX = −dY Sᵀ, dkg = V' dS'ᵀ, γ's share Σ_v S ⊙ dS' (programs 0 … K/BKW − 1, one K-block each),
     and the two [BT, BT] outputs need no dX: dL = −Tᵀ (dW Xᵀ + dV' Yᵀ) Tᵀ = −(dX Wᵀ + dY Uᵀ) = −dY (U − W S)ᵀ
-    = −dY V'ᵀ and dA_qk = dO V'ᵀ (the last program, with dv). MODE 0: every program recomputes its dY, V' blocks
-    (the programs of a chunk-head run side by side: L2 hits). Two launches instead: MODE 1 (grid z = 1) runs only
+    = −dY V'ᵀ and dA_qk = dO V'ᵀ (the last program, with dv). MODE 0: every program recomputes its dY (and V' unless
+    the forward stored it) blocks. Two launches instead: MODE 1 (grid z = 1) runs only
     the last program and stores dY, V'; MODE 2 (grid z = K/BKW) runs the K-block programs, which load them.
     dβ comes out as K/BKW + 1 partials (``DBP``)."""
-    i_c = tl.program_id(0)
-    i_h = tl.program_id(1)
     NKW: tl.constexpr = BK // BKW
+    NZ: tl.constexpr = NKW + 1 if MODE == 0 else (1 if MODE == 1 else NKW)
+    i_h = tl.program_id(1)
+    if Z_MAJOR:
+        i_c = tl.program_id(0)
+        i_z = tl.program_id(2)
+    else:
+        i_c = tl.program_id(0) // NZ
+        i_z = tl.program_id(0) % NZ
     if MODE == 1:
         i_k = NKW
     else:
-        i_k = tl.program_id(2)
+        i_k = i_z
     DT: tl.constexpr = W.dtype.element_ty
     bos, eos = _chunk_pos(i_c, cu, chunk_seq, chunk_off, T, NT, BT, IS_VARLEN)
     base = (i_h * NC + i_c).to(tl.int64)
@@ -588,16 +597,18 @@ def launch_wy_kb(q, k, v, g, beta, a_log, dtb, do, RN: torch.Tensor, GS: torch.T
     s = saved
     cap = {"maxnreg": int(cfg.wy_kb_maxnreg)} if cfg.wy_kb_maxnreg else {}
     two = bool(cfg.wy_kb_two_pass)
+    zmaj = bool(cfg.wy_kb_z_major)
     if two:  # dY, V' through memory (store dtype): the K-block programs do no T·dV' / W·S products
         DYS, VNS = (torch.empty(H, NC, BT, BVP, dtype=s["W"].dtype, device=q.device) for _ in range(2))
     else:
         DYS = VNS = DV
     for mode, nz in ((1, 1), (2, nkw)) if two else ((0, nkw + 1),):
-        _kda_bwd_wy_kb[(NC, H, nz)](
+        grid = (NC, H, nz) if zmaj else (NC * nz, H)
+        _kda_bwd_wy_kb[grid](
             q, k, v, g, beta, a_log, dtb, do, RN, GS, s["W"], s.get("VN", s.get("U")), s["QG"], s["TM"], s["HS"],
             DHS, DV, dv, DQ, DK, DG, DBP, DL, DAQ, DYS, VNS, tab.cu, tab.chunk_seq, tab.chunk_off, NC, tab.T, tab.NT,
             H, K, V, scale, lb, BT=BT, BK=BK, BKW=bkw, BV=min(int(cfg.wy_kb_bv), BVP), BVP=BVP, PREC=prec,
-            STORE_RN=store_rn, STORE_G=store_g, MODE=mode, VN_SAVED="VN" in s, **flag_kw,
+            STORE_RN=store_rn, STORE_G=store_g, MODE=mode, VN_SAVED="VN" in s, Z_MAJOR=zmaj, **flag_kw,
             num_warps=cfg.wy_kb_warps, num_stages=state_stages(cfg.wy_kb_stages, s["W"].dtype), **cap)
     return DBP.sum(2)
 
