@@ -65,6 +65,9 @@ class BwdConfig:
     # on bf16-rounded operands, split intra kernel only) was faster still (12.44 vs 12.96 with the session-6
     # diagonal terms) but dt_bias's gradient reached 2.5e-2 (β ≈ 1, repeated keys).
     intra_prec_half = "tf32"
+    # half inputs: the precision of the split intra kernel's off-diagonal block products (None = intra_prec_half);
+    # their decay factors are ≤ 1, unlike the diagonal block's
+    intra_prec_off_half = None
     intra_recompute = False  # reload k̂ and recompute G at the end instead of keeping them live (fewer spills)
     # split intra backward (chunk_bwd_intra.py): one light program per (16-row sub-block, chunk, head) for the
     # A_qk / A_kk backward, then the reverse cumsum + gate backward per (chunk, head, K-slice). Measured (one H200,
@@ -663,8 +666,9 @@ def kda_bwd(q, k, v, g, beta, A_log, dt_bias, initial_state, scale: float, do, d
     # dG is a sum of row and column shares that cancel strongly when decays are strong (all gates at the bound):
     # fp32 inputs keep exact dots there; half inputs take ``BwdConfig.intra_prec_half``
     prec_intra = "ieee" if prec == "ieee" else BwdConfig.intra_prec_half
-    if prec_intra.startswith("bf16") and os.environ.get("TRITON_INTERPRET", "0") == "1":
-        prec_intra = "tf32x3"  # Triton's interpreter has no bf16x3 (it computes the dots in fp32 anyway)
+    prec_off = "ieee" if prec == "ieee" else (BwdConfig.intra_prec_off_half or prec_intra)
+    if os.environ.get("TRITON_INTERPRET", "0") == "1":  # no bf16x3 there (it computes the dots in fp32 anyway)
+        prec_intra, prec_off = ("tf32x3" if p.startswith("bf16") else p for p in (prec_intra, prec_off))
     s = saved
     flag_kw = dict(USE_GATE=flags["use_gate"], HAS_LB=lower_bound is not None, HAS_A=A_log is not None,
                    HAS_DT=dt_bias is not None, L2NORM=flags["l2norm"], BETA_SIGMOID=flags["beta_sigmoid"],
@@ -706,7 +710,8 @@ def kda_bwd(q, k, v, g, beta, A_log, dt_bias, initial_state, scale: float, do, d
 
     if split:
         DAP, DDT = launch_intra_split(q, k, g, beta, a_log, dtb, RN, GS, DQ, DK, DG, DB, DL, DAQ, dq, dk, dg, db,
-                                      tab, H, K, lb, BT, BC, BK, prec_intra, flag_kw, flags["exact_diag"], BwdConfig)
+                                      tab, H, K, lb, BT, BC, BK, prec_intra, flag_kw, flags["exact_diag"], BwdConfig,
+                                      prec_off=prec_off)
     else:
         DAP = torch.empty(H, NC, **f32)
         DDT = torch.empty(H, NC, BK, **f32)

@@ -176,10 +176,11 @@ def _intra_block(q, k, beta, RN, GS, DQ, DK, DG, DB, DL, DAQ, dq, dk, dbeta,
                  base, i_h, bos, eos, H, K, I,
                  BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BKS: tl.constexpr,
                  L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr, EXACT_DIAG: tl.constexpr, PREC: tl.constexpr,
-                 STACK: tl.constexpr, DIAG_APART: tl.constexpr = True):
-    """Sub-block I of one chunk: see the module docstring. STACK: the two products of a walk step that share an
-    operand run as one MMA with the other operands stacked ([dA_qk; dL] rows on the row side, [q̂; βk̂] rows on the
-    column side): half the operand staging rounds. Register economy: K is walked in slices of BKS columns
+                 STACK: tl.constexpr, DIAG_APART: tl.constexpr = True, PREC_OFF: tl.constexpr = "ieee"):
+    """Sub-block I of one chunk: see the module docstring. PREC_OFF: the precision of the off-diagonal blocks'
+    products (every decay factor ≤ 1 there; the diagonal block, whose factors reach e^{5·16}, keeps PREC).
+    STACK: the two products of a walk step that share an operand run as one MMA with the other operands stacked
+    ([dA_qk; dL] rows on the row side, [q̂; βk̂] rows on the column side): half the operand staging rounds. Register economy: K is walked in slices of BKS columns
     (everything but the L2-norm and β reductions is column-local), the block walks are run-time loops (one
     block's loads in flight at a time), addresses are a scalar base + 32-bit offsets. The pre-norm dq, dk land in
     their fp32 scratch rows; after a barrier the full rows go through the L2-norm backward."""
@@ -232,10 +233,10 @@ def _intra_block(q, k, beta, RN, GS, DQ, DK, DG, DB, DL, DAQ, dq, dk, dbeta,
             kJ = _blk_x(kb, rnk, L, HK, K, J, o_k, BC, L2NORM)
             kd = kJ * tl.exp2((run + tJ)[None, :] - tl.load(Sb + o_j))
             if STACK:
-                acc2 = _mm(_tile2(DAQ + sa, DL + sa, I, J, BT, BC), kd, acc2, PREC=PREC)
+                acc2 = _mm(_tile2(DAQ + sa, DL + sa, I, J, BT, BC), kd, acc2, PREC=PREC_OFF)
             else:
-                accq = _mm(_tile(DAQ + sa, I, J, BT, BC), kd, accq, PREC=PREC)
-                accr = _mm(_tile(DL + sa, I, J, BT, BC), kd, accr, PREC=PREC)
+                accq = _mm(_tile(DAQ + sa, I, J, BT, BC), kd, accq, PREC=PREC_OFF)
+                accr = _mm(_tile(DL + sa, I, J, BT, BC), kd, accr, PREC=PREC_OFF)
             run += tJ
         # ---- the diagonal block: finish the row side
         o_sk = r[:, None] * BK + o_k[None, :]
@@ -299,15 +300,15 @@ def _intra_block(q, k, beta, RN, GS, DQ, DK, DG, DB, DL, DAQ, dq, dk, dbeta,
                 o_m2 = (M * BC + tl.arange(0, 2 * BC) % BC)[:, None] * BK + o_k[None, :]
                 lf2 = tl.exp2(tl.load(Sb + o_m2) + run[None, :])
                 x2 = _blk_x2(qb, kb, rnq, rnk, bb, L, H, HK, K, M, o_k, BC, L2NORM, BETA_SIGMOID)
-                cacc = _mm(_tile2_t(DAQ + sa, DL + sa, M, I, BT, BC), x2 * lf2, cacc, PREC=PREC)
+                cacc = _mm(_tile2_t(DAQ + sa, DL + sa, M, I, BT, BC), x2 * lf2, cacc, PREC=PREC_OFF)
             else:
                 o_m = (M * BC + o_s)[:, None] * BK + o_k[None, :]
                 lf = tl.exp2(tl.load(Sb + o_m) + run[None, :])
                 qM = _blk_x(qb, rnq, L, HK, K, M, o_k, BC, L2NORM)
                 kM = _blk_x(kb, rnk, L, HK, K, M, o_k, BC, L2NORM)
                 bM = _blk_beta(bb, L, H, M, BC, BETA_SIGMOID)
-                cacc = _mm(_tile_t(DAQ + sa, M, I, BT, BC), qM * lf, cacc, PREC=PREC)
-                cacc = _mm(_tile_t(DL + sa, M, I, BT, BC), kM * (bM[:, None] * lf), cacc, PREC=PREC)
+                cacc = _mm(_tile_t(DAQ + sa, M, I, BT, BC), qM * lf, cacc, PREC=PREC_OFF)
+                cacc = _mm(_tile_t(DL + sa, M, I, BT, BC), kM * (bM[:, None] * lf), cacc, PREC=PREC_OFF)
             run += tl.load(Sb + (M * BC + BC - 1) * BK + o_k)
         dkc = cacc * fI
         if EXACT_DIAG:
@@ -361,7 +362,7 @@ def _kda_bwd_intra_sub(
     H, K: tl.constexpr,
     BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BKS: tl.constexpr,
     L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr, IS_VARLEN: tl.constexpr, EXACT_DIAG: tl.constexpr,
-    PREC: tl.constexpr, STACK: tl.constexpr, DIAG_APART: tl.constexpr = True,
+    PREC: tl.constexpr, STACK: tl.constexpr, DIAG_APART: tl.constexpr = True, PREC_OFF: tl.constexpr = "ieee",
 ):
     NB: tl.constexpr = BT // BC
     i_ci = tl.program_id(0)
@@ -374,7 +375,7 @@ def _kda_bwd_intra_sub(
     # chunk's last row) are already right; the dg pass reads them as they are.
     if bos + i_i * BC < eos:
         _intra_block(q, k, beta, RN, GS, DQ, DK, DG, DB, DL, DAQ, dq, dk, dbeta, base, i_h, bos, eos, H, K, i_i,
-                     BT, BC, BK, BKS, L2NORM, BETA_SIGMOID, EXACT_DIAG, PREC, STACK, DIAG_APART)
+                     BT, BC, BK, BKS, L2NORM, BETA_SIGMOID, EXACT_DIAG, PREC, STACK, DIAG_APART, PREC_OFF)
 
 
 @triton.jit(do_not_specialize=['NC', 'T', 'NT', 'H'])
@@ -618,7 +619,7 @@ def launch_intra_split(q: torch.Tensor, k: torch.Tensor, g: torch.Tensor, beta: 
                        DG: torch.Tensor, DB: torch.Tensor, DL: torch.Tensor, DAQ: torch.Tensor, dq: torch.Tensor,
                        dk: torch.Tensor, dg: torch.Tensor, db: torch.Tensor, tab, H: int, K: int, lb: float, BT: int,
                        BC: int, BK: int, prec: str, flag_kw: dict, exact_diag: bool,
-                       cfg) -> tuple[torch.Tensor, torch.Tensor]:
+                       cfg, prec_off: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Run the two kernels on the WY kernel's scratch (``RN [H, NC, 2, BT]`` 1/‖q‖, 1/‖k‖; ``GS``, ``DQ``, ``DK``,
     ``DG [H, NC, BT, BK]``; ``DB [H, NC, BT]``; ``DL``, ``DAQ [H, NC, BT, BT]``, all fp32), writing dq, dk, dg, db.
     Returns the per-chunk partial sums ``(DAP [H, NC, NKG], DDT [H, NC, BK])`` (fp32; meaningful only with the
@@ -629,6 +630,7 @@ def launch_intra_split(q: torch.Tensor, k: torch.Tensor, g: torch.Tensor, beta: 
         q, k, beta, RN, GS, DQ, DK, DG, DB, DL, DAQ, dq, dk, db,
         tab.cu, tab.chunk_seq, tab.chunk_off, NC, tab.T, tab.NT, H, K, BT=BT, BC=BC, BK=BK,
         BKS=min(int(cfg.intra_split_bk), BK), EXACT_DIAG=exact_diag, PREC=prec, STACK=bool(cfg.intra_split_stack),
+        PREC_OFF=prec_off or prec,
         DIAG_APART=bool(cfg.intra_qk_diag_apart),
         L2NORM=flag_kw["L2NORM"], BETA_SIGMOID=flag_kw["BETA_SIGMOID"], IS_VARLEN=flag_kw["IS_VARLEN"],
         num_warps=cfg.intra_split_warps, num_stages=cfg.intra_split_stages, **cap)
