@@ -46,6 +46,8 @@ VARIANTS = {
     # the fused WY kernel as two launches (dV' pass, then V' pass), with the split and the fused intra kernel
     "wy_split": dict(wy_split=True, intra_split=True),
     "wy_split_fused_intra": dict(wy_split=True, intra_split=False, wy_bv=16),
+    # the WY kernel's dq, dk shares handed over in 16 bits (fp16 under the interpreter; only half inputs use it)
+    "half_scratch": dict(wy_kb=True, dqk_scratch_half=True, intra_split=True),
     # A_qk's diagonal through the split intra kernel's products (the pre-session-6 form)
     "diag_in_products": dict(intra_qk_diag_apart=False),
 }
@@ -144,7 +146,7 @@ def test_bwd_variant_k128(variant):
 
 
 @cpu_only
-@pytest.mark.parametrize("variant", ["split_kslices", "wy_kb"], indirect=True)
+@pytest.mark.parametrize("variant", ["split_kslices", "wy_kb", "half_scratch"], indirect=True)
 def test_bwd_variant_fp16_equals_fused(variant, monkeypatch):
     """fp16 inputs: the variant vs the default kernels on the same inputs (both against the fp64 reference too)."""
     x = make_inputs(1, 100, 2, 32, 32, seed=5)
@@ -208,6 +210,8 @@ GPU_VARIANTS = {  # the launch shapes the sweep times (chunk_bwd.BwdConfig), bf1
     "diag_in_products": dict(intra_qk_diag_apart=False, intra_prec_half="bf16x3"),
     "bf16x3": dict(intra_prec_half="bf16x3"),
     "split_bk64_4w_cap128": dict(intra_split_bk=64, intra_split_warps=4),  # the default until session 7
+    "half_scratch": dict(wy_kb=True, dqk_scratch_half=True),
+    "off_bf16": dict(wy_kb=True, intra_prec_off_half="bf16"),
 }
 
 

@@ -68,6 +68,10 @@ class BwdConfig:
     # half inputs: the precision of the split intra kernel's off-diagonal block products (None = intra_prec_half);
     # their decay factors are ≤ 1, unlike the diagonal block's
     intra_prec_off_half = None
+    # dq, dk shares from the WY kernel to the split intra kernel in bf16 (fp16 under Triton's interpreter, which
+    # cannot load bf16) instead of fp32 when ``half_scratch`` allows: −1 GB of traffic at B=8 T=4096 H=32. DG (its
+    # shares cancel in the reverse cumsum) and the gate cumsums stay fp32.
+    dqk_scratch_half = False
     intra_recompute = False  # reload k̂ and recompute G at the end instead of keeping them live (fewer spills)
     # split intra backward (chunk_bwd_intra.py): one light program per (16-row sub-block, chunk, head) for the
     # A_qk / A_kk backward, then the reverse cumsum + gate backward per (chunk, head, K-slice). Measured (one H200,
@@ -628,6 +632,16 @@ def bwd_state_pass(do, dht, saved: dict, tab: ChunkTable, H: int, K: int, V: int
     return DHS, DV, dh0
 
 
+def half_scratch(dtype: torch.dtype, BK: int) -> bool:
+    """Whether the WY kernel hands its dq, dk shares to the intra kernel in 16 bits (``BwdConfig.dqk_scratch_half``):
+    half inputs, the K-block WY kernel (it writes them once; the fused one reads them back) and the split intra kernel
+    over all of K in one slice (it reads them once and adds its own share in fp32; with several slices it would
+    write partial sums back)."""
+    c = BwdConfig
+    return (bool(c.dqk_scratch_half) and dtype in (torch.bfloat16, torch.float16) and bool(c.wy_kb)
+            and bool(c.intra_split) and c.intra_split_bk >= BK)
+
+
 def _wy_launch(passes: int, cfg, dtype: torch.dtype) -> dict:
     """Launch options of one WY-backward launch: the fused kernel's (wy_warps/stages), or the split passes'
     (wy_split_warps/stages/maxnreg). fp32 buffers double the tiles: sm_90 needs 246 KB of shared memory for the
@@ -684,6 +698,9 @@ def kda_bwd(q, k, v, g, beta, A_log, dt_bias, initial_state, scale: float, do, d
     DHS, DV, dh0 = state_grads
 
     DQ, DK, DG = (torch.empty(H, NC, BT, BK, **f32) for _ in range(3))
+    if half_scratch(q.dtype, BK):  # the dq, dk shares of the WY kernel in 16 bits (read once by the intra kernel)
+        sdt = torch.float16 if os.environ.get("TRITON_INTERPRET", "0") == "1" else torch.bfloat16
+        DQ, DK = (torch.empty(H, NC, BT, BK, dtype=sdt, device=dev) for _ in range(2))
     DB = torch.empty(H, NC, BT, **f32)
     DL, DAQ = (torch.empty(H, NC, BT, BT, **f32) for _ in range(2))
     split = bool(BwdConfig.intra_split)

@@ -279,7 +279,7 @@ def _intra_block(q, k, beta, RN, GS, DQ, DK, DG, DB, DL, DAQ, dq, dk, dbeta,
         dkr = R * bI[:, None]
         db += tl.sum(R * kI, axis=1)
         if ONE:
-            b_dq = tl.load(DQ + sk + o_sk) + dq_a
+            b_dq = tl.load(DQ + sk + o_sk).to(tl.float32) + dq_a
             if DIAG_APART:  # the diagonal's exact term (not in dG, see above); dk's below
                 b_dq += dd[:, None] * kI
             if L2NORM:  # q̂ = qI here (the slice is the whole row)
@@ -289,7 +289,7 @@ def _intra_block(q, k, beta, RN, GS, DQ, DK, DG, DB, DL, DAQ, dq, dk, dbeta,
         else:
             tl.store(DQ + sk + o_sk, tl.load(DQ + sk + o_sk) + dq_a)
         dg_part = tl.load(DG + sk + o_sk) + qI * dq_a + kI * dkr
-        dk_part = tl.load(DK + sk + o_sk) + dkr
+        dk_part = tl.load(DK + sk + o_sk).to(tl.float32) + dkr
         if DIAG_APART and ONE:
             dk_part += dd[:, None] * qI
         fI = tl.exp2(tI[None, :] - sI)  # ≤ 1
@@ -580,8 +580,8 @@ def _kda_bwd_wy_kb(
         eL = tl.exp2(Glast[None, :] - G)
         kL = b_k * eL
         dgl = tl.sum(dkg * kL, axis=0) + tl.exp2(Glast) * dgam
-        tl.store(DQ + p_tk, dqg * eG * scale)
-        tl.store(DK + p_tk, dx * eG * b_b[:, None] + dkg * eL)
+        tl.store(DQ + p_tk, (dqg * eG * scale).to(DQ.dtype.element_ty))
+        tl.store(DK + p_tk, (dx * eG * b_b[:, None] + dkg * eL).to(DK.dtype.element_ty))
         tl.store(DG + p_tk, dqg * tl.load(QG + p_tk).to(tl.float32) + dx * (b_k * eG * b_b[:, None]) - dkg * kL
                  + tl.where((o_t == BT - 1)[:, None], dgl[None, :], 0.))
         tl.store(DBP + (base * (NKW + 1) + i_k) * BT + o_t, tl.sum(dx * b_k * eG, axis=1))
