@@ -66,12 +66,17 @@ class BwdConfig:
     # diagonal terms) but dt_bias's gradient reached 2.5e-2 (β ≈ 1, repeated keys).
     intra_prec_half = "tf32"
     # half inputs: the precision of the split intra kernel's off-diagonal block products (None = intra_prec_half);
-    # their decay factors are ≤ 1, unlike the diagonal block's
-    intra_prec_off_half = None
+    # their decay factors are ≤ 1, unlike the diagonal block's. One bf16 pass there (H200, session 8, knob_ab):
+    # fwd+bwd B=8 T=4096 H=32 10.15 vs 10.33 ms, B=1 T=32K 10.80 vs 10.96; every gradient's error vs fp64 on the
+    # extreme cases of bench/bwd_variant_errors.py as with tf32 (worst dβ 9.4e-3) except ddt 7.1e-3 vs 4.3e-3 on
+    # random inputs (bf16 everywhere, the diagonal block too: ddt 2.5e-2 at β ≈ 1 with repeated keys)
+    intra_prec_off_half = "bf16"
     # dq, dk shares from the WY kernel to the split intra kernel in bf16 (fp16 under Triton's interpreter, which
     # cannot load bf16) instead of fp32 when ``half_scratch`` allows: −1 GB of traffic at B=8 T=4096 H=32. DG (its
-    # shares cancel in the reverse cumsum) and the gate cumsums stay fp32.
-    dqk_scratch_half = False
+    # shares cancel in the reverse cumsum) and the gate cumsums stay fp32. H200, session 8, knob_ab: 10.09 vs 10.33
+    # ms (B=8 T=4096), 10.73 vs 10.96 (32K); with the bf16 off-diagonal products 9.99 / 10.63. Errors vs fp64
+    # (bwd_variant_errors.py): dk 4.1e-3 vs 3.9e-3 at worst, every other gradient as before
+    dqk_scratch_half = True
     intra_recompute = False  # reload k̂ and recompute G at the end instead of keeping them live (fewer spills)
     # split intra backward (chunk_bwd_intra.py): one light program per (16-row sub-block, chunk, head) for the
     # A_qk / A_kk backward, then the reverse cumsum + gate backward per (chunk, head, K-slice). Measured (one H200,
