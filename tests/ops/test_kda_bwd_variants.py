@@ -192,6 +192,8 @@ def test_training_forward_saves_vn_not_u():
     U = prep_all(*a, 32 ** -0.5, tab, -5.0, flags)["U"]
     vn = U - saved["W"] @ saved["HS"]
     assert rel(saved["VN"], vn) < 1e-5
+
+
 # ---------------------------------------------------------------------------------------------- GPU (bf16)
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -210,8 +212,9 @@ GPU_VARIANTS = {  # the launch shapes the sweep times (chunk_bwd.BwdConfig), bf1
     "diag_in_products": dict(intra_qk_diag_apart=False, intra_prec_half="bf16x3"),
     "bf16x3": dict(intra_prec_half="bf16x3"),
     "split_bk64_4w_cap128": dict(intra_split_bk=64, intra_split_warps=4),  # the default until session 7
-    "half_scratch": dict(wy_kb=True, dqk_scratch_half=True),
-    "off_bf16": dict(wy_kb=True, intra_prec_off_half="bf16"),
+    # the session-8 precision changes one at a time (wy_kb_default has both)
+    "half_scratch_only": dict(wy_kb=True, dqk_scratch_half=True, intra_prec_off_half=None),
+    "off_bf16_only": dict(wy_kb=True, dqk_scratch_half=False, intra_prec_off_half="bf16"),
 }
 
 

@@ -180,10 +180,12 @@ def _intra_block(q, k, beta, RN, GS, DQ, DK, DG, DB, DL, DAQ, dq, dk, dbeta,
     """Sub-block I of one chunk: see the module docstring. PREC_OFF: the precision of the off-diagonal blocks'
     products (every decay factor ≤ 1 there; the diagonal block, whose factors reach e^{5·16}, keeps PREC).
     STACK: the two products of a walk step that share an operand run as one MMA with the other operands stacked
-    ([dA_qk; dL] rows on the row side, [q̂; βk̂] rows on the column side): half the operand staging rounds. Register economy: K is walked in slices of BKS columns
-    (everything but the L2-norm and β reductions is column-local), the block walks are run-time loops (one
-    block's loads in flight at a time), addresses are a scalar base + 32-bit offsets. The pre-norm dq, dk land in
-    their fp32 scratch rows; after a barrier the full rows go through the L2-norm backward."""
+    ([dA_qk; dL] rows on the row side, [q̂; βk̂] rows on the column side): half the operand staging rounds.
+    Register economy: K is walked in slices of BKS columns (everything but the L2-norm and β reductions is
+    column-local), the block walks are run-time loops (one block's loads in flight at a time), addresses are a
+    scalar base + 32-bit offsets. With one slice dq, dk finish in registers (their WY shares read from ``DQ``,
+    ``DK``, fp32 or 16-bit); with several the pre-norm dq, dk land in their fp32 scratch rows and, after a barrier,
+    the full rows go through the L2-norm backward."""
     o_s = tl.arange(0, BC)
     HK = H * K
     L = tl.minimum(eos - bos, BT).to(tl.int32)  # valid rows of this chunk
@@ -621,7 +623,8 @@ def launch_intra_split(q: torch.Tensor, k: torch.Tensor, g: torch.Tensor, beta: 
                        BC: int, BK: int, prec: str, flag_kw: dict, exact_diag: bool,
                        cfg, prec_off: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Run the two kernels on the WY kernel's scratch (``RN [H, NC, 2, BT]`` 1/‖q‖, 1/‖k‖; ``GS``, ``DQ``, ``DK``,
-    ``DG [H, NC, BT, BK]``; ``DB [H, NC, BT]``; ``DL``, ``DAQ [H, NC, BT, BT]``, all fp32), writing dq, dk, dg, db.
+    ``DG [H, NC, BT, BK]``; ``DB [H, NC, BT]``; ``DL``, ``DAQ [H, NC, BT, BT]``, all fp32 except DQ, DK in 16 bits
+    under ``chunk_bwd.half_scratch``), writing dq, dk, dg, db. ``prec_off``: the off-diagonal blocks' precision.
     Returns the per-chunk partial sums ``(DAP [H, NC, NKG], DDT [H, NC, BK])`` (fp32; meaningful only with the
     fused gate). ``cfg`` is ``BwdConfig``. DQ, DK, DG are overwritten (DG becomes dG)."""
     NC = tab.NC
