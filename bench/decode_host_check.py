@@ -1,0 +1,58 @@
+#!/usr/bin/env python3
+"""How much of a decode step's measured time is host time: the same step timed by ``do_bench`` as the bench does,
+and replayed from a CUDA graph (no Python, no launch overhead), beside a plain copy of the same state bytes.
+
+    python bench/decode_host_check.py [--B 64] [--H 32]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+
+from k3.bench.kda import K3_FLAGS, _inputs  # noqa: E402
+from k3.ops.kda import fused_recurrent_kda  # noqa: E402
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--B", type=int, default=64)
+    ap.add_argument("--H", type=int, default=32)
+    a = ap.parse_args()
+    x = _inputs(a.B, 1, a.H)
+    h0 = torch.randn(a.B, a.H, 128, 128, device="cuda")
+    out = torch.empty_like(h0)
+
+    def step():
+        return fused_recurrent_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], A_log=x["A_log"], dt_bias=x["dt_bias"],
+                                   initial_state=h0, output_final_state=True, **K3_FLAGS)
+
+    with torch.no_grad():
+        step()
+        torch.cuda.synchronize()
+        plain = triton.testing.do_bench(step, warmup=25, rep=300, return_mode="median")
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            step()
+        torch.cuda.current_stream().wait_stream(s)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            step()
+        replay = triton.testing.do_bench(graph.replay, warmup=25, rep=300, return_mode="median")
+        copy = triton.testing.do_bench(lambda: out.copy_(h0), warmup=25, rep=300, return_mode="median")
+    nbytes = 2 * h0.numel() * 4
+    print("| timing | ms | state TB/s |\n|---|---:|---:|")
+    for name, ms in (("do_bench(step)", plain), ("do_bench(graph.replay)", replay), ("copy_ of the state", copy)):
+        print(f"| {name} | {ms:.4f} | {nbytes / ms / 1e9:.2f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
