@@ -10,7 +10,8 @@ K = V = 128, the K3 call): ``prefill32`` / ``prefill8`` = B=1 T=1M at H=32 / 8 w
 B=8 T=4096 H=32, ``train32k`` = fwd+bwd B=1 T=32768 H=32, ``decode`` = one step B=64 H=32 from an fp32 state.
 Check: the variant's output of each prefill case at T=128K (every gradient of the train cases, output and state of
 the decode) against the default's, relative RMS (bf16: ≤ 2e-2 passes). Times are ``do_bench`` medians (ms); one
-table at the end. A variant that faults poisons the process: run doubtful ones in a process of their own.
+table at the end. Training steps reset the inputs' ``.grad`` (~0.7 ms below the bench's B=8 T=4096 row, whose steps
+add into it); ``--accumulate`` times them as the bench does. A variant that faults poisons the process: run doubtful ones in a process of their own.
 """
 
 from __future__ import annotations
@@ -68,7 +69,9 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30))
 
 
-def run(case: str, x: dict, do: torch.Tensor | None) -> list[torch.Tensor]:
+def run(case: str, x: dict, do: torch.Tensor | None, accumulate: bool = False) -> list[torch.Tensor]:
+    """One call of ``case``; training cases return the output and every input gradient. ``accumulate``: keep the
+    inputs' ``.grad`` so autograd adds into it (what ``k3.bench kda`` and the fla anchor time: +5 adds per step)."""
     if case == "decode":  # one step from an fp32 state to a new one
         from k3.ops.kda import fused_recurrent_kda
 
@@ -79,8 +82,9 @@ def run(case: str, x: dict, do: torch.Tensor | None) -> list[torch.Tensor]:
     if do is None:
         with torch.no_grad():
             return [_ours(x)[0]]
-    for n in ("q", "k", "v", "g", "beta"):
-        x[n].grad = None
+    if not accumulate:
+        for n in ("q", "k", "v", "g", "beta"):
+            x[n].grad = None
     o, _ = _ours(x)
     o.backward(do)
     return [o.detach()] + [x[n].grad for n in ("q", "k", "v", "g", "beta")]
@@ -91,6 +95,8 @@ def main() -> int:
     ap.add_argument("--cases", nargs="+", default=["prefill32", "prefill8"], choices=list(CASES))
     ap.add_argument("--variant", nargs="+", action="append", default=[], metavar=("NAME", "KNOB"))
     ap.add_argument("--rep", type=float, default=300.0)
+    ap.add_argument("--accumulate", action="store_true",
+                    help="time training steps that add into existing .grad, as the bench and the fla anchor do")
     a = ap.parse_args()
     variants = [("default", {})] + [(v[0], parse(v[1:])) for v in a.variant]
     rows: dict[str, dict[str, str]] = {n: {} for n, _ in variants}
@@ -107,7 +113,8 @@ def main() -> int:
             with applied(knobs):
                 err = max(rel(u, r) for u, r in zip(run(case, xc, doc), ref))
                 ok = err <= 2e-2
-                t = triton.testing.do_bench(lambda: run(case, x, do), warmup=3, rep=a.rep, return_mode="median")
+                t = triton.testing.do_bench(lambda: run(case, x, do, a.accumulate), warmup=3, rep=a.rep,
+                                            return_mode="median")
             rows[name][case] = (f"{t:.2f}" if t >= 1 else f"{t:.4f}") + ("" if ok else f" (FAIL {err:.1e})")
             print(f"{case} {name}: {t:.3f} ms, check {err:.1e}", flush=True)
         del x, xc, ref
