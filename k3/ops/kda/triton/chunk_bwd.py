@@ -37,7 +37,7 @@ from k3.ops.kda.triton._common import (
     next_pow2,
     store_dtype,
 )
-from k3.ops.kda.triton.chunk_bwd_intra import _gate_bwd, _seg_cumsum, launch_intra_split, launch_wy_kb
+from k3.ops.kda.triton.chunk_bwd_intra import _gate_bwd, _seg_cumsum, launch_intra_split, launch_wy_kb, wy_u_operand
 from k3.ops.kda.triton.chunk_fwd import _load_rows, _load_tile, _store_rows, state_stages
 from k3.ops.kda.triton._common import _l2norm
 
@@ -702,18 +702,18 @@ def kda_bwd(q, k, v, g, beta, A_log, dt_bias, initial_state, scale: float, do, d
         state_grads = bwd_state_pass(do, dht, saved, tab, H, K, V, q.dtype)
     DHS, DV, dh0 = state_grads
 
-    DQ, DK, DG = (torch.empty(H, NC, BT, BK, **f32) for _ in range(3))
-    if half_scratch(q.dtype, BK):  # the dq, dk shares of the WY kernel in 16 bits (read once by the intra kernel)
+    sdt = torch.float32  # the dq, dk shares of the WY kernel; in 16 bits when read once by the intra kernel
+    if half_scratch(q.dtype, BK):
         sdt = torch.float16 if os.environ.get("TRITON_INTERPRET", "0") == "1" else torch.bfloat16
-        DQ, DK = (torch.empty(H, NC, BT, BK, dtype=sdt, device=dev) for _ in range(2))
+    DQ, DK = (torch.empty(H, NC, BT, BK, dtype=sdt, device=dev) for _ in range(2))
+    DG = torch.empty(H, NC, BT, BK, **f32)
     DB = torch.empty(H, NC, BT, **f32)
     DL, DAQ = (torch.empty(H, NC, BT, BT, **f32) for _ in range(2))
     split = bool(BwdConfig.intra_split)
     RN = torch.empty(H, NC, 2, BT, **f32) if split and flags["l2norm"] else dummy
     GS = torch.empty(H, NC, BT, BK, **f32) if split else dummy
     store_rn = split and flags["l2norm"]
-    vn_saved = "VN" in s  # the forward stored V' (``FwdConfig.store_vn``): the WY kernels load it, U is not kept
-    u_or_vn = s["VN"] if vn_saved else s["U"]
+    u_or_vn, vn_saved = wy_u_operand(s)
     if BwdConfig.wy_kb:
         DB = launch_wy_kb(q, k, v, g, beta, a_log, dtb, do, RN, GS, s, DHS, DV, dv, DQ, DK, DG, DL, DAQ, tab, H, K,
                           V, scale, lb, BT, BK, BVP, prec, flag_kw, store_rn, split, BwdConfig)

@@ -589,6 +589,12 @@ def _kda_bwd_wy_kb(
         tl.store(DBP + (base * (NKW + 1) + i_k) * BT + o_t, tl.sum(dx * b_k * eG, axis=1))
 
 
+def wy_u_operand(saved: dict) -> tuple[torch.Tensor, bool]:
+    """What the WY backward kernels read as ``U``: the forward's V' when it stored it (``FwdConfig.store_vn``; the
+    kernels then load V' instead of recomputing U − W S, and U is not kept), else U. Returns (tensor, VN_SAVED)."""
+    return (saved["VN"], True) if "VN" in saved else (saved["U"], False)
+
+
 def launch_wy_kb(q, k, v, g, beta, a_log, dtb, do, RN: torch.Tensor, GS: torch.Tensor, saved: dict, DHS, DV,
                  dv, DQ, DK, DG, DL, DAQ, tab, H: int, K: int, V: int, scale: float, lb: float, BT: int, BK: int,
                  BVP: int, prec: str, flag_kw: dict, store_rn: bool, store_g: bool, cfg) -> torch.Tensor:
@@ -601,6 +607,7 @@ def launch_wy_kb(q, k, v, g, beta, a_log, dtb, do, RN: torch.Tensor, GS: torch.T
     cap = {"maxnreg": int(cfg.wy_kb_maxnreg)} if cfg.wy_kb_maxnreg else {}
     two = bool(cfg.wy_kb_two_pass)
     zmaj = bool(cfg.wy_kb_z_major)
+    u_or_vn, vn_saved = wy_u_operand(s)
     if two:  # dY, V' through memory (store dtype): the K-block programs do no T·dV' / W·S products
         DYS, VNS = (torch.empty(H, NC, BT, BVP, dtype=s["W"].dtype, device=q.device) for _ in range(2))
     else:
@@ -608,10 +615,10 @@ def launch_wy_kb(q, k, v, g, beta, a_log, dtb, do, RN: torch.Tensor, GS: torch.T
     for mode, nz in ((1, 1), (2, nkw)) if two else ((0, nkw + 1),):
         grid = (NC, H, nz) if zmaj else (NC * nz, H)
         _kda_bwd_wy_kb[grid](
-            q, k, v, g, beta, a_log, dtb, do, RN, GS, s["W"], s.get("VN", s.get("U")), s["QG"], s["TM"], s["HS"],
+            q, k, v, g, beta, a_log, dtb, do, RN, GS, s["W"], u_or_vn, s["QG"], s["TM"], s["HS"],
             DHS, DV, dv, DQ, DK, DG, DBP, DL, DAQ, DYS, VNS, tab.cu, tab.chunk_seq, tab.chunk_off, NC, tab.T, tab.NT,
             H, K, V, scale, lb, BT=BT, BK=BK, BKW=bkw, BV=min(int(cfg.wy_kb_bv), BVP), BVP=BVP, PREC=prec,
-            STORE_RN=store_rn, STORE_G=store_g, MODE=mode, VN_SAVED="VN" in s, Z_MAJOR=zmaj, **flag_kw,
+            STORE_RN=store_rn, STORE_G=store_g, MODE=mode, VN_SAVED=vn_saved, Z_MAJOR=zmaj, **flag_kw,
             num_warps=cfg.wy_kb_warps, num_stages=state_stages(cfg.wy_kb_stages, s["W"].dtype), **cap)
     return DBP.sum(2)
 

@@ -265,7 +265,7 @@ def fused_recurrent_kda_triton(
     if use_idx:
         pool = initial_state
         # the kernels index the pool densely: a strided view is updated through a dense copy, written back below
-        s_in = s_out = pool if pool.is_contiguous() else pool.contiguous()
+        s_in = s_out = pool.contiguous()
         idx = ssm_state_indices
         if idx.device != q.device or idx.dtype not in (torch.int32, torch.int64) or not idx.is_contiguous():
             idx = idx.to(device=q.device, dtype=torch.int64).contiguous()
