@@ -519,6 +519,10 @@ class FwdConfig:
     # short). H200 (bench/pre_e_quick.py, session 4): prep 57.9 → 53.8 ms per 1M at H = 32 (sm_90 rows kernel
     # 1792 → 1504 instructions per thread), prefill H=32 1M 69.4 → 68.2 ms
     rows_pre_e = True
+    # rows with the pre-pass: the rows kernel's last-block program writes kg and γ (it loads every earlier block's
+    # kr anyway), kr goes through a scratch of its own (+16 KB of window buffers per chunk and head), and the solve
+    # forms W only — ncu (H200, session 9): the solve's kg pass (load kr, scale, store) was its longest load wait
+    rows_kg = True
     # inference, rows prep: the solve folds the output's A_qk V' term into chunk-local buffers (qw = qg − A_qk W in
     # place of qg, AU = A_qk U), so the serial state pass has three products per chunk instead of four (sm_90:
     # three wgmma waits per step instead of four; +16 KB of window buffers per chunk and head). Measured slower
@@ -567,9 +571,17 @@ def alloc_chunk_buffers(H: int, NC: int, BK: int, BVP: int, dt: torch.dtype, dev
     bufs["LD"] = torch.empty(*shape, dtype=torch.float32, device=device)
     if rows:  # per 16-row block gate totals (fp32), handed from the first rows kernel to the later ones
         bufs["TOT"] = torch.empty(H, NC, BT // BC, BK, dtype=torch.float32, device=device)
+    if _kr_scratch():
+        bufs["KR"] = torch.empty(H, NC, BT, BK, **e)
     if rows and FwdConfig.fold_output and not store_t:  # inference only: training keeps qg and A_qk for backward
         bufs["AU"] = torch.empty(H, NC, BT, BVP, **e)
     return bufs
+
+
+def _kr_scratch() -> bool:
+    """Whether the rows prep hands kr over through its own scratch (``FwdConfig.rows_kg``)."""
+    return (FwdConfig.prep_mode == "rows" and bool(FwdConfig.rows_stack) and bool(FwdConfig.rows_pre)
+            and bool(FwdConfig.rows_kg))
 
 
 def chunk_bytes(H: int, BK: int, BVP: int, dt: torch.dtype) -> int:
@@ -577,7 +589,8 @@ def chunk_bytes(H: int, BK: int, BVP: int, dt: torch.dtype) -> int:
     es = torch.finfo(dt).bits // 8
     if FwdConfig.prep_mode == "rows":  # T is not stored at inference; L goes through a [BT, BT] fp32 scratch
         au = BT * BVP * es if FwdConfig.fold_output else 0  # inference windows (the only user of this size)
-        return H * (BT * (3 * BK + BVP + BT) * es + BK * 4 + BT * BT * 4 + (BT // BC) * BK * 4 + au)
+        kr = BT * BK * es if _kr_scratch() else 0
+        return H * (BT * (3 * BK + BVP + BT) * es + BK * 4 + BT * BT * 4 + (BT // BC) * BK * 4 + au + kr)
     t_bytes = BT * BT * es if FwdConfig.prep_split else 0  # the split prep hands T over through memory
     return H * (BT * (3 * BK + BVP + BT) * es + BK * 4 + BT * BC * 4 + t_bytes)
 
@@ -655,6 +668,7 @@ def prep_all(q, k, v, g, beta, A_log, dt_bias, scale: float, tab: ChunkTable, lo
     launch_prep(q, k, v, g, beta, A_log, dt_bias, bufs, tab, 0, tab.NC, scale, lower_bound, flags, True)
     bufs.pop("LD")  # the backward does not need the scratches
     bufs.pop("TOT", None)
+    bufs.pop("KR", None)
     return bufs
 
 

@@ -187,10 +187,12 @@ def _prep_rows(
 def _block_kr(k, g, A_log, dt_bias, KR, TOT, base, i_h, bos, eos, J, H, K, lb, BT: tl.constexpr, BC: tl.constexpr,
               BK: tl.constexpr, USE_GATE: tl.constexpr, HAS_LB: tl.constexpr, HAS_A: tl.constexpr,
               HAS_DT: tl.constexpr, L2NORM: tl.constexpr, FAST_GATE: tl.constexpr = False, E=None,
-              STORE_E: tl.constexpr = False):
+              STORE_E: tl.constexpr = False, KG=None, SPLIT_KR: tl.constexpr = False):
     """kr_J = k̂_J e^{tot_J − s_J} and tot_J of 16-row block J of the chunk at ``bos`` (see ``_prep_blocks``);
     ``STORE_E``: also E_J = e^{s_J} (≤ 1, the within-block decay of each row: rows ≤ i only) into the block's rows
-    of ``E`` (the qg buffer, which the rows kernel reads and then overwrites with qg)."""
+    of ``E`` (the qg buffer, which the rows kernel reads and then overwrites with qg). ``SPLIT_KR``: kr of the
+    chunk's last block is already its kg (no later block decays it) and goes straight into ``KG``; the others into
+    their own scratch ``KR`` (the rows kernel of the last block turns them into kg, see ``_prep_rows_qk``)."""
     NB: tl.constexpr = BT // BC
     tJ = bos + J * BC
     g_J = _rows_gate(g, A_log, dt_bias, i_h, tJ, eos, H, K, lb, BC, BK, USE_GATE, HAS_LB, HAS_A, HAS_DT,
@@ -201,7 +203,11 @@ def _block_kr(k, g, A_log, dt_bias, KR, TOT, base, i_h, bos, eos, J, H, K, lb, B
     o_s = tl.arange(0, BC)
     o_k = tl.arange(0, BK)
     p = (base * BT + J * BC + o_s[:, None]) * BK + o_k[None, :]
-    tl.store(KR + p, (k_J * tl.exp2(tot[None, :] - s_J)).to(KR.dtype.element_ty))
+    kr = (k_J * tl.exp2(tot[None, :] - s_J)).to(KR.dtype.element_ty)
+    if SPLIT_KR:
+        tl.store(tl.where(J == NB - 1, KG + p, KR + p), kr)
+    else:
+        tl.store(KR + p, kr)
     tl.store(TOT + (base * NB + J) * BK + o_k, tot)
     if STORE_E:
         tl.store(E + p, tl.exp2(s_J).to(E.dtype.element_ty))
@@ -215,7 +221,7 @@ def _prep_blocks(
     BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
     USE_GATE: tl.constexpr, HAS_LB: tl.constexpr, HAS_A: tl.constexpr, HAS_DT: tl.constexpr,
     L2NORM: tl.constexpr, IS_VARLEN: tl.constexpr, PER: tl.constexpr = 1, FAST_GATE: tl.constexpr = False,
-    E=None, STORE_E: tl.constexpr = False,
+    E=None, STORE_E: tl.constexpr = False, KG=None, SPLIT_KR: tl.constexpr = False,
 ):
     """Per 16-row block J of a chunk (grid (4·chunks / PER, H); PER blocks per program, each its own [16, K] tile),
     what later row blocks and the solve need of it, computed once instead of once per (row block, J) pair:
@@ -231,7 +237,7 @@ def _prep_blocks(
     base = (i_h * NCw + i_c).to(tl.int64)
     for j in tl.static_range(PER):
         _block_kr(k, g, A_log, dt_bias, KR, TOT, base, i_h, bos, eos, J0 + j, H, K, lb, BT, BC, BK, USE_GATE,
-                  HAS_LB, HAS_A, HAS_DT, L2NORM, FAST_GATE, E, STORE_E)
+                  HAS_LB, HAS_A, HAS_DT, L2NORM, FAST_GATE, E, STORE_E, KG, SPLIT_KR)
 
 
 @triton.jit
@@ -291,11 +297,15 @@ def _prep_rows_qk(
     L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr, IS_VARLEN: tl.constexpr,
     EXACT_DIAG: tl.constexpr, PREC: tl.constexpr, AB_BF16: tl.constexpr,
     KR=None, TOT=None, X=None, PRE: tl.constexpr = False, FAST_GATE: tl.constexpr = False,
-    LOAD_E: tl.constexpr = False,
+    LOAD_E: tl.constexpr = False, KG=None, GAM=None, KG_OUT: tl.constexpr = False,
 ):
     """``_prep_rows`` with q and k of the row block stacked into ONE [32, K] left operand (rows interleaved), so
     each product is [32, K] × [K, 16]: one tensor-core product per block pair instead of two, and at 2 warps each
-    warp owns 16 rows of the left operand instead of every warp holding all of it."""
+    warp owns 16 rows of the left operand instead of every warp holding all of it.
+
+    ``KG_OUT`` (with ``PRE``): the program of the chunk's last row block, which loads every earlier block's kr_J
+    anyway, also writes kg_J = kr_J e^{Σ_{J' > J} tot_J'} and γ = e^{Σ_J tot_J}, so the solve does not read kr
+    and rewrite kg (−512 B of traffic per token and head, and the solve's longest load wait)."""
     NB: tl.constexpr = BT // BC
     pid = tl.program_id(0)
     i_c = pid // NB
@@ -345,12 +355,19 @@ def _prep_rows_qk(
     # ---- earlier blocks J = I−1 … 0 (right factor ≤ 1, see _prep_rows)
     d = tl.zeros([BK], dtype=tl.float32)
     allk = (o_r >= 0)[:, None] & (o_j >= 0)[None, :]
+    if KG_OUT:
+        last = I == NB - 1
     for jj in range(0, I):
         J = I - 1 - jj
         if PRE:  # kr_J and tot_J from ``_prep_blocks``: one tile load instead of the gate, cumsum and norm again
             tot = tl.load(TOT + (base * NB + J) * BK + o_k)
-            kJ = tl.load(KR + (base * BT + J * BC + o_j[:, None]) * BK + o_k[None, :]).to(tl.float32)
+            p_kr = (base * BT + J * BC + o_j[:, None]) * BK + o_k[None, :]
+            kJ = tl.load(KR + p_kr).to(tl.float32)
             kr = _op(tl.trans(kJ * tl.exp2(d)[None, :]), AB_BF16)
+            if KG_OUT:  # d = Σ_{J < J' < I}: with block I's own total, every later block of the chunk
+                if last:  # (block I's total reloaded here, an L1 hit, rather than held across the loop)
+                    tot_i = tl.load(TOT + (base * NB + I) * BK + o_k)
+                    tl.store(KG + p_kr, (kJ * tl.exp2(d + tot_i)[None, :]).to(KG.dtype.element_ty))
         else:
             tJ = bos + J * BC
             g_J = _rows_gate(g, A_log, dt_bias, i_h, tJ, eos, H, K, lb, BC, BK, USE_GATE, HAS_LB, HAS_A, HAS_DT,
@@ -361,6 +378,9 @@ def _prep_rows_qk(
         _store_qk_rows(AQK, LK, base, r0, J * BC, tl.dot(xo, kr, input_precision=PREC), b_b2, scale, allk, o_j,
                        o_j >= 0, BT, BC)
         d += tot
+    if KG_OUT:
+        if last:
+            tl.store(GAM + base * BK + o_k, tl.exp2(d + tl.load(TOT + (base * NB + I) * BK + o_k)))
     # qg = scale · q e^{c_I + s} from the even rows (d = c_I now); with PRE also X = β k̂ e^{s + c_I} from the odd
     # rows, for the solve's W = T X (into W, solved in place): one scaled tile, two masked stores
     p_out = (base * BT + r0 + tok[:, None]) * BK + o_k[None, :]
@@ -443,10 +463,12 @@ def _store_w(W, QG, b_aq, w, p_tk, FOLD: tl.constexpr, PREC: tl.constexpr):
 
 @triton.jit
 def _solve_w_kg(W, KG, GAM, TOT, base, b_t, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
-                BKW: tl.constexpr, PREC: tl.constexpr, QG=None, b_aq=None, FOLD: tl.constexpr = False):
+                BKW: tl.constexpr, PREC: tl.constexpr, QG=None, b_aq=None, FOLD: tl.constexpr = False,
+                KG_DONE: tl.constexpr = False):
     """The solve's W, kg, γ from ``_prep_blocks`` / ``_prep_rows_qk``'s buffers (no gate, cumsum or norm here):
     W = T X with X = β k̂ e^G read from W's own rows (solved in place); kg_J = kr_J e^{Σ_{J' > J} tot_J'}
-    (≤ 1: kr_J is relative to block J's last row) in place over kr; γ = e^{Σ_J tot_J}."""
+    (≤ 1: kr_J is relative to block J's last row) in place over kr; γ = e^{Σ_J tot_J}. ``KG_DONE``: kg and γ
+    were written by the rows kernel (``KG_OUT``): W only."""
     NB: tl.constexpr = BT // BC
     o_t = tl.arange(0, BT)
     rb = o_t // BC
@@ -454,16 +476,17 @@ def _solve_w_kg(W, KG, GAM, TOT, base, b_t, BT: tl.constexpr, BC: tl.constexpr, 
         o_k = sl * BKW + tl.arange(0, BKW)
         p_tk = (base * BT + o_t[:, None]) * BK + o_k[None, :]
         _store_w(W, QG, b_aq, tl.dot(b_t, tl.load(W + p_tk), input_precision=PREC), p_tk, FOLD, PREC)
-        # e^{Σ_{J' > block(row)} tot_J'} takes one value per (row block, column): exponentials of [BKW] vectors,
-        # then selected per row block (bitwise the per-element form: the same sums, summed in the same order)
-        fac = tl.full([BT, BKW], 1.0, tl.float32)  # the last block: e^0
-        acc = tl.zeros([BKW], dtype=tl.float32)
-        for jj in tl.static_range(NB - 1):  # summed from the last block down, like the rows kernel's d
-            J = NB - 1 - jj
-            acc += tl.load(TOT + (base * NB + J) * BK + o_k)  # Σ_{J' ≥ J}: the suffix of block J − 1
-            fac = tl.where((rb == J - 1)[:, None], tl.exp2(tl.minimum(acc, 0.))[None, :], fac)
-        tl.store(KG + p_tk, (tl.load(KG + p_tk).to(tl.float32) * fac).to(KG.dtype.element_ty))
-        tl.store(GAM + base * BK + o_k, tl.exp2(acc + tl.load(TOT + base * NB * BK + o_k)))
+        if not KG_DONE:
+            # e^{Σ_{J' > block(row)} tot_J'} takes one value per (row block, column): exponentials of [BKW] vectors,
+            # then selected per row block (bitwise the per-element form: the same sums, summed in the same order)
+            fac = tl.full([BT, BKW], 1.0, tl.float32)  # the last block: e^0
+            acc = tl.zeros([BKW], dtype=tl.float32)
+            for jj in tl.static_range(NB - 1):  # summed from the last block down, like the rows kernel's d
+                J = NB - 1 - jj
+                acc += tl.load(TOT + (base * NB + J) * BK + o_k)  # Σ_{J' ≥ J}: the suffix of block J − 1
+                fac = tl.where((rb == J - 1)[:, None], tl.exp2(tl.minimum(acc, 0.))[None, :], fac)
+            tl.store(KG + p_tk, (tl.load(KG + p_tk).to(tl.float32) * fac).to(KG.dtype.element_ty))
+            tl.store(GAM + base * BK + o_k, tl.exp2(acc + tl.load(TOT + base * NB * BK + o_k)))
 
 
 @triton.jit(do_not_specialize=['c0', 'NCw', 'T', 'NT', 'H'])
@@ -475,7 +498,7 @@ def _prep_solve(
     BVW: tl.constexpr, USE_GATE: tl.constexpr, HAS_LB: tl.constexpr, HAS_A: tl.constexpr, HAS_DT: tl.constexpr,
     L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr, IS_VARLEN: tl.constexpr, STORE_T: tl.constexpr,
     PREC: tl.constexpr, TOT=None, PRE: tl.constexpr = False, QG=None, AQK=None, AU=None,
-    FOLD: tl.constexpr = False,
+    FOLD: tl.constexpr = False, KG_DONE: tl.constexpr = False,
 ):
     # FOLD (inference, ``FwdConfig.fold_output``): the state pass's output O = qg S + A_qk V' with V' = U − W S is
     # (qg − A_qk W) S + A_qk U, both chunk-local: qg is replaced by qw = qg − A_qk W in place and AU = A_qk U is
@@ -516,7 +539,7 @@ def _prep_solve(
             tl.store(AU + p_tv, tl.dot(b_aq, b_u, input_precision=PREC).to(DT))
 
     if PRE:
-        _solve_w_kg(W, KG, GAM, TOT, base, b_t, BT, BC, BK, BKW, PREC, QG, b_aq, FOLD)
+        _solve_w_kg(W, KG, GAM, TOT, base, b_t, BT, BC, BK, BKW, PREC, QG, b_aq, FOLD, KG_DONE)
     else:
         # ---- W = T (β K e^G), kg = K e^{G_C − G}, γ = e^{G_C}: by column slices of BKW (gate and cumsum are per
         # column; the L2 norm needs the whole row first), fewer live registers
@@ -580,17 +603,22 @@ def launch_prep_rows(q, k, v, g, beta, A_log, dt_bias, bufs: dict, tab: ChunkTab
     use_e = (pre and bool(cfg.rows_pre_e) and not flags["exact_diag"]
              and bufs["QG"].dtype in (torch.float32, torch.bfloat16))
     nb = BT // BC
+    # kg and γ from the rows kernel's last-block programs; kr of the earlier blocks through its own scratch
+    kg_rows = pre and "KR" in bufs
     if pre:
         per = int(cfg.blocks_per_program)
         if per not in (1, 2, 4):
             raise ValueError(f"FwdConfig.blocks_per_program: expected 1, 2 or 4, got {per!r}")
         _prep_blocks[(n * nb // per, H)](
-            k, g, a_log, dtb, bufs["KG"], bufs["TOT"],
+            k, g, a_log, dtb, bufs["KR"] if kg_rows else bufs["KG"], bufs["TOT"],
             tab.cu, tab.chunk_seq, tab.chunk_off, c0, ncw, tab.T, tab.NT, H, K, lb, BT=BT, BC=BC, BK=BK,
             USE_GATE=common["USE_GATE"], HAS_LB=common["HAS_LB"], HAS_A=common["HAS_A"], HAS_DT=common["HAS_DT"],
             L2NORM=common["L2NORM"], IS_VARLEN=common["IS_VARLEN"], PER=per, FAST_GATE=fast,
-            E=bufs["QG"], STORE_E=use_e, **_launch(cfg.blocks_warps, 1, None))
-    extra = dict(KR=bufs["KG"], TOT=bufs["TOT"], X=bufs["W"], PRE=True, LOAD_E=use_e) if pre else {}
+            E=bufs["QG"], STORE_E=use_e, KG=bufs["KG"], SPLIT_KR=kg_rows, **_launch(cfg.blocks_warps, 1, None))
+    extra = dict(KR=bufs["KR"] if kg_rows else bufs["KG"], TOT=bufs["TOT"], X=bufs["W"], PRE=True,
+                 LOAD_E=use_e) if pre else {}
+    if kg_rows:
+        extra.update(KG=bufs["KG"], GAM=bufs["GAM"], KG_OUT=True)
     if cfg.rows_stack:
         extra["FAST_GATE"] = fast
     kernel = _prep_rows_qk if cfg.rows_stack else _prep_rows
@@ -604,6 +632,6 @@ def launch_prep_rows(q, k, v, g, beta, A_log, dt_bias, bufs: dict, tab: ChunkTab
         k, v, g, beta, a_log, dtb, bufs["W"], bufs["U"], bufs["KG"], bufs["GAM"], bufs["TM"], LK,
         tab.cu, tab.chunk_seq, tab.chunk_off, c0, ncw, tab.T, tab.NT, H, K, V, lb,
         BT=BT, BC=BC, BK=BK, BVP=BVP, BKW=min(BK, cfg.solve_bkw), BVW=min(BVP, cfg.solve_bkw), STORE_T=store_t,
-        **(dict(TOT=bufs["TOT"], PRE=True) if pre else {}),
+        **(dict(TOT=bufs["TOT"], PRE=True, KG_DONE=kg_rows) if pre else {}),
         **(dict(QG=bufs["QG"], AQK=bufs["AQK"], AU=bufs["AU"], FOLD=True) if "AU" in bufs else {}),
         **_launch(cfg.solve_warps, cfg.solve_stages, cfg.solve_maxnreg), **common)
