@@ -538,10 +538,9 @@ class FwdConfig:
     rows_maxnreg = 128  # rows: register cap per thread (session 3, H200: 154 → 128, 4 CTAs/SM, 35.4 → 30.7 ms/1M)
     # sm_90: 130 → 128 without spills at 4 warps, bkw 32: 4 CTAs per SM instead of 3; with kg in the rows kernel
     # (``rows_kg``) 96 → 5 CTAs per SM: H200 (knob_ab, session 9) prefill 1M H=32 64.7 → 63.3 ms, H=8 22.4 → 22.1
+    # (loading each U / W column slice's operand one product ahead, the first before T is formed, measured no gain:
+    # 64.5 vs 65.0 ms at 128 registers, and it spills at 96)
     solve_maxnreg = 96
-    # rows_kg: the solve's U and W column-slice products each load their operand one product ahead (the first
-    # before T is formed), instead of a memory round trip per slice after the previous slice's store
-    solve_pipe = True
     # sweep v6 (H200, one window at H = 32): BV 64 at 4 warps 25.3 ms per 1M vs BV 32 30.7 (BV 64 at 8 warps 43.2):
     # half the re-reads of W, kg, qg, A_qk, and 64 programs at B·H = 32 still overlap the next window's prep
     state_bv = 64

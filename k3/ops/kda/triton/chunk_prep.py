@@ -489,46 +489,6 @@ def _solve_w_kg(W, KG, GAM, TOT, base, b_t, BT: tl.constexpr, BC: tl.constexpr, 
             tl.store(GAM + base * BK + o_k, tl.exp2(acc + tl.load(TOT + base * NB * BK + o_k)))
 
 
-@triton.jit
-def _wu_tile(v, W, i_h, H, V, base, t, eos, j: tl.constexpr, NU: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
-             BVW: tl.constexpr, BKW: tl.constexpr, DT: tl.constexpr):
-    """The operand of the solve's product j (``PIPE``): j < NU → columns of v (U = T (β V)), else columns of X in W's
-    rows (W = T X, solved in place)."""
-    if j < NU:
-        o_v = j * BVW + tl.arange(0, BVW)
-        x = tl.load(v + (t * H + i_h)[:, None] * V + o_v[None, :], mask=(t < eos)[:, None] & (o_v < V)[None, :],
-                    other=0.)
-    else:
-        o_t = tl.arange(0, BT)
-        o_k = (j - NU) * BKW + tl.arange(0, BKW)
-        x = tl.load(W + (base * BT + o_t[:, None]) * BK + o_k[None, :])
-    return x.to(DT)
-
-
-@triton.jit
-def _solve_wu_pipelined(v, W, U, b_t, b_b, nxt, i_h, H, V, base, t, eos, BT: tl.constexpr, BK: tl.constexpr,
-                        BVP: tl.constexpr, BVW: tl.constexpr, BKW: tl.constexpr, PREC: tl.constexpr):
-    """U = T (β V) and W = T X as one sequence of column-slice products, each slice's operand loaded one product
-    ahead (``nxt``: the first one, loaded before T was formed). The compiler cannot move a load above an earlier
-    store (it cannot tell U, W and v apart), so without this every slice waits a full memory round trip."""
-    DT: tl.constexpr = W.dtype.element_ty
-    NU: tl.constexpr = BVP // BVW
-    NJ: tl.constexpr = NU + BK // BKW
-    o_t = tl.arange(0, BT)
-    for j in tl.static_range(NJ):
-        x = nxt
-        if j + 1 < NJ:
-            nxt = _wu_tile(v, W, i_h, H, V, base, t, eos, j + 1, NU, BT, BK, BVW, BKW, DT)
-        if j < NU:
-            o_v = j * BVW + tl.arange(0, BVW)
-            b_u = tl.dot(b_t, (x.to(tl.float32) * b_b[:, None]).to(DT), input_precision=PREC)
-            tl.store(U + (base * BT + o_t[:, None]) * BVP + o_v[None, :], b_u.to(DT))
-        else:
-            o_k = (j - NU) * BKW + tl.arange(0, BKW)
-            tl.store(W + (base * BT + o_t[:, None]) * BK + o_k[None, :],
-                     tl.dot(b_t, x, input_precision=PREC).to(DT))
-
-
 @triton.jit(do_not_specialize=['c0', 'NCw', 'T', 'NT', 'H'])
 def _prep_solve(
     k, v, g, beta, A_log, dt_bias, W, U, KG, GAM, TM, LK,
@@ -538,7 +498,7 @@ def _prep_solve(
     BVW: tl.constexpr, USE_GATE: tl.constexpr, HAS_LB: tl.constexpr, HAS_A: tl.constexpr, HAS_DT: tl.constexpr,
     L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr, IS_VARLEN: tl.constexpr, STORE_T: tl.constexpr,
     PREC: tl.constexpr, TOT=None, PRE: tl.constexpr = False, QG=None, AQK=None, AU=None,
-    FOLD: tl.constexpr = False, KG_DONE: tl.constexpr = False, PIPE: tl.constexpr = False,
+    FOLD: tl.constexpr = False, KG_DONE: tl.constexpr = False,
 ):
     # FOLD (inference, ``FwdConfig.fold_output``): the state pass's output O = qg S + A_qk V' with V' = U − W S is
     # (qg − A_qk W) S + A_qk U, both chunk-local: qg is replaced by qw = qg − A_qk W in place and AU = A_qk U is
@@ -551,12 +511,6 @@ def _prep_solve(
     o_t = tl.arange(0, BT)
     o_k = tl.arange(0, BK)
     t = bos + o_t
-    # PIPE (with the pre-pass, kg from the rows kernel, no fold): the first product's operand and β are loaded
-    # before T is formed, so that their memory latency overlaps the substitution
-    PIPELINED: tl.constexpr = PIPE and PRE and KG_DONE and not FOLD
-    if PIPELINED:
-        nxt = _wu_tile(v, W, i_h, H, V, base, t, eos, 0, BVP // BVW, BT, BK, BVW, BKW, DT)
-        b_b = _chunk_beta(beta, i_h, bos, eos, H, BT, BETA_SIGMOID)
 
     # ---- T
     _diag_inverses(LK, base, BT, BC)
@@ -571,10 +525,6 @@ def _prep_solve(
         b_aq = tl.load(AQK + (base * BT + o_t[:, None]) * BT + o_t[None, :])
     else:
         b_aq = tl.zeros([BT, BT], dtype=DT)  # unused
-
-    if PIPELINED:
-        _solve_wu_pipelined(v, W, U, b_t, b_b, nxt, i_h, H, V, base, t, eos, BT, BK, BVP, BVW, BKW, PREC)
-        return
 
     # ---- U = T (β V)
     b_b = _chunk_beta(beta, i_h, bos, eos, H, BT, BETA_SIGMOID)
@@ -682,6 +632,6 @@ def launch_prep_rows(q, k, v, g, beta, A_log, dt_bias, bufs: dict, tab: ChunkTab
         k, v, g, beta, a_log, dtb, bufs["W"], bufs["U"], bufs["KG"], bufs["GAM"], bufs["TM"], LK,
         tab.cu, tab.chunk_seq, tab.chunk_off, c0, ncw, tab.T, tab.NT, H, K, V, lb,
         BT=BT, BC=BC, BK=BK, BVP=BVP, BKW=min(BK, cfg.solve_bkw), BVW=min(BVP, cfg.solve_bkw), STORE_T=store_t,
-        **(dict(TOT=bufs["TOT"], PRE=True, KG_DONE=kg_rows, PIPE=bool(cfg.solve_pipe)) if pre else {}),
+        **(dict(TOT=bufs["TOT"], PRE=True, KG_DONE=kg_rows) if pre else {}),
         **(dict(QG=bufs["QG"], AQK=bufs["AQK"], AU=bufs["AU"], FOLD=True) if "AU" in bufs else {}),
         **_launch(cfg.solve_warps, cfg.solve_stages, cfg.solve_maxnreg), **common)
