@@ -523,12 +523,9 @@ class FwdConfig:
     # kr anyway), kr goes through a scratch of its own (+16 KB of window buffers per chunk and head), and the solve
     # forms W only — ncu (H200, session 9): the solve's kg pass (load kr, scale, store) was its longest load wait
     rows_kg = True
-    # rows with the pre-pass: the pre-pass and the rows kernel as ONE program per (chunk, head) that runs its four
-    # 16-row blocks in order (``chunk_prep._prep_rows_chunk``): each block's gate computed once, no E / kr / k, g
-    # round trip between two launches, kr and the block totals handed on inside the program
-    rows_fused = True
-    fused_warps = 4
-    fused_maxnreg: int | None = 128
+    # (the pre-pass and the rows kernel as ONE program per (chunk, head) running its four row blocks in order — no
+    # E / kr / k, g round trip — measured slower on the H200 in session 9: prefill 1M H=32 77.0 ms at 4 warps, 69.9
+    # at 2 warps, vs 63.7 for the two launches; a program per 16-row block hides latency better. Removed.)
     # inference, rows prep: the solve folds the output's A_qk V' term into chunk-local buffers (qw = qg − A_qk W in
     # place of qg, AU = A_qk U), so the serial state pass has three products per chunk instead of four (sm_90:
     # three wgmma waits per step instead of four; +16 KB of window buffers per chunk and head). Measured slower
@@ -591,7 +588,7 @@ def alloc_chunk_buffers(H: int, NC: int, BK: int, BVP: int, dt: torch.dtype, dev
 def _kr_scratch() -> bool:
     """Whether the rows prep hands kr over through its own scratch (``FwdConfig.rows_kg``)."""
     return (FwdConfig.prep_mode == "rows" and bool(FwdConfig.rows_stack) and bool(FwdConfig.rows_pre)
-            and bool(FwdConfig.rows_kg) and not FwdConfig.rows_fused)
+            and bool(FwdConfig.rows_kg))
 
 
 def chunk_bytes(H: int, BK: int, BVP: int, dt: torch.dtype) -> int:

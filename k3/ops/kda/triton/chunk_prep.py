@@ -399,102 +399,6 @@ def _prep_rows_qk(
 
 
 @triton.jit
-def _rows_chunk_block(q, k, g, beta, A_log, dt_bias, QG, AQK, LK, KG, TOT, X, GAM, base, i_h, bos, eos, H, K, scale, lb,
-                      I, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
-                      USE_GATE: tl.constexpr, HAS_LB: tl.constexpr, HAS_A: tl.constexpr, HAS_DT: tl.constexpr,
-                      L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr, EXACT_DIAG: tl.constexpr,
-                      PREC: tl.constexpr, AB_BF16: tl.constexpr, FAST_GATE: tl.constexpr):
-    """Row block I of ``_prep_rows_chunk``: the pre-pass's work for block I (gate, within-block cumsum s, total,
-    kr_I = k̂ e^{tot − s} into block I's kg rows, the total into ``TOT``), then ``_prep_rows_qk``'s with
-    ``PRE`` and ``KG_OUT`` (earlier blocks' kr and totals read back from this program's own stores)."""
-    NB: tl.constexpr = BT // BC
-    o_r = tl.arange(0, 2 * BC)
-    o_j = tl.arange(0, BC)
-    o_k = tl.arange(0, BK)
-    tok = o_r // 2
-    r0 = I * BC
-    t0 = bos + r0
-    b_b2 = tl.load(beta + (t0 + tok) * H + i_h, mask=(t0 + tok) < eos, other=0.).to(tl.float32)  # β of token(r)
-    if BETA_SIGMOID:
-        if FAST_GATE:
-            b_b2 = _sigmoid_fast(b_b2)
-        else:
-            b_b2 = _sigmoid(b_b2)
-
-    # ---- this block: s = within-block cumsum of the log2 gate (G_i − c_I exactly as summed), its total, kr_I
-    g16 = _rows_gate(g, A_log, dt_bias, i_h, t0, eos, H, K, lb, BC, BK, USE_GATE, HAS_LB, HAS_A, HAS_DT, FAST_GATE)
-    s16 = tl.cumsum(g16, axis=0)
-    tot = tl.sum(g16, axis=0)
-    k16 = _rows_x(k, i_h, t0, eos, H, K, BC, BK, L2NORM)
-    p16 = (base * BT + r0 + o_j[:, None]) * BK + o_k[None, :]
-    tl.store(KG + p16, (k16 * tl.exp2(tot[None, :] - s16)).to(KG.dtype.element_ty))  # the last block's is its kg
-    tl.store(TOT + (base * NB + I) * BK + o_k, tot)
-    x = _rows_qk(q, k, i_h, t0, eos, H, K, BC, BK, L2NORM)
-    xl = x * _rows2(tl.exp2(s16), BC, BK)  # ≤ 1; kept in fp32 for qg
-    xo = _op(xl, AB_BF16)
-
-    # ---- diagonal block
-    keep = (tok[:, None] >= o_j[None, :]) & ((o_r % 2 == 0)[:, None] | (tok[:, None] > o_j[None, :]))
-    if EXACT_DIAG:
-        dg = _exact_diag_stacked(x, _rows2(s16, BC, BK), BC)
-    else:
-        dg = tl.dot(xo, _op(tl.trans(k16 * tl.exp2(-s16)), AB_BF16), input_precision=PREC)  # right ≤ e^{5·15}
-    _store_qk_rows(AQK, LK, base, r0, r0, dg, b_b2, scale, keep, o_j, o_j >= 0, BT, BC)
-
-    # ---- earlier blocks J = I−1 … 0 from their kr_J and totals (stored by this program's earlier blocks; the
-    # barrier between blocks makes them visible to every thread); the last block also turns kr_J into kg_J
-    tl.debug_barrier()
-    d = tl.zeros([BK], dtype=tl.float32)
-    allk = (o_r >= 0)[:, None] & (o_j >= 0)[None, :]
-    for jj in range(0, I):
-        J = I - 1 - jj
-        tot_j = tl.load(TOT + (base * NB + J) * BK + o_k)
-        p_j = (base * BT + J * BC + o_j[:, None]) * BK + o_k[None, :]
-        kJ = tl.load(KG + p_j).to(tl.float32)
-        kr = _op(tl.trans(kJ * tl.exp2(d)[None, :]), AB_BF16)
-        _store_qk_rows(AQK, LK, base, r0, J * BC, tl.dot(xo, kr, input_precision=PREC), b_b2, scale, allk, o_j,
-                       o_j >= 0, BT, BC)
-        if I == NB - 1:  # d + tot = Σ_{J' > J} (each thread rewrites exactly the elements it loaded)
-            tl.store(KG + p_j, (kJ * tl.exp2(d + tot)[None, :]).to(KG.dtype.element_ty))
-        d += tot_j
-    if I == NB - 1:
-        tl.store(GAM + base * BK + o_k, tl.exp2(d + tot))
-    # qg = scale · q e^{c_I + s} (even rows) and X = β k̂ e^{c_I + s} (odd rows) for the solve's W = T X
-    p_out = (base * BT + r0 + tok[:, None]) * BK + o_k[None, :]
-    y = (xl * tl.exp2(d)[None, :]) * tl.where(o_r % 2 == 0, scale, b_b2)[:, None]
-    tl.store(QG + p_out, y.to(QG.dtype.element_ty), mask=(o_r % 2 == 0)[:, None] & (o_k >= 0)[None, :])
-    tl.store(X + p_out, y.to(X.dtype.element_ty), mask=(o_r % 2 == 1)[:, None] & (o_k >= 0)[None, :])
-    zt = tl.zeros([BC, BC], dtype=tl.float32).to(AQK.dtype.element_ty)
-    for J in range(I + 1, NB):  # A_qk is read whole by the state pass: zero above the diagonal
-        tl.store(_tile_ptr(AQK, base, r0, J * BC, BT, BC), zt)
-
-
-@triton.jit(do_not_specialize=['c0', 'NCw', 'T', 'NT', 'H'])
-def _prep_rows_chunk(
-    q, k, g, beta, A_log, dt_bias, QG, AQK, LK, KG, TOT, X, GAM,
-    cu, chunk_seq, chunk_off, c0, NCw, T, NT,
-    H, K: tl.constexpr, scale, lb,
-    BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
-    USE_GATE: tl.constexpr, HAS_LB: tl.constexpr, HAS_A: tl.constexpr, HAS_DT: tl.constexpr,
-    L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr, IS_VARLEN: tl.constexpr,
-    EXACT_DIAG: tl.constexpr, PREC: tl.constexpr, AB_BF16: tl.constexpr, FAST_GATE: tl.constexpr = False,
-):
-    """The pre-pass and the stacked rows kernel in one program per (chunk, head) (``FwdConfig.rows_fused``): its
-    four 16-row blocks in order, each computing its own gate once, so no E, kr or k/g re-read goes through memory
-    between two launches; the same products, exponents and causality as ``_prep_blocks`` + ``_prep_rows_qk``
-    (``KG_OUT``), E kept in fp32 instead of rounded to the buffer dtype."""
-    NB: tl.constexpr = BT // BC
-    i_c = tl.program_id(0)
-    i_h = tl.program_id(1)
-    bos, eos = _chunk_pos(c0 + i_c, cu, chunk_seq, chunk_off, T, NT, BT, IS_VARLEN)
-    base = (i_h * NCw + i_c).to(tl.int64)
-    for I in range(NB):  # a loop, not unrolled: unrolled, the blocks' shared index math stays live and spills
-        _rows_chunk_block(q, k, g, beta, A_log, dt_bias, QG, AQK, LK, KG, TOT, X, GAM, base, i_h, bos, eos, H, K,
-                          scale, lb, I, BT, BC, BK, USE_GATE, HAS_LB, HAS_A, HAS_DT, L2NORM, BETA_SIGMOID,
-                          EXACT_DIAG, PREC, AB_BF16, FAST_GATE)
-
-
-@triton.jit
 def _diag_inverses(LK, base, BT: tl.constexpr, BC: tl.constexpr):
     """(I + L_b)^{-1} of the four strictly lower-triangular diagonal blocks of the scratch ``LK[base]`` by forward
     substitution, all four stacked in one [BT, BC] tile: row (b, i), column m holds D_b[m, i] (built transposed,
@@ -671,7 +575,7 @@ def _launch(warps: int, stages: int, maxnreg: int | None) -> dict:
 def _launch_blocks_rows(q, k, g, beta, a_log, dtb, bufs: dict, tab: ChunkTable, c0: int, n: int, ncw: int,
                         scale: float, lb: float, flags: dict, cfg, pre: bool, fast: bool, use_e: bool, kg_rows: bool,
                         common: dict) -> None:
-    """The pre-pass (``_prep_blocks``) and the rows kernel as two launches (``FwdConfig.rows_fused`` off)."""
+    """The pre-pass (``_prep_blocks``, with ``pre``) and the rows kernel."""
     _, _, H, K = q.shape
     BK = bufs["W"].shape[-1]
     LK = bufs["LD"]
@@ -732,19 +636,10 @@ def launch_prep_rows(q, k, v, g, beta, A_log, dt_bias, bufs: dict, tab: ChunkTab
     use_e = (pre and bool(cfg.rows_pre_e) and not flags["exact_diag"]
              and bufs["QG"].dtype in (torch.float32, torch.bfloat16))
     nb = BT // BC
-    fused = pre and bool(cfg.rows_fused)
     # kg and γ from the rows kernel's last-block programs; kr of the earlier blocks through its own scratch
-    kg_rows = fused or (pre and "KR" in bufs)
-    if fused:
-        _prep_rows_chunk[(n, H)](
-            q, k, g, beta, a_log, dtb, bufs["QG"], bufs["AQK"], LK, bufs["KG"], bufs["TOT"], bufs["W"], bufs["GAM"],
-            tab.cu, tab.chunk_seq, tab.chunk_off, c0, ncw, tab.T, tab.NT, H, K, scale, lb,
-            BT=BT, BC=BC, BK=BK, EXACT_DIAG=flags["exact_diag"],
-            AB_BF16=bool(cfg.prep_ab_bf16) and q.dtype == torch.bfloat16, FAST_GATE=fast,
-            **_launch(cfg.fused_warps, 1, cfg.fused_maxnreg), **common)
-    else:
-        _launch_blocks_rows(q, k, g, beta, a_log, dtb, bufs, tab, c0, n, ncw, scale, lb, flags, cfg, pre, fast, use_e,
-                            kg_rows, common)
+    kg_rows = pre and "KR" in bufs
+    _launch_blocks_rows(q, k, g, beta, a_log, dtb, bufs, tab, c0, n, ncw, scale, lb, flags, cfg, pre, fast, use_e,
+                        kg_rows, common)
     _prep_solve[(n, H)](
         k, v, g, beta, a_log, dtb, bufs["W"], bufs["U"], bufs["KG"], bufs["GAM"], bufs["TM"], LK,
         tab.cu, tab.chunk_seq, tab.chunk_off, c0, ncw, tab.T, tab.NT, H, K, V, lb,
