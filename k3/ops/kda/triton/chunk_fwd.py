@@ -523,6 +523,9 @@ class FwdConfig:
     # kr anyway), kr goes through a scratch of its own (+16 KB of window buffers per chunk and head), and the solve
     # forms W only — ncu (H200, session 9): the solve's kg pass (load kr, scale, store) was its longest load wait
     rows_kg = True
+    # rows with the pre-pass: the next earlier block's kr and total loaded one step ahead in the rows kernel's loop
+    # (the first before the block's own work), so their memory latency overlaps the products
+    rows_prefetch = True
     # (the pre-pass and the rows kernel as ONE program per (chunk, head) running its four row blocks in order — no
     # E / kr / k, g round trip — measured slower on the H200 in session 9: prefill 1M H=32 77.0 ms at 4 warps, 69.9
     # at 2 warps, vs 63.7 for the two launches; a program per 16-row block hides latency better. Removed.)

@@ -254,6 +254,19 @@ def _rows_qk(q, k, i_h, t0, eos, H, K, R: tl.constexpr, BK: tl.constexpr, L2NORM
 
 
 @triton.jit
+def _kr_tot(KR, TOT, base, J, valid, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr):
+    """Block J's total (fp32 [BK]) and kr tile ([BC, BK], the buffer's dtype) from the pre-pass, or zeros if not
+    ``valid`` (no load issued)."""
+    NB: tl.constexpr = BT // BC
+    o_j = tl.arange(0, BC)
+    o_k = tl.arange(0, BK)
+    tot = tl.load(TOT + (base * NB + J) * BK + o_k, mask=(o_k >= 0) & valid, other=0.)
+    kr = tl.load(KR + (base * BT + J * BC + o_j[:, None]) * BK + o_k[None, :],
+                 mask=((o_j >= 0)[:, None] & (o_k >= 0)[None, :]) & valid, other=0.)
+    return tot, kr
+
+
+@triton.jit
 def _rows2(y, R: tl.constexpr, BK: tl.constexpr):
     """[R, BK] → [2·R, BK] with row i repeated on rows 2i and 2i+1 (bit-exact copies)."""
     return tl.reshape(tl.broadcast_to(y[:, None, :], [R, 2, BK]), [2 * R, BK])
@@ -298,6 +311,7 @@ def _prep_rows_qk(
     EXACT_DIAG: tl.constexpr, PREC: tl.constexpr, AB_BF16: tl.constexpr,
     KR=None, TOT=None, X=None, PRE: tl.constexpr = False, FAST_GATE: tl.constexpr = False,
     LOAD_E: tl.constexpr = False, KG=None, GAM=None, KG_OUT: tl.constexpr = False,
+    PREFETCH: tl.constexpr = False,
 ):
     """``_prep_rows`` with q and k of the row block stacked into ONE [32, K] left operand (rows interleaved), so
     each product is [32, K] × [K, 16]: one tensor-core product per block pair instead of two, and at 2 warps each
@@ -318,6 +332,11 @@ def _prep_rows_qk(
     tok = o_r // 2
     r0 = I * BC
     t0 = bos + r0
+    o_k = tl.arange(0, BK)
+    if LOAD_E:  # issued first: ncu (H200) put a quarter of this kernel's stall samples on waiting for E, q, k
+        e_raw = tl.load(QG + (base * BT + r0 + o_j[:, None]) * BK + o_k[None, :])
+    if PRE and PREFETCH:  # block I−1's kr and total (the first earlier block), also ahead of any use
+        n_tot, n_kr = _kr_tot(KR, TOT, base, I - 1, I > 0, BT, BC, BK)
     b_b2 = tl.load(beta + (t0 + tok) * H + i_h, mask=(t0 + tok) < eos, other=0.).to(tl.float32)  # β of token(r)
     if BETA_SIGMOID:
         if FAST_GATE:
@@ -328,10 +347,9 @@ def _prep_rows_qk(
     # ---- own rows: s = within-block cumsum (G_i − c_I exactly as summed); gate and exponentials on the 16
     # tokens, then repeated onto rows 2i and 2i+1 of the interleaved tile. LOAD_E: E = e^s from the pre-pass (the
     # qg rows of this block, overwritten below), instead of the gate, its cumsum and the exponentials again
-    o_k = tl.arange(0, BK)
     x = _rows_qk(q, k, i_h, t0, eos, H, K, BC, BK, L2NORM)
     if LOAD_E:
-        e16 = tl.load(QG + (base * BT + r0 + o_j[:, None]) * BK + o_k[None, :]).to(tl.float32)
+        e16 = e_raw.to(tl.float32)
     else:
         s16 = tl.cumsum(_rows_gate(g, A_log, dt_bias, i_h, t0, eos, H, K, lb, BC, BK, USE_GATE, HAS_LB, HAS_A,
                                    HAS_DT, FAST_GATE), axis=0)
@@ -360,9 +378,13 @@ def _prep_rows_qk(
     for jj in range(0, I):
         J = I - 1 - jj
         if PRE:  # kr_J and tot_J from ``_prep_blocks``: one tile load instead of the gate, cumsum and norm again
-            tot = tl.load(TOT + (base * NB + J) * BK + o_k)
             p_kr = (base * BT + J * BC + o_j[:, None]) * BK + o_k[None, :]
-            kJ = tl.load(KR + p_kr).to(tl.float32)
+            if PREFETCH:  # this block's were loaded one step ahead; load the next one's now
+                tot, kJ = n_tot, n_kr.to(tl.float32)
+                n_tot, n_kr = _kr_tot(KR, TOT, base, J - 1, jj + 1 < I, BT, BC, BK)
+            else:
+                tot = tl.load(TOT + (base * NB + J) * BK + o_k)
+                kJ = tl.load(KR + p_kr).to(tl.float32)
             kr = _op(tl.trans(kJ * tl.exp2(d)[None, :]), AB_BF16)
             if KG_OUT:  # d = Σ_{J < J' < I}: with block I's own total, every later block of the chunk
                 if last:  # (block I's total reloaded here, an L1 hit, rather than held across the loop)
@@ -596,6 +618,8 @@ def _launch_blocks_rows(q, k, g, beta, a_log, dtb, bufs: dict, tab: ChunkTable, 
         extra.update(KG=bufs["KG"], GAM=bufs["GAM"], KG_OUT=True)
     if cfg.rows_stack:
         extra["FAST_GATE"] = fast
+        if pre:
+            extra["PREFETCH"] = bool(cfg.rows_prefetch)
     kernel = _prep_rows_qk if cfg.rows_stack else _prep_rows
     kernel[(n * nb, H)](
         q, k, g, beta, a_log, dtb, bufs["QG"], bufs["AQK"], LK,
