@@ -26,15 +26,19 @@ W = T X and kg_J = kr_J e^{Σ_{J' > J} tot_J'} in place, without the gate or the
 prep 92.6 → 73.2 ms with the rows kernel capped at 128 registers). With ``FwdConfig.rows_pre_e`` (bounded gates,
 bf16/fp32 buffers) the pre-pass also stores E_J = e^{s_J} in the block's qg rows, and the rows kernel loads it
 instead of recomputing its own block's gate, cumsum and exponentials (E_i depends on rows ≤ i only, so causality
-holds bitwise), then overwrites those rows with qg (H200: prep 57.9 → 53.8 ms per 1M at H = 32).
+holds bitwise), then overwrites those rows with qg (H200: prep 57.9 → 53.8 ms per 1M at H = 32). With
+``FwdConfig.rows_kg`` (session 9) kr goes to a scratch of its own (``KR``; the last block's kr is already its kg and
+goes straight into the kg buffer), and the rows program of each chunk's last block — which loads every earlier
+kr_J anyway — writes kg_J and γ, so the solve forms W only (H200: solve 22.4 → 16.1 ms per 1M at H = 32, prefill
+66.9 → 64.7 ms). ``FwdConfig.rows_prefetch`` loads the next earlier block's kr and total one loop step ahead.
 
 ``_prep_solve`` — grid (chunks, H): T = (I + L)^{-1} from the scratch: the four 16×16 diagonal inverses by forward
 substitution on one stacked [64, 16] tile (built transposed: column s of D_bᵀ = e_s − D_bᵀ L_b[s, :]ᵀ, the row read
 from memory, the reduction inside a tile row), D written back over L's diagonal blocks, then the block merge by
 16×16 blocks (T_IJ = −D_I Σ_{J≤M<I} L_IM T_MJ, fp32 mma.sync like the v3 prep), written back over L's lower blocks
 (store → barrier → reload, the hand-off the v3 prep uses), and T reloaded as one [64, 64] tile; then W = T X,
-U = T Y as [64, 64] × [64, 128] products, kg and γ (from the pre-pass buffers, or — without it — from a fresh
-whole-chunk gate cumsum).
+U = T Y as [64, 64] × [64, 128] products, and — unless the rows kernel wrote them — kg and γ (from the pre-pass
+buffers, or, without it, from a fresh whole-chunk gate cumsum).
 """
 
 from __future__ import annotations
