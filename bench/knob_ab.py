@@ -5,7 +5,8 @@
         --variant st2 FwdConfig.state_stages=2 --variant win2g FwdConfig.window_bytes=2147483648
 
 Knobs are ``Class.attr=value`` for FwdConfig, BwdConfig (``chunk_fwd`` / ``chunk_bwd``), SplitConfig (``span``),
-DecodeConfig (``fused_recurrent``) and CPConfig (``k3.ops.kda.cp``); values are Python literals. Cases (bf16,
+DecodeConfig (``fused_recurrent``) and CPConfig (``k3.ops.kda.cp``); values are Python literals; ``ENV.NAME=value``
+sets an environment variable for the variant (e.g. ``ENV.K3_KDA_SPLITS=8``). Cases (bf16,
 K = V = 128, the K3 call): ``prefill32`` / ``prefill8`` = B=1 T=1M at H=32 / 8 without grad, ``train`` = fwd+bwd
 B=8 T=4096 H=32, ``train32k`` = fwd+bwd B=1 T=32768 H=32, ``decode`` = one step B=64 H=32 from an fp32 state.
 Check: the variant's output of each prefill case at T=128K (every gradient of the train cases, output and state of
@@ -46,6 +47,9 @@ def parse(specs: list[str]) -> dict[Any, dict[str, Any]]:
     for spec in specs:
         lhs, val = spec.split("=", 1)
         cls, attr = lhs.split(".")
+        if cls == "ENV":  # an environment variable for the variant's calls: ENV.K3_KDA_SPLITS=8
+            out.setdefault("ENV", {})[attr] = val
+            continue
         if cls not in CLASSES or not hasattr(CLASSES[cls], attr):
             raise ValueError(f"unknown knob {lhs!r}")
         try:
@@ -61,8 +65,25 @@ def applied(knobs: dict[Any, dict[str, Any]]) -> Iterator[None]:
     """Every (class → attrs) override at once, restored after the block."""
     with contextlib.ExitStack() as stack:
         for c, kv in knobs.items():
-            stack.enter_context(overridden_attrs(c, **kv))
+            if c == "ENV":
+                stack.enter_context(_env(kv))
+            else:
+                stack.enter_context(overridden_attrs(c, **kv))
         yield
+
+
+@contextlib.contextmanager
+def _env(kv: dict[str, str]) -> Iterator[None]:
+    old = {n: os.environ.get(n) for n in kv}
+    os.environ.update(kv)
+    try:
+        yield
+    finally:
+        for n, v in old.items():
+            if v is None:
+                os.environ.pop(n, None)
+            else:
+                os.environ[n] = v
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -121,7 +142,7 @@ def main() -> int:
         torch.cuda.empty_cache()
     print("\n| variant | knobs | " + " | ".join(a.cases) + " |\n|---|---|" + "---:|" * len(a.cases))
     for name, knobs in variants:
-        kn = ", ".join(f"{c.__name__}.{k}={v!r}" for c, kv in knobs.items() for k, v in kv.items()) or "—"
+        kn = ", ".join(f"{getattr(c, '__name__', c)}.{k}={v!r}" for c, kv in knobs.items() for k, v in kv.items()) or "—"
         print(f"| {name} | {kn} | " + " | ".join(rows[name].get(c, "") for c in a.cases) + " |")
     return 0
 
