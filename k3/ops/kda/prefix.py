@@ -149,8 +149,8 @@ class SplitCostModel:
 
     Constants (one H200). State step: 1.55 µs per chunk at BV 64 / 4 warps (sweep v6: 25.3 ms over 16384 chunks at
     B=1, H=32, 64 programs; BV 32 took 1.8–1.9 µs per 32 columns), and the step does not slow with one program per
-    SM. CTAs per SM from the sm_90 compile: the state pass at 3 stages holds one per SM, the span pass 112 KiB (2
-    per SM). The span step (same two dependent products, 60 % of the loads, two programs sharing an SM) is an
+    SM. CTAs per SM from the sm_90 compile: the state pass at 3 stages holds one per SM, and so does the span pass at
+    BV 64 (at BV 32 it held 112 KiB, 2 per SM: the same slots per column, so the same predictions). The span step (same two dependent products, 60 % of the loads, two programs sharing an SM) is an
     assumption: 1.6 µs. The per-window and per-fold-step costs are host/launch estimates. The prep (to compare
     whole calls, and for the overlapped unsplit path): 16.6 SM·µs per chunk and head (v6 rows prep: 66 ms per 1M
     tokens at H = 32; v5 18.4, v3 29.2). Checked against the v6 kernels (one H200, B=1, H=8, T=1M): P = 8
@@ -161,9 +161,9 @@ class SplitCostModel:
     state_step_us: float = 1.55
     span_step_us: float = 1.6
     state_per_sm: int = 1
-    span_per_sm: int = 2
+    span_per_sm: int = 1
     state_bv: int = 64
-    span_bv: int = 32
+    span_bv: int = 64
     window_us: float = 80.0  # span launch, fold set-up, index copies of one split window
     fold_step_us: float = 12.0  # one batched fp64 [K, K] × [K, V] product of the fold
     prep_sm_us: float = 16.6  # SM·µs per chunk and head: v6 rows prep, 66 ms for 16384 chunks × 32 heads

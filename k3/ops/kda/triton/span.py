@@ -153,7 +153,10 @@ def span_summaries_triton(
 class SplitConfig:
     """Knobs of :func:`split_prefill_triton` (class attributes, so a benchmark can switch them)."""
 
-    span_bv = 32  # columns per span program (of [S | M], V + K columns)
+    # columns per span program (of [S | M], V + K columns): 64 as in context parallel (`CPConfig.span_bv`); H200
+    # (knob_ab, session 9) B=1 H=8 T=1M 21.46 → 21.24 ms at the chosen 5 segments, 20.94 at 8 (32 → 64 halves the
+    # re-reads of W, kg, U per chunk)
+    span_bv = 64
     span_warps = 4
     span_stages = 3  # same loads as the state pass minus qg / A_qk; the state pass gained 2 → 3 stages (v3)
     window_bytes: int | None = None  # chunk buffers per window; None: max(FwdConfig's, min(cap, share of free))
