@@ -349,6 +349,52 @@ def test_rows_kg_where_formed(monkeypatch, kg_rows, case):
         _causality(130, 1, 16, torch.float32, (1, 17, 37, 64, 70, 127))
 
 
+@cpu_only
+@pytest.mark.parametrize("case", ["varlen_training", "gates_at_bound_beta_1_same_keys", "unbounded", "causality",
+                                  "k128_windows"])
+def test_solve_inverse_by_products(monkeypatch, case):
+    """``solve_inverse = "pow"``: the solve's diagonal 16×16 inverses as (I − L)(I + L²)(I + L⁴)(I + L⁸) instead of
+    forward substitution, against the fp64 recurrence: training (every gradient) on a varlen batch with empty and
+    one-token sequences; gates at the bound with β ≈ 1 and repeated keys (the largest L entries); unbounded gates;
+    bitwise causality; K = V = 128 inference over one-chunk windows. The T it forms equals the substitution's."""
+    if case == "varlen_training":  # T itself, both ways (training stores it)
+        x = make_inputs(150, 2, 16, 16, seed=9, beta_logit=8.0, repeat_keys=True)
+        tab = make_chunk_table(1, 150, None, "cpu")
+        a = [x[n].float() for n in ("q", "k", "v", "g", "beta")] + [x["A"].float(), x["dt"].float()]
+        flags = dict(l2norm=True, use_gate=True, beta_sigmoid=True, exact_diag=False)
+        ts = {}
+        for mode in ("subst", "pow"):
+            monkeypatch.setattr(cf.FwdConfig, "solve_inverse", mode)
+            ts[mode] = cf.prep_all(*a, 16 ** -0.5, tab, -5.0, flags)["TM"]
+        assert rel(ts["pow"], ts["subst"]) < 1e-6
+    monkeypatch.setattr(cf.FwdConfig, "solve_inverse", "pow")
+    if case == "varlen_training":
+        check(make_inputs(200, 2, 16, 16, N=5, seed=7), 1e-4, cu=[0, 1, 64, 64, 130, 200])
+    elif case == "gates_at_bound_beta_1_same_keys":
+        check(make_inputs(100, 1, 16, 16, seed=3, g_const=-5.0, beta_logit=12.0, repeat_keys=True), 1e-4, gate=False)
+    elif case == "unbounded":
+        check(make_inputs(150, 2, 16, 16, seed=4), 1e-4, lb=None)
+    elif case == "k128_windows":
+        monkeypatch.setattr(cf.FwdConfig, "window_bytes", 1)
+        check(make_inputs(150, 1, 128, 128, seed=6), 1e-4, grad=False)
+    else:
+        _causality(130, 1, 16, torch.float32, (1, 17, 37, 64, 70, 127))
+    monkeypatch.setattr(cf.FwdConfig, "solve_inverse", "lu")
+    with pytest.raises(ValueError, match="solve_inverse"):
+        run(make_inputs(8, 1, 16, 16), torch.float32, -5.0, True, None, False)
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_gpu_solve_inverse_by_products(monkeypatch, dtype):
+    """``solve_inverse = "pow"`` on the GPU (tf32x3 products; K = V = 128, a varlen batch with a ragged chunk,
+    training): against the fp64 recurrence (bf16 2e-2, fp32 1e-4), and β ≈ 1 with repeated keys."""
+    monkeypatch.setattr(cf.FwdConfig, "solve_inverse", "pow")
+    tol = 2e-2 if dtype == torch.bfloat16 else 1e-4
+    check(make_inputs(1000, 4, 128, 128, N=3), tol, dtype, cu=[0, 333, 334, 1000])
+    check(make_inputs(1000, 4, 128, 128, beta_logit=12.0, repeat_keys=True), tol, dtype)
+
+
 def test_bad_prep_mode(monkeypatch):
     monkeypatch.setattr(cf.FwdConfig, "prep_mode", "nope")
     x = make_inputs(8, 1, 16, 16)

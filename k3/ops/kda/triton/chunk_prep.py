@@ -447,6 +447,32 @@ def _diag_inverses(LK, base, BT: tl.constexpr, BC: tl.constexpr):
 
 
 @triton.jit
+def _diag_inverses_pow(LK, base, BT: tl.constexpr, BC: tl.constexpr):
+    """``_diag_inverses`` by products instead of a 15-step substitution: with N_b = −L_b strictly lower triangular
+    (N_b^16 = 0), (I + L_b)^{-1} = Σ_{m<16} N_b^m = (I + N)(I + N²)(I + N⁴)(I + N⁸) — three squarings and three
+    products of the four stacked blocks ([4, 16, 16] tensor-core products at tf32x3, ~fp32 accuracy; plain fp32 FMA
+    products spilled 216–560 B on sm_90), no dependent loads. Written back over the diagonal blocks like
+    ``_diag_inverses``."""
+    NB: tl.constexpr = BT // BC
+    o_b = tl.arange(0, NB)
+    o_i = tl.arange(0, BC)
+    p = (LK + (base * BT + (o_b * BC)[:, None, None] + o_i[None, :, None]) * BT + (o_b * BC)[:, None, None]
+         + o_i[None, None, :])
+    N = -tl.load(p)
+    eye = tl.where(o_i[:, None] == o_i[None, :], 1.0, 0.0)[None, :, :]
+    N2 = tl.dot(N, N, input_precision="tf32x3")
+    N4 = tl.dot(N2, N2, input_precision="tf32x3")
+    N8 = tl.dot(N4, N4, input_precision="tf32x3")
+    D = eye + N
+    D = D + tl.dot(D, N2, input_precision="tf32x3")
+    D = D + tl.dot(D, N4, input_precision="tf32x3")
+    D = D + tl.dot(D, N8, input_precision="tf32x3")
+    tl.debug_barrier()  # every thread is done reading L's diagonal blocks before D overwrites them
+    tl.store(p, D)
+    tl.debug_barrier()  # ... and D is visible to every thread of the program before the merge reloads it
+
+
+@triton.jit
 def _block_merge(LK, base, BT: tl.constexpr, BC: tl.constexpr, PREC: tl.constexpr):
     """Below-diagonal blocks of T = (I + L)^{-1} from the scratch ``LK[base]`` (D_J = T_JJ on the diagonal blocks,
     L below them), by 16×16 blocks: T_IJ = −D_I Σ_{J≤M<I} L_IM T_MJ. Written back over L's blocks, so that the
@@ -524,7 +550,7 @@ def _prep_solve(
     BVW: tl.constexpr, USE_GATE: tl.constexpr, HAS_LB: tl.constexpr, HAS_A: tl.constexpr, HAS_DT: tl.constexpr,
     L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr, IS_VARLEN: tl.constexpr, STORE_T: tl.constexpr,
     PREC: tl.constexpr, TOT=None, PRE: tl.constexpr = False, QG=None, AQK=None, AU=None,
-    FOLD: tl.constexpr = False, KG_DONE: tl.constexpr = False,
+    FOLD: tl.constexpr = False, KG_DONE: tl.constexpr = False, INV_POW: tl.constexpr = False,
 ):
     # FOLD (inference, ``FwdConfig.fold_output``): the state pass's output O = qg S + A_qk V' with V' = U − W S is
     # (qg − A_qk W) S + A_qk U, both chunk-local: qg is replaced by qw = qg − A_qk W in place and AU = A_qk U is
@@ -539,7 +565,10 @@ def _prep_solve(
     t = bos + o_t
 
     # ---- T
-    _diag_inverses(LK, base, BT, BC)
+    if INV_POW:
+        _diag_inverses_pow(LK, base, BT, BC)
+    else:
+        _diag_inverses(LK, base, BT, BC)
     _block_merge(LK, base, BT, BC, PREC)
     rb = o_t // BC
     # T's block-lower part is now in the scratch; the upper blocks were never written: masked, read as zeros
@@ -588,6 +617,14 @@ def _prep_solve(
                      FOLD, PREC)
             tl.store(KG + p_tk, (b_k * tl.exp2(tl.minimum(gc[None, :] - G, 0.))).to(DT))
             tl.store(GAM + base * BK + o_k, tl.exp2(gc))
+
+
+def _solve_inverse(cfg) -> str:
+    """``FwdConfig.solve_inverse``, checked."""
+    mode = cfg.solve_inverse
+    if mode not in ("subst", "pow"):
+        raise ValueError(f"FwdConfig.solve_inverse: expected 'subst' or 'pow', got {mode!r}")
+    return mode
 
 
 def _launch(warps: int, stages: int, maxnreg: int | None) -> dict:
@@ -672,6 +709,7 @@ def launch_prep_rows(q, k, v, g, beta, A_log, dt_bias, bufs: dict, tab: ChunkTab
         k, v, g, beta, a_log, dtb, bufs["W"], bufs["U"], bufs["KG"], bufs["GAM"], bufs["TM"], LK,
         tab.cu, tab.chunk_seq, tab.chunk_off, c0, ncw, tab.T, tab.NT, H, K, V, lb,
         BT=BT, BC=BC, BK=BK, BVP=BVP, BKW=min(BK, cfg.solve_bkw), BVW=min(BVP, cfg.solve_bkw), STORE_T=store_t,
+        INV_POW=_solve_inverse(cfg) == "pow",
         **(dict(TOT=bufs["TOT"], PRE=True, KG_DONE=kg_rows) if pre else {}),
         **(dict(QG=bufs["QG"], AQK=bufs["AQK"], AU=bufs["AU"], FOLD=True) if "AU" in bufs else {}),
         **_launch(cfg.solve_warps, cfg.solve_stages, cfg.solve_maxnreg), **common)
