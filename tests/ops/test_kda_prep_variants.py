@@ -323,16 +323,18 @@ def test_rows_knob(monkeypatch, knob, case):
 
 
 @cpu_only
-@pytest.mark.parametrize("kg_rows", [True, False])
+@pytest.mark.parametrize("kg_rows,prefetch", [(True, True), (True, False), (False, True)])
 @pytest.mark.parametrize("case", ["varlen_training", "gates_at_bound_beta_0", "unbounded", "causality", "fp16_at_bound",
                                   "k128_windows"])
-def test_rows_kg_where_formed(monkeypatch, kg_rows, case):
+def test_rows_kg_where_formed(monkeypatch, kg_rows, prefetch, case):
     """kg and γ formed by the rows kernel's last-block programs with kr through its own scratch (``rows_kg``, the
     default) or by the solve in place over kr, against the fp64 recurrence: training (every gradient) on a varlen
     batch with empty and one-token sequences; every gate at the bound with β near 0; unbounded gates (exact
     diagonal); bitwise causality; fp16 with every log-decay at the bound; K = V = 128 inference over one-chunk
-    windows. The scratch exists exactly when the knob is on."""
+    windows. The scratch exists exactly when the knob is on. With and without ``rows_prefetch`` (the rows kernel's
+    earlier-block loads one loop step ahead)."""
     monkeypatch.setattr(cf.FwdConfig, "rows_kg", kg_rows)
+    monkeypatch.setattr(cf.FwdConfig, "rows_prefetch", prefetch)
     assert ("KR" in cf.alloc_chunk_buffers(1, 1, 16, 16, torch.float32, "cpu", False)) == kg_rows
     if case == "varlen_training":
         check(make_inputs(200, 2, 16, 16, N=5, seed=7), 1e-4, cu=[0, 1, 64, 64, 130, 200])
