@@ -336,6 +336,11 @@ def test_rows_kg_where_formed(monkeypatch, kg_rows, prefetch, case):
     monkeypatch.setattr(cf.FwdConfig, "rows_kg", kg_rows)
     monkeypatch.setattr(cf.FwdConfig, "rows_prefetch", prefetch)
     assert ("KR" in cf.alloc_chunk_buffers(1, 1, 16, 16, torch.float32, "cpu", False)) == kg_rows
+    if kg_rows:  # U's memory when V = K (the solve writes U after the rows kernel has read kr), its own otherwise
+        same = cf.alloc_chunk_buffers(1, 1, 16, 16, torch.float32, "cpu", False)
+        assert same["KR"].data_ptr() == same["U"].data_ptr()
+        wide = cf.alloc_chunk_buffers(1, 1, 16, 32, torch.float32, "cpu", False)
+        assert wide["KR"].data_ptr() != wide["U"].data_ptr() and wide["KR"].shape[-1] == 16
     if case == "varlen_training":
         check(make_inputs(200, 2, 16, 16, N=5, seed=7), 1e-4, cu=[0, 1, 64, 64, 130, 200])
     elif case == "gates_at_bound_beta_0":

@@ -520,8 +520,9 @@ class FwdConfig:
     # 1792 → 1504 instructions per thread), prefill H=32 1M 69.4 → 68.2 ms
     rows_pre_e = True
     # rows with the pre-pass: the rows kernel's last-block program writes kg and γ (it loads every earlier block's
-    # kr anyway), kr goes through a scratch of its own (+16 KB of window buffers per chunk and head), and the solve
-    # forms W only — ncu (H200, session 9): the solve's kg pass (load kr, scale, store) was its longest load wait
+    # kr anyway), kr goes through a scratch of its own (U's buffer, which the solve fills only afterwards, when
+    # V = K), and the solve forms W only — ncu (H200, session 9): the solve's kg pass (load kr, scale, store) was
+    # its longest load wait
     rows_kg = True
     # rows with the pre-pass: the next earlier block's kr and total loaded one step ahead in the rows kernel's loop
     # (the first before the block's own work), so their memory latency overlaps the products
@@ -586,8 +587,8 @@ def alloc_chunk_buffers(H: int, NC: int, BK: int, BVP: int, dt: torch.dtype, dev
     bufs["LD"] = torch.empty(*shape, dtype=torch.float32, device=device)
     if rows:  # per 16-row block gate totals (fp32), handed from the first rows kernel to the later ones
         bufs["TOT"] = torch.empty(H, NC, BT // BC, BK, dtype=torch.float32, device=device)
-    if _kr_scratch():
-        bufs["KR"] = torch.empty(H, NC, BT, BK, **e)
+    if _kr_scratch():  # kr is read by the rows kernel before the solve writes U: U's memory serves when it fits
+        bufs["KR"] = bufs["U"] if BVP == BK else torch.empty(H, NC, BT, BK, **e)
     if rows and FwdConfig.fold_output and not store_t:  # inference only: training keeps qg and A_qk for backward
         bufs["AU"] = torch.empty(H, NC, BT, BVP, **e)
     return bufs
@@ -604,7 +605,7 @@ def chunk_bytes(H: int, BK: int, BVP: int, dt: torch.dtype) -> int:
     es = torch.finfo(dt).bits // 8
     if FwdConfig.prep_mode == "rows":  # T is not stored at inference; L goes through a [BT, BT] fp32 scratch
         au = BT * BVP * es if FwdConfig.fold_output else 0  # inference windows (the only user of this size)
-        kr = BT * BK * es if _kr_scratch() else 0
+        kr = BT * BK * es if _kr_scratch() and BVP != BK else 0
         return H * (BT * (3 * BK + BVP + BT) * es + BK * 4 + BT * BT * 4 + (BT // BC) * BK * 4 + au + kr)
     t_bytes = BT * BT * es if FwdConfig.prep_split else 0  # the split prep hands T over through memory
     return H * (BT * (3 * BK + BVP + BT) * es + BK * 4 + BT * BC * 4 + t_bytes)

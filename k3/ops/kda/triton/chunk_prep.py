@@ -27,8 +27,9 @@ prep 92.6 → 73.2 ms with the rows kernel capped at 128 registers). With ``FwdC
 bf16/fp32 buffers) the pre-pass also stores E_J = e^{s_J} in the block's qg rows, and the rows kernel loads it
 instead of recomputing its own block's gate, cumsum and exponentials (E_i depends on rows ≤ i only, so causality
 holds bitwise), then overwrites those rows with qg (H200: prep 57.9 → 53.8 ms per 1M at H = 32). With
-``FwdConfig.rows_kg`` (session 9) kr goes to a scratch of its own (``KR``; the last block's kr is already its kg and
-goes straight into the kg buffer), and the rows program of each chunk's last block — which loads every earlier
+``FwdConfig.rows_kg`` (session 9) kr goes to a scratch of its own (``KR``: U's buffer when V = K, which the solve
+overwrites only after the rows kernel has read it; the last block's kr is already its kg and goes straight into the
+kg buffer), and the rows program of each chunk's last block — which loads every earlier
 kr_J anyway — writes kg_J and γ, so the solve forms W only (H200: solve 22.4 → 16.1 ms per 1M at H = 32, prefill
 66.9 → 64.7 ms). ``FwdConfig.rows_prefetch`` loads the next earlier block's kr and total one loop step ahead.
 
