@@ -36,6 +36,7 @@ VARIANTS = {
     "bv16 fused": dict(bv=16, fused_out=True, base_ptr=True),
     "persistent": dict(persist=2, persist_stages=3, fused_out=True, base_ptr=True, evict=True, maxnreg=96),
     "persistent bv16 unfused": dict(persist=1, persist_stages=2, bv=16),
+    "persistent, 3 programs": dict(persist=2, persist_stages=3, programs=3),  # a grid that does not divide the tiles
 }
 
 
@@ -290,6 +291,19 @@ def test_host_ops_per_decode_call(monkeypatch, persist):
                                    LB, None, a["A_log"], a["dt_bias"], ssm_state_indices=idx)
     assert dict(c.ops) == {"aten.empty.memory_format": 1}  # o only: the pool is updated in place
     assert len(launches) == 2 and all(len(g) == (1 if persist else 2) for g in launches)
+
+
+def test_decode_programs_must_be_positive(monkeypatch):
+    """``DecodeConfig.programs`` (the persistent grid size, for A/B runs) refuses 0 and negatives by name."""
+    monkeypatch.setenv("K3_KDA_BACKEND", "triton")
+    a = {n: t.float() for n, t in make(2, 1).items()}
+    for bad in (0, -3):
+        monkeypatch.setattr(fr.DecodeConfig, "programs", bad)
+        with pytest.raises(ValueError, match="DecodeConfig.programs"):
+            fused_recurrent_kda(a["q"], a["k"], a["v"], a["g"], a["beta"], initial_state=a["s0"],
+                                output_final_state=True, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+                                use_beta_sigmoid_in_kernel=True, safe_gate=True, lower_bound=LB, A_log=a["A"],
+                                dt_bias=a["dt"])
 
 
 def test_persistent_grid_fits_in_one_wave():

@@ -296,7 +296,9 @@ def fused_recurrent_kda_triton(
     if cfg.persist > 0 and cu_seqlens is None and T == 1 and N > 0:
         n_tiles = N * H * NV
         per_sm, maxnreg = _persistent_fit(cfg.persist, cfg.warps, cfg.persist_stages, BK, BV, cfg.maxnreg)
-        NP = min(n_tiles, cfg.programs or per_sm * _sm_count(q.device))
+        if cfg.programs is not None and int(cfg.programs) < 1:
+            raise ValueError(f"DecodeConfig.programs: expected None or a positive int, got {cfg.programs!r}")
+        NP = min(n_tiles, int(cfg.programs or per_sm * _sm_count(q.device)))
         _kda_decode_persistent[(NP,)](*ptrs, n_tiles, NP, H, K, V, scale, lb, BK=BK, BV=BV, NV=NV,
                                       STAGES=cfg.persist_stages, **flags, num_warps=cfg.warps, maxnreg=maxnreg,
                                       num_stages=cfg.persist_stages)
