@@ -290,6 +290,30 @@ def test_rows_unstacked_variant(monkeypatch, case):
               lb=-5.0 if case == "slow_bounded" else None, gate=False)
 
 
+def _prep_case(monkeypatch, case: str) -> None:
+    """One of the prep-variant tests' shared cases against the fp64 recurrence: training (every gradient) on a varlen
+    batch with empty and one-token sequences; every gate at the bound with β ≈ 0, or every log-decay at the bound with
+    β ≈ 1 and repeated keys (the largest A_kk entries); unbounded gates (exact diagonal); fp16 with every log-decay
+    at the bound; K = V = 128 inference over one-chunk windows; bitwise causality."""
+    if case == "varlen_training":
+        check(make_inputs(200, 2, 16, 16, N=5, seed=7), 1e-4, cu=[0, 1, 64, 64, 130, 200])
+    elif case == "gates_at_bound_beta_0":
+        check(make_inputs(100, 1, 16, 16, seed=3, g_const=40.0, beta_logit=-12.0), 1e-4)
+    elif case == "gates_at_bound_beta_1_same_keys":
+        check(make_inputs(100, 1, 16, 16, seed=3, g_const=-5.0, beta_logit=12.0, repeat_keys=True), 1e-4, gate=False)
+    elif case == "unbounded":
+        check(make_inputs(150, 2, 16, 16, seed=4), 1e-4, lb=None)
+    elif case == "fp16_at_bound":
+        check(make_inputs(100, 1, 16, 16, seed=3, g_const=-5.0), 2e-2, torch.float16, gate=False)
+    elif case == "k128_windows":
+        monkeypatch.setattr(cf.FwdConfig, "window_bytes", 1)
+        check(make_inputs(150, 1, 128, 128, seed=6), 1e-4, grad=False)
+    elif case == "causality":
+        _causality(130, 1, 16, torch.float32, (1, 17, 37, 64, 70, 127))
+    else:
+        raise AssertionError(f"unknown case {case!r}")
+
+
 @cpu_only
 @pytest.mark.parametrize("knob", ["prep_fast_gate", "rows_pre_e"])
 @pytest.mark.parametrize("case", ["varlen_training", "gates_at_bound", "causality", "unbounded", "fp16_at_bound"])
@@ -312,14 +336,10 @@ def test_rows_knob(monkeypatch, knob, case):
         check(x, 1e-4, cu=cu)
         o, *_ = run(x, torch.float32, -5.0, True, cu, False)
         assert not torch.equal(o, ref)
-    elif case == "gates_at_bound":
-        check(make_inputs(100, 1, 16, 16, seed=3, g_const=40.0, beta_logit=-12.0), 1e-4)
-    elif case == "unbounded":
-        check(make_inputs(150, 2, 16, 16, seed=4), 1e-4, lb=None)
-    elif case == "fp16_at_bound":
-        check(make_inputs(100, 1, 16, 16, seed=3, g_const=-5.0), 2e-2, torch.float16, gate=False)
-    else:
+    elif case == "causality":
         _causality(130, 1, 16, torch.float32, (17, 64, 127))
+    else:
+        _prep_case(monkeypatch, "gates_at_bound_beta_0" if case == "gates_at_bound" else case)
 
 
 @cpu_only
@@ -341,19 +361,7 @@ def test_rows_kg_where_formed(monkeypatch, kg_rows, prefetch, case):
         assert same["KR"].data_ptr() == same["U"].data_ptr()
         wide = cf.alloc_chunk_buffers(1, 1, 16, 32, torch.float32, "cpu", False)
         assert wide["KR"].data_ptr() != wide["U"].data_ptr() and wide["KR"].shape[-1] == 16
-    if case == "varlen_training":
-        check(make_inputs(200, 2, 16, 16, N=5, seed=7), 1e-4, cu=[0, 1, 64, 64, 130, 200])
-    elif case == "gates_at_bound_beta_0":
-        check(make_inputs(100, 1, 16, 16, seed=3, g_const=40.0, beta_logit=-12.0), 1e-4)
-    elif case == "unbounded":
-        check(make_inputs(150, 2, 16, 16, seed=4), 1e-4, lb=None)
-    elif case == "fp16_at_bound":
-        check(make_inputs(100, 1, 16, 16, seed=3, g_const=-5.0), 2e-2, torch.float16, gate=False)
-    elif case == "k128_windows":
-        monkeypatch.setattr(cf.FwdConfig, "window_bytes", 1)
-        check(make_inputs(150, 1, 128, 128, seed=6), 1e-4, grad=False)
-    else:
-        _causality(130, 1, 16, torch.float32, (1, 17, 37, 64, 70, 127))
+    _prep_case(monkeypatch, case)
 
 
 @cpu_only
@@ -375,17 +383,7 @@ def test_solve_inverse_by_products(monkeypatch, case):
             ts[mode] = cf.prep_all(*a, 16 ** -0.5, tab, -5.0, flags)["TM"]
         assert rel(ts["pow"], ts["subst"]) < 1e-6
     monkeypatch.setattr(cf.FwdConfig, "solve_inverse", "pow")
-    if case == "varlen_training":
-        check(make_inputs(200, 2, 16, 16, N=5, seed=7), 1e-4, cu=[0, 1, 64, 64, 130, 200])
-    elif case == "gates_at_bound_beta_1_same_keys":
-        check(make_inputs(100, 1, 16, 16, seed=3, g_const=-5.0, beta_logit=12.0, repeat_keys=True), 1e-4, gate=False)
-    elif case == "unbounded":
-        check(make_inputs(150, 2, 16, 16, seed=4), 1e-4, lb=None)
-    elif case == "k128_windows":
-        monkeypatch.setattr(cf.FwdConfig, "window_bytes", 1)
-        check(make_inputs(150, 1, 128, 128, seed=6), 1e-4, grad=False)
-    else:
-        _causality(130, 1, 16, torch.float32, (1, 17, 37, 64, 70, 127))
+    _prep_case(monkeypatch, case)
     monkeypatch.setattr(cf.FwdConfig, "solve_inverse", "lu")
     with pytest.raises(ValueError, match="solve_inverse"):
         run(make_inputs(8, 1, 16, 16), torch.float32, -5.0, True, None, False)

@@ -636,41 +636,6 @@ def _launch(warps: int, stages: int, maxnreg: int | None) -> dict:
     return opts
 
 
-def _launch_blocks_rows(q, k, g, beta, a_log, dtb, bufs: dict, tab: ChunkTable, c0: int, n: int, ncw: int,
-                        scale: float, lb: float, flags: dict, cfg, pre: bool, fast: bool, use_e: bool, kg_rows: bool,
-                        common: dict) -> None:
-    """The pre-pass (``_prep_blocks``, with ``pre``) and the rows kernel."""
-    _, _, H, K = q.shape
-    BK = bufs["W"].shape[-1]
-    LK = bufs["LD"]
-    nb = BT // BC
-    if pre:
-        per = int(cfg.blocks_per_program)
-        if per not in (1, 2, 4):
-            raise ValueError(f"FwdConfig.blocks_per_program: expected 1, 2 or 4, got {per!r}")
-        _prep_blocks[(n * nb // per, H)](
-            k, g, a_log, dtb, bufs["KR"] if kg_rows else bufs["KG"], bufs["TOT"],
-            tab.cu, tab.chunk_seq, tab.chunk_off, c0, ncw, tab.T, tab.NT, H, K, lb, BT=BT, BC=BC, BK=BK,
-            USE_GATE=common["USE_GATE"], HAS_LB=common["HAS_LB"], HAS_A=common["HAS_A"], HAS_DT=common["HAS_DT"],
-            L2NORM=common["L2NORM"], IS_VARLEN=common["IS_VARLEN"], PER=per, FAST_GATE=fast,
-            E=bufs["QG"], STORE_E=use_e, KG=bufs["KG"], SPLIT_KR=kg_rows, **_launch(cfg.blocks_warps, 1, None))
-    extra = dict(KR=bufs["KR"] if kg_rows else bufs["KG"], TOT=bufs["TOT"], X=bufs["W"], PRE=True,
-                 LOAD_E=use_e) if pre else {}
-    if kg_rows:
-        extra.update(KG=bufs["KG"], GAM=bufs["GAM"], KG_OUT=True)
-    if cfg.rows_stack:
-        extra["FAST_GATE"] = fast
-        if pre:
-            extra["PREFETCH"] = bool(cfg.rows_prefetch)
-    kernel = _prep_rows_qk if cfg.rows_stack else _prep_rows
-    kernel[(n * nb, H)](
-        q, k, g, beta, a_log, dtb, bufs["QG"], bufs["AQK"], LK,
-        tab.cu, tab.chunk_seq, tab.chunk_off, c0, ncw, tab.T, tab.NT, H, K, scale, lb,
-        BT=BT, BC=BC, BK=BK, EXACT_DIAG=flags["exact_diag"],
-        AB_BF16=bool(cfg.prep_ab_bf16) and q.dtype == torch.bfloat16,
-        **extra, **_launch(cfg.rows_warps, cfg.rows_stages, cfg.rows_maxnreg), **common)
-
-
 def launch_prep_rows(q, k, v, g, beta, A_log, dt_bias, bufs: dict, tab: ChunkTable, c0: int, n: int, scale: float,
                      lower_bound, flags: dict, store_t: bool, cfg) -> None:
     """Both kernels over chunks [c0, c0 + n) into the window buffers ``bufs`` (``LD`` = the fp32 [BT, BT] scratch).
@@ -704,8 +669,31 @@ def launch_prep_rows(q, k, v, g, beta, A_log, dt_bias, bufs: dict, tab: ChunkTab
     nb = BT // BC
     # kg and γ from the rows kernel's last-block programs; kr of the earlier blocks through its own scratch
     kg_rows = pre and "KR" in bufs
-    _launch_blocks_rows(q, k, g, beta, a_log, dtb, bufs, tab, c0, n, ncw, scale, lb, flags, cfg, pre, fast, use_e,
-                        kg_rows, common)
+    if pre:
+        per = int(cfg.blocks_per_program)
+        if per not in (1, 2, 4):
+            raise ValueError(f"FwdConfig.blocks_per_program: expected 1, 2 or 4, got {per!r}")
+        _prep_blocks[(n * nb // per, H)](
+            k, g, a_log, dtb, bufs["KR"] if kg_rows else bufs["KG"], bufs["TOT"],
+            tab.cu, tab.chunk_seq, tab.chunk_off, c0, ncw, tab.T, tab.NT, H, K, lb, BT=BT, BC=BC, BK=BK,
+            USE_GATE=common["USE_GATE"], HAS_LB=common["HAS_LB"], HAS_A=common["HAS_A"], HAS_DT=common["HAS_DT"],
+            L2NORM=common["L2NORM"], IS_VARLEN=common["IS_VARLEN"], PER=per, FAST_GATE=fast,
+            E=bufs["QG"], STORE_E=use_e, KG=bufs["KG"], SPLIT_KR=kg_rows, **_launch(cfg.blocks_warps, 1, None))
+    extra = dict(KR=bufs["KR"] if kg_rows else bufs["KG"], TOT=bufs["TOT"], X=bufs["W"], PRE=True,
+                 LOAD_E=use_e) if pre else {}
+    if kg_rows:
+        extra.update(KG=bufs["KG"], GAM=bufs["GAM"], KG_OUT=True)
+    if cfg.rows_stack:
+        extra["FAST_GATE"] = fast
+        if pre:
+            extra["PREFETCH"] = bool(cfg.rows_prefetch)
+    kernel = _prep_rows_qk if cfg.rows_stack else _prep_rows
+    kernel[(n * nb, H)](
+        q, k, g, beta, a_log, dtb, bufs["QG"], bufs["AQK"], LK,
+        tab.cu, tab.chunk_seq, tab.chunk_off, c0, ncw, tab.T, tab.NT, H, K, scale, lb,
+        BT=BT, BC=BC, BK=BK, EXACT_DIAG=flags["exact_diag"],
+        AB_BF16=bool(cfg.prep_ab_bf16) and q.dtype == torch.bfloat16,
+        **extra, **_launch(cfg.rows_warps, cfg.rows_stages, cfg.rows_maxnreg), **common)
     _prep_solve[(n, H)](
         k, v, g, beta, a_log, dtb, bufs["W"], bufs["U"], bufs["KG"], bufs["GAM"], bufs["TM"], LK,
         tab.cu, tab.chunk_seq, tab.chunk_off, c0, ncw, tab.T, tab.NT, H, K, V, lb,
