@@ -13,7 +13,6 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.tools.tensor_descriptor import TensorDescriptor
 
 from k3.ops.kda.triton._common import _gate_fwd, _seq_bounds, _sigmoid
 
@@ -30,11 +29,6 @@ class DecodeConfig:
       tiles with a ``persist_stages``-deep cp.async pipeline, so the next tiles' state is in flight (in shared
       memory, not registers) while one is computed. Dense T = 1 decode only (other calls use the tiled kernel).
       The register cap follows from ``persist`` (every program must be resident: 4 programs of 4 warps → 128).
-    - ``tma``: the persistent grid moves the state tiles by TMA (tensor descriptors over the state viewed as
-      ``[N·H·K, V]``): one bulk copy per tile each way instead of per-thread loads and stores, the loads pipelined
-      ``persist_stages`` deep. Needs K a power of two (a tile is one head's K rows), V·4 bytes a multiple of 16
-      and 16-byte aligned states; other calls take the cp.async kernel. A pool's negative slot is a tile wholly
-      outside the view (row (slot·H + h)·K < 0): TMA reads it as zeros and drops its store.
     - ``maxnreg``: register cap per thread (None = the compiler's choice for the tiled kernel, the fitting cap for
       the persistent one); e.g. 80 gives the tiled kernel (BV 32, 4 warps, base_ptr) 6 programs per SM instead of
       5 (sm_90: 32 B of spill stack).
@@ -52,7 +46,6 @@ class DecodeConfig:
     persist = 8
     persist_stages = 3
     maxnreg: int | None = None
-    tma = False
     programs: int | None = None  # persistent grid size (None: programs per SM × SMs); must all be resident
 
 
@@ -232,45 +225,6 @@ def _kda_decode_persistent(
                      eviction_policy=EVICT)
 
 
-@triton.jit(do_not_specialize=['H', 'n_tiles', 'NP'])
-def _kda_decode_tma(
-    q, k, v, g, beta, A_log, dt_bias, o, d_in, d_out, idx, n_tiles, NP,
-    H, K: tl.constexpr, V: tl.constexpr, scale, lb,
-    BK: tl.constexpr, BV: tl.constexpr, NV: tl.constexpr,
-    USE_GATE: tl.constexpr, HAS_LB: tl.constexpr, HAS_A: tl.constexpr, HAS_DT: tl.constexpr,
-    L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr, USE_IDX: tl.constexpr,
-    USE_S0: tl.constexpr, STORE_S: tl.constexpr, FUSED: tl.constexpr, STAGES: tl.constexpr,
-):
-    """``_kda_decode_persistent`` with the state tiles moved by TMA: ``d_in`` / ``d_out`` are descriptors of the
-    state (or pool) viewed as [rows, V] with [BK = K, BV] boxes; tile (slot, head, V-block) is the box at row
-    (slot·H + head)·K. A negative slot gives a box wholly above row 0: read as zeros, its store dropped."""
-    o_k = tl.arange(0, BK)
-    m_k = o_k < K
-    for i in tl.range(tl.program_id(0), n_tiles, NP, num_stages=STAGES):
-        i_v = i % NV
-        i_nh = i // NV
-        i_n = i_nh // H
-        i_h = i_nh % H
-        o_v = i_v * BV + tl.arange(0, BV)
-        m_v = o_v < V
-        if USE_IDX:
-            slot = tl.load(idx + i_n).to(tl.int32)
-        else:
-            slot = i_n.to(tl.int32)
-        row = (slot * H + i_h) * K
-        if USE_S0:
-            S = d_in.load([row, i_v * BV]).to(tl.float32)
-        else:
-            S = tl.zeros([BK, BV], dtype=tl.float32)
-        t = i_n.to(tl.int64)
-        b_q, b_k, b_a, b_v, b_b = _token_inputs(q, k, v, g, beta, A_log, dt_bias, t, i_h, H, o_k, o_v, m_k, m_v,
-                                                lb, K, V, USE_GATE, HAS_LB, HAS_A, HAS_DT, L2NORM, BETA_SIGMOID)
-        S, b_o = _token_update(S, b_q, b_k, b_a, b_v, b_b, scale, FUSED)
-        tl.store(o + (t * H + i_h) * V + o_v, b_o.to(o.dtype.element_ty), mask=m_v)
-        if STORE_S:
-            d_out.store([row, i_v * BV], S)
-
-
 # ---------------------------------------------------------------------------------------------------------------
 # host wrapper
 # ---------------------------------------------------------------------------------------------------------------
@@ -345,16 +299,6 @@ def fused_recurrent_kda_triton(
         if cfg.programs is not None and int(cfg.programs) < 1:
             raise ValueError(f"DecodeConfig.programs: expected None or a positive int, got {cfg.programs!r}")
         NP = min(n_tiles, int(cfg.programs or per_sm * _sm_count(q.device)))
-        if cfg.tma and _tma_ok(K, V, BK, s_in, s_out):
-            rows = lambda s: TensorDescriptor.from_tensor(s.view(-1, V), [BK, BV])  # noqa: E731
-            d_in = rows(s_in) if s_in is not None else None
-            d_out = rows(s_out) if s_out is not None else None
-            _kda_decode_tma[(NP,)](*ptrs[:8], d_in if d_in is not None else d_out,
-                                   d_out if d_out is not None else d_in, ptrs[10], n_tiles, NP, H, K, V, scale, lb,
-                                   BK=BK, BV=BV, NV=NV, STAGES=cfg.persist_stages,
-                                   **{f: flags[f] for f in _TMA_FLAGS}, num_warps=cfg.warps, maxnreg=maxnreg,
-                                   num_stages=cfg.persist_stages)
-            return _finish(o, s_out, pool if use_idx else None)
         _kda_decode_persistent[(NP,)](*ptrs, n_tiles, NP, H, K, V, scale, lb, BK=BK, BV=BV, NV=NV,
                                       STAGES=cfg.persist_stages, **flags, num_warps=cfg.warps, maxnreg=maxnreg,
                                       num_stages=cfg.persist_stages)
@@ -362,27 +306,8 @@ def fused_recurrent_kda_triton(
         cu = cu_seqlens.to(device=q.device, dtype=torch.int32).contiguous() if cu_seqlens is not None else dummy
         _kda_recurrent[(NV, N * H)](*ptrs, cu, T, H, K, V, scale, lb, BK=BK, BV=BV,
                                     IS_VARLEN=cu_seqlens is not None, **flags, **launch, num_stages=cfg.stages)
-    return _finish(o, s_out, pool if use_idx else None)
-
-
-def _finish(o: torch.Tensor, s_out: torch.Tensor | None,
-            pool: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(output, final state); a strided pool was updated through a dense copy, written back here."""
-    if pool is not None:
+    if use_idx:
         if s_out is not pool:
             pool.copy_(s_out)
         return o, pool
     return o, s_out
-
-
-_TMA_FLAGS = ("USE_GATE", "HAS_LB", "HAS_A", "HAS_DT", "L2NORM", "BETA_SIGMOID", "USE_IDX", "USE_S0", "STORE_S",
-              "FUSED")
-
-
-def _tma_ok(K: int, V: int, BK: int, s_in: torch.Tensor | None, s_out: torch.Tensor | None) -> bool:
-    """Whether the TMA kernel can move these states: one box = one head's K rows (K a power of two), rows of
-    16-byte multiples, 16-byte aligned bases, and row coordinates within TMA's int32."""
-    states = [s for s in (s_in, s_out) if s is not None]
-    if K != BK or (V * 4) % 16 or not states:
-        return False
-    return all(s.data_ptr() % 16 == 0 and s.numel() // V < 2 ** 31 for s in states)
