@@ -341,3 +341,11 @@ def test_gpu_decode_variants_bf16(variant):
     o2, p = ours(dict(lo, s0=pool), ssm_state_indices=idx)
     assert p is pool and rel(o2.cpu(), ro) <= 2e-2 and rel(pool[idx].cpu(), rs) <= 2e-2
     assert torch.count_nonzero(pool[1::2]) == 0
+    # negative slots (first, middle and last sequence) start from zero and write nothing
+    ro0, _ = reference(hi, h0=False)
+    idx[[0, B // 2, B - 1]] = -1
+    before = pool.clone()
+    o3, _ = ours(dict(lo, s0=pool), ssm_state_indices=idx)
+    neg = idx < 0
+    assert rel(o3[neg].cpu(), ro0[neg.cpu()]) <= 2e-2
+    assert torch.equal(pool[1::2], before[1::2]) and torch.equal(pool[[0, B, 2 * B - 2]], before[[0, B, 2 * B - 2]])
