@@ -389,6 +389,84 @@ def test_solve_inverse_by_products(monkeypatch, case):
         run(make_inputs(8, 1, 16, 16), torch.float32, -5.0, True, None, False)
 
 
+def _spy_state_wy(monkeypatch) -> list[bool]:
+    """Record, per state-pass launch (the windowed forward's and the split prefill's), whether it formed V' itself
+    (``wy``)."""
+    from k3.ops.kda.triton import span
+
+    seen: list[bool] = []
+    real = cf.launch_state
+
+    def spy(*a, **kw):
+        seen.append(kw.get("wy") is not None)
+        return real(*a, **kw)
+
+    monkeypatch.setattr(cf, "launch_state", spy)
+    monkeypatch.setattr(span, "launch_state", spy)
+    return seen
+
+
+@cpu_only
+@pytest.mark.parametrize("case", ["T1", "T100", "varlen_windows", "gates_at_bound_beta_0",
+                                  "gates_at_bound_beta_1_same_keys", "unbounded", "fp16_at_bound", "k128_windows",
+                                  "causality", "split3", "training"])
+def test_state_wy_inference(monkeypatch, case):
+    """``state_wy``: the solve stores T only and the inference state pass forms V' = T (βv − X S) from v and β,
+    against the fp64 recurrence (output and final state): one token; two chunks; a varlen batch with empty and
+    one-token sequences over one-chunk windows; every gate at the bound with β ≈ 0, or every log-decay at the bound
+    with β ≈ 1 and repeated keys; unbounded gates; fp16 at the bound; K = V = 128 over one-chunk windows; bitwise
+    causality. The split prefill (3 forced segments) and training keep W and U; every case checks which state
+    passes took the path."""
+    monkeypatch.setattr(cf.FwdConfig, "state_wy", True)
+    seen = _spy_state_wy(monkeypatch)
+    if case == "T1":
+        check(make_inputs(1, 2, 16, 32, seed=1), 1e-4, grad=False)
+    elif case == "T100":
+        check(make_inputs(100, 2, 16, 32, seed=2), 1e-4, grad=False)
+    elif case == "varlen_windows":
+        monkeypatch.setattr(cf.FwdConfig, "window_bytes", 1)
+        check(make_inputs(200, 2, 16, 16, N=5, seed=5), 1e-4, cu=[0, 1, 64, 64, 130, 200], grad=False)
+        assert len(seen) > 3
+    elif case == "gates_at_bound_beta_0":
+        check(make_inputs(100, 1, 16, 16, seed=3, g_const=40.0, beta_logit=-12.0), 1e-4, grad=False)
+    elif case == "gates_at_bound_beta_1_same_keys":
+        check(make_inputs(100, 1, 16, 16, seed=3, g_const=-5.0, beta_logit=12.0, repeat_keys=True), 1e-4,
+              gate=False, grad=False)
+    elif case == "unbounded":
+        check(make_inputs(150, 2, 16, 16, seed=4), 1e-4, lb=None, grad=False)
+    elif case == "fp16_at_bound":
+        check(make_inputs(100, 1, 16, 16, seed=3, g_const=-5.0), 2e-2, torch.float16, gate=False, grad=False)
+    elif case == "k128_windows":
+        monkeypatch.setattr(cf.FwdConfig, "window_bytes", 1)
+        check(make_inputs(150, 1, 128, 128, seed=6), 1e-4, grad=False)
+    elif case == "causality":
+        _causality(130, 1, 16, torch.float32, (1, 17, 37, 64, 70, 127))
+    elif case == "split3":
+        monkeypatch.setenv("K3_KDA_SPLITS", "3")
+        check(make_inputs(400, 2, 16, 16, seed=7, mild=0.02), 1e-4, gate=False, grad=False)
+        assert seen and not any(seen)
+        return
+    else:
+        check(make_inputs(100, 1, 16, 16, seed=2), 1e-4)
+        assert seen and not any(seen)
+        return
+    assert seen and all(seen)
+
+
+@gpu
+def test_gpu_state_wy(monkeypatch):
+    """``state_wy`` on the GPU, bf16, K = V = 128: a varlen batch with a ragged chunk over many windows, every
+    log-decay at the bound with β ≈ 1 and repeated keys (2e-2 against the fp64 recurrence), and bitwise causality."""
+    monkeypatch.setattr(cf.FwdConfig, "state_wy", True)
+    monkeypatch.setattr(cf.FwdConfig, "window_bytes", 1 << 20)
+    seen = _spy_state_wy(monkeypatch)
+    check(make_inputs(3000, 4, 128, 128, N=3), 2e-2, torch.bfloat16, cu=[0, 1333, 1334, 3000], grad=False)
+    check(make_inputs(1000, 4, 128, 128, g_const=-5.0, beta_logit=12.0, repeat_keys=True), 2e-2, torch.bfloat16,
+          gate=False, grad=False)
+    _causality(300, 2, 128, torch.bfloat16, (1, 17, 64, 127, 200))
+    assert seen and all(seen)
+
+
 @gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_gpu_solve_inverse_by_products(monkeypatch, dtype):
