@@ -690,15 +690,8 @@ def launch_state(bufs: dict, o, hs, ht, tab: ChunkTable, c0: int, c1: int, H: in
         **(dict(AU=bufs["AU"], FOLDED=True) if "AU" in bufs else {}),
         **(dict(VN=vn, STORE_VN=True) if vn is not None else {}),
         **(dict(TM=bufs["TM"], v=wy[0], beta=wy[1], WY=True, BETA_SIGMOID=wy[2]) if wy is not None else {}),
-        num_warps=FwdConfig.state_warps, num_stages=_state_pass_stages(bufs["W"].dtype, wy is not None),
+        num_warps=FwdConfig.state_warps, num_stages=state_stages(FwdConfig.state_stages, bufs["W"].dtype),
     )
-
-
-def _state_pass_stages(dtype: torch.dtype, wy: bool) -> int:
-    """The forward state pass's pipeline depth: ``state_stages`` (capped for fp32 buffers); with ``wy`` at most 2 —
-    T and v beside W, kg, qg, A_qk make 3 stages of bf16 tiles 232 KiB, over an H200 SM's 227 KiB."""
-    stages = state_stages(FwdConfig.state_stages, dtype)
-    return min(stages, 2) if wy else stages
 
 
 def state_stages(stages: int, dtype: torch.dtype) -> int:
