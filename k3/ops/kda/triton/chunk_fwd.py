@@ -426,15 +426,11 @@ def _kda_fwd_state(
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BVP: tl.constexpr,
     STORE_H: tl.constexpr, STORE_O: tl.constexpr, IS_VARLEN: tl.constexpr, PREC: tl.constexpr,
     AU=None, FOLDED: tl.constexpr = False, VN=None, STORE_VN: tl.constexpr = False,
-    TM=None, v=None, beta=None, WY: tl.constexpr = False, BETA_SIGMOID: tl.constexpr = False,
 ):
     # STORE_VN (training, ``FwdConfig.store_vn``): V' of every chunk goes to VN for the WY backward, which then
     # loads it instead of recomputing U − W S (the same bf16 values: S is rounded to the store dtype either way).
     # FOLDED (inference, ``FwdConfig.fold_output``): QG holds qw = qg − A_qk W and AU = A_qk U, so the output is
     # O = qw S + AU (``chunk_prep._prep_solve``): three products per chunk on the serial pass instead of four
-    # WY (inference, ``FwdConfig.state_wy``): the prep stored T and left X = β k̂ e^G in W's buffer (no W = T X,
-    # U = T βv in the solve); here V' = T (βv − X S) from v and β themselves — one more product on the serial pass,
-    # the solve's W / U section and the W / U round trip through memory gone
     i_v = tl.program_id(0)
     i_nh = tl.program_id(1)
     i_n = i_nh // H
@@ -457,24 +453,12 @@ def _kda_fwd_state(
             p_tk = (base * BT + o_t[:, None]) * BK + o_k[None, :]
             b_w = tl.load(W + p_tk)
             b_kg = tl.load(KG + p_tk)
-            if WY:
-                t0 = bos + (c - cs).to(tl.int64) * BT
-                m_t = (t0 + o_t) < eos
-                b_u = tl.load(v + ((t0 + o_t) * H + i_h)[:, None] * V + o_v[None, :],
-                              mask=m_t[:, None] & m_v[None, :], other=0.)
-                b_bt = _chunk_beta(beta, i_h, t0, eos, H, BT, BETA_SIGMOID)
-                b_tm = tl.load(TM + (base * BT + o_t[:, None]) * BT + o_t[None, :])
-            else:
-                b_u = tl.load(U + (base * BT + o_t[:, None]) * BVP + o_v[None, :])
+            b_u = tl.load(U + (base * BT + o_t[:, None]) * BVP + o_v[None, :])
             b_gam = tl.load(GAM + base * BK + o_k)
             b_s = S.to(DT)
             if STORE_H:
                 tl.store(HS + ((i_h * NCh + c).to(tl.int64) * BK + o_k[:, None]) * BVP + o_v[None, :], b_s)
-            if WY:
-                b_r = (b_u.to(tl.float32) * b_bt[:, None] - tl.dot(b_w, b_s, input_precision=PREC)).to(DT)
-                b_vn = tl.dot(b_tm, b_r, input_precision=PREC).to(DT)
-            else:
-                b_vn = (b_u.to(tl.float32) - tl.dot(b_w, b_s, input_precision=PREC)).to(DT)
+            b_vn = (b_u.to(tl.float32) - tl.dot(b_w, b_s, input_precision=PREC)).to(DT)
             if STORE_VN:
                 tl.store(VN + ((i_h * NCh + c).to(tl.int64) * BT + o_t[:, None]) * BVP + o_v[None, :], b_vn)
             if STORE_O:
@@ -551,10 +535,6 @@ class FwdConfig:
     # three wgmma waits per step instead of four; +16 KB of window buffers per chunk and head). Measured slower
     # (H200, sweep v6: 1M prefill at H = 32 82.3 vs 71.7 ms; prep + state of a window 112.5 vs 103.0), so off.
     fold_output = False
-    # inference, rows prep with rows_kg: the solve stores T only and the state pass forms V' = T (βv − X S) itself
-    # (``_kda_fwd_state``'s WY): no W / U products in the solve, no W / U written and re-read, one more product on
-    # the serial pass. The split prefill and training keep W and U (their span / backward passes read them)
-    state_wy = False
     rows_warps = 4
     rows_stages = 1
     solve_warps = 4
@@ -620,24 +600,22 @@ def _kr_scratch() -> bool:
             and bool(FwdConfig.rows_kg))
 
 
-def chunk_bytes(H: int, BK: int, BVP: int, dt: torch.dtype, wy: bool = False) -> int:
-    """Bytes of intermediates per chunk (all heads); ``wy``: the windows of ``state_wy`` (T stored too)."""
+def chunk_bytes(H: int, BK: int, BVP: int, dt: torch.dtype) -> int:
+    """Bytes of intermediates per chunk (all heads)."""
     es = torch.finfo(dt).bits // 8
     if FwdConfig.prep_mode == "rows":  # T is not stored at inference; L goes through a [BT, BT] fp32 scratch
         au = BT * BVP * es if FwdConfig.fold_output else 0  # inference windows (the only user of this size)
         kr = BT * BK * es if _kr_scratch() and BVP != BK else 0
-        tm = BT * BT * es if wy else 0
-        return H * (BT * (3 * BK + BVP + BT) * es + BK * 4 + BT * BT * 4 + (BT // BC) * BK * 4 + au + kr + tm)
+        return H * (BT * (3 * BK + BVP + BT) * es + BK * 4 + BT * BT * 4 + (BT // BC) * BK * 4 + au + kr)
     t_bytes = BT * BT * es if FwdConfig.prep_split else 0  # the split prep hands T over through memory
     return H * (BT * (3 * BK + BVP + BT) * es + BK * 4 + BT * BC * 4 + t_bytes)
 
 
 def launch_prep(q, k, v, g, beta, A_log, dt_bias, bufs: dict, tab: ChunkTable, c0: int, n: int, scale: float,
-                lower_bound, flags: dict, store_t: bool, wy: bool = False) -> None:
-    """The prep of chunks [c0, c0 + n) into ``bufs``; ``wy`` (``state_wy``, rows prep): T stored, no W / U."""
+                lower_bound, flags: dict, store_t: bool) -> None:
     if FwdConfig.prep_mode == "rows":
-        launch_prep_rows(q, k, v, g, beta, A_log, dt_bias, bufs, tab, c0, n, scale, lower_bound, flags,
-                         store_t or wy, FwdConfig, wu=not wy)
+        launch_prep_rows(q, k, v, g, beta, A_log, dt_bias, bufs, tab, c0, n, scale, lower_bound, flags, store_t,
+                         FwdConfig)
         return
     if FwdConfig.prep_mode != "v3":
         raise ValueError(f"FwdConfig.prep_mode: expected 'v3' or 'rows', got {FwdConfig.prep_mode!r}")
@@ -674,10 +652,9 @@ def launch_prep(q, k, v, g, beta, A_log, dt_bias, bufs: dict, tab: ChunkTable, c
 
 
 def launch_state(bufs: dict, o, hs, ht, tab: ChunkTable, c0: int, c1: int, H: int, K: int, V: int,
-                 store_o: bool = True, vn: torch.Tensor | None = None, wy: tuple | None = None) -> None:
+                 store_o: bool = True, vn: torch.Tensor | None = None) -> None:
     """The serial state pass over chunks [c0, c1) of ``tab``; ``hs`` / ``vn`` (``[H, tab.NC, ·, BVP]``): also store
-    every chunk's entry state / V' there (training). ``wy = (v, beta, beta_sigmoid)``: V' from T, X, v and β
-    (``FwdConfig.state_wy``; the prep ran with ``wy``)."""
+    every chunk's entry state / V' there (training)."""
     BK = bufs["W"].shape[-1]
     BVP = bufs["U"].shape[-1]
     BV = min(FwdConfig.state_bv, BVP)
@@ -689,7 +666,6 @@ def launch_state(bufs: dict, o, hs, ht, tab: ChunkTable, c0: int, c1: int, H: in
         IS_VARLEN=tab.varlen, PREC=dot_precision(bufs["W"].dtype),
         **(dict(AU=bufs["AU"], FOLDED=True) if "AU" in bufs else {}),
         **(dict(VN=vn, STORE_VN=True) if vn is not None else {}),
-        **(dict(TM=bufs["TM"], v=wy[0], beta=wy[1], WY=True, BETA_SIGMOID=wy[2]) if wy is not None else {}),
         num_warps=FwdConfig.state_warps, num_stages=state_stages(FwdConfig.state_stages, bufs["W"].dtype),
     )
 
@@ -751,28 +727,20 @@ def kda_fwd(q, k, v, g, beta, A_log, dt_bias, scale: float, initial_state, tab: 
     if training:
         bufs = prep_all(q, k, v, g, beta, A_log, dt_bias, scale, tab, lower_bound, flags)
         return o, ht, state_all(bufs, o, ht, tab, H, K, V)
-    wy = _state_wy()
-    ncw = max(1, min(tab.NC, FwdConfig.window_bytes // chunk_bytes(H, BK, BVP, dt, wy)))
+    ncw = max(1, min(tab.NC, FwdConfig.window_bytes // chunk_bytes(H, BK, BVP, dt)))
     if FwdConfig.overlap_windows and q.is_cuda and tab.NC > ncw:
-        _windows_overlapped(q, k, v, g, beta, A_log, dt_bias, scale, tab, lower_bound, flags, o, ht, ncw, wy)
+        _windows_overlapped(q, k, v, g, beta, A_log, dt_bias, scale, tab, lower_bound, flags, o, ht, ncw)
         return o, ht, None
-    bufs = alloc_chunk_buffers(H, ncw, BK, BVP, dt, q.device, store_t=wy)
-    wy_in = (v.contiguous(), beta.contiguous(), flags["beta_sigmoid"]) if wy else None
+    bufs = alloc_chunk_buffers(H, ncw, BK, BVP, dt, q.device, store_t=False)
     for c0 in range(0, tab.NC, ncw):
         n = min(ncw, tab.NC - c0)
-        launch_prep(q, k, v, g, beta, A_log, dt_bias, bufs, tab, c0, n, scale, lower_bound, flags, False, wy)
-        launch_state(bufs, o, None, ht, tab, c0, c0 + n, H, K, V, wy=wy_in)
+        launch_prep(q, k, v, g, beta, A_log, dt_bias, bufs, tab, c0, n, scale, lower_bound, flags, False)
+        launch_state(bufs, o, None, ht, tab, c0, c0 + n, H, K, V)
     return o, ht, None
 
 
-def _state_wy() -> bool:
-    """Whether the inference forward uses ``FwdConfig.state_wy`` (it needs the rows prep that forms kg itself and
-    the unfolded output)."""
-    return bool(FwdConfig.state_wy) and _kr_scratch() and not FwdConfig.fold_output
-
-
 def _windows_overlapped(q, k, v, g, beta, A_log, dt_bias, scale: float, tab: ChunkTable, lower_bound, flags: dict,
-                        o, ht, ncw: int, wy: bool = False) -> None:
+                        o, ht, ncw: int) -> None:
     """The windowed inference forward with prep on a side stream, one window ahead of the state pass.
 
     Two window buffers alternate; the prep of window w waits until the state pass that last read its buffer (window
@@ -780,8 +748,7 @@ def _windows_overlapped(q, k, v, g, beta, A_log, dt_bias, scale: float, tab: Chu
     later main-stream one, so the buffers may be freed (reused by the caching allocator) when this returns."""
     H, K, V = q.shape[2], q.shape[3], v.shape[3]
     BK, BVP = next_pow2(K), next_pow2(V)
-    bufs = [alloc_chunk_buffers(H, ncw, BK, BVP, store_dtype(q.dtype), q.device, store_t=wy) for _ in range(2)]
-    wy_in = (v.contiguous(), beta.contiguous(), flags["beta_sigmoid"]) if wy else None
+    bufs = [alloc_chunk_buffers(H, ncw, BK, BVP, store_dtype(q.dtype), q.device, store_t=False) for _ in range(2)]
     main, side = torch.cuda.current_stream(q.device), torch.cuda.Stream(q.device)
     side.wait_stream(main)  # the inputs, the buffers and o/ht were produced on the main stream
     freed = [None, None]
@@ -790,10 +757,10 @@ def _windows_overlapped(q, k, v, g, beta, A_log, dt_bias, scale: float, tab: Chu
         with torch.cuda.stream(side):
             if freed[b] is not None:
                 side.wait_event(freed[b])
-            launch_prep(q, k, v, g, beta, A_log, dt_bias, bufs[b], tab, c0, n, scale, lower_bound, flags, False, wy)
+            launch_prep(q, k, v, g, beta, A_log, dt_bias, bufs[b], tab, c0, n, scale, lower_bound, flags, False)
             ready = torch.cuda.Event()
             ready.record(side)
         main.wait_event(ready)
-        launch_state(bufs[b], o, None, ht, tab, c0, c0 + n, H, K, V, wy=wy_in)
+        launch_state(bufs[b], o, None, ht, tab, c0, c0 + n, H, K, V)
         freed[b] = torch.cuda.Event()
         freed[b].record(main)

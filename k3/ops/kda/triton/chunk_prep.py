@@ -552,7 +552,6 @@ def _prep_solve(
     L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr, IS_VARLEN: tl.constexpr, STORE_T: tl.constexpr,
     PREC: tl.constexpr, TOT=None, PRE: tl.constexpr = False, QG=None, AQK=None, AU=None,
     FOLD: tl.constexpr = False, KG_DONE: tl.constexpr = False, INV_POW: tl.constexpr = False,
-    WU: tl.constexpr = True,
 ):
     # FOLD (inference, ``FwdConfig.fold_output``): the state pass's output O = qg S + A_qk V' with V' = U − W S is
     # (qg − A_qk W) S + A_qk U, both chunk-local: qg is replaced by qw = qg − A_qk W in place and AU = A_qk U is
@@ -583,8 +582,6 @@ def _prep_solve(
     else:
         b_aq = tl.zeros([BT, BT], dtype=DT)  # unused
 
-    if not WU:  # (``FwdConfig.state_wy``: T only; kg and γ came from the rows kernel)
-        return
     # ---- U = T (β V)
     b_b = _chunk_beta(beta, i_h, bos, eos, H, BT, BETA_SIGMOID)
     for sl in tl.static_range(BVP // BVW):  # by column slices too (fewer live registers)
@@ -640,10 +637,8 @@ def _launch(warps: int, stages: int, maxnreg: int | None) -> dict:
 
 
 def launch_prep_rows(q, k, v, g, beta, A_log, dt_bias, bufs: dict, tab: ChunkTable, c0: int, n: int, scale: float,
-                     lower_bound, flags: dict, store_t: bool, cfg, wu: bool = True) -> None:
+                     lower_bound, flags: dict, store_t: bool, cfg) -> None:
     """Both kernels over chunks [c0, c0 + n) into the window buffers ``bufs`` (``LD`` = the fp32 [BT, BT] scratch).
-    ``wu = False`` (``FwdConfig.state_wy``, with ``rows_kg``): the solve stores T and forms neither W nor U (the
-    state pass does); W's buffer keeps X = β k̂ e^G.
     ``cfg``: the FwdConfig class (rows_stack, rows_warps/stages/maxnreg, solve_warps/stages/maxnreg/bkw,
     prep_ab_bf16)."""
     _, _, H, K = q.shape
@@ -674,8 +669,6 @@ def launch_prep_rows(q, k, v, g, beta, A_log, dt_bias, bufs: dict, tab: ChunkTab
     nb = BT // BC
     # kg and γ from the rows kernel's last-block programs; kr of the earlier blocks through its own scratch
     kg_rows = pre and "KR" in bufs
-    if not wu and not kg_rows:
-        raise RuntimeError("a prep without W / U (FwdConfig.state_wy) needs kg from the rows kernel (rows_kg)")
     if pre:
         per = int(cfg.blocks_per_program)
         if per not in (1, 2, 4):
@@ -705,7 +698,7 @@ def launch_prep_rows(q, k, v, g, beta, A_log, dt_bias, bufs: dict, tab: ChunkTab
         k, v, g, beta, a_log, dtb, bufs["W"], bufs["U"], bufs["KG"], bufs["GAM"], bufs["TM"], LK,
         tab.cu, tab.chunk_seq, tab.chunk_off, c0, ncw, tab.T, tab.NT, H, K, V, lb,
         BT=BT, BC=BC, BK=BK, BVP=BVP, BKW=min(BK, cfg.solve_bkw), BVW=min(BVP, cfg.solve_bkw), STORE_T=store_t,
-        INV_POW=_solve_inverse(cfg) == "pow", WU=wu,
+        INV_POW=_solve_inverse(cfg) == "pow",
         **(dict(TOT=bufs["TOT"], PRE=True, KG_DONE=kg_rows) if pre else {}),
         **(dict(QG=bufs["QG"], AQK=bufs["AQK"], AU=bufs["AU"], FOLD=True) if "AU" in bufs else {}),
         **_launch(cfg.solve_warps, cfg.solve_stages, cfg.solve_maxnreg), **common)
