@@ -240,19 +240,26 @@ def test_rows_fp16():
     check(make_inputs(100, 1, 16, 16, g_const=-5.0), 2e-2, dtype=torch.float16, gate=False, grad=False)
 
 
+def _training_buffers(x: dict, gate: bool) -> dict:
+    """The training prep's buffers (W, U, kg, qg, A_qk, γ, T) of one dense sequence, fp32 on the CPU (interpreter),
+    with the K3 flags and the bounded gate (or ``gate=False``: x's g as the log-decay)."""
+    T, K = x["q"].shape[1], x["q"].shape[-1]
+    tab = make_chunk_table(1, T, None, "cpu")
+    a = [x[n].float() for n in ("q", "k", "v", "g", "beta")] + [x["A"].float(), x["dt"].float()]
+    flags = dict(l2norm=True, use_gate=gate, beta_sigmoid=True, exact_diag=False)
+    return cf.prep_all(*a, K ** -0.5, tab, -5.0, flags)
+
+
 @cpu_only
 @pytest.mark.parametrize("gate", [True, False])
 def test_rows_buffers_match_v3(monkeypatch, gate):
     """The buffers every consumer reads (W, U, kg, qg, A_qk, γ, T) equal the v3 prep's to fp32 rounding (activated
     gate; slow decay given directly)."""
     x = make_inputs(150, 2, 16, 32, seed=9, mild=None if gate else 0.02)
-    tab = make_chunk_table(1, 150, None, "cpu")
-    a = [x[n].float() for n in ("q", "k", "v", "g", "beta")] + [x["A"].float(), x["dt"].float()]
-    flags = dict(l2norm=True, use_gate=gate, beta_sigmoid=True, exact_diag=False)
     out = {}
     for mode in ("v3", "rows"):
         monkeypatch.setattr(cf.FwdConfig, "prep_mode", mode)
-        out[mode] = cf.prep_all(*a, 16 ** -0.5, tab, -5.0, flags)
+        out[mode] = _training_buffers(x, gate)
     for key in ("W", "U", "KG", "QG", "AQK", "GAM", "TM"):
         assert rel(out["rows"][key], out["v3"][key]) < 1e-5, key
 
@@ -374,13 +381,10 @@ def test_solve_inverse_by_products(monkeypatch, case):
     bitwise causality; K = V = 128 inference over one-chunk windows. The T it forms equals the substitution's."""
     if case == "varlen_training":  # T itself, both ways (training stores it)
         x = make_inputs(150, 2, 16, 16, seed=9, beta_logit=8.0, repeat_keys=True)
-        tab = make_chunk_table(1, 150, None, "cpu")
-        a = [x[n].float() for n in ("q", "k", "v", "g", "beta")] + [x["A"].float(), x["dt"].float()]
-        flags = dict(l2norm=True, use_gate=True, beta_sigmoid=True, exact_diag=False)
         ts = {}
         for mode in ("subst", "pow"):
             monkeypatch.setattr(cf.FwdConfig, "solve_inverse", mode)
-            ts[mode] = cf.prep_all(*a, 16 ** -0.5, tab, -5.0, flags)["TM"]
+            ts[mode] = _training_buffers(x, True)["TM"]
         assert rel(ts["pow"], ts["subst"]) < 1e-6
     monkeypatch.setattr(cf.FwdConfig, "solve_inverse", "pow")
     _prep_case(monkeypatch, case)

@@ -301,6 +301,17 @@ def _wy_store_vn(DAQ, DK, DG, dkg, daq, dgam, b_k, G, base, scale, BT: tl.conste
     tl.store(DG + p_tk, tl.load(DG + p_tk) - dkg * kL + tl.where((o_t == BT - 1)[:, None], dgl[None, :], 0.))
 
 
+@triton.jit
+def _w_tile(p_w, BT: tl.constexpr, BK: tl.constexpr, VN_SAVED: tl.constexpr):
+    """The chunk's W tile (pointers ``p_w``), or — when V' was saved (no W needed) — zeros that only carry the dtype
+    (never read, the compiler drops them)."""
+    if VN_SAVED:
+        b_w = tl.zeros([BT, BK], dtype=p_w.dtype.element_ty)
+    else:
+        b_w = tl.load(p_w)
+    return b_w
+
+
 @triton.jit(do_not_specialize=['NC', 'T', 'NT', 'H'])
 def _kda_bwd_wy(
     q, k, v, g, beta, A_log, dt_bias, do, RN, GS,
@@ -323,23 +334,16 @@ def _kda_bwd_wy(
     bos, eos = _chunk_pos(i_c, cu, chunk_seq, chunk_off, T, NT, BT, IS_VARLEN)
     base = (i_h * NC + i_c).to(tl.int64)
     p_w = W + (base * BT + tl.arange(0, BT)[:, None]) * BK + tl.arange(0, BK)[None, :]
-    DT: tl.constexpr = W.dtype.element_ty
     if PASSES & 1:
         b_b = _chunk_beta(beta, i_h, bos, eos, H, BT, BETA_SIGMOID)
         dqg, dx, dlu, db = _wy_through_dvn(do, v, dv, U, TM, HS, DV, base, i_h, bos, eos, H, V, b_b,
                                            BT, BK, BV, BVP, PREC)
-        if VN_SAVED:  # never read (a dtype carrier the compiler drops)
-            b_w = tl.zeros([BT, BK], dtype=DT)
-        else:
-            b_w = tl.load(p_w)  # after the dV' pass (as in the fused kernel before: fewer live registers there)
+        b_w = _w_tile(p_w, BT, BK, VN_SAVED)  # after the dV' pass (fewer live registers there)
         b_k, G = _wy_store_dvn(q, k, g, A_log, dt_bias, RN, GS, b_w, QG, DQ, DK, DG, DB, DL, dqg, dx, dlu, db, b_b,
                                base, i_h, bos, eos, H, K, scale, lb, BT, BK, USE_GATE, HAS_LB, HAS_A, HAS_DT,
                                L2NORM, PREC, STORE_RN, STORE_G, VN_SAVED)
     else:
-        if VN_SAVED:
-            b_w = tl.zeros([BT, BK], dtype=DT)
-        else:
-            b_w = tl.load(p_w)
+        b_w = _w_tile(p_w, BT, BK, VN_SAVED)
         b_k, _ = _l2norm(_chunk_tile(k, i_h, bos, eos, H, K, BT, BK).to(tl.float32), L2NORM)
         G = _chunk_gate_cumsum(g, i_h, bos, eos, A_log, dt_bias, H, K, lb, BT, BK, USE_GATE, HAS_LB, HAS_A, HAS_DT)
     if PASSES & 2:
@@ -686,7 +690,8 @@ def kda_bwd(q, k, v, g, beta, A_log, dt_bias, initial_state, scale: float, do, d
     # fp32 inputs keep exact dots there; half inputs take ``BwdConfig.intra_prec_half``
     prec_intra = "ieee" if prec == "ieee" else BwdConfig.intra_prec_half
     prec_off = "ieee" if prec == "ieee" else (BwdConfig.intra_prec_off_half or prec_intra)
-    if os.environ.get("TRITON_INTERPRET", "0") == "1":  # no bf16x3 there (it computes the dots in fp32 anyway)
+    interp = os.environ.get("TRITON_INTERPRET", "0") == "1"
+    if interp:  # no bf16x3 there (it computes the dots in fp32 anyway)
         prec_intra, prec_off = ("tf32x3" if p.startswith("bf16") else p for p in (prec_intra, prec_off))
     s = saved
     flag_kw = dict(USE_GATE=flags["use_gate"], HAS_LB=lower_bound is not None, HAS_A=A_log is not None,
@@ -704,7 +709,7 @@ def kda_bwd(q, k, v, g, beta, A_log, dt_bias, initial_state, scale: float, do, d
 
     sdt = torch.float32  # the dq, dk shares of the WY kernel; in 16 bits when read once by the intra kernel
     if half_scratch(q.dtype, BK):
-        sdt = torch.float16 if os.environ.get("TRITON_INTERPRET", "0") == "1" else torch.bfloat16
+        sdt = torch.float16 if interp else torch.bfloat16
     DQ, DK = (torch.empty(H, NC, BT, BK, dtype=sdt, device=dev) for _ in range(2))
     DG = torch.empty(H, NC, BT, BK, **f32)
     DB = torch.empty(H, NC, BT, **f32)

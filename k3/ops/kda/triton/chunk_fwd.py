@@ -551,7 +551,8 @@ class FwdConfig:
     # rows prep: the solve's four 16×16 diagonal inverses by forward substitution ("subst": 15 dependent steps,
     # each a row load and a reduction; ncu, session 9: ~17 % of the solve's stall samples) or as the product
     # (I − L)(I + L²)(I + L⁴)(I + L⁸) of the stacked blocks ("pow": 6 tf32x3 products, no dependent loads; sm_90
-    # 2336 vs 1720 instructions per thread). "pow" is tested in the interpreter but not yet timed on a GPU
+    # 2336 vs 1720 instructions per thread). H200 (knob_ab, session 10): prefill 1M H=32 62.22 vs 62.11 ms, training
+    # B=8 T=4096 9.77 vs 9.79 — no gain, so "subst"
     solve_inverse = "subst"
     # sweep v6 (H200, one window at H = 32): BV 64 at 4 warps 25.3 ms per 1M vs BV 32 30.7 (BV 64 at 8 warps 43.2):
     # half the re-reads of W, kg, qg, A_qk, and 64 programs at B·H = 32 still overlap the next window's prep
