@@ -27,12 +27,21 @@ def _gl_sigmoid(x):
 
 
 @gluon.jit
+def _pad(KB: gl.constexpr, WARPS: gl.constexpr):
+    if KB > 0:
+        P1: gl.constexpr = gl.BlockedLayout([1, 1], [1, 32], [1, WARPS], [1, 0])
+        pad = gl.allocate_shared_memory(gl.int32, [KB, 256], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+        pad.store(gl.zeros([KB, 256], gl.int32, layout=P1))
+
+
+@gluon.jit
 def _gl_decode(q, k, v, g, beta, A_log, dt_bias, o, s_in, s_out, n_tiles, NP, H, scale, lb,
                K: gl.constexpr, V: gl.constexpr, BV: gl.constexpr, NV: gl.constexpr,
                SPT_K: gl.constexpr, SPT_V: gl.constexpr, TPW_K: gl.constexpr, W_K: gl.constexpr,
                W_V: gl.constexpr, PREFETCH: gl.constexpr, COMPUTE: gl.constexpr,
                LOAD_CM: gl.constexpr = "", LOAD_EV: gl.constexpr = "", STORE_CM: gl.constexpr = "",
-               VMAJOR: gl.constexpr = False):
+               VMAJOR: gl.constexpr = False, PAD_A: gl.constexpr = 0, PAD_B: gl.constexpr = 0,
+               PAD_C: gl.constexpr = 0):
     L: gl.constexpr = gl.BlockedLayout([SPT_K, SPT_V], [TPW_K, 32 // TPW_K], [W_K, W_V], [1, 0])
     LK: gl.constexpr = gl.SliceLayout(1, L)
     LV: gl.constexpr = gl.SliceLayout(0, L)
@@ -40,6 +49,10 @@ def _gl_decode(q, k, v, g, beta, A_log, dt_bias, o, s_in, s_out, n_tiles, NP, H,
     o_b = gl.arange(0, BV, layout=LV)
     off = o_k[:, None] * V + o_b[None, :]
     pid = gl.program_id(0)
+    # shared memory held (and written once, so that it is kept) only to lower the programs per SM: KiB, powers of 2
+    _pad(PAD_A, W_K * W_V)
+    _pad(PAD_B, W_K * W_V)
+    _pad(PAD_C, W_K * W_V)
     n_my = (n_tiles - pid + NP - 1) // NP
     i = pid
     if PREFETCH:
@@ -124,16 +137,16 @@ def main() -> int:
     o_ref, s_ref = ref()
     # name → (BV, size/thread along V, threads along K, warps along K, warps along V, programs/SM or None = one
     # tile per program, prefetch, extra launch options: cap = maxnreg, LOAD_CM / LOAD_EV / STORE_CM cache hints)
-    A, L8, M = (32, 4, 8, 1, 2), (128, 4, 8, 1, 8), (128, 4, 4, 2, 4)
+    A = (32, 4, 8, 1, 2)
     variants = {
-        "A bv32 wV2 tk8 cap128": (*A, None, False, dict(cap=128)),
-        "A no cap": (*A, None, False, {}),
-        "A cap128 V-major tiles": (*A, None, False, dict(cap=128, VMAJOR=True)),
-        "A cap128 pf p8": (*A, 8, True, dict(cap=128)),
-        "L8 bv128 wV8 tk8 cap128": (*L8, None, False, dict(cap=128)),
-        "L8 no cap": (*L8, None, False, {}),
-        "M bv128 wK2 wV4 tk4 cap128": (*M, None, False, dict(cap=128)),
-        "N bv64 wV4 tk8 cap128": (64, 4, 8, 1, 4, None, False, dict(cap=128)),
+        "A bv32 wV2 tk8 cap128 (8/SM)": (*A, None, False, dict(cap=128)),
+        "S bv32 wV4 tk16 (32/thread)": (32, 4, 16, 1, 4, None, False, {}),
+        "S cap80": (32, 4, 16, 1, 4, None, False, dict(cap=80)),
+        "S cap72": (32, 4, 16, 1, 4, None, False, dict(cap=72)),
+        "S cap64": (32, 4, 16, 1, 4, None, False, dict(cap=64)),
+        "T bv16 wV2 tk16 cap72": (16, 4, 16, 1, 2, None, False, dict(cap=72)),
+        "T cap80": (16, 4, 16, 1, 2, None, False, dict(cap=80)),
+        "U bv32 wV2 tk16 spt2 cap80": (32, 2, 16, 1, 2, None, False, dict(cap=80)),
     }
     bench = lambda f: triton.testing.do_bench(f, warmup=25, rep=200, return_mode="median")  # noqa: E731
     # clocks up before the first timing
@@ -163,6 +176,19 @@ def main() -> int:
     print("|---|---:|---:|---:|---:|---:|---:|")
     for n, lo, hi, inf in rows:
         print(f"| {n} | {lo:.4f} | {hi:.4f} | {nbytes / lo / 1e9:.2f} | {inf} |")
+    print("\n| B | copy_ ms | default ms | A cap128 ms |\n|---:|---:|---:|---:|")
+    for Bs in (16, 32, 64, 128, 256):
+        xs = _inputs(Bs, 1, a.H)
+        s0 = torch.randn(Bs, a.H, 128, 128, device="cuda")
+        s1 = torch.empty_like(s0)
+        os_ = torch.empty_like(xs["v"])
+        fs = [lambda: s1.copy_(s0),
+              lambda: fused_recurrent_kda(xs["q"], xs["k"], xs["v"], xs["g"], xs["beta"], A_log=xs["A_log"],
+                                          dt_bias=xs["dt_bias"], initial_state=s0, output_final_state=True,
+                                          **K3_FLAGS),
+              lambda: launch(xs, s0, s1, os_, *A, None, False, cap=128)]
+        ts = [min(bench(f) for _ in range(2)) for f in fs]
+        print(f"| {Bs} | " + " | ".join(f"{t:.4f}" for t in ts) + " |")
     return 0
 
 
