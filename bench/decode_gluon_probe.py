@@ -19,6 +19,7 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 from triton.experimental import gluon  # noqa: E402
 from triton.experimental.gluon import language as gl  # noqa: E402
+from triton.experimental.gluon.language.nvidia.ampere import async_copy  # noqa: E402
 
 
 @gluon.jit
@@ -96,6 +97,87 @@ def _gl_decode(q, k, v, g, beta, A_log, dt_bias, o, s_in, s_out, n_tiles, NP, H,
         i += NP
 
 
+@gluon.jit
+def _gl_tile_update(S, i, q, k, v, g, beta, A_log, dt_bias, o, H, scale, lb, o_k, o_b,
+                    K: gl.constexpr, V: gl.constexpr, BV: gl.constexpr, NV: gl.constexpr):
+    """K3 flags: one token on the state tile of tile index i; returns the new tile (o is stored here)."""
+    i_nh = i // NV
+    i_v = i % NV
+    i_h = i_nh % H
+    p = i_nh.to(gl.int64) * K + o_k
+    b_k = gl.load(k + p).to(gl.float32)
+    b_q = gl.load(q + p).to(gl.float32)
+    b_f = gl.load(g + p).to(gl.float32)
+    b_v = gl.load(v + i_nh.to(gl.int64) * V + i_v * BV + o_b).to(gl.float32)
+    b_b = _gl_sigmoid(gl.load(beta + i_nh).to(gl.float32))
+    b_k = b_k / gl.sqrt(gl.sum(b_k * b_k, axis=0) + 1e-6)
+    b_q = b_q / gl.sqrt(gl.sum(b_q * b_q, axis=0) + 1e-6)
+    x = (b_f + gl.load(dt_bias + i_h * K + o_k)) * gl.exp(gl.load(A_log + i_h))
+    b_a = gl.exp(lb * _gl_sigmoid(x))
+    u = gl.sum(S * (b_k * b_a)[:, None], axis=0)
+    w = gl.sum(S * (b_q * b_a)[:, None], axis=0)
+    r = (b_v - u) * b_b
+    S = S * b_a[:, None] + b_k[:, None] * r[None, :]
+    b_o = (w + r * gl.sum(b_k * b_q, axis=0)) * scale
+    gl.store(o + i_nh.to(gl.int64) * V + i_v * BV + o_b, b_o.to(o.dtype.element_ty))
+    return S
+
+
+@gluon.jit
+def _gl_decode_async(q, k, v, g, beta, A_log, dt_bias, o, s_in, s_out, n_tiles, NP, H, scale, lb,
+                     K: gl.constexpr, V: gl.constexpr, BV: gl.constexpr, NV: gl.constexpr,
+                     SPT_K: gl.constexpr, SPT_V: gl.constexpr, TPW_K: gl.constexpr, W_K: gl.constexpr,
+                     W_V: gl.constexpr, STAGES: gl.constexpr, SWZ: gl.constexpr):
+    """Persistent: the next STAGES − 1 tiles of this program move global → shared by cp.async while one is
+    computed from registers (no register double buffer)."""
+    L: gl.constexpr = gl.BlockedLayout([SPT_K, SPT_V], [TPW_K, 32 // TPW_K], [W_K, W_V], [1, 0])
+    LK: gl.constexpr = gl.SliceLayout(1, L)
+    LV: gl.constexpr = gl.SliceLayout(0, L)
+    if SWZ:
+        SL: gl.constexpr = gl.SwizzledSharedLayout(SPT_V, 1, 8, [1, 0])
+    else:
+        SL: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+    o_k = gl.arange(0, K, layout=LK)
+    o_b = gl.arange(0, BV, layout=LV)
+    off = o_k[:, None] * V + o_b[None, :]
+    pid = gl.program_id(0)
+    n_my = (n_tiles - pid + NP - 1) // NP
+    buf = gl.allocate_shared_memory(gl.float32, [STAGES, K, BV], SL)
+    for st in gl.static_range(STAGES - 1):
+        i_s = pid + st * NP
+        lim = gl.where(i_s < n_tiles, K * V, 0)
+        async_copy.async_copy_global_to_shared(buf.index(st), s_in + ((i_s // NV).to(gl.int64) * (K * V)
+                                               + (i_s % NV) * BV) + off, mask=off < lim)
+        async_copy.commit_group()
+    for j in range(n_my):
+        i = pid + j * NP
+        i_n = i + (STAGES - 1) * NP
+        lim = gl.where(i_n < n_tiles, K * V, 0)
+        async_copy.async_copy_global_to_shared(buf.index((j + STAGES - 1) % STAGES),
+                                               s_in + ((i_n // NV).to(gl.int64) * (K * V) + (i_n % NV) * BV) + off,
+                                               mask=off < lim)
+        async_copy.commit_group()
+        async_copy.wait_group(STAGES - 1)
+        S = buf.index(j % STAGES).load(L)
+        S = _gl_tile_update(S, i, q, k, v, g, beta, A_log, dt_bias, o, H, scale, lb, o_k, o_b, K, V, BV, NV)
+        gl.store(s_out + ((i // NV).to(gl.int64) * (K * V) + (i % NV) * BV) + off, S)
+
+
+def launch_async(x: dict, h0: torch.Tensor, hn: torch.Tensor, o: torch.Tensor, BV: int, tpw_k: int, wv: int,
+                 per_sm: int, stages: int, cap: int | None = None, swz: bool = True):
+    B, T, H, K = x["q"].shape
+    V = x["v"].shape[-1]
+    NV = V // BV
+    n_tiles = B * H * NV
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    NP = min(n_tiles, per_sm * sms)
+    cap = cap or min(255, 65536 // (per_sm * wv * 32) // 8 * 8)
+    return _gl_decode_async[(NP,)](x["q"], x["k"], x["v"], x["g"], x["beta"], x["A_log"], x["dt_bias"], o, h0, hn,
+                                   n_tiles, NP, H, K ** -0.5, -5.0, K=K, V=V, BV=BV, NV=NV, SPT_K=K // tpw_k,
+                                   SPT_V=4, TPW_K=tpw_k, W_K=1, W_V=wv, STAGES=stages, SWZ=swz, num_warps=wv,
+                                   maxnreg=cap)
+
+
 def launch(x: dict, h0: torch.Tensor, hn: torch.Tensor, o: torch.Tensor, BV: int, spt: int, tpw_k: int, wk: int,
            wv: int, per_sm: int | None, prefetch: bool, compute: bool = True, contig_k: bool = True,
            cap: int | None = None, **mods: str):
@@ -140,13 +222,18 @@ def main() -> int:
     A = (32, 4, 8, 1, 2)
     variants = {
         "A bv32 wV2 tk8 cap128 (8/SM)": (*A, None, False, dict(cap=128)),
-        "S bv32 wV4 tk16 (32/thread)": (32, 4, 16, 1, 4, None, False, {}),
-        "S cap80": (32, 4, 16, 1, 4, None, False, dict(cap=80)),
-        "S cap72": (32, 4, 16, 1, 4, None, False, dict(cap=72)),
-        "S cap64": (32, 4, 16, 1, 4, None, False, dict(cap=64)),
-        "T bv16 wV2 tk16 cap72": (16, 4, 16, 1, 2, None, False, dict(cap=72)),
-        "T cap80": (16, 4, 16, 1, 2, None, False, dict(cap=80)),
-        "U bv32 wV2 tk16 spt2 cap80": (32, 2, 16, 1, 2, None, False, dict(cap=80)),
+    }
+    # persistent, cp.async ring: name → (BV, threads along K, warps (along V), programs/SM, stages, cap, swizzle)
+    async_variants = {
+        "async A 2 stages 6/SM": (32, 8, 2, 6, 2, None, True),
+        "async A 2 stages 6/SM no swizzle": (32, 8, 2, 6, 2, None, False),
+        "async A 2 stages 6/SM cap128": (32, 8, 2, 6, 2, 128, True),
+        "async A 3 stages 4/SM": (32, 8, 2, 4, 3, None, True),
+        "async A 2 stages 5/SM": (32, 8, 2, 5, 2, None, True),
+        "async bv16 w1 2 stages 12/SM": (16, 8, 1, 12, 2, None, True),
+        "async bv16 w1 2 stages 13/SM": (16, 8, 1, 13, 2, 128, True),
+        "async bv16 w1 3 stages 9/SM": (16, 8, 1, 9, 3, None, True),
+        "async bv64 wV4 2 stages 3/SM": (64, 8, 4, 3, 2, None, True),
     }
     bench = lambda f: triton.testing.do_bench(f, warmup=25, rep=200, return_mode="median")  # noqa: E731
     # clocks up before the first timing
@@ -164,6 +251,18 @@ def main() -> int:
             eo = ((o.float() - o_ref.float()).pow(2).mean() / o_ref.float().pow(2).mean()).sqrt().item()
             es = ((hn - s_ref).pow(2).mean() / s_ref.pow(2).mean()).sqrt().item()
             fns[name] = (lambda a_=(BV, spt, tk, wk, wv, per_sm, pf), o_=opt: launch(x, h0, hn, o, *a_, **o_))
+            info[name] = f"{eo:.1e} | {es:.1e} | {ck.n_regs} / {ck.n_spills}"
+        except Exception as e:  # noqa: BLE001 — a probe: report and go on
+            print(f"{name}: {type(e).__name__}: {str(e)[:300]}", flush=True)
+    for name, args in async_variants.items():
+        try:
+            hn.fill_(float("nan"))
+            o.fill_(float("nan"))
+            ck = launch_async(x, h0, hn, o, *args)
+            torch.cuda.synchronize()
+            eo = ((o.float() - o_ref.float()).pow(2).mean() / o_ref.float().pow(2).mean()).sqrt().item()
+            es = ((hn - s_ref).pow(2).mean() / s_ref.pow(2).mean()).sqrt().item()
+            fns[name] = (lambda a_=args: launch_async(x, h0, hn, o, *a_))
             info[name] = f"{eo:.1e} | {es:.1e} | {ck.n_regs} / {ck.n_spills}"
         except Exception as e:  # noqa: BLE001 — a probe: report and go on
             print(f"{name}: {type(e).__name__}: {str(e)[:300]}", flush=True)
