@@ -18,6 +18,7 @@ if not torch.cuda.is_available():
 
 triton = pytest.importorskip("triton")
 
+import k3.ops.kda.triton.decode_gluon as dg  # noqa: E402
 import k3.ops.kda.triton.fused_recurrent as fr  # noqa: E402
 from k3.ops.kda import fused_recurrent_kda, naive_recurrent_kda  # noqa: E402
 from k3.ops.kda.checks import check_kda_call  # noqa: E402
@@ -42,7 +43,10 @@ VARIANTS = {
 
 @pytest.fixture(params=list(VARIANTS))
 def variant(request, monkeypatch):
-    """Apply one variant's knobs (monkeypatch restores them) and force the Triton backend on CPU tensors."""
+    """Apply one variant's knobs (monkeypatch restores them) and force the Triton backend on CPU tensors. The Gluon
+    kernel is switched off, so that on a GPU these variants run the Triton kernels (``test_kda_decode_gluon.py``
+    checks the Gluon one)."""
+    monkeypatch.setattr(dg.GluonDecodeConfig, "enabled", False)
     for name, val in VARIANTS[request.param].items():
         assert hasattr(fr.DecodeConfig, name), name
         monkeypatch.setattr(fr.DecodeConfig, name, val)

@@ -1,0 +1,150 @@
+"""One-token KDA decode step in Gluon (Triton's language with explicit register layouts), CUDA only.
+
+Why a second decode kernel: a decode step is bound by reading and writing the fp32 state once. The Triton kernels
+of ``fused_recurrent.py`` leave the register layout of a state tile to the compiler, which splits the K rows over
+warps, so the two K reductions per tile cross warps through shared memory and barriers. Here the layout is chosen:
+the warps of a program split the tile's V columns, each thread holds 4 adjacent columns (16-byte loads) of a
+contiguous run of K rows, and 8 threads of a warp share a column, so both reductions finish inside a warp
+(in-thread adds, then 3 shuffles). One tile per program, no persistence: 8 programs of 2 warps per SM at the
+128-register cap. Measured on one H200 (B=64, H=32, K=V=128, ``bench/decode_gluon_probe.py``): 0.0733 ms against
+0.0786 for the persistent Triton kernel and 0.0678 for ``copy_`` of the same bytes.
+
+Gluon does not run in Triton's interpreter: on CPU (and where Gluon cannot be imported) the Triton kernels serve,
+and the GPU tests check this kernel against the fp64 recurrence.
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:  # Gluon ships with Triton ≥ 3.5; its API is still experimental, so any import failure means "not available"
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+
+    HAVE_GLUON = True
+except Exception:  # noqa: BLE001 — an older or different Triton: the Triton kernels serve
+    HAVE_GLUON = False
+
+
+class GluonDecodeConfig:
+    """Launch knobs of the Gluon decode kernel.
+
+    - ``enabled``: use this kernel for dense one-token steps on CUDA (else the Triton kernels).
+    - ``bv``: V columns per program (16 per warp: 32 → 2 warps).
+    - ``maxnreg``: register cap (128: 8 programs of 2 warps per SM without spills on sm_90; the compiler alone
+      takes 149 registers, 6 programs, 0.0739 ms; 120 and below spill).
+    """
+
+    enabled = True
+    bv = 32
+    maxnreg: int | None = 128
+
+
+if HAVE_GLUON:
+
+    @gluon.jit
+    def _sigmoid(x):
+        return 1.0 / (1.0 + gl.exp(-x))
+
+    @gluon.jit
+    def _log_decay(b_f, i_h, A_log, dt_bias, lb, o_k, m_k, K: gl.constexpr, USE_GATE: gl.constexpr,
+                   HAS_LB: gl.constexpr, HAS_A: gl.constexpr, HAS_DT: gl.constexpr):
+        """The same gate as ``_common._gate_fwd``: bounded lb·σ(e^A (f + dt)), unbounded −e^A·softplus(f + dt),
+        or g itself without the in-kernel gate."""
+        if USE_GATE:
+            x = b_f
+            if HAS_DT:
+                x = x + gl.load(dt_bias + i_h * K + o_k, mask=m_k, other=0.).to(gl.float32)
+            if HAS_LB:
+                if HAS_A:
+                    x = x * gl.exp(gl.load(A_log + i_h).to(gl.float32))
+                g = lb * _sigmoid(x)
+            else:
+                sp = gl.where(x > 20.0, x, gl.log(1.0 + gl.exp(gl.minimum(x, 20.0))))  # torch's threshold 20
+                if HAS_A:
+                    g = -gl.exp(gl.load(A_log + i_h).to(gl.float32)) * sp
+                else:
+                    g = -sp
+        else:
+            g = b_f
+        return g
+
+    @gluon.jit
+    def _kda_decode_gluon(
+        q, k, v, g, beta, A_log, dt_bias, o, s_in, s_out, idx, H, scale, lb,
+        K: gl.constexpr, V: gl.constexpr, BK: gl.constexpr, BV: gl.constexpr, NV: gl.constexpr,
+        USE_GATE: gl.constexpr, HAS_LB: gl.constexpr, HAS_A: gl.constexpr, HAS_DT: gl.constexpr,
+        L2NORM: gl.constexpr, BETA_SIGMOID: gl.constexpr, USE_IDX: gl.constexpr, USE_S0: gl.constexpr,
+        STORE_S: gl.constexpr,
+    ):
+        """Grid (N·H·NV,): program i updates V-block i % NV of sequence-head i // NV (sequence n's token is row n;
+        adjacent programs share a head, so the state is read in address order)."""
+        # [BK, BV] tile: a thread holds BK/8 consecutive rows × 4 columns; 8 threads × 4 threads per warp; warps
+        # side by side along V (16 columns each) — the K reductions never leave a warp
+        L: gl.constexpr = gl.BlockedLayout([BK // 8, 4], [8, 4], [1, BV // 16], [1, 0])
+        LK: gl.constexpr = gl.SliceLayout(1, L)
+        LV: gl.constexpr = gl.SliceLayout(0, L)
+        i = gl.program_id(0)
+        i_nh = i // NV
+        i_v = i % NV
+        i_n = i_nh // H
+        i_h = i_nh % H
+        o_k = gl.arange(0, BK, layout=LK)
+        o_v = i_v * BV + gl.arange(0, BV, layout=LV)
+        m_k = o_k < K
+        m_v = o_v < V
+        m_s = m_k[:, None] & m_v[None, :]
+        if USE_IDX:  # a pool slot per sequence; a negative slot starts from zero and writes nothing
+            slot = gl.load(idx + i_n).to(gl.int64)
+            m_s = m_s & (slot >= 0)
+        else:
+            slot = i_n.to(gl.int64)
+        off = o_k[:, None] * V + o_v[None, :]  # int32 within one (slot, head) state
+        base = (slot * H + i_h) * (K * V)
+        if USE_S0:
+            S = gl.load(s_in + base + off, mask=m_s, other=0.)
+        else:
+            S = gl.zeros([BK, BV], gl.float32, layout=L)
+        p = i_nh.to(gl.int64) * K + o_k  # token row n of [N, 1, H, K]
+        b_k = gl.load(k + p, mask=m_k, other=0.).to(gl.float32)
+        b_q = gl.load(q + p, mask=m_k, other=0.).to(gl.float32)
+        b_f = gl.load(g + p, mask=m_k, other=0.).to(gl.float32)
+        b_v = gl.load(v + i_nh.to(gl.int64) * V + o_v, mask=m_v, other=0.).to(gl.float32)
+        b_b = gl.load(beta + i_nh).to(gl.float32)
+        if L2NORM:
+            b_k = b_k / gl.sqrt(gl.sum(b_k * b_k, axis=0) + 1e-6)
+            b_q = b_q / gl.sqrt(gl.sum(b_q * b_q, axis=0) + 1e-6)
+        if BETA_SIGMOID:
+            b_b = _sigmoid(b_b)
+        b_g = _log_decay(b_f, i_h, A_log, dt_bias, lb, o_k, m_k, K, USE_GATE, HAS_LB, HAS_A, HAS_DT)
+        b_a = gl.exp(gl.where(m_k, b_g, 0.))
+        # S' = D S + k (β r)ᵀ with r = v − (D S)ᵀk  ⇒  S'ᵀq = (D S)ᵀq + β r (k·q): both sums read the loaded S
+        u = gl.sum(S * (b_k * b_a)[:, None], axis=0)
+        w = gl.sum(S * (b_q * b_a)[:, None], axis=0)
+        r = (b_v - u) * b_b
+        b_o = (w + r * gl.sum(b_k * b_q, axis=0)) * scale
+        gl.store(o + i_nh.to(gl.int64) * V + o_v, b_o.to(o.dtype.element_ty), mask=m_v)
+        if STORE_S:
+            gl.store(s_out + base + off, S * b_a[:, None] + b_k[:, None] * r[None, :], mask=m_s)
+
+
+def usable(q: torch.Tensor, T: int, varlen: bool, N: int) -> bool:
+    """Whether the Gluon kernel takes this call: CUDA tensors, a dense one-token step, the knob on."""
+    return HAVE_GLUON and GluonDecodeConfig.enabled and q.is_cuda and T == 1 and not varlen and N > 0
+
+
+def decode_step_gluon(ptrs: tuple, flags: dict, N: int, H: int, K: int, V: int, BK: int, scale: float,
+                      lb: float) -> None:
+    """Launch over the ``(q, k, v, g, beta, A_log, dt_bias, o, s_in, s_out, idx)`` pointers of
+    ``fused_recurrent_kda_triton`` (same flag names; ``FUSED`` / ``BASE_PTR`` / ``EVICT`` do not apply)."""
+    cfg = GluonDecodeConfig
+    if cfg.bv not in (16, 32, 64, 128):
+        raise ValueError(f"GluonDecodeConfig.bv: expected 16, 32, 64 or 128, got {cfg.bv!r}")
+    BV = max(16, min(int(cfg.bv), 1 << (max(V, 16) - 1).bit_length()))
+    NV = -(-V // BV)
+    kw = dict(num_warps=BV // 16)
+    if cfg.maxnreg is not None:
+        kw["maxnreg"] = int(cfg.maxnreg)
+    f = {n: flags[n] for n in ("USE_GATE", "HAS_LB", "HAS_A", "HAS_DT", "L2NORM", "BETA_SIGMOID", "USE_IDX",
+                               "USE_S0", "STORE_S")}
+    _kda_decode_gluon[(N * H * NV,)](*ptrs, H, scale, lb, K=K, V=V, BK=BK, BV=BV, NV=NV, **f, **kw)
