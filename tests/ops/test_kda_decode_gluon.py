@@ -38,7 +38,7 @@ FLAGS = {
     "k3": (True, True, True, LB, True, True),
     "bounded, no A_log / dt_bias": (True, True, True, LB, False, False),
     "unbounded gate": (True, True, False, None, True, True),
-    "unbounded, dt_bias only": (False, True, True, None, False, True),
+    "unbounded, A_log only": (False, True, True, None, True, False),
     "gate given (log-decay in g)": (False, False, False, None, False, False),
 }
 
@@ -126,7 +126,7 @@ def test_gpu_gluon_flags(gluon_variant, nan_empty, flags):
     ro, rs = reference(x, f)
     assert rel(o.cpu(), ro) <= 1e-5 and rel(s.cpu(), rs) <= 1e-5
     o2, s2 = call(x, f, initial_state=x["s0"], output_final_state=False)
-    assert s2 is None and torch.equal(o2, o)
+    assert s2 is None and rel(o2, o) <= 1e-6  # not bitwise: without the state store the compiler fuses differently
     assert len(gluon_variant) == 2
 
 
