@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """How much of a decode step's measured time is host time: the same step timed by ``do_bench`` as the bench does,
-and replayed from a CUDA graph (no Python, no launch overhead), beside a plain copy of the same state bytes.
+and replayed from a CUDA graph (no Python, no launch overhead), for the Gluon kernel and the persistent Triton one,
+beside a plain copy of the same state bytes (after 5 s of matrix products: clocks up).
 
     python bench/decode_host_check.py [--B 64] [--H 32]
 """
@@ -16,8 +17,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 import triton  # noqa: E402
 
-from k3.bench.kda import K3_FLAGS, _inputs  # noqa: E402
+from k3.bench.kda import K3_FLAGS, _inputs, warm_clocks  # noqa: E402
 from k3.ops.kda import fused_recurrent_kda  # noqa: E402
+from k3.ops.kda.triton.decode_gluon import GluonDecodeConfig  # noqa: E402
 
 
 def main() -> int:
@@ -33,23 +35,32 @@ def main() -> int:
         return fused_recurrent_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], A_log=x["A_log"], dt_bias=x["dt_bias"],
                                    initial_state=h0, output_final_state=True, **K3_FLAGS)
 
+    warm_clocks(5.0)
+    rows = []
     with torch.no_grad():
-        step()
-        torch.cuda.synchronize()
-        plain = triton.testing.do_bench(step, warmup=25, rep=300, return_mode="median")
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
+        for gluon in (True, False):  # the Gluon kernel (default on CUDA), then the persistent Triton one
+            GluonDecodeConfig.enabled = gluon
+            tag = "gluon" if gluon else "triton"
             step()
-        torch.cuda.current_stream().wait_stream(s)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            step()
-        replay = triton.testing.do_bench(graph.replay, warmup=25, rep=300, return_mode="median")
-        copy = triton.testing.do_bench(lambda: out.copy_(h0), warmup=25, rep=300, return_mode="median")
+            torch.cuda.synchronize()
+            rows.append((f"do_bench(step), {tag}", triton.testing.do_bench(step, warmup=25, rep=300,
+                                                                            return_mode="median")))
+            s = torch.cuda.Stream()
+            s.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(s):
+                step()
+            torch.cuda.current_stream().wait_stream(s)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                step()
+            rows.append((f"do_bench(graph.replay), {tag}", triton.testing.do_bench(graph.replay, warmup=25, rep=300,
+                                                                                    return_mode="median")))
+        GluonDecodeConfig.enabled = True
+        rows.append(("copy_ of the state", triton.testing.do_bench(lambda: out.copy_(h0), warmup=25, rep=300,
+                                                                   return_mode="median")))
     nbytes = 2 * h0.numel() * 4
     print("| timing | ms | state TB/s |\n|---|---:|---:|")
-    for name, ms in (("do_bench(step)", plain), ("do_bench(graph.replay)", replay), ("copy_ of the state", copy)):
+    for name, ms in rows:
         print(f"| {name} | {ms:.4f} | {nbytes / ms / 1e9:.2f} |")
     return 0
 
