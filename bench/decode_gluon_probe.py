@@ -42,7 +42,7 @@ def _gl_decode(q, k, v, g, beta, A_log, dt_bias, o, s_in, s_out, n_tiles, NP, H,
                W_V: gl.constexpr, PREFETCH: gl.constexpr, COMPUTE: gl.constexpr,
                LOAD_CM: gl.constexpr = "", LOAD_EV: gl.constexpr = "", STORE_CM: gl.constexpr = "",
                VMAJOR: gl.constexpr = False, PAD_A: gl.constexpr = 0, PAD_B: gl.constexpr = 0,
-               PAD_C: gl.constexpr = 0):
+               PAD_C: gl.constexpr = 0, FAST: gl.constexpr = False):
     L: gl.constexpr = gl.BlockedLayout([SPT_K, SPT_V], [TPW_K, 32 // TPW_K], [W_K, W_V], [1, 0])
     LK: gl.constexpr = gl.SliceLayout(1, L)
     LV: gl.constexpr = gl.SliceLayout(0, L)
@@ -83,10 +83,16 @@ def _gl_decode(q, k, v, g, beta, A_log, dt_bias, o, s_in, s_out, n_tiles, NP, H,
             b_f = gl.load(g + p).to(gl.float32)
             b_v = gl.load(v + i_nh.to(gl.int64) * V + i_v * BV + o_b).to(gl.float32)
             b_b = _gl_sigmoid(gl.load(beta + i_nh).to(gl.float32))
-            b_k = b_k / gl.sqrt(gl.sum(b_k * b_k, axis=0) + 1e-6)
-            b_q = b_q / gl.sqrt(gl.sum(b_q * b_q, axis=0) + 1e-6)
             x = (b_f + gl.load(dt_bias + i_h * K + o_k)) * gl.exp(gl.load(A_log + i_h))
-            b_a = gl.exp(lb * _gl_sigmoid(x))
+            if FAST:  # one rsqrt per norm, σ by rsqrt² of 1 + 2^(−x·log2 e): no divisions
+                b_k = b_k * gl.rsqrt(gl.sum(b_k * b_k, axis=0) + 1e-6)
+                b_q = b_q * gl.rsqrt(gl.sum(b_q * b_q, axis=0) + 1e-6)
+                sg = gl.rsqrt(1.0 + gl.exp2(x * -1.4426950408889634))
+                b_a = gl.exp2((lb * 1.4426950408889634) * (sg * sg))
+            else:
+                b_k = b_k / gl.sqrt(gl.sum(b_k * b_k, axis=0) + 1e-6)
+                b_q = b_q / gl.sqrt(gl.sum(b_q * b_q, axis=0) + 1e-6)
+                b_a = gl.exp(lb * _gl_sigmoid(x))
             u = gl.sum(S * (b_k * b_a)[:, None], axis=0)
             w = gl.sum(S * (b_q * b_a)[:, None], axis=0)
             r = (b_v - u) * b_b
@@ -222,18 +228,13 @@ def main() -> int:
     A = (32, 4, 8, 1, 2)
     variants = {
         "A bv32 wV2 tk8 cap128 (8/SM)": (*A, None, False, dict(cap=128)),
-        "A bv16 w1 tk8 cap128": (16, 4, 8, 1, 1, None, False, dict(cap=128)),
+        "A fast math": (*A, None, False, dict(cap=128, FAST=True)),
+        "A fast math cap120": (*A, None, False, dict(cap=120, FAST=True)),
+        "A fast math cap112": (*A, None, False, dict(cap=112, FAST=True)),
+        "A fast math no cap": (*A, None, False, dict(FAST=True)),
     }
     async_variants = {}
-    # the output state at chosen byte offsets from a 2 MiB-aligned base (read and write streams' DRAM banks)
-    n = h0.numel()
-    big = torch.empty(n + (8 << 20) // 4, device="cuda")
     outs = {}
-    for off in (0, 128, 4096, 65536, 1 << 20, (2 << 20) + 512, 3 << 20):
-        base = (-big.data_ptr() % (2 << 20)) // 4  # first 2 MiB-aligned element
-        outs[f"A, output at +{off} B from a 2 MiB boundary"] = big[base + off // 4: base + off // 4 + n].view_as(h0)
-    outs["A, output allocated right after the input"] = hn
-    print("input at", h0.data_ptr() % (2 << 20), "mod 2 MiB; hn at", hn.data_ptr() % (2 << 20), flush=True)
     bench = lambda f: triton.testing.do_bench(f, warmup=25, rep=200, return_mode="median")  # noqa: E731
     # clocks up before the first timing
     m = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
