@@ -17,7 +17,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 import triton  # noqa: E402
 
-from k3.bench.kda import K3_FLAGS, _inputs, warm_clocks  # noqa: E402
+from k3.bench.kda import K3_FLAGS, _cuda_graph, _inputs, warm_clocks  # noqa: E402
 from k3.ops.kda import fused_recurrent_kda  # noqa: E402
 from k3.ops.kda.triton.decode_gluon import GluonDecodeConfig  # noqa: E402
 
@@ -45,15 +45,8 @@ def main() -> int:
             torch.cuda.synchronize()
             rows.append((f"do_bench(step), {tag}", triton.testing.do_bench(step, warmup=25, rep=300,
                                                                             return_mode="median")))
-            s = torch.cuda.Stream()
-            s.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(s):
-                step()
-            torch.cuda.current_stream().wait_stream(s)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                step()
-            rows.append((f"do_bench(graph.replay), {tag}", triton.testing.do_bench(graph.replay, warmup=25, rep=300,
+            replay = _cuda_graph(step)
+            rows.append((f"do_bench(graph.replay), {tag}", triton.testing.do_bench(replay, warmup=25, rep=300,
                                                                                     return_mode="median")))
         GluonDecodeConfig.enabled = True
         rows.append(("copy_ of the state", triton.testing.do_bench(lambda: out.copy_(h0), warmup=25, rep=300,

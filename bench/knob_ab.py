@@ -4,8 +4,8 @@
     python bench/knob_ab.py --cases prefill32 prefill8 \\
         --variant st2 FwdConfig.state_stages=2 --variant win2g FwdConfig.window_bytes=2147483648
 
-Knobs are ``Class.attr=value`` for FwdConfig, BwdConfig (``chunk_fwd`` / ``chunk_bwd``), SplitConfig (``span``), GluonDecodeConfig,
-DecodeConfig (``fused_recurrent``) and CPConfig (``k3.ops.kda.cp``); values are Python literals; ``ENV.NAME=value``
+Knobs are ``Class.attr=value`` for FwdConfig, BwdConfig (``chunk_fwd`` / ``chunk_bwd``), SplitConfig (``span``),
+DecodeConfig (``fused_recurrent``), GluonDecodeConfig (``decode_gluon``) and CPConfig (``k3.ops.kda.cp``); values are Python literals; ``ENV.NAME=value``
 sets an environment variable for the variant (e.g. ``ENV.K3_KDA_SPLITS=8``). Cases (bf16,
 K = V = 128, the K3 call): ``prefill32`` / ``prefill8`` = B=1 T=1M at H=32 / 8 without grad, ``train`` = fwd+bwd
 B=8 T=4096 H=32, ``train32k`` = fwd+bwd B=1 T=32768 H=32, ``decode`` = one step B=64 H=32 from an fp32 state.

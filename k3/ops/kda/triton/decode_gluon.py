@@ -6,8 +6,9 @@ warps, so the two K reductions per tile cross warps through shared memory and ba
 the warps of a program split the tile's V columns, each thread holds 4 adjacent columns (16-byte loads) of a
 contiguous run of K rows, and 8 threads of a warp share a column, so both reductions finish inside a warp
 (in-thread adds, then 3 shuffles). One tile per program, no persistence: 8 programs of 2 warps per SM at the
-128-register cap. Measured on one H200 (B=64, H=32, K=V=128, ``bench/decode_gluon_probe.py``): 0.0733 ms against
-0.0786 for the persistent Triton kernel and 0.0678 for ``copy_`` of the same bytes.
+128-register cap. Measured on one H200 (B=64, H=32, K=V=128): through ``fused_recurrent_kda`` 0.075 ms against
+0.079 for the persistent Triton kernel (``bench/decode_host_check.py``), launched bare 0.0733 ms against 0.0678
+for ``copy_`` of the same bytes (``bench/decode_gluon_probe.py``, with every layout it was chosen from).
 
 Gluon does not run in Triton's interpreter: on CPU (and where Gluon cannot be imported) the Triton kernels serve,
 and the GPU tests check this kernel against the fp64 recurrence.
