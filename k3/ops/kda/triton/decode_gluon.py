@@ -103,7 +103,7 @@ if HAVE_GLUON:
         off = o_k[:, None] * V + o_v[None, :]  # int32 within one (slot, head) state
         base = (slot * H + i_h) * (K * V)
         if USE_S0:
-            S = gl.load(s_in + base + off, mask=m_s, other=0.)
+            S = gl.load(s_in + base + off, mask=m_s, other=0.).to(gl.float32)
         else:
             S = gl.zeros([BK, BV], gl.float32, layout=L)
         p = i_nh.to(gl.int64) * K + o_k  # token row n of [N, 1, H, K]
