@@ -10,20 +10,24 @@ contiguous run of K rows, and 8 threads of a warp share a column, so both reduct
 0.079 for the persistent Triton kernel (``bench/decode_host_check.py``), launched bare 0.0733 ms against 0.0678
 for ``copy_`` of the same bytes (``bench/decode_gluon_probe.py``, with every layout it was chosen from).
 
-Gluon does not run in Triton's interpreter: on CPU (and where Gluon cannot be imported) the Triton kernels serve,
-and the GPU tests check this kernel against the fp64 recurrence.
+Gluon does not run in Triton's interpreter: on CPU (and with a Triton other than 3.6) the Triton kernels serve, and
+the GPU tests check this kernel against the fp64 recurrence.
 """
 
 from __future__ import annotations
 
 import torch
 
-try:  # Gluon ships with Triton ≥ 3.5; its API is still experimental, so any import failure means "not available"
+# Gluon's API is experimental and changes between Triton releases: the kernel is used only with the release it is
+# tested on (3.6.x); any other Triton, or a failed import, leaves decoding to the Triton kernels
+TESTED_TRITON = (3, 6)
+try:
+    import triton
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
 
-    HAVE_GLUON = True
-except Exception:  # noqa: BLE001 — an older or different Triton: the Triton kernels serve
+    HAVE_GLUON = tuple(int(p) for p in triton.__version__.split(".")[:2]) == TESTED_TRITON
+except Exception:  # noqa: BLE001 — no Gluon, or an unparsable version string
     HAVE_GLUON = False
 
 
