@@ -228,13 +228,22 @@ def main() -> int:
     A = (32, 4, 8, 1, 2)
     variants = {
         "A bv32 wV2 tk8 cap128 (8/SM)": (*A, None, False, dict(cap=128)),
-        "A fast math": (*A, None, False, dict(cap=128, FAST=True)),
-        "A fast math cap120": (*A, None, False, dict(cap=120, FAST=True)),
-        "A fast math cap112": (*A, None, False, dict(cap=112, FAST=True)),
-        "A fast math no cap": (*A, None, False, dict(FAST=True)),
     }
     async_variants = {}
     outs = {}
+    # in place (the serving pool's case): the output state is the input; cache hints for the read-modify-write
+    inplace = {
+        "in place A": dict(cap=128),
+        "in place A, loads evict_last": dict(cap=128, LOAD_EV="evict_last"),
+        "in place A, loads evict_first": dict(cap=128, LOAD_EV="evict_first"),
+        "in place A, st.cs": dict(cap=128, STORE_CM=".cs"),
+        "in place A, st.wt": dict(cap=128, STORE_CM=".wt"),
+        "in place A, ld.cg": dict(cap=128, LOAD_CM=".cg"),
+        "in place A, ld.cg st.cg": dict(cap=128, LOAD_CM=".cg", STORE_CM=".cg"),
+        "in place bv64 wV4": dict(cap=128, _shape=(64, 4, 8, 1, 4)),
+        "in place bv16 w1": dict(cap=128, _shape=(16, 4, 8, 1, 1)),
+    }
+    s_place = h0.clone()
     bench = lambda f: triton.testing.do_bench(f, warmup=25, rep=200, return_mode="median")  # noqa: E731
     # clocks up before the first timing
     m = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
@@ -266,6 +275,10 @@ def main() -> int:
             info[name] = f"{eo:.1e} | {es:.1e} | {ck.n_regs} / {ck.n_spills}"
         except Exception as e:  # noqa: BLE001 — a probe: report and go on
             print(f"{name}: {type(e).__name__}: {str(e)[:300]}", flush=True)
+    for name, opt in inplace.items():
+        shp = opt.pop("_shape", A)
+        fns[name] = (lambda o_=opt, sh=shp: launch(x, s_place, s_place, o, *sh, None, False, **o_))
+        info[name] = ""
     for name, dst in outs.items():
         fns[name] = (lambda d_=dst: launch(x, h0, d_, o, *A, None, False, cap=128))
         info[name] = ""
