@@ -1,7 +1,7 @@
 """Recurrent (token-by-token) KDA for decoding: fp32 state tiles ``[BK, BV]`` in registers, one tile per program
 (or, with ``DecodeConfig.persist``, a persistent grid that loops over tiles with the next tiles' loads in flight).
-On CUDA, a dense one-token step goes to the Gluon kernel of ``decode_gluon.py`` (explicit layouts: 0.075 vs 0.079 ms at B=64 H=32);
-these kernels serve every other call, and every call in the interpreter.
+On CUDA, a dense one-token step goes to the Gluon kernel of ``decode_gluon.py`` (explicit layouts: 0.075 vs
+0.079 ms at B=64 H=32); these kernels serve every other call, and every call in the interpreter.
 
 Per token: S ← Diag(e^g) S;  S ← S + β k (v − Sᵀk)ᵀ;  o = Sᵀ (scale · q), with the gate, L2 norm and β sigmoid fused.
 A decode step is bound by reading and writing the state once (64 KiB per head at K = V = 128, fp32): the grid
