@@ -7,7 +7,8 @@ place, and the scaling with B — beside the public call, the persistent Triton 
 (L2 norm, bounded gate with A_log / dt_bias, β sigmoid). Each variant is checked once (NaN-poisoned outputs) against
 the Triton kernel, then timed in 3 interleaved rounds.
 
-    python bench/decode_gluon_probe.py [--B 64] [--H 32] [--groups layouts,persistent,occupancy,hints,async,placement,scaling]
+    python bench/decode_gluon_probe.py [--B 64] [--H 32] \
+        [--groups layouts,persistent,occupancy,hints,async,placement,scaling]
 """
 
 from __future__ import annotations
@@ -24,10 +25,7 @@ from triton.experimental import gluon  # noqa: E402
 from triton.experimental.gluon import language as gl  # noqa: E402
 from triton.experimental.gluon.language.nvidia.ampere import async_copy  # noqa: E402
 
-
-@gluon.jit
-def _gl_sigmoid(x):
-    return 1.0 / (1.0 + gl.exp(-x))
+from k3.ops.kda.triton.decode_gluon import _sigmoid as _gl_sigmoid  # noqa: E402 — the kernel's own σ
 
 
 @gluon.jit
@@ -204,9 +202,10 @@ def launch(x: dict, h0: torch.Tensor, hn: torch.Tensor, o: torch.Tensor, BV: int
         NP = min(n_tiles, per_sm * sms)
         cap = cap or min(255, 65536 // (per_sm * warps * 32) // 8 * 8)
     kw = dict(num_warps=warps) if cap is None else dict(num_warps=warps, maxnreg=cap)
-    return _gl_decode[(NP,)](x["q"], x["k"], x["v"], x["g"], x["beta"], x["A_log"], x["dt_bias"], o, h0, hn, n_tiles, NP,
-                      H, K ** -0.5, -5.0, K=K, V=V, BV=BV, NV=NV, SPT_K=K // (tpw_k * wk) if contig_k else 1, SPT_V=spt, TPW_K=tpw_k, W_K=wk, W_V=wv,
-                      PREFETCH=prefetch, COMPUTE=compute, **mods, **kw)
+    return _gl_decode[(NP,)](x["q"], x["k"], x["v"], x["g"], x["beta"], x["A_log"], x["dt_bias"], o, h0, hn,
+                             n_tiles, NP, H, K ** -0.5, -5.0, K=K, V=V, BV=BV, NV=NV,
+                             SPT_K=K // (tpw_k * wk) if contig_k else 1, SPT_V=spt, TPW_K=tpw_k, W_K=wk, W_V=wv,
+                             PREFETCH=prefetch, COMPUTE=compute, **mods, **kw)
 
 
 A = (32, 4, 8, 1, 2)  # the adopted layout: BV 32, 16-byte columns, 8 threads along K, 2 warps along V
@@ -231,6 +230,7 @@ GROUPS: dict[str, dict[str, tuple]] = {
         "bv128 wV8 tk8 cap 128": (128, 4, 8, 1, 8, None, False, dict(cap=128)),
         "bv128 wK8, 512 B rows, cap 128": (128, 4, 1, 8, 1, None, False, dict(cap=128)),
         "A, FAST math": (*A, None, False, dict(cap=128, FAST=True)),
+        "A, copy only (same tiles, no arithmetic)": (*A, None, False, dict(cap=128, compute=False)),
     },
     "persistent": {
         "A, register prefetch, 6/SM": (*A, 6, True, {}),
@@ -264,6 +264,7 @@ def main() -> int:
     from k3.bench.kda import K3_FLAGS, _inputs, warm_clocks
     from k3.ops.kda import fused_recurrent_kda
     from k3.ops.kda.triton.decode_gluon import GluonDecodeConfig
+    from k3.utils import overridden_attrs
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--B", type=int, default=64)
@@ -283,11 +284,8 @@ def main() -> int:
                                    dt_bias=x["dt_bias"], initial_state=h0, output_final_state=True, **K3_FLAGS)
 
     def triton_kernel():
-        GluonDecodeConfig.enabled = False
-        try:
+        with overridden_attrs(GluonDecodeConfig, enabled=False):
             return public()
-        finally:
-            GluonDecodeConfig.enabled = True
 
     o_ref, s_ref = triton_kernel()
     bench = lambda f: triton.testing.do_bench(f, warmup=25, rep=200, return_mode="median")  # noqa: E731
@@ -347,13 +345,10 @@ def main() -> int:
             os_ = torch.empty_like(xs["v"])
 
             def trit(xs=xs, s0=s0):
-                GluonDecodeConfig.enabled = False
-                try:
+                with overridden_attrs(GluonDecodeConfig, enabled=False):
                     return fused_recurrent_kda(xs["q"], xs["k"], xs["v"], xs["g"], xs["beta"], A_log=xs["A_log"],
                                                dt_bias=xs["dt_bias"], initial_state=s0, output_final_state=True,
                                                **K3_FLAGS)
-                finally:
-                    GluonDecodeConfig.enabled = True
 
             fs = [lambda: s1.copy_(s0), trit, lambda: launch(xs, s0, s1, os_, *A, None, False, cap=128)]
             ts = [min(bench(f) for _ in range(2)) for f in fs]

@@ -20,6 +20,7 @@ import triton  # noqa: E402
 from k3.bench.kda import K3_FLAGS, _cuda_graph, _inputs, warm_clocks  # noqa: E402
 from k3.ops.kda import fused_recurrent_kda  # noqa: E402
 from k3.ops.kda.triton.decode_gluon import GluonDecodeConfig  # noqa: E402
+from k3.utils import overridden_attrs  # noqa: E402
 
 
 def main() -> int:
@@ -39,16 +40,15 @@ def main() -> int:
     rows = []
     with torch.no_grad():
         for gluon in (True, False):  # the Gluon kernel (default on CUDA), then the persistent Triton one
-            GluonDecodeConfig.enabled = gluon
             tag = "gluon" if gluon else "triton"
-            step()
-            torch.cuda.synchronize()
-            rows.append((f"do_bench(step), {tag}", triton.testing.do_bench(step, warmup=25, rep=300,
-                                                                            return_mode="median")))
-            replay = _cuda_graph(step)
-            rows.append((f"do_bench(graph.replay), {tag}", triton.testing.do_bench(replay, warmup=25, rep=300,
-                                                                                    return_mode="median")))
-        GluonDecodeConfig.enabled = True
+            with overridden_attrs(GluonDecodeConfig, enabled=gluon):
+                step()
+                torch.cuda.synchronize()
+                rows.append((f"do_bench(step), {tag}", triton.testing.do_bench(step, warmup=25, rep=300,
+                                                                                return_mode="median")))
+                replay = _cuda_graph(step)
+                rows.append((f"do_bench(graph.replay), {tag}", triton.testing.do_bench(replay, warmup=25, rep=300,
+                                                                                        return_mode="median")))
         rows.append(("copy_ of the state", triton.testing.do_bench(lambda: out.copy_(h0), warmup=25, rep=300,
                                                                    return_mode="median")))
     nbytes = 2 * h0.numel() * 4

@@ -8,6 +8,7 @@ Gluon kernel and the Triton one (``GluonDecodeConfig.enabled = False``).
 
 from __future__ import annotations
 
+import importlib
 import os
 import sys
 import time
@@ -20,6 +21,7 @@ import triton  # noqa: E402
 from k3.bench.kda import K3_FLAGS, _inputs, warm_clocks  # noqa: E402
 from k3.ops.kda import fused_recurrent_kda  # noqa: E402
 from k3.ops.kda.triton.decode_gluon import GluonDecodeConfig  # noqa: E402
+from k3.utils import overridden_attrs  # noqa: E402
 
 
 def main() -> int:
@@ -29,14 +31,13 @@ def main() -> int:
                                        dt_bias=x["dt_bias"], initial_state=h0, output_final_state=True, **K3_FLAGS)
     warm_clocks(5.0)
     rows = []
-    for fla in (False, True):
-        if fla:
-            import fla.ops.kda  # noqa: F401 — what the bench process has loaded
+    for with_fla in (False, True):
+        if with_fla:
+            importlib.import_module("fla.ops.kda")  # what the bench process has loaded
         for gluon in (True, False):
-            GluonDecodeConfig.enabled = gluon
             for mode in ("no_grad", "inference_mode"):
                 ctx = torch.no_grad() if mode == "no_grad" else torch.inference_mode()
-                with ctx:
+                with ctx, overridden_attrs(GluonDecodeConfig, enabled=gluon):
                     step()
                     torch.cuda.synchronize()
                     ms = triton.testing.do_bench(step, warmup=25, rep=200, return_mode="median")
@@ -45,10 +46,10 @@ def main() -> int:
                         step()
                     host = (time.perf_counter() - t) / 1000 * 1e3
                     torch.cuda.synchronize()
-                rows.append((fla, gluon, mode, ms, host))
+                rows.append((with_fla, gluon, mode, ms, host))
     print("| fla imported | kernel | mode | do_bench ms | host ms per call |\n|---|---|---|---:|---:|")
-    for fla, gluon, mode, ms, host in rows:
-        print(f"| {fla} | {'gluon' if gluon else 'triton'} | {mode} | {ms:.4f} | {host:.4f} |")
+    for with_fla, gluon, mode, ms, host in rows:
+        print(f"| {with_fla} | {'gluon' if gluon else 'triton'} | {mode} | {ms:.4f} | {host:.4f} |")
     return 0
 
 

@@ -193,24 +193,21 @@ def decode_rows(with_fla: bool, B: int = 64, H: int = 32) -> list[dict]:
         fkw = {n: v for n, v in kw.items() if n != "safe_gate"}
         impls.append(("fla 0.6.0 fused_recurrent_kda",
                       lambda: fk.fused_recurrent_kda(*args, initial_state=h0, output_final_state=True, **fkw)))
+    # each step eagerly, then replayed from a CUDA graph: GPU time alone. A step's host cost (argument checks and
+    # the Triton launcher, ~0.08–0.12 ms on some H200 machines' CPUs) can exceed its GPU time, and then the eager
+    # rows time the launch; serving loops capture decode steps in graphs
+    def eager(f: Callable[[], Any]) -> Callable[[], Any]:
+        f()  # compile and warm; then f itself is timed
+        return f
+
     with torch.inference_mode():
-        for name, f in impls:
-            try:
-                f()
-                ms = _bench(f, 200.0)
-                rows.append(_row(case, name, ms=ms, state_TBps=traffic / ms / 1e9))
-            except Exception as e:  # noqa: BLE001 — report, keep going
-                rows.append(_row(case, name, error=repr(e)[:200]))
-        # the same steps replayed from CUDA graphs: GPU time alone. A step's host cost (argument checks and the
-        # Triton launcher, ~0.08–0.12 ms on the H200 machine's CPU) can exceed its GPU time, and then the eager
-        # rows above time the launch; serving loops capture decode steps in graphs
-        for name, f in impls:
-            try:
-                replay = _cuda_graph(f)
-                ms = _bench(replay, 200.0)
-                rows.append(_row(case + ", CUDA graph", name, ms=ms, state_TBps=traffic / ms / 1e9))
-            except Exception as e:  # noqa: BLE001 — report, keep going
-                rows.append(_row(case + ", CUDA graph", name, error=repr(e)[:200]))
+        for label, prepare in ((case, eager), (case + ", CUDA graph", _cuda_graph)):
+            for name, f in impls:
+                try:
+                    ms = _bench(prepare(f), 200.0)
+                    rows.append(_row(label, name, ms=ms, state_TBps=traffic / ms / 1e9))
+                except Exception as e:  # noqa: BLE001 — report, keep going
+                    rows.append(_row(label, name, error=repr(e)[:200]))
     return rows
 
 

@@ -151,9 +151,10 @@ class SplitCostModel:
     B=1, H=32, 64 programs; BV 32 took 1.8–1.9 µs per 32 columns), and the step does not slow with one program per
     SM. CTAs per SM from the sm_90 compile: the state pass at 3 stages holds one per SM, and so does the span pass at
     BV 64 (at BV 32 it held 112 KiB, 2 per SM: the same slots per column, so the same predictions). The span step
-    (same two dependent products, 60 % of the loads, two programs sharing an SM) is an assumption: 1.6 µs. The per-window and per-fold-step costs are host/launch estimates. The prep (to compare
-    whole calls, and for the overlapped unsplit path): 16.6 SM·µs per chunk and head (v6 rows prep: 66 ms per 1M
-    tokens at H = 32; v5 18.4, v3 29.2). Checked against the v6 kernels (one H200, B=1, H=8, T=1M): P = 8
+    (same two dependent products, 60 % of the loads, two programs sharing an SM) is an assumption: 1.6 µs. The
+    per-window and per-fold-step costs are host/launch estimates. The prep (to compare whole calls, and for the
+    overlapped unsplit path): 16.6 SM·µs per chunk and head (v6 rows prep: 66 ms per 1M tokens at H = 32; v5 18.4,
+    v3 29.2). Checked against the v6 kernels (one H200, B=1, H=8, T=1M): P = 8
     predicted 26.4 ms, measured 25.1; P = 4 29.5 / 27.4; the overlapped unsplit path 31.2 measured. The
     predictions are saw-toothed in P (waves of programs), so a larger P must win by ``tie_margin``."""
 
