@@ -24,6 +24,8 @@ for the diagonal blocks (``EXACT_DIAG``).
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import triton
 import triton.language as tl
@@ -567,6 +569,9 @@ class FwdConfig:
     # buffers, +window_bytes of memory); the serial state pass fills ~one CTA per SM, so prep can share the SMs.
     # Sweep run 4b (one H200): 1M-token prefill H=32 144.1 → 131.2 ms, H=8 57.0 → 47.9 ms (unsplit)
     overlap_windows = True
+    # inference with a bounded gate: "c16", the 16-token flow of ``chunk16`` (FlashKDA's data flow: a light
+    # token-parallel prep, W and U formed by the state pass), or "c64", the prep + state pass of this module
+    inference_flow = "c64"
 
 
 def alloc_chunk_buffers(H: int, NC: int, BK: int, BVP: int, dt: torch.dtype, device, store_t: bool) -> dict:
@@ -716,7 +721,9 @@ def kda_fwd(q, k, v, g, beta, A_log, dt_bias, scale: float, initial_state, tab: 
             flags: dict, training: bool):
     """Run the forward. Returns (o [B,T,H,V], ht [N,H,K,V] fp32, saved dict or None).
 
-    ``training``: one window; keep chunk buffers, T and per-chunk states for backward.
+    ``training``: one window; keep chunk buffers, T and per-chunk states for backward. Inference: windows of chunks
+    (``FwdConfig.window_bytes``), by the 16-token flow (``chunk16``) when ``FwdConfig.inference_flow`` is "c16"
+    and the gate is bounded, else by the 64-token prep + state pass.
     """
     B, Tq, H, K = q.shape
     V = v.shape[-1]
@@ -728,40 +735,64 @@ def kda_fwd(q, k, v, g, beta, A_log, dt_bias, scale: float, initial_state, tab: 
     if training:
         bufs = prep_all(q, k, v, g, beta, A_log, dt_bias, scale, tab, lower_bound, flags)
         return o, ht, state_all(bufs, o, ht, tab, H, K, V)
-    ncw = max(1, min(tab.NC, FwdConfig.window_bytes // chunk_bytes(H, BK, BVP, dt)))
-    if FwdConfig.overlap_windows and q.is_cuda and tab.NC > ncw:
-        _windows_overlapped(q, k, v, g, beta, A_log, dt_bias, scale, tab, lower_bound, flags, o, ht, ncw)
+    if use_c16(lower_bound, flags):
+        from k3.ops.kda.triton import chunk16 as c16  # noqa: PLC0415 (chunk16 imports this module's helpers)
+
+        ncw = max(1, min(tab.NC, FwdConfig.window_bytes // c16.c16_chunk_bytes(H, BK, dt)))
+        run_windows(tab.NC, ncw, q.device,
+                    lambda: c16.alloc_c16_buffers(H, ncw, BK, dt, q.device),
+                    lambda b, c0, n: c16.launch_c16_prep(q, k, v, g, beta, A_log, dt_bias, b, tab, c0, n, scale,
+                                                         lower_bound, flags),
+                    lambda b, c0, n: c16.launch_c16_state(b, v, o, ht, tab, c0, c0 + n, H, K, V))
         return o, ht, None
-    bufs = alloc_chunk_buffers(H, ncw, BK, BVP, dt, q.device, store_t=False)
-    for c0 in range(0, tab.NC, ncw):
-        n = min(ncw, tab.NC - c0)
-        launch_prep(q, k, v, g, beta, A_log, dt_bias, bufs, tab, c0, n, scale, lower_bound, flags, False)
-        launch_state(bufs, o, None, ht, tab, c0, c0 + n, H, K, V)
+    ncw = max(1, min(tab.NC, FwdConfig.window_bytes // chunk_bytes(H, BK, BVP, dt)))
+    run_windows(tab.NC, ncw, q.device,
+                lambda: alloc_chunk_buffers(H, ncw, BK, BVP, dt, q.device, store_t=False),
+                lambda b, c0, n: launch_prep(q, k, v, g, beta, A_log, dt_bias, b, tab, c0, n, scale, lower_bound,
+                                             flags, False),
+                lambda b, c0, n: launch_state(b, o, None, ht, tab, c0, c0 + n, H, K, V))
     return o, ht, None
 
 
-def _windows_overlapped(q, k, v, g, beta, A_log, dt_bias, scale: float, tab: ChunkTable, lower_bound, flags: dict,
-                        o, ht, ncw: int) -> None:
-    """The windowed inference forward with prep on a side stream, one window ahead of the state pass.
+def use_c16(lower_bound, flags: dict) -> bool:
+    """Whether inference runs the 16-token flow: asked for, and a bounded gate (its prep's right factor k e^{−G}
+    needs the bound)."""
+    flow = FwdConfig.inference_flow
+    if flow not in ("c16", "c64"):
+        raise ValueError(f"FwdConfig.inference_flow: expected 'c16' or 'c64', got {flow!r}")
+    return flow == "c16" and lower_bound is not None and not flags["exact_diag"]
 
-    Two window buffers alternate; the prep of window w waits until the state pass that last read its buffer (window
-    w−2) is done, and the state pass of window w waits for that prep. Every side-stream launch is ordered before a
-    later main-stream one, so the buffers may be freed (reused by the caching allocator) when this returns."""
-    H, K, V = q.shape[2], q.shape[3], v.shape[3]
-    BK, BVP = next_pow2(K), next_pow2(V)
-    bufs = [alloc_chunk_buffers(H, ncw, BK, BVP, store_dtype(q.dtype), q.device, store_t=False) for _ in range(2)]
-    main, side = torch.cuda.current_stream(q.device), torch.cuda.Stream(q.device)
+
+def run_windows(NC: int, ncw: int, device: torch.device, alloc: Callable[[], dict],
+                prep: Callable[[dict, int, int], None], state: Callable[[dict, int, int], None]) -> None:
+    """The windowed inference forward: ``prep(bufs, c0, n)`` fills a window's buffers, ``state(bufs, c0, n)``
+    runs the state pass over them. On CUDA with ``FwdConfig.overlap_windows`` and more than one window, the prep
+    runs on a side stream one window ahead of the state pass.
+
+    Two window buffers then alternate; the prep of window w waits until the state pass that last read its buffer
+    (window w−2) is done, and the state pass of window w waits for that prep. Every side-stream launch is ordered
+    before a later main-stream one, so the buffers may be freed (reused by the caching allocator) when this
+    returns."""
+    if not (FwdConfig.overlap_windows and device.type == "cuda" and NC > ncw):
+        bufs = alloc()
+        for c0 in range(0, NC, ncw):
+            n = min(ncw, NC - c0)
+            prep(bufs, c0, n)
+            state(bufs, c0, n)
+        return
+    bufs = [alloc() for _ in range(2)]
+    main, side = torch.cuda.current_stream(device), torch.cuda.Stream(device)
     side.wait_stream(main)  # the inputs, the buffers and o/ht were produced on the main stream
     freed = [None, None]
-    for w, c0 in enumerate(range(0, tab.NC, ncw)):
-        n, b = min(ncw, tab.NC - c0), w % 2
+    for w, c0 in enumerate(range(0, NC, ncw)):
+        n, b = min(ncw, NC - c0), w % 2
         with torch.cuda.stream(side):
             if freed[b] is not None:
                 side.wait_event(freed[b])
-            launch_prep(q, k, v, g, beta, A_log, dt_bias, bufs[b], tab, c0, n, scale, lower_bound, flags, False)
+            prep(bufs[b], c0, n)
             ready = torch.cuda.Event()
             ready.record(side)
         main.wait_event(ready)
-        launch_state(bufs[b], o, None, ht, tab, c0, c0 + n, H, K, V)
+        state(bufs[b], c0, n)
         freed[b] = torch.cuda.Event()
         freed[b].record(main)

@@ -1,0 +1,120 @@
+#!/usr/bin/env python3
+"""The 16-token inference flow (``chunk16``) on a GPU: accuracy against the fp32 64-token path, bitwise
+causality, then each kernel timed alone over one window (B=1, T=128K, H=32, bf16) for every launch variant.
+
+    python bench/c16_quick.py [--skip-check]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+
+from k3.ops.kda.triton import chunk16 as c16  # noqa: E402
+from k3.ops.kda.triton import chunk_kda_triton  # noqa: E402
+from k3.ops.kda.triton._common import make_chunk_table  # noqa: E402
+from k3.ops.kda.triton.chunk_fwd import FwdConfig, alloc_output_state  # noqa: E402
+from k3.utils import overridden_attrs  # noqa: E402
+
+
+def rel(a, b):
+    return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-300))
+
+
+def call(x, dtype, flow, cu=None, lb=-5.0):
+    with overridden_attrs(FwdConfig, inference_flow=flow), torch.no_grad():
+        c = lambda t: t.to(dtype)  # noqa: E731
+        K = x["q"].shape[-1]
+        return chunk_kda_triton(c(x["q"]), c(x["k"]), c(x["v"]), c(x["g"]), c(x["beta"]), K ** -0.5, x.get("s0"),
+                                True, True, True, True, lb, cu, x["A"], x["dt"])
+
+
+def inputs(T, H, N=1, seed=0, g=None, beta=None, repeat=False, D=128):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    r = lambda *s: torch.randn(*s, device="cuda", generator=gen)  # noqa: E731
+    x = dict(q=r(1, T, H, D), k=r(1, T, H, D), v=r(1, T, H, D), g=r(1, T, H, D), beta=r(1, T, H), A=r(H) * 0.5,
+             dt=r(H * D) * 0.5, s0=r(N, H, D, D))
+    if g is not None:
+        x["g"].fill_(g)
+    if beta is not None:
+        x["beta"].fill_(beta)
+    if repeat:
+        x["k"] = x["k"][:, :1].expand_as(x["k"]).contiguous()
+    return x
+
+
+def checks() -> None:
+    cu = torch.tensor([0, 1, 100, 4097, 8191], device="cuda")
+    cases = [("dense T=8191", dict(T=8191, H=4), None), ("varlen", dict(T=8191, H=4, N=4), cu),
+             ("gates at bound, β≈1, repeated keys", dict(T=3001, H=2, g=30.0, beta=12.0, repeat=True), None),
+             ("β≈0", dict(T=3001, H=2, beta=-12.0), None)]
+    for name, kw, cus in cases:
+        x = inputs(**kw)
+        ro, rh = call(x, torch.float32, "c64", cus)
+        for dt in (torch.bfloat16, torch.float16, torch.float32):
+            out = {f: call(x, dt, f, cus) for f in ("c64", "c16")}
+            print(f"{name:40s} {str(dt):15s} " + "  ".join(
+                f"{f}: o {rel(o, ro):.2e} ht {rel(h, rh):.2e} nan {bool(o.isnan().any() or h.isnan().any())}"
+                for f, (o, h) in out.items()), flush=True)
+    x = inputs(T=5000, H=2)
+    o1, _ = call(x, torch.bfloat16, "c16")
+    for n in ("q", "k", "v", "g", "beta"):
+        x[n][:, 2345:] = torch.randn_like(x[n][:, 2345:]) * 3
+    o2, _ = call(x, torch.bfloat16, "c16")
+    print("causality bitwise (prefix 2345 unchanged):", torch.equal(o1[:, :2345], o2[:, :2345]), flush=True)
+
+
+def kernel_times() -> list[str]:
+    T, H = 1 << 17, 32
+    x = inputs(T, H, seed=1)
+    x = {n: (t.to(torch.bfloat16) if n in ("q", "k", "v", "g", "beta") else t) for n, t in x.items()}
+    tab = make_chunk_table(1, T, None, x["q"].device)
+    flags = dict(l2norm=True, use_gate=True, beta_sigmoid=True, exact_diag=False)
+    bufs = c16.alloc_c16_buffers(H, tab.NC, 128, torch.bfloat16, x["q"].device)
+    o, ht = alloc_output_state(x["q"], x["v"], None, tab)
+    rows = []
+
+    def prep():
+        c16.launch_c16_prep(x["q"], x["k"], x["v"], x["g"], x["beta"], x["A"], x["dt"], bufs, tab, 0, tab.NC,
+                            128 ** -0.5, -5.0, flags)
+
+    for w in (2, 4):
+        with overridden_attrs(c16.C16Config, prep_warps=w):
+            t = triton.testing.do_bench(prep, warmup=5, rep=200, return_mode="median")
+        rows.append(f"| prep | warps {w} | {t:.3f} | {t * 8:.1f} |")
+        print(rows[-1], flush=True)
+    prep()
+    for bv, warps, stages in ((64, 4, 1), (64, 4, 2), (64, 4, 3), (128, 8, 2), (128, 8, 3), (32, 4, 2), (128, 4, 2)):
+        with overridden_attrs(c16.C16Config, state_bv=bv, state_warps=warps, state_stages=stages):
+            try:
+                t = triton.testing.do_bench(lambda: c16.launch_c16_state(bufs, x["v"], o, ht, tab, 0, tab.NC, H, 128,
+                                                                         128), warmup=3, rep=300,
+                                            return_mode="median")
+                rows.append(f"| state | BV {bv}, {warps} warps, {stages} stages | {t:.3f} | {t * 8:.1f} |")
+            except Exception as e:  # noqa: BLE001 (a variant that does not compile or launch)
+                rows.append(f"| state | BV {bv}, {warps} warps, {stages} stages | {type(e).__name__} | |")
+        print(rows[-1], flush=True)
+    return rows
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--skip-check", action="store_true")
+    a = ap.parse_args()
+    print(torch.cuda.get_device_name(), torch.__version__, triton.__version__)
+    if not a.skip_check:
+        checks()
+    rows = kernel_times()
+    print("\n| kernel | variant | ms (T=128K, H=32) | ×8 (per 1M) |\n|---|---|---:|---:|")
+    print("\n".join(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,197 @@
+"""Inference forward of KDA in 16-token steps (the FlashKDA data flow, research/kda.md §4): two kernels.
+
+``_c16_prep`` — token-parallel, one program per 16-token block and head: gate activation and cumsum (fp32, log2),
+L2 norm, β; the block's A_kk / A_qk (reference = the row before the block, a past row, so no future gate reaches
+an earlier row even through rounding — fla issue #1240); T = (I + β A_kk)^{-1} by forward substitution (fp32);
+and the step operands X = k̂ e^G, qg = scale·q̂ e^G, kg = k̂ e^{G_C − G} ([16, K] each), Tβ = T Diag(β) and
+scale·A_qk ([16, 16] each), γ = e^{G_C} ([K] fp32).
+
+``_c16_state`` — the sequential pass, grid (V-blocks, N·H), the state kept TRANSPOSED in registers (Sᵀ [BV, K],
+fp32) so that every product of the step has the V-block (64 or 128 rows) as its M dimension — Hopper's wgmma
+needs M ≥ 64, a 16-row step would otherwise run on the older mma.sync — and the serial chain never leaves
+registers (Sᵀ and V'ᵀ are the left operands):
+    W = Tβ X,  U = Tβ v,  V'ᵀ = Uᵀ − Sᵀ Wᵀ,  Oᵀ = Sᵀ qgᵀ + V'ᵀ (scale·A_qk)ᵀ,  Sᵀ ← Sᵀ Diag(γ) + V'ᵀ kg.
+
+Why: the 64-token flow (``chunk_fwd``) writes W, U, kg, qg, A_qk and fp32 scratch per chunk and its state pass
+re-reads them per V-block (~5 KB per token and head cross DRAM); here the prep writes X, qg, kg and two 16×16
+tiles (~0.9 KB) and the state pass forms W and U itself (16×16 left factors: cheap). Bounded gates only
+(``lower_bound`` set): the prep's right factor k e^{−G} reaches e^{5·16} within a block, like FlashKDA's.
+Inference only (no backward), windowed like ``chunk_fwd`` so memory does not grow with T.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from k3.ops.kda.triton._common import (
+    BC,
+    BT,
+    ChunkTable,
+    _chunk_pos,
+    _chunk_range,
+    _rows_gate,
+    _seq_bounds,
+    dot_precision,
+)
+from k3.ops.kda.triton.chunk_fwd import _inv16
+from k3.ops.kda.triton.chunk_prep import _op, _rows_beta, _rows_x
+
+
+@triton.jit(do_not_specialize=['c0', 'NCw', 'T', 'NT', 'H'])
+def _c16_prep(
+    q, k, g, beta, A_log, dt_bias, X, QG, KG, GAM, TB, AQ,
+    cu, chunk_seq, chunk_off, c0, NCw, T, NT, H, K, scale, lb,
+    BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
+    USE_GATE: tl.constexpr, HAS_LB: tl.constexpr, HAS_A: tl.constexpr, HAS_DT: tl.constexpr,
+    L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr, IS_VARLEN: tl.constexpr, FAST_GATE: tl.constexpr,
+    PREC: tl.constexpr, AB_BF16: tl.constexpr,
+):
+    i_b = tl.program_id(0)
+    i_h = tl.program_id(1)
+    NB: tl.constexpr = BT // BC
+    i_c = i_b // NB
+    blk = i_b % NB
+    bos, eos = _chunk_pos(c0 + i_c, cu, chunk_seq, chunk_off, T, NT, BT, IS_VARLEN)
+    t0 = bos + blk * BC
+    b_g = _rows_gate(g, A_log, dt_bias, i_h, t0, eos, H, K, lb, BC, BK, USE_GATE, HAS_LB, HAS_A, HAS_DT, FAST_GATE)
+    G = tl.cumsum(b_g, axis=0)  # log2 decay from the block start through row i (padding rows add 0)
+    gc = tl.sum(b_g, axis=0)  # ... through the block's last row
+    b_q = _rows_x(q, i_h, t0, eos, H, K, BC, BK, L2NORM)
+    b_k = _rows_x(k, i_h, t0, eos, H, K, BC, BK, L2NORM)
+    b_b = _rows_beta(beta, i_h, t0, eos, H, BC, BETA_SIGMOID)
+    e = tl.exp2(G)
+    x = b_k * e
+    qe = b_q * e
+    # A[i, j] = Σ_d a_id k_jd e^{G_id − G_jd} = (a_i e^{G_i}) · (k_j e^{−G_j}): the left factor ≤ |a|, the right
+    # ≤ e^{5·16} under the bound (finite in fp32 and bf16; fp16 inputs keep fp32 operands here)
+    kd = _op(tl.trans(b_k * tl.exp2(-G)), AB_BF16)
+    o_s = tl.arange(0, BC)
+    aq = tl.dot(_op(qe, AB_BF16), kd, input_precision=PREC)
+    ak = tl.dot(_op(x, AB_BF16), kd, input_precision=PREC)
+    aq = tl.where(o_s[:, None] >= o_s[None, :], aq, 0.) * scale
+    tm = _inv16(tl.where(o_s[:, None] > o_s[None, :], ak * b_b[:, None], 0.))
+    tb = tm * b_b[None, :]
+    base = (i_h * NCw + i_c).to(tl.int64)
+    row = base * BT + blk * BC + o_s
+    DT = X.dtype.element_ty
+    tl.store(TB + row[:, None] * BC + o_s[None, :], tb.to(DT))
+    tl.store(AQ + row[:, None] * BC + o_s[None, :], aq.to(DT))
+    o_k = tl.arange(0, BK)
+    p = row[:, None] * BK + o_k[None, :]
+    tl.store(X + p, x.to(DT))
+    tl.store(QG + p, (qe * scale).to(DT))
+    tl.store(KG + p, (b_k * tl.exp2(gc[None, :] - G)).to(DT))
+    tl.store(GAM + (base * NB + blk) * BK + o_k, tl.exp2(gc))
+
+
+@triton.jit(do_not_specialize=['c0', 'c1', 'NCw', 'T', 'NT', 'H'])
+def _c16_state(
+    X, QG, KG, GAM, TB, AQ, v, o, ht,
+    cu, chunk_off, c0, c1, NCw, T, NT, H, K: tl.constexpr, V: tl.constexpr,
+    BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    IS_VARLEN: tl.constexpr, PREC: tl.constexpr, STAGES: tl.constexpr,
+):
+    i_v = tl.program_id(0)
+    i_nh = tl.program_id(1)
+    i_n = i_nh // H
+    i_h = i_nh % H
+    cs, ce = _chunk_range(i_n, chunk_off, NT, IS_VARLEN)
+    bos, eos = _seq_bounds(i_n, cu, T, IS_VARLEN)
+    lo = tl.maximum(cs, c0)
+    hi = tl.minimum(ce, c1)
+    if lo < hi:
+        NB: tl.constexpr = BT // BC
+        DT: tl.constexpr = X.dtype.element_ty
+        o_s = tl.arange(0, BC)
+        o_k = tl.arange(0, BK)
+        o_v = i_v * BV + tl.arange(0, BV)
+        m_k = o_k < K
+        m_v = o_v < V
+        # Sᵀ: row = value column, column = key dimension
+        p_s = ht + ((i_n * H + i_h).to(tl.int64) * K + o_k[None, :]) * V + o_v[:, None]
+        St = tl.load(p_s, mask=m_v[:, None] & m_k[None, :], other=0.)
+        for j in tl.range(lo * NB, hi * NB, num_stages=STAGES):
+            c = j // NB
+            blk = j % NB
+            base = (i_h * NCw + (c - c0)).to(tl.int64)
+            row = base * BT + blk * BC + o_s
+            p = row[:, None] * BK + o_k[None, :]
+            b_x = tl.load(X + p)
+            b_qg = tl.load(QG + p)
+            b_kg = tl.load(KG + p)
+            b_tb = tl.load(TB + row[:, None] * BC + o_s[None, :])
+            b_aq = tl.load(AQ + row[:, None] * BC + o_s[None, :])
+            b_gam = tl.load(GAM + (base * NB + blk) * BK + o_k)
+            t = bos + (c - cs).to(tl.int64) * BT + blk * BC + o_s
+            m_t = t < eos
+            p_v = (t[None, :] * H + i_h) * V + o_v[:, None]  # [BV, BC]: vᵀ and Oᵀ
+            b_vt = tl.load(v + p_v, mask=m_v[:, None] & m_t[None, :], other=0.).to(DT)
+            b_wt = tl.trans(tl.dot(b_tb, b_x, input_precision=PREC).to(DT))  # Wᵀ [BK, BC]
+            s_dt = St.to(DT)
+            b_vnt = tl.dot(b_vt, tl.trans(b_tb), input_precision=PREC) - tl.dot(s_dt, b_wt, input_precision=PREC)
+            vn_dt = b_vnt.to(DT)
+            b_ot = tl.dot(s_dt, tl.trans(b_qg), input_precision=PREC) + tl.dot(vn_dt, tl.trans(b_aq),
+                                                                                input_precision=PREC)
+            tl.store(o + p_v, b_ot.to(o.dtype.element_ty), mask=m_v[:, None] & m_t[None, :])
+            St = St * b_gam[None, :] + tl.dot(vn_dt, b_kg, input_precision=PREC)
+        tl.store(p_s, St, mask=m_v[:, None] & m_k[None, :])
+
+
+class C16Config:
+    """Launch knobs of the 16-token inference flow (class attributes, for benchmarks to switch)."""
+
+    prep_warps = 2
+    prep_fast_gate = True  # bounded gate σ by rsqrt (``_rows_gate`` FAST): a few ulp off the plain σ
+    state_bv = 64
+    state_warps = 4
+    state_stages = 2
+
+
+def alloc_c16_buffers(H: int, NC: int, BK: int, dt: torch.dtype, device) -> dict:
+    e = dict(dtype=dt, device=device)
+    return {
+        "X": torch.empty(H, NC, BT, BK, **e),
+        "QG": torch.empty(H, NC, BT, BK, **e),
+        "KG": torch.empty(H, NC, BT, BK, **e),
+        "TB": torch.empty(H, NC, BT, BC, **e),
+        "AQ": torch.empty(H, NC, BT, BC, **e),
+        "GAM": torch.empty(H, NC, BT // BC, BK, dtype=torch.float32, device=device),
+    }
+
+
+def c16_chunk_bytes(H: int, BK: int, dt: torch.dtype) -> int:
+    """Bytes of window buffers per 64-token chunk (all heads)."""
+    es = torch.finfo(dt).bits // 8
+    return H * (BT * (3 * BK + 2 * BC) * es + (BT // BC) * BK * 4)
+
+
+def launch_c16_prep(q, k, v, g, beta, A_log, dt_bias, bufs: dict, tab: ChunkTable, c0: int, n: int, scale: float,
+                    lower_bound, flags: dict) -> None:
+    _, _, H, K = q.shape
+    BK = bufs["X"].shape[-1]
+    dummy = bufs["GAM"]
+    _c16_prep[(n * (BT // BC), H)](
+        q, k, g, beta, A_log if A_log is not None else dummy, dt_bias if dt_bias is not None else dummy,
+        bufs["X"], bufs["QG"], bufs["KG"], bufs["GAM"], bufs["TB"], bufs["AQ"],
+        tab.cu, tab.chunk_seq, tab.chunk_off, c0, bufs["X"].shape[1], tab.T, tab.NT, H, K, scale,
+        float(lower_bound) if lower_bound is not None else 0.0,
+        BT=BT, BC=BC, BK=BK, USE_GATE=flags["use_gate"], HAS_LB=lower_bound is not None, HAS_A=A_log is not None,
+        HAS_DT=dt_bias is not None, L2NORM=flags["l2norm"], BETA_SIGMOID=flags["beta_sigmoid"],
+        IS_VARLEN=tab.varlen, FAST_GATE=bool(C16Config.prep_fast_gate) and lower_bound is not None,
+        PREC=dot_precision(q.dtype), AB_BF16=q.dtype == torch.bfloat16,
+        num_warps=C16Config.prep_warps, num_stages=1,
+    )
+
+
+def launch_c16_state(bufs: dict, v, o, ht, tab: ChunkTable, c0: int, c1: int, H: int, K: int, V: int) -> None:
+    BK = bufs["X"].shape[-1]
+    BV = min(C16Config.state_bv, triton.next_power_of_2(max(V, 16)))
+    BV = max(BV, 16)
+    _c16_state[(triton.cdiv(V, BV), tab.N * H)](
+        bufs["X"], bufs["QG"], bufs["KG"], bufs["GAM"], bufs["TB"], bufs["AQ"], v, o, ht,
+        tab.cu, tab.chunk_off, c0, c1, bufs["X"].shape[1], tab.T, tab.NT, H, K, V,
+        BT=BT, BC=BC, BK=BK, BV=BV, IS_VARLEN=tab.varlen, PREC=dot_precision(bufs["X"].dtype),
+        STAGES=C16Config.state_stages, num_warps=C16Config.state_warps, num_stages=1,
+    )
