@@ -58,59 +58,73 @@ def checks() -> None:
         x = inputs(**kw)
         ro, rh = call(x, torch.float32, "c64", cus)
         for dt in (torch.bfloat16, torch.float16, torch.float32):
-            out = {f: call(x, dt, f, cus) for f in ("c64", "c16")}
+            out = {"c64": call(x, dt, "c64", cus)}
+            for mode in (0, 1, 2):
+                with overridden_attrs(c16.C16Config, mode=mode, prep_inv_pow=mode == 2):
+                    out[f"c16 mode {mode}"] = call(x, dt, "c16", cus)
             print(f"{name:40s} {str(dt):15s} " + "  ".join(
-                f"{f}: o {rel(o, ro):.2e} ht {rel(h, rh):.2e} nan {bool(o.isnan().any() or h.isnan().any())}"
+                f"{f}: o {rel(o, ro):.2e} ht {rel(h, rh):.2e}{' NaN' if bool(o.isnan().any() or h.isnan().any()) else ''}"
                 for f, (o, h) in out.items()), flush=True)
-    x = inputs(T=5000, H=2)
-    o1, _ = call(x, torch.bfloat16, "c16")
-    for n in ("q", "k", "v", "g", "beta"):
-        x[n][:, 2345:] = torch.randn_like(x[n][:, 2345:]) * 3
-    o2, _ = call(x, torch.bfloat16, "c16")
-    print("causality bitwise (prefix 2345 unchanged):", torch.equal(o1[:, :2345], o2[:, :2345]), flush=True)
+    for mode in (0, 1, 2):
+        with overridden_attrs(c16.C16Config, mode=mode, prep_inv_pow=mode == 2):
+            x = inputs(T=5000, H=2)
+            o1, _ = call(x, torch.bfloat16, "c16")
+            for n in ("q", "k", "v", "g", "beta"):
+                x[n][:, 2345:] = torch.randn_like(x[n][:, 2345:]) * 3
+            o2, _ = call(x, torch.bfloat16, "c16")
+        print(f"mode {mode}: causality bitwise (prefix 2345 unchanged):", torch.equal(o1[:, :2345], o2[:, :2345]),
+              flush=True)
 
 
-def kernel_times() -> list[str]:
+def kernel_times(states: list[tuple[int, int, int, int]]) -> list[str]:
     T, H = 1 << 17, 32
     x = inputs(T, H, seed=1)
     x = {n: (t.to(torch.bfloat16) if n in ("q", "k", "v", "g", "beta") else t) for n, t in x.items()}
     tab = make_chunk_table(1, T, None, x["q"].device)
     flags = dict(l2norm=True, use_gate=True, beta_sigmoid=True, exact_diag=False)
-    bufs = c16.alloc_c16_buffers(H, tab.NC, 128, torch.bfloat16, x["q"].device)
     o, ht = alloc_output_state(x["q"], x["v"], None, tab)
     rows = []
+    for mode in (0, 1, 2):
+        with overridden_attrs(c16.C16Config, mode=mode):
+            bufs = c16.alloc_c16_buffers(H, tab.NC, 128, 128, torch.bfloat16, x["q"].device)
 
-    def prep():
-        c16.launch_c16_prep(x["q"], x["k"], x["v"], x["g"], x["beta"], x["A"], x["dt"], bufs, tab, 0, tab.NC,
-                            128 ** -0.5, -5.0, flags)
+            def prep():
+                c16.launch_c16_prep(x["q"], x["k"], x["v"], x["g"], x["beta"], x["A"], x["dt"], bufs, tab, 0,
+                                    tab.NC, 128 ** -0.5, -5.0, flags)
 
-    for w in (2, 4):
-        with overridden_attrs(c16.C16Config, prep_warps=w):
-            t = triton.testing.do_bench(prep, warmup=5, rep=200, return_mode="median")
-        rows.append(f"| prep | warps {w} | {t:.3f} | {t * 8:.1f} |")
-        print(rows[-1], flush=True)
-    prep()
-    for bv, warps, stages in ((64, 4, 1), (64, 4, 2), (64, 4, 3), (128, 8, 2), (128, 8, 3), (32, 4, 2), (128, 4, 2)):
-        with overridden_attrs(c16.C16Config, state_bv=bv, state_warps=warps, state_stages=stages):
-            try:
-                t = triton.testing.do_bench(lambda: c16.launch_c16_state(bufs, x["v"], o, ht, tab, 0, tab.NC, H, 128,
-                                                                         128), warmup=3, rep=300,
-                                            return_mode="median")
-                rows.append(f"| state | BV {bv}, {warps} warps, {stages} stages | {t:.3f} | {t * 8:.1f} |")
-            except Exception as e:  # noqa: BLE001 (a variant that does not compile or launch)
-                rows.append(f"| state | BV {bv}, {warps} warps, {stages} stages | {type(e).__name__} | |")
-        print(rows[-1], flush=True)
+            for w, pw in ((2, False), (4, False), (2, True), (4, True)):
+                with overridden_attrs(c16.C16Config, prep_warps=w, prep_inv_pow=pw):
+                    t = triton.testing.do_bench(prep, warmup=5, rep=200, return_mode="median")
+                rows.append(f"| prep | mode {mode}, warps {w}, inverse {'pow' if pw else 'subst'} | {t:.3f} | "
+                            f"{t * 8:.1f} |")
+                print(rows[-1], flush=True)
+            prep()
+            for bv, warps, stages, maxnreg in states:
+                opts = dict(state_bv=bv, state_warps=warps, state_stages=stages)
+                with overridden_attrs(c16.C16Config, **opts):
+                    try:
+                        t = triton.testing.do_bench(lambda: c16.launch_c16_state(bufs, x["v"], o, ht, tab, 0, tab.NC,
+                                                                                 H, 128, 128),
+                                                    warmup=3, rep=300, return_mode="median")
+                        cell = f"{t:.3f} | {t * 8:.1f}"
+                    except Exception as e:  # noqa: BLE001 (a variant that does not compile or launch)
+                        cell = f"{type(e).__name__} |"
+                rows.append(f"| state | mode {mode}, BV {bv}, {warps} warps, {stages} stages | {cell} |")
+                print(rows[-1], flush=True)
+            del bufs
     return rows
 
 
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--skip-check", action="store_true")
+    ap.add_argument("--states", default="64,4,3,0 64,4,4,0 64,4,5,0 128,8,3,0 128,8,4,0",
+                    help="state-pass variants BV,warps,stages,maxnreg (0: none)")
     a = ap.parse_args()
     print(torch.cuda.get_device_name(), torch.__version__, triton.__version__)
     if not a.skip_check:
         checks()
-    rows = kernel_times()
+    rows = kernel_times([tuple(int(v) for v in st.split(',')) for st in a.states.split()])
     print("\n| kernel | variant | ms (T=128K, H=32) | ×8 (per 1M) |\n|---|---|---:|---:|")
     print("\n".join(rows))
     return 0

@@ -738,9 +738,9 @@ def kda_fwd(q, k, v, g, beta, A_log, dt_bias, scale: float, initial_state, tab: 
     if use_c16(lower_bound, flags):
         from k3.ops.kda.triton import chunk16 as c16  # noqa: PLC0415 (chunk16 imports this module's helpers)
 
-        ncw = max(1, min(tab.NC, FwdConfig.window_bytes // c16.c16_chunk_bytes(H, BK, dt)))
+        ncw = max(1, min(tab.NC, FwdConfig.window_bytes // c16.c16_chunk_bytes(H, BK, BVP, dt)))
         run_windows(tab.NC, ncw, q.device,
-                    lambda: c16.alloc_c16_buffers(H, ncw, BK, dt, q.device),
+                    lambda: c16.alloc_c16_buffers(H, ncw, BK, BVP, dt, q.device),
                     lambda b, c0, n: c16.launch_c16_prep(q, k, v, g, beta, A_log, dt_bias, b, tab, c0, n, scale,
                                                          lower_bound, flags),
                     lambda b, c0, n: c16.launch_c16_state(b, v, o, ht, tab, c0, c0 + n, H, K, V))
