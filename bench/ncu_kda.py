@@ -7,7 +7,7 @@ profiled range). Run it under ncu on a GPU machine whose runtime exposes the cou
         --export $OUT/kda --force-overwrite python bench/ncu_kda.py [--case prefill|train|decode]
 
 Cases: ``prefill`` — the inference forward (rows prep + state pass) at B=1, H=32, T=64K (one window; the kernels'
-per-chunk behaviour is the same as at 1M); ``train`` — forward + backward at B=8, T=4096, H=32; ``decode`` — one
+per-chunk behaviour is the same as at 1M); ``prefill16`` — the same call through the 16-token flow (``chunk16``); ``train`` — forward + backward at B=8, T=4096, H=32; ``decode`` — one
 step at B=64, H=32. Without ncu it just runs them (a smoke test of the driver).
 """
 
@@ -32,6 +32,15 @@ def prefill() -> None:
                   output_final_state=True, **K3_FLAGS)
 
 
+def prefill16() -> None:
+    """The 16-token inference flow (``chunk16``: ``_c16_prep``, ``_c16_state``) on the same call."""
+    from k3.ops.kda.triton.chunk_fwd import FwdConfig
+    from k3.utils import overridden_attrs
+
+    with overridden_attrs(FwdConfig, inference_flow="c16"):
+        prefill()
+
+
 def train() -> None:
     x = _inputs(8, 4096, 32, grad=True)
     o, ht = chunk_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], A_log=x["A_log"], dt_bias=x["dt_bias"],
@@ -49,10 +58,10 @@ def decode() -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--case", choices=("prefill", "train", "decode", "all"), default="all")
+    ap.add_argument("--case", choices=("prefill", "prefill16", "train", "decode", "all"), default="all")
     a = ap.parse_args()
-    cases = {"prefill": prefill, "train": train, "decode": decode}
-    run = list(cases) if a.case == "all" else [a.case]
+    cases = {"prefill": prefill, "prefill16": prefill16, "train": train, "decode": decode}
+    run = [c for c in cases if c != "prefill16"] if a.case == "all" else [a.case]
     for name in run:
         cases[name]()  # warm-up: compile and autotune outside the profiled range
     torch.cuda.synchronize()

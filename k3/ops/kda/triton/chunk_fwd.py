@@ -572,6 +572,9 @@ class FwdConfig:
     # inference with a bounded gate: "c16", the 16-token flow of ``chunk16`` (FlashKDA's data flow: a light
     # token-parallel prep, W and U formed by the state pass), or "c64", the prep + state pass of this module
     inference_flow = "c64"
+    # overlapped windows: the serial state pass on a high-priority stream, so that the block scheduler places its
+    # few programs before the next window's prep programs (whose grid is large) take every free slot
+    state_priority = False
 
 
 def alloc_chunk_buffers(H: int, NC: int, BK: int, BVP: int, dt: torch.dtype, device, store_t: bool) -> dict:
@@ -783,6 +786,10 @@ def run_windows(NC: int, ncw: int, device: torch.device, alloc: Callable[[], dic
     bufs = [alloc() for _ in range(2)]
     main, side = torch.cuda.current_stream(device), torch.cuda.Stream(device)
     side.wait_stream(main)  # the inputs, the buffers and o/ht were produced on the main stream
+    serial = main
+    if FwdConfig.state_priority:  # the state pass on a high-priority stream, joined back into main at the end
+        serial = torch.cuda.Stream(device, priority=-1)
+        serial.wait_stream(main)
     freed = [None, None]
     for w, c0 in enumerate(range(0, NC, ncw)):
         n, b = min(ncw, NC - c0), w % 2
@@ -792,7 +799,13 @@ def run_windows(NC: int, ncw: int, device: torch.device, alloc: Callable[[], dic
             prep(bufs[b], c0, n)
             ready = torch.cuda.Event()
             ready.record(side)
-        main.wait_event(ready)
-        state(bufs[b], c0, n)
+        serial.wait_event(ready)
+        with torch.cuda.stream(serial):
+            state(bufs[b], c0, n)
         freed[b] = torch.cuda.Event()
-        freed[b].record(main)
+        freed[b].record(serial)
+    if serial is not main:
+        main.wait_stream(serial)
+        for bb in bufs:  # the caching allocator must not hand these to main-stream work before serial is done
+            for t in bb.values():
+                t.record_stream(serial)
