@@ -805,7 +805,4 @@ def run_windows(NC: int, ncw: int, device: torch.device, alloc: Callable[[], dic
         freed[b] = torch.cuda.Event()
         freed[b].record(serial)
     if serial is not main:
-        main.wait_stream(serial)
-        for bb in bufs:  # the caching allocator must not hand these to main-stream work before serial is done
-            for t in bb.values():
-                t.record_stream(serial)
+        main.wait_stream(serial)  # later main-stream work (and reuse of the buffers' memory) follows both streams
