@@ -41,20 +41,20 @@ from k3.ops.kda.triton.chunk_prep import _op, _rows_beta, _rows_x
 
 
 @triton.jit
-def _inv16_pow(L):
+def _inv16_pow(L, PREC: tl.constexpr):
     """(I + L)^{-1} of a strictly lower-triangular 16×16 block as (I − L)(I + L²)(I + L⁴)(I + L⁸) (L^16 = 0): six
-    fp32 products instead of a 15-step substitution. The partial products can hold entries far above the result's
-    (binomials up to ~3.4e3 when L is all ones: β ≈ 1, repeated keys, no decay), so the products run in full fp32
-    ('ieee'), never tf32."""
+    products instead of a 15-step substitution. The partial products can hold entries far above the result's
+    (binomials up to ~3.4e3 when L is all ones: β ≈ 1, repeated keys, no decay), so they run at fp32 accuracy
+    ('tf32x3' or 'ieee'), never plain tf32 (FlashKDA's fp16 version returned NaN there)."""
     N = -L
-    N2 = tl.dot(N, N, input_precision="ieee")
-    N4 = tl.dot(N2, N2, input_precision="ieee")
-    N8 = tl.dot(N4, N4, input_precision="ieee")
+    N2 = tl.dot(N, N, input_precision=PREC)
+    N4 = tl.dot(N2, N2, input_precision=PREC)
+    N8 = tl.dot(N4, N4, input_precision=PREC)
     o_s = tl.arange(0, L.shape[0])
     D = tl.where(o_s[:, None] == o_s[None, :], 1.0, 0.0) + N
-    D = D + tl.dot(D, N2, input_precision="ieee")
-    D = D + tl.dot(D, N4, input_precision="ieee")
-    return D + tl.dot(D, N8, input_precision="ieee")
+    D = D + tl.dot(D, N2, input_precision=PREC)
+    D = D + tl.dot(D, N4, input_precision=PREC)
+    return D + tl.dot(D, N8, input_precision=PREC)
 
 
 @triton.jit(do_not_specialize=['c0', 'NCw', 'T', 'NT', 'H'])
@@ -65,6 +65,7 @@ def _c16_prep(
     USE_GATE: tl.constexpr, HAS_LB: tl.constexpr, HAS_A: tl.constexpr, HAS_DT: tl.constexpr,
     L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr, IS_VARLEN: tl.constexpr, FAST_GATE: tl.constexpr,
     PREC: tl.constexpr, AB_BF16: tl.constexpr, MODE: tl.constexpr, INV_POW: tl.constexpr,
+    INV_PREC: tl.constexpr = "tf32x3",
 ):
     # MODE (``C16Config.mode``) — what the state pass is handed per 16-token block:
     #   0: X = k̂ e^G, Tβ, qg, A_qk, kg (the state pass forms W = Tβ X and U = Tβ v);
@@ -97,7 +98,7 @@ def _c16_prep(
     aq = tl.where(o_s[:, None] >= o_s[None, :], aq, 0.) * scale
     lk = tl.where(o_s[:, None] > o_s[None, :], ak * b_b[:, None], 0.)
     if INV_POW:
-        tm = _inv16_pow(lk)
+        tm = _inv16_pow(lk, INV_PREC)
     else:
         tm = _inv16(lk)
     tb = tm * b_b[None, :]
@@ -213,7 +214,8 @@ class C16Config:
     mode = 0  # what the prep hands the state pass: see ``_c16_prep`` (0, 1 or 2)
     prep_warps = 2
     prep_fast_gate = True  # bounded gate σ by rsqrt (``_rows_gate`` FAST): a few ulp off the plain σ
-    prep_inv_pow = False  # the 16×16 inverse by six fp32 products instead of forward substitution
+    prep_inv_pow = False  # the 16×16 inverse by six fp32-accurate products instead of forward substitution
+    prep_inv_prec = "tf32x3"  # their precision: "tf32x3" (tensor cores) or "ieee" (FMA)
     state_bv = 64
     state_warps = 4
     state_stages = 3
@@ -272,6 +274,7 @@ def launch_c16_prep(q, k, v, g, beta, A_log, dt_bias, bufs: dict, tab: ChunkTabl
         BETA_SIGMOID=flags["beta_sigmoid"], IS_VARLEN=tab.varlen,
         FAST_GATE=bool(C16Config.prep_fast_gate) and lower_bound is not None, PREC=dot_precision(q.dtype),
         AB_BF16=q.dtype == torch.bfloat16, MODE=_mode(), INV_POW=bool(C16Config.prep_inv_pow),
+        INV_PREC=C16Config.prep_inv_prec,
         num_warps=C16Config.prep_warps, num_stages=1,
     )
 
