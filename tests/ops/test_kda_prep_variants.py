@@ -30,9 +30,11 @@ gpu = pytest.mark.skipif(not CUDA, reason="needs CUDA")
 
 @pytest.fixture(autouse=True)
 def rows_mode(monkeypatch, nan_empty):
-    """Every test runs the ``rows`` prep through the Triton backend, with NaN-poisoned torch.empty/empty_like."""
+    """Every test runs the ``rows`` prep through the Triton backend, with NaN-poisoned torch.empty/empty_like (and
+    inference through the 64-token flow, whose prep this is; the 16-token flow has tests of its own)."""
     monkeypatch.setenv("K3_KDA_BACKEND", "triton")
     monkeypatch.setattr(cf.FwdConfig, "prep_mode", "rows")
+    monkeypatch.setattr(cf.FwdConfig, "inference_flow", "c64")
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:

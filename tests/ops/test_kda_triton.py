@@ -199,8 +199,11 @@ def test_chunk_long_tiny():
 
 
 @cpu_only
-def test_inference_windows_match_training_path(monkeypatch):
-    """No-grad prefill runs in windows of chunks (bounded memory): same result as the one-window path."""
+@pytest.mark.parametrize("flow", ["c16", "c64"])
+def test_inference_windows_match_training_path(monkeypatch, flow):
+    """No-grad prefill runs in windows of chunks (bounded memory), by either inference flow: the same result as the
+    training path's one window."""
+    monkeypatch.setattr(FwdConfig, "inference_flow", flow)
     x = make_inputs(1, 300, 2, 16, 16, N=3)
     cu = [0, 130, 131, 300]
     o_ref, h_ref, *_ = run_chunk(x, torch.float32, cu=cu, grad=False)
@@ -279,7 +282,9 @@ def _causality(T, H, K, V, dtype, ts):
 
 
 @cpu_only
-def test_causality_bitwise():
+@pytest.mark.parametrize("flow", ["c16", "c64"])
+def test_causality_bitwise(monkeypatch, flow):
+    monkeypatch.setattr(FwdConfig, "inference_flow", flow)
     _causality(130, 1, 16, 16, torch.float32, [1, 17, 37, 64, 70, 127])
 
 
@@ -436,12 +441,17 @@ def test_gpu_fp16_gates_at_bound():
 
 @pytest.mark.gpu_quick
 @gpu
-def test_gpu_overlapped_windows_bitwise(monkeypatch):
-    """Prep on a side stream one window ahead of the state pass: the same kernels in the same order per window,
-    so the result is bitwise that of the serial windows (several windows, varlen, a sequence across windows)."""
+@pytest.mark.parametrize("flow,priority", [("c16", True), ("c16", False), ("c64", True), ("c64", False)])
+def test_gpu_overlapped_windows_bitwise(monkeypatch, flow, priority):
+    """Prep on a side stream one window ahead of the state pass (itself on a high-priority stream or on the
+    caller's): the same kernels in the same order per window, so the result is bitwise that of the serial windows
+    (several windows, varlen, a sequence across windows)."""
+    monkeypatch.setattr(FwdConfig, "inference_flow", flow)
+    monkeypatch.setattr(FwdConfig, "state_priority", priority)
     x = make_inputs(1, 5000, 2, 128, 128, N=3)
     cu = [0, 1500, 1501, 5000]
     monkeypatch.setattr(FwdConfig, "window_bytes", 1 << 20)
+    monkeypatch.setattr(FwdConfig, "overlap_windows", False)
     o_ref, h_ref, *_ = run_chunk(x, torch.bfloat16, cu=cu, grad=False)
     monkeypatch.setattr(FwdConfig, "overlap_windows", True)
     o, h, *_ = run_chunk(x, torch.bfloat16, cu=cu, grad=False)
@@ -464,7 +474,9 @@ def test_gpu_fp32_tight():
 
 
 @gpu
-def test_gpu_causality_bitwise():
+@pytest.mark.parametrize("flow", ["c16", "c64"])
+def test_gpu_causality_bitwise(monkeypatch, flow):
+    monkeypatch.setattr(FwdConfig, "inference_flow", flow)
     _causality(1000, 2, 128, 128, torch.bfloat16, [1, 17, 100, 511, 999])
 
 

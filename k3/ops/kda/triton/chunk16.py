@@ -36,7 +36,7 @@ from k3.ops.kda.triton._common import (
     dot_precision,
     next_pow2,
 )
-from k3.ops.kda.triton.chunk_fwd import _inv16
+from k3.ops.kda.triton.chunk_fwd import _inv16, state_stages
 from k3.ops.kda.triton.chunk_prep import _op, _rows_beta, _rows_x
 
 
@@ -65,7 +65,7 @@ def _c16_prep(
     USE_GATE: tl.constexpr, HAS_LB: tl.constexpr, HAS_A: tl.constexpr, HAS_DT: tl.constexpr,
     L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr, IS_VARLEN: tl.constexpr, FAST_GATE: tl.constexpr,
     PREC: tl.constexpr, AB_BF16: tl.constexpr, MODE: tl.constexpr, INV_POW: tl.constexpr,
-    INV_PREC: tl.constexpr = "tf32x3",
+    INV_PREC: tl.constexpr = "tf32x3", HEAD_MAJOR: tl.constexpr = False,
 ):
     # MODE (``C16Config.mode``) — what the state pass is handed per 16-token block:
     #   0: X = k̂ e^G, Tβ, qg, A_qk, kg (the state pass forms W = Tβ X and U = Tβ v);
@@ -73,8 +73,12 @@ def _c16_prep(
     #   2: [−W; qw] stacked (qw = qg − A_qk W), [U; A_qk U] stacked, kg — the output folds into
     #      Oᵀ = Sᵀ qwᵀ + (A_qk U)ᵀ, so the state pass runs one product Sᵀ [−W; qw]ᵀ (accumulating onto [U; A_qk U]ᵀ)
     #      and the kg update per step
-    i_b = tl.program_id(0)
-    i_h = tl.program_id(1)
+    if HEAD_MAJOR:  # adjacent programs read adjacent heads of the same tokens (contiguous rows of q, k, g, v)
+        i_h = tl.program_id(0)
+        i_b = tl.program_id(1)
+    else:
+        i_b = tl.program_id(0)
+        i_h = tl.program_id(1)
     NB: tl.constexpr = BT // BC
     i_c = i_b // NB
     blk = i_b % NB
@@ -91,7 +95,8 @@ def _c16_prep(
     qe = b_q * e
     # A[i, j] = Σ_d a_id k_jd e^{G_id − G_jd} = (a_i e^{G_i}) · (k_j e^{−G_j}): the left factor ≤ |a|, the right
     # ≤ e^{5·16} under the bound (finite in fp32 and bf16; fp16 inputs keep fp32 operands here)
-    kd = _op(tl.trans(b_k * tl.exp2(-G)), AB_BF16)
+    en = tl.exp2(-G)
+    kd = _op(tl.trans(b_k * en), AB_BF16)
     o_s = tl.arange(0, BC)
     aq = tl.dot(_op(qe, AB_BF16), kd, input_precision=PREC)
     ak = tl.dot(_op(x, AB_BF16), kd, input_precision=PREC)
@@ -107,8 +112,9 @@ def _c16_prep(
     DT = X.dtype.element_ty
     o_k = tl.arange(0, BK)
     p = row[:, None] * BK + o_k[None, :]
-    tl.store(KG + p, (b_k * tl.exp2(gc[None, :] - G)).to(DT))
-    tl.store(GAM + (base * NB + blk) * BK + o_k, tl.exp2(gc))
+    gam = tl.exp2(gc)
+    tl.store(KG + p, (b_k * (gam[None, :] * en)).to(DT))  # e^{G_C − G} ≤ 1 as e^{G_C} · e^{−G}: one MUFU op less
+    tl.store(GAM + (base * NB + blk) * BK + o_k, gam)
     if MODE == 0:
         tl.store(TB + row[:, None] * BC + o_s[None, :], tb.to(DT))
         tl.store(AQ + row[:, None] * BC + o_s[None, :], aq.to(DT))
@@ -216,13 +222,17 @@ def _c16_state(
 class C16Config:
     """Launch knobs of the 16-token inference flow (class attributes, for benchmarks to switch)."""
 
-    mode = 0  # what the prep hands the state pass: see ``_c16_prep`` (0, 1 or 2)
+    # what the prep hands the state pass (see ``_c16_prep``). H200 (bench/c16_quick.py, B=1 H=32, per 1M tokens):
+    # prep 31.4 / 36.4 / 40.1 ms of the whole GPU, state pass 41.7 / 34.7 / 27.6 ms on its 64 programs for modes
+    # 0 / 1 / 2; the prefill (knob_ab) 57.3 / 49.9 / 51.8 ms
+    mode = 1
     prep_warps = 2
     prep_fast_gate = True  # bounded gate σ by rsqrt (``_rows_gate`` FAST): a few ulp off the plain σ
     # the 16×16 inverse by six fp32-accurate products instead of forward substitution; H200 (bench/c16_quick.py),
     # prep per 1M tokens at H = 32: 33.0 ms by substitution, 31.4 by products at 'ieee', 34.3 at 'tf32x3'
     prep_inv_pow = True
     prep_inv_prec = "ieee"  # the products' precision: "ieee" (FMA) or "tf32x3" (tensor cores)
+    prep_head_major = False  # prep grid (heads, blocks) instead of (blocks, heads)
     state_bv = 64
     state_warps = 4
     state_stages = 4
@@ -271,7 +281,8 @@ def launch_c16_prep(q, k, v, g, beta, A_log, dt_bias, bufs: dict, tab: ChunkTabl
     V = v.shape[-1]
     BK = bufs["X"].shape[-1]
     dummy = bufs["GAM"]
-    _c16_prep[(n * (BT // BC), H)](
+    grid = (H, n * (BT // BC)) if C16Config.prep_head_major else (n * (BT // BC), H)
+    _c16_prep[grid](
         q, k, v, g, beta, A_log if A_log is not None else dummy, dt_bias if dt_bias is not None else dummy,
         bufs["X"], _or(bufs, "QG"), bufs["KG"], bufs["GAM"], _or(bufs, "TB"), _or(bufs, "AQ"), _or(bufs, "U"),
         tab.cu, tab.chunk_seq, tab.chunk_off, c0, bufs["X"].shape[1], tab.T, tab.NT, H, K, V, scale,
@@ -281,7 +292,7 @@ def launch_c16_prep(q, k, v, g, beta, A_log, dt_bias, bufs: dict, tab: ChunkTabl
         BETA_SIGMOID=flags["beta_sigmoid"], IS_VARLEN=tab.varlen,
         FAST_GATE=bool(C16Config.prep_fast_gate) and lower_bound is not None, PREC=dot_precision(q.dtype),
         AB_BF16=q.dtype == torch.bfloat16, MODE=_mode(), INV_POW=bool(C16Config.prep_inv_pow),
-        INV_PREC=C16Config.prep_inv_prec,
+        INV_PREC=C16Config.prep_inv_prec, HEAD_MAJOR=bool(C16Config.prep_head_major),
         num_warps=C16Config.prep_warps, num_stages=1,
     )
 
@@ -294,5 +305,6 @@ def launch_c16_state(bufs: dict, v, o, ht, tab: ChunkTable, c0: int, c1: int, H:
         bufs["X"], _or(bufs, "QG"), bufs["KG"], bufs["GAM"], _or(bufs, "TB"), _or(bufs, "AQ"), _or(bufs, "U"),
         v, o, ht, tab.cu, tab.chunk_off, c0, c1, bufs["X"].shape[1], tab.T, tab.NT, H, K, V,
         BT=BT, BC=BC, BK=BK, BV=BV, BVP=BVP, IS_VARLEN=tab.varlen, PREC=dot_precision(bufs["X"].dtype),
-        STAGES=C16Config.state_stages, MODE=_mode(), num_warps=C16Config.state_warps, num_stages=1,
+        STAGES=state_stages(C16Config.state_stages, bufs["X"].dtype), MODE=_mode(), num_warps=C16Config.state_warps,
+        num_stages=1,
     )

@@ -570,11 +570,13 @@ class FwdConfig:
     # Sweep run 4b (one H200): 1M-token prefill H=32 144.1 → 131.2 ms, H=8 57.0 → 47.9 ms (unsplit)
     overlap_windows = True
     # inference with a bounded gate: "c16", the 16-token flow of ``chunk16`` (FlashKDA's data flow: a light
-    # token-parallel prep, W and U formed by the state pass), or "c64", the prep + state pass of this module
-    inference_flow = "c64"
+    # token-parallel prep, a state pass whose products all have the V-block as M), or "c64", the prep + state pass
+    # of this module. H200 (bench/knob_ab.py, session 12), prefill B=1 H=32 T=1M: c64 62.5 ms, c16 49.9 (mode 1)
+    inference_flow = "c16"
     # overlapped windows: the serial state pass on a high-priority stream, so that the block scheduler places its
-    # few programs before the next window's prep programs (whose grid is large) take every free slot
-    state_priority = False
+    # few programs before the next window's prep programs (whose grid is large) take every free slot. H200: the
+    # c16 prefill above 73.4 → 57.3 ms (mode 0); c64 62.1 vs 62.5 (no change)
+    state_priority = True
 
 
 def alloc_chunk_buffers(H: int, NC: int, BK: int, BVP: int, dt: torch.dtype, device, store_t: bool) -> dict:
@@ -741,7 +743,8 @@ def kda_fwd(q, k, v, g, beta, A_log, dt_bias, scale: float, initial_state, tab: 
     if use_c16(lower_bound, flags):
         from k3.ops.kda.triton import chunk16 as c16  # noqa: PLC0415 (chunk16 imports this module's helpers)
 
-        ncw = max(1, min(tab.NC, FwdConfig.window_bytes // c16.c16_chunk_bytes(H, BK, BVP, dt)))
+        # ≤ 16383 chunks: the head-major prep grid puts 4 programs per chunk on grid axis 1 (at most 65535)
+        ncw = max(1, min(tab.NC, 16383, FwdConfig.window_bytes // c16.c16_chunk_bytes(H, BK, BVP, dt)))
         run_windows(tab.NC, ncw, q.device,
                     lambda: c16.alloc_c16_buffers(H, ncw, BK, BVP, dt, q.device),
                     lambda b, c0, n: c16.launch_c16_prep(q, k, v, g, beta, A_log, dt_bias, b, tab, c0, n, scale,

@@ -1,0 +1,258 @@
+"""The 16-token inference flow of the Triton chunked KDA (``k3/ops/kda/triton/chunk16.py``,
+``FwdConfig.inference_flow = "c16"``) against the fp64 token recurrence, through the public ``k3.ops.kda.chunk_kda``.
+
+Every mode of ``C16Config`` (what the prep hands the state pass) and both 16×16 inverses. CPU: the kernels in
+Triton's interpreter (fp32 / fp16), uninitialised memory poisoned with NaN. GPU (skipped without CUDA): bf16 at
+K = V = 128, odd lengths, varlen, extreme gates and β, bitwise causality, several windows.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+pytest.importorskip("triton")
+
+from k3.ops.kda import chunk_kda, naive_recurrent_kda  # noqa: E402
+from k3.ops.kda.triton import chunk16 as c16  # noqa: E402
+from k3.ops.kda.triton import chunk_fwd as cf  # noqa: E402
+
+CUDA = torch.cuda.is_available()
+DEV = "cuda" if CUDA else "cpu"
+cpu_only = pytest.mark.skipif(CUDA, reason="interpreter-sized cases (CPU)")
+gpu = pytest.mark.skipif(not CUDA, reason="needs CUDA")
+VARIANTS = {"m0": dict(mode=0, prep_inv_pow=False), "m1": dict(mode=1), "m2": dict(mode=2),
+            "m1_subst": dict(mode=1, prep_inv_pow=False), "m2_head_major": dict(mode=2, prep_head_major=True)}
+
+
+@pytest.fixture(autouse=True)
+def c16_flow(monkeypatch, nan_empty):
+    """Every test runs the 16-token flow through the Triton backend, with NaN-poisoned torch.empty/empty_like."""
+    monkeypatch.setenv("K3_KDA_BACKEND", "triton")
+    monkeypatch.setenv("K3_KDA_SPLITS", "1")
+    monkeypatch.setattr(cf.FwdConfig, "inference_flow", "c16")
+
+
+def use(monkeypatch, variant: str) -> None:
+    for name, val in VARIANTS[variant].items():
+        monkeypatch.setattr(c16.C16Config, name, val)
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.detach().double().cpu(), b.detach().double().cpu()
+    return float((a - b).norm() / b.norm().clamp_min(1e-300))
+
+
+def make_inputs(T: int, H: int, K: int, V: int, N: int = 1, seed: int = 0, g_const: float | None = None,
+                beta_logit: float | None = None, repeat_keys: bool = False) -> dict:
+    """fp64 inputs for B = 1 (or a packed batch of N sequences): raw gate pre-activations, β logits."""
+    gen = torch.Generator().manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64)  # noqa: E731
+    x = dict(q=r(1, T, H, K), k=r(1, T, H, K), v=r(1, T, H, V), g=r(1, T, H, K), beta=r(1, T, H),
+             A=r(H) * 0.5, dt=r(H * K) * 0.5, s0=r(N, H, K, V))
+    if repeat_keys:
+        x["k"] = x["k"][:, :1].expand_as(x["k"]).clone()
+    if g_const is not None:
+        x["g"] = torch.full_like(x["g"], g_const)
+    if beta_logit is not None:
+        x["beta"] = torch.full_like(x["beta"], beta_logit)
+    return x
+
+
+def reference(x: dict, cu: list[int] | None, h0: bool = True):
+    """fp64 recurrence on the activated inputs (bounded gate, lower bound −5), per sequence → (o, final state)."""
+    H, K = x["q"].shape[-2:]
+    q = x["q"] / (x["q"].pow(2).sum(-1, keepdim=True) + 1e-6).sqrt()
+    k = x["k"] / (x["k"].pow(2).sum(-1, keepdim=True) + 1e-6).sqrt()
+    g = -5.0 * torch.sigmoid((x["g"] + x["dt"].view(H, K)) * x["A"].exp()[:, None])
+    beta = x["beta"].sigmoid()
+    cu = cu or [0, q.shape[1]]
+    outs, states = [], []
+    for i in range(len(cu) - 1):
+        sl = slice(cu[i], cu[i + 1])
+        o, s = naive_recurrent_kda(q[:, sl], k[:, sl], x["v"][:, sl], g[:, sl], beta[:, sl], K ** -0.5,
+                                   x["s0"][i:i + 1] if h0 else None, True)
+        outs.append(o)
+        states.append(s)
+    return torch.cat(outs, 1), torch.cat(states, 0)
+
+
+def run(x: dict, dtype: torch.dtype, cu: list[int] | None, h0: bool = True):
+    """Inference chunk_kda (no grad) on a copy of x in ``dtype`` (states, A_log, dt_bias fp32)."""
+    dx = {n: t.to(DEV, torch.float32 if n in ("A", "dt", "s0") else dtype) for n, t in x.items()}
+    K = x["q"].shape[-1]
+    with torch.no_grad():
+        return chunk_kda(dx["q"], dx["k"], dx["v"], dx["g"], dx["beta"], scale=K ** -0.5,
+                         initial_state=dx["s0"] if h0 else None, output_final_state=True,
+                         use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
+                         safe_gate=True, lower_bound=-5.0,
+                         cu_seqlens=torch.tensor(cu, device=DEV) if cu is not None else None,
+                         A_log=dx["A"], dt_bias=dx["dt"])
+
+
+def check(x: dict, tol: float, dtype=torch.float32, cu: list[int] | None = None, h0: bool = True) -> None:
+    o, ht = run(x, dtype, cu, h0)
+    ro, rh = reference(x, cu, h0)
+    errs = {"o": rel(o, ro), "ht": rel(ht, rh)}
+    bad = {n: e for n, e in errs.items() if not e <= tol}  # NaN fails too
+    assert not bad, f"relative RMS error above {tol}: {bad} (all: {errs})"
+
+
+def causality(T: int, H: int, K: int, V: int, dtype: torch.dtype, ts: list[int]) -> None:
+    """Changing every input at positions ≥ t leaves the outputs before t bitwise unchanged."""
+    x = make_inputs(T, H, K, V, seed=7)
+    o, _ = run(x, dtype, None)
+    for t in ts:
+        y = {n: v.clone() for n, v in x.items()}
+        gen = torch.Generator().manual_seed(t)
+        for n in ("q", "k", "v", "g", "beta"):
+            y[n][:, t:] = torch.randn(y[n][:, t:].shape, generator=gen, dtype=torch.float64) * 3
+        o2, _ = run(y, dtype, None)
+        assert torch.equal(o2[:, :t], o[:, :t]), f"outputs before t={t} changed"
+        assert not torch.equal(o2[:, t:], o[:, t:])
+
+
+# ---------------------------------------------------------------------------------------------- CPU (interpreter)
+
+
+@cpu_only
+@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("T,H,K,V,h0", [(1, 1, 16, 16, True), (63, 2, 16, 32, False), (100, 2, 24, 40, True)])
+def test_c16_matches_recurrence(monkeypatch, variant, T, H, K, V, h0):
+    """Odd lengths, no initial state, head dims that are not powers of two (padded tiles, masked columns)."""
+    use(monkeypatch, variant)
+    check(make_inputs(T, H, K, V, seed=T), 1e-4, h0=h0)
+
+
+@cpu_only
+@pytest.mark.parametrize("variant", ["m0", "m1", "m2"])
+@pytest.mark.parametrize("kw", [dict(g_const=30.0), dict(beta_logit=-12.0),
+                                dict(beta_logit=12.0, repeat_keys=True),
+                                dict(beta_logit=12.0, repeat_keys=True, g_const=-30.0)],
+                         ids=["gates_at_bound", "beta_0", "beta_1_repeated_keys", "no_decay_beta_1_repeated"])
+def test_c16_extremes(monkeypatch, variant, kw):
+    """Every gate at the bound; β ≈ 6e-6; β ≈ 1 with identical keys, also with no decay (g → 0: the 16×16 block
+    is all ones below the diagonal, where the product form of the inverse has its largest partial terms)."""
+    use(monkeypatch, variant)
+    check(make_inputs(100, 1, 16, 16, **kw), 1e-4)
+
+
+@cpu_only
+@pytest.mark.parametrize("variant", ["m0", "m1", "m2"])
+def test_c16_varlen_with_empty_and_tiny_sequences(monkeypatch, variant):
+    use(monkeypatch, variant)
+    cu = [0, 1, 64, 64, 130, 200]
+    check(make_inputs(200, 2, 16, 16, N=5), 1e-4, cu=cu)
+
+
+@cpu_only
+def test_c16_fp16(monkeypatch):
+    use(monkeypatch, "m1")
+    check(make_inputs(100, 1, 32, 32), 2e-3, dtype=torch.float16)
+
+
+@cpu_only
+@pytest.mark.parametrize("variant", ["m1", "m2"])
+def test_c16_windows_bitwise(monkeypatch, variant):
+    """One chunk per window (the state carried between windows, a sequence across windows): bitwise the result of
+    one window — the same kernels on the same blocks."""
+    use(monkeypatch, variant)
+    x = make_inputs(300, 2, 16, 16, N=3)
+    cu = [0, 130, 131, 300]
+    o_ref, h_ref = run(x, torch.float32, cu)
+    monkeypatch.setattr(cf.FwdConfig, "window_bytes", 1)
+    o, h = run(x, torch.float32, cu)
+    assert torch.equal(o, o_ref) and torch.equal(h, h_ref)
+
+
+@cpu_only
+@pytest.mark.parametrize("variant", ["m0", "m1", "m2"])
+def test_c16_causality_bitwise(monkeypatch, variant):
+    use(monkeypatch, variant)
+    causality(70, 1, 16, 16, torch.float32, [1, 17, 37, 64])
+
+
+@cpu_only
+def test_c16_dispatch(monkeypatch):
+    """The 16-token flow runs for bounded gates without grad only; other calls keep the 64-token kernels; bad knob
+    values name the knob."""
+    flags = dict(l2norm=True, use_gate=True, beta_sigmoid=True)
+    assert cf.use_c16(-5.0, dict(flags, exact_diag=False))
+    assert not cf.use_c16(None, dict(flags, exact_diag=True))
+    monkeypatch.setattr(cf.FwdConfig, "inference_flow", "c64")
+    assert not cf.use_c16(-5.0, dict(flags, exact_diag=False))
+    monkeypatch.setattr(cf.FwdConfig, "inference_flow", "fast")
+    with pytest.raises(ValueError, match="FwdConfig.inference_flow"):
+        cf.use_c16(-5.0, dict(flags, exact_diag=False))
+    monkeypatch.setattr(c16.C16Config, "mode", 3)
+    with pytest.raises(ValueError, match="C16Config.mode"):
+        c16.alloc_c16_buffers(1, 1, 16, 16, torch.float32, "cpu")
+
+
+@cpu_only
+def test_c16_not_used_for_unbounded_gates_or_training(monkeypatch):
+    """A spy on the prep launch: an unbounded gate and a call that needs gradients never reach the 16-token flow."""
+    calls = []
+    real = c16.launch_c16_prep
+    monkeypatch.setattr(c16, "launch_c16_prep", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    x = make_inputs(40, 1, 16, 16)
+    run(x, torch.float32, None)
+    assert calls, "the bounded-gate inference call did not take the 16-token flow"
+    calls.clear()
+    dx = {n: t.float() for n, t in x.items()}
+    with torch.no_grad():
+        chunk_kda(dx["q"], dx["k"], dx["v"], dx["g"], dx["beta"], use_gate_in_kernel=True, A_log=dx["A"],
+                  dt_bias=dx["dt"], use_qk_l2norm_in_kernel=True)  # unbounded softplus gate
+    q = dx["q"].clone().requires_grad_()
+    chunk_kda(q, dx["k"], dx["v"], dx["g"], dx["beta"], use_gate_in_kernel=True, A_log=dx["A"], dt_bias=dx["dt"],
+              use_qk_l2norm_in_kernel=True, safe_gate=True, lower_bound=-5.0)[0].sum().backward()
+    assert not calls
+
+
+# ---------------------------------------------------------------------------------------------- GPU
+
+
+@gpu
+@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("T,cu", [(1, None), (63, None), (1000, None), (1000, [0, 1, 100, 100, 613, 1000])])
+def test_gpu_c16_bf16_matches_recurrence(monkeypatch, variant, T, cu):
+    use(monkeypatch, variant)
+    check(make_inputs(T, 4, 128, 128, N=len(cu) - 1 if cu else 1, seed=T), 2e-2, dtype=torch.bfloat16, cu=cu)
+
+
+@gpu
+@pytest.mark.parametrize("variant", ["m0", "m1", "m2"])
+@pytest.mark.parametrize("kw", [dict(g_const=30.0), dict(beta_logit=-12.0),
+                                dict(beta_logit=12.0, repeat_keys=True),
+                                dict(beta_logit=12.0, repeat_keys=True, g_const=-30.0)],
+                         ids=["gates_at_bound", "beta_0", "beta_1_repeated_keys", "no_decay_beta_1_repeated"])
+def test_gpu_c16_extremes(monkeypatch, variant, kw):
+    use(monkeypatch, variant)
+    check(make_inputs(300, 2, 128, 128, **kw), 2e-2, dtype=torch.bfloat16)
+
+
+@gpu
+@pytest.mark.parametrize("dtype,tol", [(torch.float16, 2e-2), (torch.float32, 1e-4)])
+def test_gpu_c16_other_dtypes(monkeypatch, dtype, tol):
+    use(monkeypatch, "m1")
+    check(make_inputs(300, 2, 128, 128), tol, dtype=dtype)
+
+
+@gpu
+@pytest.mark.parametrize("variant", ["m1", "m2"])
+def test_gpu_c16_windows_and_causality(monkeypatch, variant):
+    """Several windows with the prep overlapped on its own stream (and the state pass on a high-priority one):
+    bitwise the single-window result; then bitwise causality."""
+    use(monkeypatch, variant)
+    x = make_inputs(5000, 2, 128, 128, N=3)
+    cu = [0, 1500, 1501, 5000]
+    o_ref, h_ref = run(x, torch.bfloat16, cu)
+    monkeypatch.setattr(cf.FwdConfig, "window_bytes", 1 << 20)
+    o, h = run(x, torch.bfloat16, cu)
+    assert torch.equal(o, o_ref) and torch.equal(h, h_ref)
+    causality(1000, 2, 128, 128, torch.bfloat16, [1, 17, 100, 511, 999])
