@@ -182,13 +182,18 @@ def test_c16_dispatch(monkeypatch):
     """The 16-token flow runs for bounded gates without grad only; other calls keep the 64-token kernels; bad knob
     values name the knob."""
     flags = dict(l2norm=True, use_gate=True, beta_sigmoid=True)
-    assert cf.use_c16(-5.0, dict(flags, exact_diag=False))
-    assert not cf.use_c16(None, dict(flags, exact_diag=True))
+    bounded, unbounded = dict(flags, exact_diag=False), dict(flags, exact_diag=True)
+    assert cf.use_c16(-5.0, bounded, 16)
+    assert not cf.use_c16(None, unbounded, 1 << 20)
+    monkeypatch.setattr(cf.FwdConfig, "inference_flow", "auto")  # by the state pass's program count
+    cols = c16.C16Config.min_programs * c16.C16Config.state_bv
+    assert cf.use_c16(-5.0, bounded, cols) and not cf.use_c16(-5.0, bounded, cols - 1)
+    assert not cf.use_c16(None, unbounded, cols)
     monkeypatch.setattr(cf.FwdConfig, "inference_flow", "c64")
-    assert not cf.use_c16(-5.0, dict(flags, exact_diag=False))
+    assert not cf.use_c16(-5.0, bounded, cols)
     monkeypatch.setattr(cf.FwdConfig, "inference_flow", "fast")
     with pytest.raises(ValueError, match="FwdConfig.inference_flow"):
-        cf.use_c16(-5.0, dict(flags, exact_diag=False))
+        cf.use_c16(-5.0, bounded, cols)
     monkeypatch.setattr(c16.C16Config, "mode", 3)
     with pytest.raises(ValueError, match="C16Config.mode"):
         c16.alloc_c16_buffers(1, 1, 16, 16, torch.float32, "cpu")

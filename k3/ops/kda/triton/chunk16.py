@@ -234,6 +234,8 @@ class C16Config:
     prep_inv_prec = "ieee"  # the products' precision: "ieee" (FMA) or "tf32x3" (tensor cores)
     prep_head_major = False  # prep grid (heads, blocks) instead of (blocks, heads)
     state_bv = 64
+    # ``FwdConfig.inference_flow = "auto"`` takes this flow from this many state-pass programs (B·H·V / state_bv)
+    min_programs = 64
     state_warps = 4
     state_stages = 4
 

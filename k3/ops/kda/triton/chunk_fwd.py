@@ -570,9 +570,12 @@ class FwdConfig:
     # Sweep run 4b (one H200): 1M-token prefill H=32 144.1 → 131.2 ms, H=8 57.0 → 47.9 ms (unsplit)
     overlap_windows = True
     # inference with a bounded gate: "c16", the 16-token flow of ``chunk16`` (FlashKDA's data flow: a light
-    # token-parallel prep, a state pass whose products all have the V-block as M), or "c64", the prep + state pass
-    # of this module. H200 (bench/knob_ab.py, session 12), prefill B=1 H=32 T=1M: c64 62.5 ms, c16 49.9 (mode 1)
-    inference_flow = "c16"
+    # token-parallel prep, a state pass whose products all have the V-block as M), "c64", the prep + state pass of
+    # this module, or "auto": c16 when its state pass has ``C16Config.min_programs`` programs or more. H200
+    # (bench/knob_ab.py, session 12), prefill B=1 T=1M: H = 32 (64 programs) c64 62.4 ms, c16 49.4; H = 8 unsplit
+    # (16 programs) c64 29.9, c16 52.1 — its state pass costs more per token (2.55 vs 1.55 µs per 64 tokens and
+    # program), which only the cheaper prep of many programs pays back
+    inference_flow = "auto"
     # overlapped windows: the serial state pass on a high-priority stream, so that the block scheduler places its
     # few programs before the next window's prep programs (whose grid is large) take every free slot. H200: the
     # c16 prefill above 73.4 → 57.3 ms (mode 0); c64 62.1 vs 62.5 (no change)
@@ -740,7 +743,7 @@ def kda_fwd(q, k, v, g, beta, A_log, dt_bias, scale: float, initial_state, tab: 
     if training:
         bufs = prep_all(q, k, v, g, beta, A_log, dt_bias, scale, tab, lower_bound, flags)
         return o, ht, state_all(bufs, o, ht, tab, H, K, V)
-    if use_c16(lower_bound, flags):
+    if use_c16(lower_bound, flags, tab.N * H * BVP):
         from k3.ops.kda.triton import chunk16 as c16  # noqa: PLC0415 (chunk16 imports this module's helpers)
 
         # ≤ 16383 chunks: the head-major prep grid puts 4 programs per chunk on grid axis 1 (at most 65535)
@@ -760,13 +763,20 @@ def kda_fwd(q, k, v, g, beta, A_log, dt_bias, scale: float, initial_state, tab: 
     return o, ht, None
 
 
-def use_c16(lower_bound, flags: dict) -> bool:
-    """Whether inference runs the 16-token flow: asked for, and a bounded gate (its prep's right factor k e^{−G}
-    needs the bound)."""
+def use_c16(lower_bound, flags: dict, columns: int) -> bool:
+    """Whether inference runs the 16-token flow: a bounded gate (its prep's right factor k e^{−G} needs the bound),
+    and ``FwdConfig.inference_flow`` "c16", or "auto" with enough state-pass programs — ``columns`` (sequences ×
+    heads × padded V) / ``C16Config.state_bv`` ≥ ``C16Config.min_programs``."""
     flow = FwdConfig.inference_flow
-    if flow not in ("c16", "c64"):
-        raise ValueError(f"FwdConfig.inference_flow: expected 'c16' or 'c64', got {flow!r}")
-    return flow == "c16" and lower_bound is not None and not flags["exact_diag"]
+    if flow not in ("auto", "c16", "c64"):
+        raise ValueError(f"FwdConfig.inference_flow: expected 'auto', 'c16' or 'c64', got {flow!r}")
+    if flow == "c64" or lower_bound is None or flags["exact_diag"]:
+        return False
+    if flow == "c16":
+        return True
+    from k3.ops.kda.triton.chunk16 import C16Config  # noqa: PLC0415 (chunk16 imports this module)
+
+    return columns // C16Config.state_bv >= C16Config.min_programs
 
 
 def run_windows(NC: int, ncw: int, device: torch.device, alloc: Callable[[], dict],
