@@ -261,3 +261,48 @@ def test_gpu_c16_windows_and_causality(monkeypatch, variant):
     o, h = run(x, torch.bfloat16, cu)
     assert torch.equal(o, o_ref) and torch.equal(h, h_ref)
     causality(1000, 2, 128, 128, torch.bfloat16, [1, 17, 100, 511, 999])
+
+
+_COMPILE = r"""
+import sys, triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+import k3.ops.kda.triton.chunk16 as c16
+
+def compile_sm90(fn, types, const, warps):
+    sig = {n: types.get(n, "constexpr") for n in fn.arg_names}
+    src = ASTSource(fn, sig, constexprs={(fn.arg_names.index(n),): v for n, v in const.items()})
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=1))
+
+ptr = lambda dt: "*" + dt  # noqa: E731
+for mode in eval(sys.argv[1]):
+    t = {n: ptr("bf16") for n in ("q", "k", "v", "g", "beta", "X", "QG", "KG", "TB", "AQ", "U", "o")}
+    t.update(A_log="*fp32", dt_bias="*fp32", GAM="*fp32", ht="*fp32", cu="*i32", chunk_seq="*i32",
+             chunk_off="*i32", c0="i32", c1="i32", NCw="i32", T="i32", NT="i32", H="i32", K="i32", V="i32",
+             scale="fp32", lb="fp32")
+    prep = compile_sm90(c16._c16_prep, t, dict(
+        BT=64, BC=16, BK=128, BVP=128, USE_GATE=True, HAS_LB=True, HAS_A=True, HAS_DT=True, L2NORM=True,
+        BETA_SIGMOID=True, IS_VARLEN=False, FAST_GATE=True, PREC="tf32", AB_BF16=True, MODE=mode, INV_POW=True,
+        INV_PREC="ieee", HEAD_MAJOR=False), 2)
+    t.pop("K"), t.pop("V")
+    state = compile_sm90(c16._c16_state, t, dict(
+        K=128, V=128, BT=64, BC=16, BK=128, BV=64, BVP=128, IS_VARLEN=True, PREC="tf32", STAGES=4, MODE=mode), 4)
+    # the state pass's products run on wgmma (M = the 64-column V-block), its step loads are copied asynchronously
+    assert "wgmma.mma_async" in state.asm["ptx"] and "cp.async" in state.asm["ptx"], mode
+    assert "st.global" in prep.asm["ptx"], mode
+print("compiled", flush=True)
+"""
+
+
+@cpu_only
+def test_c16_kernels_compile_for_sm90():
+    """The default mode and the folded one compile to sm_90 code without a GPU (Triton's compiler and ptxas), with
+    the state pass on wgmma and its loads pipelined — what the interpreter cannot check. In a subprocess: the
+    interpreter is on in this process."""
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run([sys.executable, "-c", _COMPILE, repr([1, 2])], env=env, capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0 and "compiled" in r.stdout, r.stderr[-3000:]

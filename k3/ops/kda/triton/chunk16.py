@@ -2,19 +2,22 @@
 
 ``_c16_prep`` — token-parallel, one program per 16-token block and head: gate activation and cumsum (fp32, log2),
 L2 norm, β; the block's A_kk / A_qk (reference = the row before the block, a past row, so no future gate reaches
-an earlier row even through rounding — fla issue #1240); T = (I + β A_kk)^{-1} by forward substitution (fp32);
-and the step operands X = k̂ e^G, qg = scale·q̂ e^G, kg = k̂ e^{G_C − G} ([16, K] each), Tβ = T Diag(β) and
-scale·A_qk ([16, 16] each), γ = e^{G_C} ([K] fp32).
+an earlier row even through rounding — fla issue #1240); T = (I + β A_kk)^{-1} (four-factor products at fp32
+accuracy, or forward substitution); then the step operands of its block: per ``C16Config.mode`` W = T Diag(β) X
+with X = k̂ e^G, U = T Diag(β) v, qg = scale·q̂ e^G, kg = k̂ e^{G_C − G} ([16, K] or [16, V] each), scale·A_qk
+([16, 16]) and γ = e^{G_C} ([K] fp32) — mode 1, the default; mode 0 hands over X and T Diag(β) instead of W and U;
+mode 2 folds the output's A_qk term into them (see ``_c16_prep``).
 
 ``_c16_state`` — the sequential pass, grid (V-blocks, N·H), the state kept TRANSPOSED in registers (Sᵀ [BV, K],
-fp32) so that every product of the step has the V-block (64 or 128 rows) as its M dimension — Hopper's wgmma
-needs M ≥ 64, a 16-row step would otherwise run on the older mma.sync — and the serial chain never leaves
-registers (Sᵀ and V'ᵀ are the left operands):
-    W = Tβ X,  U = Tβ v,  V'ᵀ = Uᵀ − Sᵀ Wᵀ,  Oᵀ = Sᵀ qgᵀ + V'ᵀ (scale·A_qk)ᵀ,  Sᵀ ← Sᵀ Diag(γ) + V'ᵀ kg.
+fp32) so that every product of the step has the V-block (64 rows) as its M dimension — Hopper's wgmma needs
+M ≥ 64, a 16-row step would otherwise run on the older mma.sync — and the serial chain never leaves registers
+(Sᵀ and V'ᵀ are the left operands):
+    V'ᵀ = Uᵀ − Sᵀ Wᵀ,  Oᵀ = Sᵀ qgᵀ + V'ᵀ (scale·A_qk)ᵀ,  Sᵀ ← Sᵀ Diag(γ) + V'ᵀ kg.
 
-Why: the 64-token flow (``chunk_fwd``) writes W, U, kg, qg, A_qk and fp32 scratch per chunk and its state pass
-re-reads them per V-block (~5 KB per token and head cross DRAM); here the prep writes X, qg, kg and two 16×16
-tiles (~0.9 KB) and the state pass forms W and U itself (16×16 left factors: cheap). Bounded gates only
+Why: the 64-token flow (``chunk_fwd``) writes W, U, kg, qg, A_qk and fp32 scratch per 64-token chunk through
+three prep kernels (49 ms of the whole H200 per 1M tokens at H = 32); this prep is one light kernel (36 ms). Its
+state pass costs more per token (16-token steps: 2.55 vs 1.55 µs per 64 tokens and program), so the flow pays where
+the prep dominates — from ~64 state-pass programs (``FwdConfig.inference_flow = "auto"``). Bounded gates only
 (``lower_bound`` set): the prep's right factor k e^{−G} reaches e^{5·16} within a block, like FlashKDA's.
 Inference only (no backward), windowed like ``chunk_fwd`` so memory does not grow with T.
 """
@@ -65,7 +68,7 @@ def _c16_prep(
     USE_GATE: tl.constexpr, HAS_LB: tl.constexpr, HAS_A: tl.constexpr, HAS_DT: tl.constexpr,
     L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr, IS_VARLEN: tl.constexpr, FAST_GATE: tl.constexpr,
     PREC: tl.constexpr, AB_BF16: tl.constexpr, MODE: tl.constexpr, INV_POW: tl.constexpr,
-    INV_PREC: tl.constexpr = "tf32x3", HEAD_MAJOR: tl.constexpr = False,
+    INV_PREC: tl.constexpr = "ieee", HEAD_MAJOR: tl.constexpr = False,
 ):
     # MODE (``C16Config.mode``) — what the state pass is handed per 16-token block:
     #   0: X = k̂ e^G, Tβ, qg, A_qk, kg (the state pass forms W = Tβ X and U = Tβ v);
@@ -137,8 +140,8 @@ def _c16_prep(
             tl.store(AQ + row[:, None] * BC + o_s[None, :], aq.to(DT))
             tl.store(QG + p, (qe * scale).to(DT))
         else:
-            # stacked per block: rows [32·b, 32·b + 16) W / U, rows [32·b + 16, 32·b + 32) qw / A_qk U
-            row2 = (base * NB + blk) * (2 * BC) + o_s
+            # stacked per block: rows [32·b, 32·b + 16) −W (U), rows [32·b + 16, 32·b + 32) qw (A_qk U)
+            row2 = bidx * (2 * BC) + o_s
             aqo = aq.to(DT)
             w_dt = w.to(DT)
             qw = qe * scale - tl.dot(aqo, w_dt, input_precision=PREC)
@@ -188,10 +191,10 @@ def _c16_state(
             p_v = (t[None, :] * H + i_h) * V + o_v[:, None]  # [BV, BC]: vᵀ and Oᵀ
             s_dt = St.to(DT)
             if MODE == 2:
-                r2 = (base * NB + blk) * (2 * BC) + tl.arange(0, 2 * BC)
-                b_wq = tl.load(X + r2[:, None] * BK + o_k[None, :])  # [−W; qw]
+                bidx = base * NB + blk
                 o_r = tl.arange(0, 2 * BC)
-                b_ua = tl.load(U + (base * NB + blk) * (BVP * 2 * BC) + o_v[:, None] * (2 * BC) + o_r[None, :]).to(
+                b_wq = tl.load(X + (bidx * (2 * BC) + o_r)[:, None] * BK + o_k[None, :])  # [−W; qw]
+                b_ua = tl.load(U + bidx * (BVP * 2 * BC) + o_v[:, None] * (2 * BC) + o_r[None, :]).to(
                     tl.float32)  # [U; A_qk U]ᵀ
                 # [V'ᵀ | Oᵀ] = [Uᵀ | (A_qk U)ᵀ] + Sᵀ [−W; qw]ᵀ: one product, its accumulator starts from the loads
                 acc = tl.dot(s_dt, tl.trans(b_wq), acc=b_ua, input_precision=PREC)
