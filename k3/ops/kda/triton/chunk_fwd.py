@@ -730,8 +730,8 @@ def kda_fwd(q, k, v, g, beta, A_log, dt_bias, scale: float, initial_state, tab: 
     """Run the forward. Returns (o [B,T,H,V], ht [N,H,K,V] fp32, saved dict or None).
 
     ``training``: one window; keep chunk buffers, T and per-chunk states for backward. Inference: windows of chunks
-    (``FwdConfig.window_bytes``), by the 16-token flow (``chunk16``) when ``FwdConfig.inference_flow`` is "c16"
-    and the gate is bounded, else by the 64-token prep + state pass.
+    (``FwdConfig.window_bytes``), by the 16-token flow (``chunk16``) where :func:`use_c16` says so (bounded gate,
+    enough state-pass programs), else by the 64-token prep + state pass.
     """
     B, Tq, H, K = q.shape
     V = v.shape[-1]
@@ -786,9 +786,11 @@ def run_windows(NC: int, ncw: int, device: torch.device, alloc: Callable[[], dic
     runs on a side stream one window ahead of the state pass.
 
     Two window buffers then alternate; the prep of window w waits until the state pass that last read its buffer
-    (window w−2) is done, and the state pass of window w waits for that prep. Every side-stream launch is ordered
-    before a later main-stream one, so the buffers may be freed (reused by the caching allocator) when this
-    returns."""
+    (window w−2) is done, and the state pass of window w waits for that prep. The state passes run on the caller's
+    stream, or with ``FwdConfig.state_priority`` on a high-priority stream that the caller's stream waits for at
+    the end; either way every side-stream launch is ordered before later work on the caller's stream, so the buffers
+    may be freed (reused by the caching allocator) when this returns, and a CUDA-graph capture sees every forked
+    stream joined back."""
     if not (FwdConfig.overlap_windows and device.type == "cuda" and NC > ncw):
         bufs = alloc()
         for c0 in range(0, NC, ncw):
