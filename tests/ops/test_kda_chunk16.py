@@ -183,17 +183,18 @@ def test_c16_dispatch(monkeypatch):
     values name the knob."""
     flags = dict(l2norm=True, use_gate=True, beta_sigmoid=True)
     bounded, unbounded = dict(flags, exact_diag=False), dict(flags, exact_diag=True)
-    assert cf.use_c16(-5.0, bounded, 16)
-    assert not cf.use_c16(None, unbounded, 1 << 20)
+    assert cf.use_c16(-5.0, bounded, 1, 16)
+    assert not cf.use_c16(None, unbounded, 1 << 20, 128)
     monkeypatch.setattr(cf.FwdConfig, "inference_flow", "auto")  # by the state pass's program count
-    cols = c16.C16Config.min_programs * c16.C16Config.state_bv
-    assert cf.use_c16(-5.0, bounded, cols) and not cf.use_c16(-5.0, bounded, cols - 1)
-    assert not cf.use_c16(None, unbounded, cols)
+    n, bv = c16.C16Config.min_programs, c16.C16Config.state_bv
+    assert cf.use_c16(-5.0, bounded, n // 2, 2 * bv) and not cf.use_c16(-5.0, bounded, n // 2 - 1, 2 * bv)
+    assert cf.use_c16(-5.0, bounded, n, bv // 2) and not cf.use_c16(-5.0, bounded, n - 1, 16)  # one block per head
+    assert not cf.use_c16(None, unbounded, n, bv)
     monkeypatch.setattr(cf.FwdConfig, "inference_flow", "c64")
-    assert not cf.use_c16(-5.0, bounded, cols)
+    assert not cf.use_c16(-5.0, bounded, n, bv)
     monkeypatch.setattr(cf.FwdConfig, "inference_flow", "fast")
     with pytest.raises(ValueError, match="FwdConfig.inference_flow"):
-        cf.use_c16(-5.0, bounded, cols)
+        cf.use_c16(-5.0, bounded, n, bv)
     monkeypatch.setattr(c16.C16Config, "mode", 3)
     with pytest.raises(ValueError, match="C16Config.mode"):
         c16.alloc_c16_buffers(1, 1, 16, 16, torch.float32, "cpu")

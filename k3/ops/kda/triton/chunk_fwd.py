@@ -743,7 +743,7 @@ def kda_fwd(q, k, v, g, beta, A_log, dt_bias, scale: float, initial_state, tab: 
     if training:
         bufs = prep_all(q, k, v, g, beta, A_log, dt_bias, scale, tab, lower_bound, flags)
         return o, ht, state_all(bufs, o, ht, tab, H, K, V)
-    if use_c16(lower_bound, flags, tab.N * H * BVP):
+    if use_c16(lower_bound, flags, tab.N * H, BVP):
         from k3.ops.kda.triton import chunk16 as c16  # noqa: PLC0415 (chunk16 imports this module's helpers)
 
         # ≤ 16383 chunks: the head-major prep grid puts 4 programs per chunk on grid axis 1 (at most 65535)
@@ -763,10 +763,10 @@ def kda_fwd(q, k, v, g, beta, A_log, dt_bias, scale: float, initial_state, tab: 
     return o, ht, None
 
 
-def use_c16(lower_bound, flags: dict, columns: int) -> bool:
+def use_c16(lower_bound, flags: dict, heads: int, BVP: int) -> bool:
     """Whether inference runs the 16-token flow: a bounded gate (its prep's right factor k e^{−G} needs the bound),
-    and ``FwdConfig.inference_flow`` "c16", or "auto" with enough state-pass programs — ``columns`` (sequences ×
-    heads × padded V) / ``C16Config.state_bv`` ≥ ``C16Config.min_programs``."""
+    and ``FwdConfig.inference_flow`` "c16", or "auto" with enough state-pass programs: ``heads`` (sequences ×
+    heads) × V-blocks of the padded V width ``BVP`` ≥ ``C16Config.min_programs``."""
     flow = FwdConfig.inference_flow
     if flow not in ("auto", "c16", "c64"):
         raise ValueError(f"FwdConfig.inference_flow: expected 'auto', 'c16' or 'c64', got {flow!r}")
@@ -776,7 +776,7 @@ def use_c16(lower_bound, flags: dict, columns: int) -> bool:
         return True
     from k3.ops.kda.triton.chunk16 import C16Config  # noqa: PLC0415 (chunk16 imports this module)
 
-    return columns // C16Config.state_bv >= C16Config.min_programs
+    return heads * max(1, BVP // C16Config.state_bv) >= C16Config.min_programs
 
 
 def run_windows(NC: int, ncw: int, device: torch.device, alloc: Callable[[], dict],
