@@ -62,9 +62,11 @@ def checks() -> None:
             for mode in (0, 1, 2):
                 with overridden_attrs(c16.C16Config, mode=mode, prep_inv_pow=mode == 2):
                     out[f"c16 mode {mode}"] = call(x, dt, "c16", cus)
-            print(f"{name:40s} {str(dt):15s} " + "  ".join(
-                f"{f}: o {rel(o, ro):.2e} ht {rel(h, rh):.2e}{' NaN' if bool(o.isnan().any() or h.isnan().any()) else ''}"
-                for f, (o, h) in out.items()), flush=True)
+            cells = []
+            for f, (o, h) in out.items():
+                nan = " NaN" if bool(o.isnan().any() or h.isnan().any()) else ""
+                cells.append(f"{f}: o {rel(o, ro):.2e} ht {rel(h, rh):.2e}{nan}")
+            print(f"{name:40s} {str(dt):15s} " + "  ".join(cells), flush=True)
     for mode in (0, 1, 2):
         with overridden_attrs(c16.C16Config, mode=mode, prep_inv_pow=mode == 2):
             x = inputs(T=5000, H=2)

@@ -46,7 +46,8 @@ def main() -> int:
         rows.append(f"| {name} | {ms['c64']:.3f} | {ms['c16']:.3f} | {ms['auto']:.3f} | {ms['c64'] / ms['c16']:.2f} | "
                     f"{d:.1e} |")
         print(rows[-1], flush=True)
-    print("\n| shape (no grad, bf16) | c64 ms | c16 ms | auto ms | c64/c16 | rel diff |\n|---|---:|---:|---:|---:|---:|")
+    print("\n| shape (no grad, bf16) | c64 ms | c16 ms | auto ms | c64/c16 | rel diff |")
+    print("|---|---:|---:|---:|---:|---:|")
     print("\n".join(rows))
     return 0
 

@@ -1,3 +1,7 @@
+#!/usr/bin/env bash
+# Nsight Compute on the 16-token inference flow's two kernels (one window of a B=1 H=32 T=64K prefill): launch and
+# occupancy figures, stall-reason samples, and the stall samples per Triton source line (bench/ncu_lines.py).
+# On the GPU machine, from the repository root:  OUT=/some/dir bash bench/ncu_c16.sh
 set -x
 R=$OUT/c16
 ncu --clock-control none --profile-from-start off --set full --import-source yes --kernel-name regex:"_c16_" --launch-count 2 --export $R --force-overwrite python bench/ncu_kda.py --case prefill16 > $OUT/ncu_run.log 2>&1
