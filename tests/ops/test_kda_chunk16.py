@@ -122,9 +122,11 @@ def causality(T: int, H: int, K: int, V: int, dtype: torch.dtype, ts: list[int])
 
 @cpu_only
 @pytest.mark.parametrize("variant", list(VARIANTS))
-@pytest.mark.parametrize("T,H,K,V,h0", [(1, 1, 16, 16, True), (63, 2, 16, 32, False), (100, 2, 24, 40, True)])
+@pytest.mark.parametrize("T,H,K,V,h0", [(1, 1, 16, 16, True), (63, 2, 16, 32, False), (100, 2, 24, 40, True),
+                                        (37, 2, 40, 20, True), (20, 1, 8, 8, True)])
 def test_c16_matches_recurrence(monkeypatch, variant, T, H, K, V, h0):
-    """Odd lengths, no initial state, head dims that are not powers of two (padded tiles, masked columns)."""
+    """Odd lengths, no initial state, head dims that are not powers of two (padded tiles, masked columns), K > V,
+    head dims below the 16-wide tiles."""
     use(monkeypatch, variant)
     check(make_inputs(T, H, K, V, seed=T), 1e-4, h0=h0)
 
