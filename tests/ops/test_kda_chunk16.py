@@ -26,6 +26,11 @@ CUDA = torch.cuda.is_available()
 DEV = "cuda" if CUDA else "cpu"
 cpu_only = pytest.mark.skipif(CUDA, reason="interpreter-sized cases (CPU)")
 gpu = pytest.mark.skipif(not CUDA, reason="needs CUDA")
+# every gate at the bound; β ≈ 6e-6; β ≈ 1 with identical keys, also with no decay (raw gate −30: g → 0, so the 16×16
+# block is all ones below the diagonal, where the product form of the inverse has its largest partial terms)
+EXTREMES = {"gates_at_bound": dict(g_const=30.0), "beta_0": dict(beta_logit=-12.0),
+            "beta_1_repeated_keys": dict(beta_logit=12.0, repeat_keys=True),
+            "no_decay_beta_1_repeated": dict(beta_logit=12.0, repeat_keys=True, g_const=-30.0)}
 VARIANTS = {"m0": dict(mode=0, prep_inv_pow=False), "m1": dict(mode=1), "m2": dict(mode=2),
             "m1_subst": dict(mode=1, prep_inv_pow=False), "m2_head_major": dict(mode=2, prep_head_major=True)}
 
@@ -133,13 +138,8 @@ def test_c16_matches_recurrence(monkeypatch, variant, T, H, K, V, h0):
 
 @cpu_only
 @pytest.mark.parametrize("variant", ["m0", "m1", "m2"])
-@pytest.mark.parametrize("kw", [dict(g_const=30.0), dict(beta_logit=-12.0),
-                                dict(beta_logit=12.0, repeat_keys=True),
-                                dict(beta_logit=12.0, repeat_keys=True, g_const=-30.0)],
-                         ids=["gates_at_bound", "beta_0", "beta_1_repeated_keys", "no_decay_beta_1_repeated"])
+@pytest.mark.parametrize("kw", list(EXTREMES.values()), ids=list(EXTREMES))
 def test_c16_extremes(monkeypatch, variant, kw):
-    """Every gate at the bound; β ≈ 6e-6; β ≈ 1 with identical keys, also with no decay (g → 0: the 16×16 block
-    is all ones below the diagonal, where the product form of the inverse has its largest partial terms)."""
     use(monkeypatch, variant)
     check(make_inputs(100, 1, 16, 16, **kw), 1e-4)
 
@@ -235,10 +235,7 @@ def test_gpu_c16_bf16_matches_recurrence(monkeypatch, variant, T, cu):
 
 @gpu
 @pytest.mark.parametrize("variant", ["m0", "m1", "m2"])
-@pytest.mark.parametrize("kw", [dict(g_const=30.0), dict(beta_logit=-12.0),
-                                dict(beta_logit=12.0, repeat_keys=True),
-                                dict(beta_logit=12.0, repeat_keys=True, g_const=-30.0)],
-                         ids=["gates_at_bound", "beta_0", "beta_1_repeated_keys", "no_decay_beta_1_repeated"])
+@pytest.mark.parametrize("kw", list(EXTREMES.values()), ids=list(EXTREMES))
 def test_gpu_c16_extremes(monkeypatch, variant, kw):
     use(monkeypatch, variant)
     check(make_inputs(300, 2, 128, 128, **kw), 2e-2, dtype=torch.bfloat16)

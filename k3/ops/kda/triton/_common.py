@@ -124,6 +124,19 @@ def _chunk_range(i_n, chunk_off, NT, IS_VARLEN: tl.constexpr):
 
 
 @triton.jit
+def _state_program(cu, chunk_off, c0, c1, T, NT, H, IS_VARLEN: tl.constexpr):
+    """A state pass program on grid (V-blocks, N·H) over the window of chunks [c0, c1): its V-block, sequence and
+    head, the sequence's first chunk and token range, and its chunk range inside the window [lo, hi)."""
+    i_v = tl.program_id(0)
+    i_nh = tl.program_id(1)
+    i_n = i_nh // H
+    i_h = i_nh % H
+    cs, ce = _chunk_range(i_n, chunk_off, NT, IS_VARLEN)
+    bos, eos = _seq_bounds(i_n, cu, T, IS_VARLEN)
+    return i_v, i_n, i_h, cs, bos, eos, tl.maximum(cs, c0), tl.minimum(ce, c1)
+
+
+@triton.jit
 def _chunk_pos(c, cu, chunk_seq, chunk_off, T, NT, BT: tl.constexpr, IS_VARLEN: tl.constexpr):
     """Global chunk c → (first token, end of its sequence)."""
     if IS_VARLEN:

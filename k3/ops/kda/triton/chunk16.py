@@ -33,9 +33,8 @@ from k3.ops.kda.triton._common import (
     BT,
     ChunkTable,
     _chunk_pos,
-    _chunk_range,
     _rows_gate,
-    _seq_bounds,
+    _state_program,
     dot_precision,
     next_pow2,
 )
@@ -159,14 +158,7 @@ def _c16_state(
     BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BVP: tl.constexpr,
     IS_VARLEN: tl.constexpr, PREC: tl.constexpr, STAGES: tl.constexpr, MODE: tl.constexpr,
 ):
-    i_v = tl.program_id(0)
-    i_nh = tl.program_id(1)
-    i_n = i_nh // H
-    i_h = i_nh % H
-    cs, ce = _chunk_range(i_n, chunk_off, NT, IS_VARLEN)
-    bos, eos = _seq_bounds(i_n, cu, T, IS_VARLEN)
-    lo = tl.maximum(cs, c0)
-    hi = tl.minimum(ce, c1)
+    i_v, i_n, i_h, cs, bos, eos, lo, hi = _state_program(cu, chunk_off, c0, c1, T, NT, H, IS_VARLEN)
     if lo < hi:
         NB: tl.constexpr = BT // BC
         DT: tl.constexpr = X.dtype.element_ty

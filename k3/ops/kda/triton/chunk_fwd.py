@@ -38,12 +38,11 @@ from k3.ops.kda.triton._common import (
     _chunk_gate_cumsum,
     _chunk_tile,
     _chunk_pos,
-    _chunk_range,
     _l2norm,
     _merge_T,
     _rows_gate,
-    _seq_bounds,
     _sigmoid,
+    _state_program,
     dot_precision,
     next_pow2,
     store_dtype,
@@ -433,14 +432,7 @@ def _kda_fwd_state(
     # loads it instead of recomputing U − W S (the same bf16 values: S is rounded to the store dtype either way).
     # FOLDED (inference, ``FwdConfig.fold_output``): QG holds qw = qg − A_qk W and AU = A_qk U, so the output is
     # O = qw S + AU (``chunk_prep._prep_solve``): three products per chunk on the serial pass instead of four
-    i_v = tl.program_id(0)
-    i_nh = tl.program_id(1)
-    i_n = i_nh // H
-    i_h = i_nh % H
-    cs, ce = _chunk_range(i_n, chunk_off, NT, IS_VARLEN)
-    bos, eos = _seq_bounds(i_n, cu, T, IS_VARLEN)
-    lo = tl.maximum(cs, c0)
-    hi = tl.minimum(ce, c1)
+    i_v, i_n, i_h, cs, bos, eos, lo, hi = _state_program(cu, chunk_off, c0, c1, T, NT, H, IS_VARLEN)
     if lo < hi:
         DT: tl.constexpr = W.dtype.element_ty
         o_t = tl.arange(0, BT)
