@@ -39,24 +39,7 @@ from k3.ops.kda.triton._common import (
     next_pow2,
 )
 from k3.ops.kda.triton.chunk_fwd import _inv16, state_stages
-from k3.ops.kda.triton.chunk_prep import _op, _rows_beta, _rows_x
-
-
-@triton.jit
-def _inv16_pow(L, PREC: tl.constexpr):
-    """(I + L)^{-1} of a strictly lower-triangular 16×16 block as (I − L)(I + L²)(I + L⁴)(I + L⁸) (L^16 = 0): six
-    products instead of a 15-step substitution. The partial products can hold entries far above the result's
-    (binomials up to ~3.4e3 when L is all ones: β ≈ 1, repeated keys, no decay), so they run at fp32 accuracy
-    ('tf32x3' or 'ieee'), never plain tf32 (FlashKDA's fp16 version returned NaN there)."""
-    N = -L
-    N2 = tl.dot(N, N, input_precision=PREC)
-    N4 = tl.dot(N2, N2, input_precision=PREC)
-    N8 = tl.dot(N4, N4, input_precision=PREC)
-    o_s = tl.arange(0, L.shape[0])
-    D = tl.where(o_s[:, None] == o_s[None, :], 1.0, 0.0) + N
-    D = D + tl.dot(D, N2, input_precision=PREC)
-    D = D + tl.dot(D, N4, input_precision=PREC)
-    return D + tl.dot(D, N8, input_precision=PREC)
+from k3.ops.kda.triton.chunk_prep import _inv_pow, _op, _rows_beta, _rows_x
 
 
 @triton.jit(do_not_specialize=['c0', 'NCw', 'T', 'NT', 'H'])
@@ -105,18 +88,19 @@ def _c16_prep(
     aq = tl.where(o_s[:, None] >= o_s[None, :], aq, 0.) * scale
     lk = tl.where(o_s[:, None] > o_s[None, :], ak * b_b[:, None], 0.)
     if INV_POW:
-        tm = _inv16_pow(lk, INV_PREC)
+        tm = _inv_pow(lk, INV_PREC)
     else:
         tm = _inv16(lk)
     tb = tm * b_b[None, :]
     base = (i_h * NCw + i_c).to(tl.int64)
+    bidx = base * NB + blk  # the block's index in the window buffers
     row = base * BT + blk * BC + o_s
     DT = X.dtype.element_ty
     o_k = tl.arange(0, BK)
     p = row[:, None] * BK + o_k[None, :]
     gam = tl.exp2(gc)
     tl.store(KG + p, (b_k * (gam[None, :] * en)).to(DT))  # e^{G_C − G} ≤ 1 as e^{G_C} · e^{−G}: one MUFU op less
-    tl.store(GAM + (base * NB + blk) * BK + o_k, gam)
+    tl.store(GAM + bidx * BK + o_k, gam)
     if MODE == 0:
         tl.store(TB + row[:, None] * BC + o_s[None, :], tb.to(DT))
         tl.store(AQ + row[:, None] * BC + o_s[None, :], aq.to(DT))
@@ -132,7 +116,6 @@ def _c16_prep(
         u = tl.dot(tbo, b_v.to(DT), input_precision=PREC).to(DT)
         # U (and A_qk U) stored transposed per block, [BVP, 16] (or [BVP, 32]): the state pass reads them as [BV, ·]
         # tiles contiguous along their rows, which its pipeline can copy asynchronously (2-byte strided ones not)
-        bidx = base * NB + blk
         if MODE == 1:
             tl.store(X + p, w.to(DT))
             tl.store(U + bidx * (BVP * BC) + o_v[None, :] * BC + o_s[:, None], u)
@@ -174,16 +157,16 @@ def _c16_state(
             c = j // NB
             blk = j % NB
             base = (i_h * NCw + (c - c0)).to(tl.int64)
+            bidx = base * NB + blk  # the block's index in the window buffers
             row = base * BT + blk * BC + o_s
             p = row[:, None] * BK + o_k[None, :]
             b_kg = tl.load(KG + p)
-            b_gam = tl.load(GAM + (base * NB + blk) * BK + o_k)
+            b_gam = tl.load(GAM + bidx * BK + o_k)
             t = bos + (c - cs).to(tl.int64) * BT + blk * BC + o_s
             m_t = t < eos
             p_v = (t[None, :] * H + i_h) * V + o_v[:, None]  # [BV, BC]: vᵀ and Oᵀ
             s_dt = St.to(DT)
             if MODE == 2:
-                bidx = base * NB + blk
                 o_r = tl.arange(0, 2 * BC)
                 b_wq = tl.load(X + (bidx * (2 * BC) + o_r)[:, None] * BK + o_k[None, :])  # [−W; qw]
                 b_ua = tl.load(U + bidx * (BVP * 2 * BC) + o_v[:, None] * (2 * BC) + o_r[None, :]).to(
@@ -204,7 +187,7 @@ def _c16_state(
                                                                                         input_precision=PREC)
                 else:
                     b_wt = tl.trans(tl.load(X + p))
-                    b_ut = tl.load(U + (base * NB + blk) * (BVP * BC) + o_v[:, None] * BC + o_s[None, :])
+                    b_ut = tl.load(U + bidx * (BVP * BC) + o_v[:, None] * BC + o_s[None, :])
                     b_vnt = b_ut.to(tl.float32) - tl.dot(s_dt, b_wt, input_precision=PREC)
                 vn_dt = b_vnt.to(DT)
                 b_ot = tl.dot(s_dt, tl.trans(b_qg), input_precision=PREC) + tl.dot(vn_dt, tl.trans(b_aq),
@@ -294,11 +277,16 @@ def launch_c16_prep(q, k, v, g, beta, A_log, dt_bias, bufs: dict, tab: ChunkTabl
     )
 
 
+def state_blocks(BVP: int) -> int:
+    """V-blocks per (sequence, head) of the state pass: its programs are ``state_blocks(BVP)`` × N·H."""
+    return BVP // min(C16Config.state_bv, BVP)
+
+
 def launch_c16_state(bufs: dict, v, o, ht, tab: ChunkTable, c0: int, c1: int, H: int, K: int, V: int) -> None:
     BK = bufs["X"].shape[-1]
     BVP = next_pow2(V)
     BV = min(C16Config.state_bv, BVP)
-    _c16_state[(BVP // BV, tab.N * H)](
+    _c16_state[(state_blocks(BVP), tab.N * H)](
         bufs["X"], _or(bufs, "QG"), bufs["KG"], bufs["GAM"], _or(bufs, "TB"), _or(bufs, "AQ"), _or(bufs, "U"),
         v, o, ht, tab.cu, tab.chunk_off, c0, c1, bufs["X"].shape[1], tab.T, tab.NT, H, K, V,
         BT=BT, BC=BC, BK=BK, BV=BV, BVP=BVP, IS_VARLEN=tab.varlen, PREC=dot_precision(bufs["X"].dtype),

@@ -766,9 +766,9 @@ def use_c16(lower_bound, flags: dict, heads: int, BVP: int) -> bool:
         return False
     if flow == "c16":
         return True
-    from k3.ops.kda.triton.chunk16 import C16Config  # noqa: PLC0415 (chunk16 imports this module)
+    from k3.ops.kda.triton.chunk16 import C16Config, state_blocks  # noqa: PLC0415 (chunk16 imports this module)
 
-    return heads * max(1, BVP // C16Config.state_bv) >= C16Config.min_programs
+    return heads * state_blocks(BVP) >= C16Config.min_programs
 
 
 def run_windows(NC: int, ncw: int, device: torch.device, alloc: Callable[[], dict],

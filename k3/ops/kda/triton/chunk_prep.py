@@ -448,26 +448,34 @@ def _diag_inverses(LK, base, BT: tl.constexpr, BC: tl.constexpr):
 
 
 @triton.jit
+def _inv_pow(L, PREC: tl.constexpr):
+    """(I + L)^{-1} of strictly lower-triangular 16×16 blocks ([16, 16] or stacked [n, 16, 16]) as
+    (I − L)(I + L²)(I + L⁴)(I + L⁸) (L^16 = 0): six products instead of a 15-step substitution. The partial products
+    can hold entries far above the result's (binomials up to ~3.4e3 when L is all ones: β ≈ 1, repeated keys, no
+    decay), so they run at fp32 accuracy ('tf32x3' or 'ieee'), never plain tf32 (FlashKDA's fp16 version returned
+    NaN there)."""
+    N = -L
+    N2 = tl.dot(N, N, input_precision=PREC)
+    N4 = tl.dot(N2, N2, input_precision=PREC)
+    N8 = tl.dot(N4, N4, input_precision=PREC)
+    o_i = tl.arange(0, L.shape[-1])
+    D = tl.where(o_i[:, None] == o_i[None, :], 1.0, 0.0) + N
+    D = D + tl.dot(D, N2, input_precision=PREC)
+    D = D + tl.dot(D, N4, input_precision=PREC)
+    return D + tl.dot(D, N8, input_precision=PREC)
+
+
+@triton.jit
 def _diag_inverses_pow(LK, base, BT: tl.constexpr, BC: tl.constexpr):
-    """``_diag_inverses`` by products instead of a 15-step substitution: with N_b = −L_b strictly lower triangular
-    (N_b^16 = 0), (I + L_b)^{-1} = Σ_{m<16} N_b^m = (I + N)(I + N²)(I + N⁴)(I + N⁸) — three squarings and three
-    products of the four stacked blocks ([4, 16, 16] tensor-core products at tf32x3, ~fp32 accuracy; plain fp32 FMA
-    products spilled 216–560 B on sm_90), no dependent loads. Written back over the diagonal blocks like
-    ``_diag_inverses``."""
+    """``_diag_inverses`` by products instead of a 15-step substitution: ``_inv_pow`` on the four stacked blocks
+    ([4, 16, 16] tensor-core products at tf32x3, ~fp32 accuracy; plain fp32 FMA products spilled 216–560 B on
+    sm_90), no dependent loads. Written back over the diagonal blocks like ``_diag_inverses``."""
     NB: tl.constexpr = BT // BC
     o_b = tl.arange(0, NB)
     o_i = tl.arange(0, BC)
     p = (LK + (base * BT + (o_b * BC)[:, None, None] + o_i[None, :, None]) * BT + (o_b * BC)[:, None, None]
          + o_i[None, None, :])
-    N = -tl.load(p)
-    eye = tl.where(o_i[:, None] == o_i[None, :], 1.0, 0.0)[None, :, :]
-    N2 = tl.dot(N, N, input_precision="tf32x3")
-    N4 = tl.dot(N2, N2, input_precision="tf32x3")
-    N8 = tl.dot(N4, N4, input_precision="tf32x3")
-    D = eye + N
-    D = D + tl.dot(D, N2, input_precision="tf32x3")
-    D = D + tl.dot(D, N4, input_precision="tf32x3")
-    D = D + tl.dot(D, N8, input_precision="tf32x3")
+    D = _inv_pow(tl.load(p), "tf32x3")
     tl.debug_barrier()  # every thread is done reading L's diagonal blocks before D overwrites them
     tl.store(p, D)
     tl.debug_barrier()  # ... and D is visible to every thread of the program before the merge reloads it
