@@ -18,12 +18,15 @@ if not torch.cuda.is_available():
 
 pytest.importorskip("triton")
 
-from k3.ops.kda import chunk_kda, naive_recurrent_kda  # noqa: E402
+from k3.ops.kda import chunk_kda  # noqa: E402
 from k3.ops.kda.triton import chunk16 as c16  # noqa: E402
 from k3.ops.kda.triton import chunk_fwd as cf  # noqa: E402
+from tests.ops.test_kda_prep_variants import _causality as causality  # noqa: E402
+from tests.ops.test_kda_prep_variants import check as check_rows  # noqa: E402
+from tests.ops.test_kda_prep_variants import make_inputs  # noqa: E402
+from tests.ops.test_kda_prep_variants import run as run_rows  # noqa: E402
 
 CUDA = torch.cuda.is_available()
-DEV = "cuda" if CUDA else "cpu"
 cpu_only = pytest.mark.skipif(CUDA, reason="interpreter-sized cases (CPU)")
 gpu = pytest.mark.skipif(not CUDA, reason="needs CUDA")
 # every gate at the bound; β ≈ 6e-6; β ≈ 1 with identical keys, also with no decay (raw gate −30: g → 0, so the 16×16
@@ -48,78 +51,14 @@ def use(monkeypatch, variant: str) -> None:
         monkeypatch.setattr(c16.C16Config, name, val)
 
 
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.detach().double().cpu(), b.detach().double().cpu()
-    return float((a - b).norm() / b.norm().clamp_min(1e-300))
-
-
-def make_inputs(T: int, H: int, K: int, V: int, N: int = 1, seed: int = 0, g_const: float | None = None,
-                beta_logit: float | None = None, repeat_keys: bool = False) -> dict:
-    """fp64 inputs for B = 1 (or a packed batch of N sequences): raw gate pre-activations, β logits."""
-    gen = torch.Generator().manual_seed(seed)
-    r = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64)  # noqa: E731
-    x = dict(q=r(1, T, H, K), k=r(1, T, H, K), v=r(1, T, H, V), g=r(1, T, H, K), beta=r(1, T, H),
-             A=r(H) * 0.5, dt=r(H * K) * 0.5, s0=r(N, H, K, V))
-    if repeat_keys:
-        x["k"] = x["k"][:, :1].expand_as(x["k"]).clone()
-    if g_const is not None:
-        x["g"] = torch.full_like(x["g"], g_const)
-    if beta_logit is not None:
-        x["beta"] = torch.full_like(x["beta"], beta_logit)
-    return x
-
-
-def reference(x: dict, cu: list[int] | None, h0: bool = True):
-    """fp64 recurrence on the activated inputs (bounded gate, lower bound −5), per sequence → (o, final state)."""
-    H, K = x["q"].shape[-2:]
-    q = x["q"] / (x["q"].pow(2).sum(-1, keepdim=True) + 1e-6).sqrt()
-    k = x["k"] / (x["k"].pow(2).sum(-1, keepdim=True) + 1e-6).sqrt()
-    g = -5.0 * torch.sigmoid((x["g"] + x["dt"].view(H, K)) * x["A"].exp()[:, None])
-    beta = x["beta"].sigmoid()
-    cu = cu or [0, q.shape[1]]
-    outs, states = [], []
-    for i in range(len(cu) - 1):
-        sl = slice(cu[i], cu[i + 1])
-        o, s = naive_recurrent_kda(q[:, sl], k[:, sl], x["v"][:, sl], g[:, sl], beta[:, sl], K ** -0.5,
-                                   x["s0"][i:i + 1] if h0 else None, True)
-        outs.append(o)
-        states.append(s)
-    return torch.cat(outs, 1), torch.cat(states, 0)
-
-
-def run(x: dict, dtype: torch.dtype, cu: list[int] | None, h0: bool = True):
-    """Inference chunk_kda (no grad) on a copy of x in ``dtype`` (states, A_log, dt_bias fp32)."""
-    dx = {n: t.to(DEV, torch.float32 if n in ("A", "dt", "s0") else dtype) for n, t in x.items()}
-    K = x["q"].shape[-1]
-    with torch.no_grad():
-        return chunk_kda(dx["q"], dx["k"], dx["v"], dx["g"], dx["beta"], scale=K ** -0.5,
-                         initial_state=dx["s0"] if h0 else None, output_final_state=True,
-                         use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
-                         safe_gate=True, lower_bound=-5.0,
-                         cu_seqlens=torch.tensor(cu, device=DEV) if cu is not None else None,
-                         A_log=dx["A"], dt_bias=dx["dt"])
-
-
 def check(x: dict, tol: float, dtype=torch.float32, cu: list[int] | None = None, h0: bool = True) -> None:
-    o, ht = run(x, dtype, cu, h0)
-    ro, rh = reference(x, cu, h0)
-    errs = {"o": rel(o, ro), "ht": rel(ht, rh)}
-    bad = {n: e for n, e in errs.items() if not e <= tol}  # NaN fails too
-    assert not bad, f"relative RMS error above {tol}: {bad} (all: {errs})"
+    """No-grad call (the 16-token flow) with the K3 gate, output and final state against the fp64 recurrence."""
+    check_rows(x, tol, dtype, cu=cu, grad=False, h0=h0)
 
 
-def causality(T: int, H: int, K: int, V: int, dtype: torch.dtype, ts: list[int]) -> None:
-    """Changing every input at positions ≥ t leaves the outputs before t bitwise unchanged."""
-    x = make_inputs(T, H, K, V, seed=7)
-    o, _ = run(x, dtype, None)
-    for t in ts:
-        y = {n: v.clone() for n, v in x.items()}
-        gen = torch.Generator().manual_seed(t)
-        for n in ("q", "k", "v", "g", "beta"):
-            y[n][:, t:] = torch.randn(y[n][:, t:].shape, generator=gen, dtype=torch.float64) * 3
-        o2, _ = run(y, dtype, None)
-        assert torch.equal(o2[:, :t], o[:, :t]), f"outputs before t={t} changed"
-        assert not torch.equal(o2[:, t:], o[:, t:])
+def run(x: dict, dtype: torch.dtype, cu: list[int] | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """No-grad chunk_kda with the K3 gate → (o, final state)."""
+    return run_rows(x, dtype, -5.0, True, cu, False)[:2]
 
 
 # ---------------------------------------------------------------------------------------------- CPU (interpreter)
@@ -176,7 +115,7 @@ def test_c16_windows_bitwise(monkeypatch, variant):
 @pytest.mark.parametrize("variant", ["m0", "m1", "m2"])
 def test_c16_causality_bitwise(monkeypatch, variant):
     use(monkeypatch, variant)
-    causality(70, 1, 16, 16, torch.float32, [1, 17, 37, 64])
+    causality(70, 1, 16, torch.float32, (1, 17, 37, 64))
 
 
 @cpu_only
@@ -260,7 +199,7 @@ def test_gpu_c16_windows_and_causality(monkeypatch, variant):
     monkeypatch.setattr(cf.FwdConfig, "window_bytes", 1 << 20)
     o, h = run(x, torch.bfloat16, cu)
     assert torch.equal(o, o_ref) and torch.equal(h, h_ref)
-    causality(1000, 2, 128, 128, torch.bfloat16, [1, 17, 100, 511, 999])
+    causality(1000, 2, 128, torch.bfloat16, (1, 17, 100, 511, 999))
 
 
 _COMPILE = r"""

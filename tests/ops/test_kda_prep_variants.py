@@ -62,8 +62,9 @@ def make_inputs(T: int, H: int, K: int, V: int, N: int = 1, seed: int = 0, g_con
     return x
 
 
-def reference(x: dict, lb: float | None, gate: bool, cu: list[int] | None):
-    """fp64 recurrence on the activated inputs, per sequence → (o, final state)."""
+def reference(x: dict, lb: float | None, gate: bool, cu: list[int] | None, h0: bool = True):
+    """fp64 recurrence on the activated inputs, per sequence → (o, final state); ``h0``: from ``x["s0"]``, else
+    from zero states."""
     H, K = x["q"].shape[-2:]
     q = x["q"] / (x["q"].pow(2).sum(-1, keepdim=True) + 1e-6).sqrt()
     k = x["k"] / (x["k"].pow(2).sum(-1, keepdim=True) + 1e-6).sqrt()
@@ -78,18 +79,21 @@ def reference(x: dict, lb: float | None, gate: bool, cu: list[int] | None):
     for i in range(len(cu) - 1):
         sl = slice(cu[i], cu[i + 1])
         o, s = naive_recurrent_kda(q[:, sl], k[:, sl], x["v"][:, sl], g[:, sl], beta[:, sl], K ** -0.5,
-                                   x["s0"][i:i + 1], True)
+                                   x["s0"][i:i + 1] if h0 else None, True)
         outs.append(o)
         states.append(s)
     return torch.cat(outs, 1), torch.cat(states, 0)
 
 
-def run(x: dict, dtype: torch.dtype, lb: float | None, gate: bool, cu: list[int] | None, grad: bool):
-    """chunk_kda on a copy of x (states, A_log, dt_bias fp32); with ``grad`` also backward of a random projection."""
+def run(x: dict, dtype: torch.dtype, lb: float | None, gate: bool, cu: list[int] | None, grad: bool,
+        h0: bool = True):
+    """chunk_kda on a copy of x (states, A_log, dt_bias fp32); with ``grad`` also backward of a random projection;
+    ``h0``: from ``x["s0"]``, else without an initial state."""
     dx = {n: t.to(DEV, torch.float32 if n in ("A", "dt", "s0") else dtype).requires_grad_(grad)
           for n, t in x.items()}
     K = x["q"].shape[-1]
-    o, ht = chunk_kda(dx["q"], dx["k"], dx["v"], dx["g"], dx["beta"], scale=K ** -0.5, initial_state=dx["s0"],
+    o, ht = chunk_kda(dx["q"], dx["k"], dx["v"], dx["g"], dx["beta"], scale=K ** -0.5,
+                      initial_state=dx["s0"] if h0 else None,
                       output_final_state=True, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=gate,
                       use_beta_sigmoid_in_kernel=True, safe_gate=lb is not None, lower_bound=lb,
                       cu_seqlens=torch.tensor(cu, device=DEV) if cu is not None else None,
@@ -104,10 +108,10 @@ def run(x: dict, dtype: torch.dtype, lb: float | None, gate: bool, cu: list[int]
 
 
 def check(x: dict, tol: float, dtype=torch.float32, lb: float | None = -5.0, gate: bool = True,
-          cu: list[int] | None = None, grad: bool = True, tol_params: float | None = None) -> None:
-    o, ht, proj, grads = run(x, dtype, lb, gate, cu, grad)
+          cu: list[int] | None = None, grad: bool = True, tol_params: float | None = None, h0: bool = True) -> None:
+    o, ht, proj, grads = run(x, dtype, lb, gate, cu, grad, h0)
     xr = {n: t.clone().requires_grad_(grad) for n, t in x.items()}
-    ro, rh = reference(xr, lb, gate, cu)
+    ro, rh = reference(xr, lb, gate, cu, h0)
     errs = {"o": rel(o, ro), "ht": rel(ht, rh)}
     if grad:
         ((ro * proj[0]).sum() + (rh * proj[1]).sum()).backward()
