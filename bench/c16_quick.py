@@ -78,7 +78,7 @@ def checks() -> None:
               flush=True)
 
 
-def kernel_times(states: list[tuple[int, int, int, int]]) -> list[str]:
+def kernel_times(states: list[tuple[int, int, int, int]], preps: list[tuple[int, int, int]]) -> list[str]:
     T, H = 1 << 17, 32
     x = inputs(T, H, seed=1)
     x = {n: (t.to(torch.bfloat16) if n in ("q", "k", "v", "g", "beta") else t) for n, t in x.items()}
@@ -94,11 +94,11 @@ def kernel_times(states: list[tuple[int, int, int, int]]) -> list[str]:
                 c16.launch_c16_prep(x["q"], x["k"], x["v"], x["g"], x["beta"], x["A"], x["dt"], bufs, tab, 0,
                                     tab.NC, 128 ** -0.5, -5.0, flags)
 
-            for w, pw in ((2, False), (4, False), (2, True), (4, True)):
-                with overridden_attrs(c16.C16Config, prep_warps=w, prep_inv_pow=pw):
+            for w, pw, early in preps:
+                with overridden_attrs(c16.C16Config, prep_warps=w, prep_inv_pow=bool(pw), prep_early_loads=bool(early)):
                     t = triton.testing.do_bench(prep, warmup=5, rep=200, return_mode="median")
-                rows.append(f"| prep | mode {mode}, warps {w}, inverse {'pow' if pw else 'subst'} | {t:.3f} | "
-                            f"{t * 8:.1f} |")
+                rows.append(f"| prep | mode {mode}, warps {w}, inverse {'pow' if pw else 'subst'}, "
+                            f"early loads {bool(early)} | {t:.3f} | {t * 8:.1f} |")
                 print(rows[-1], flush=True)
             prep()
             for bv, warps, stages, maxnreg in states:
@@ -122,11 +122,13 @@ def main() -> int:
     ap.add_argument("--skip-check", action="store_true")
     ap.add_argument("--states", default="64,4,3,0 64,4,4,0 64,4,5,0 128,8,3,0 128,8,4,0",
                     help="state-pass variants BV,warps,stages,maxnreg (0: none)")
+    ap.add_argument("--preps", default="2,1,0 2,1,1 4,1,1", help="prep variants warps,inverse-by-products,early-loads")
     a = ap.parse_args()
     print(torch.cuda.get_device_name(), torch.__version__, triton.__version__)
     if not a.skip_check:
         checks()
-    rows = kernel_times([tuple(int(v) for v in st.split(',')) for st in a.states.split()])
+    rows = kernel_times([tuple(int(v) for v in st.split(',')) for st in a.states.split()],
+                        [tuple(int(v) for v in p.split(',')) for p in a.preps.split()])
     print("\n| kernel | variant | ms (T=128K, H=32) | ×8 (per 1M) |\n|---|---|---:|---:|")
     print("\n".join(rows))
     return 0

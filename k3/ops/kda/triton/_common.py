@@ -237,12 +237,21 @@ def _rows_gate(g, A_log, dt_bias, i_h, t0, eos, H, K, lb, BC: tl.constexpr, BK: 
     ``FAST`` (bounded gate only; ``FwdConfig.prep_fast_gate``): ``_sigmoid_fast`` with the gate scale folded into
     its constant, σ(a·x) = (1 + 2^{c·x})^{-1} with c = −a·log2 e computed once per head, the inverse as rsqrt(·)²;
     a few ulp off the plain σ, not bitwise it."""
+    return _gate_of(_chunk_tile(g, i_h, t0, eos, H, K, BC, BK), A_log, dt_bias, i_h, t0, eos, K, lb, BC, BK,
+                    USE_GATE, HAS_LB, HAS_A, HAS_DT, FAST)
+
+
+@triton.jit
+def _gate_of(raw, A_log, dt_bias, i_h, t0, eos, K, lb, BC: tl.constexpr, BK: tl.constexpr,
+             USE_GATE: tl.constexpr, HAS_LB: tl.constexpr, HAS_A: tl.constexpr, HAS_DT: tl.constexpr,
+             FAST: tl.constexpr = False):
+    """``_rows_gate`` of rows already loaded (``_chunk_tile``): apart so a kernel can issue all its loads first."""
     o_s = tl.arange(0, BC)
     o_k = tl.arange(0, BK)
     t = t0 + o_s
     m_k = o_k < K
     m = (t < eos)[:, None] & m_k[None, :]
-    b_f = tl.load(g + t[:, None] * (H * K) + i_h * K + o_k[None, :], mask=m, other=0.).to(tl.float32)
+    b_f = raw.to(tl.float32)
     if FAST and USE_GATE and HAS_LB:
         if HAS_DT:
             b_f = b_f + tl.load(dt_bias + i_h * K + o_k, mask=m_k, other=0.).to(tl.float32)[None, :]

@@ -33,13 +33,15 @@ from k3.ops.kda.triton._common import (
     BT,
     ChunkTable,
     _chunk_pos,
-    _rows_gate,
+    _chunk_tile,
+    _gate_of,
+    _l2norm,
     _state_program,
     dot_precision,
     next_pow2,
 )
 from k3.ops.kda.triton.chunk_fwd import _inv16, state_stages
-from k3.ops.kda.triton.chunk_prep import _inv_pow, _op, _rows_beta, _rows_x
+from k3.ops.kda.triton.chunk_prep import _inv_pow, _op, _rows_beta
 
 
 @triton.jit(do_not_specialize=['c0', 'NCw', 'T', 'NT', 'H'])
@@ -50,7 +52,7 @@ def _c16_prep(
     USE_GATE: tl.constexpr, HAS_LB: tl.constexpr, HAS_A: tl.constexpr, HAS_DT: tl.constexpr,
     L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr, IS_VARLEN: tl.constexpr, FAST_GATE: tl.constexpr,
     PREC: tl.constexpr, AB_BF16: tl.constexpr, MODE: tl.constexpr, INV_POW: tl.constexpr,
-    INV_PREC: tl.constexpr = "ieee", HEAD_MAJOR: tl.constexpr = False,
+    INV_PREC: tl.constexpr = "ieee", HEAD_MAJOR: tl.constexpr = False, EARLY_LOADS: tl.constexpr = False,
 ):
     # MODE (``C16Config.mode``) — what the state pass is handed per 16-token block:
     #   0: X = k̂ e^G, Tβ, qg, A_qk, kg (the state pass forms W = Tβ X and U = Tβ v);
@@ -69,64 +71,76 @@ def _c16_prep(
     blk = i_b % NB
     bos, eos = _chunk_pos(c0 + i_c, cu, chunk_seq, chunk_off, T, NT, BT, IS_VARLEN)
     t0 = bos + blk * BC
-    b_g = _rows_gate(g, A_log, dt_bias, i_h, t0, eos, H, K, lb, BC, BK, USE_GATE, HAS_LB, HAS_A, HAS_DT, FAST_GATE)
+    # Written in the order that keeps few [16, K] fp32 tiles live at once (each is 32 registers per thread at 2
+    # warps): every operand is stored or narrowed to the store dtype as soon as it is formed
+    base = (i_h * NCw + i_c).to(tl.int64)
+    bidx = base * NB + blk  # the block's index in the window buffers
+    o_s = tl.arange(0, BC)
+    o_k = tl.arange(0, BK)
+    row = base * BT + blk * BC + o_s
+    p = row[:, None] * BK + o_k[None, :]
+    DT = X.dtype.element_ty
+    r_g = _chunk_tile(g, i_h, t0, eos, H, K, BC, BK)
+    if EARLY_LOADS:  # every input load issued before the first use: one DRAM latency per program, not four
+        r_k = _chunk_tile(k, i_h, t0, eos, H, K, BC, BK)
+        r_q = _chunk_tile(q, i_h, t0, eos, H, K, BC, BK)
+        if MODE != 0:
+            r_v = _chunk_tile(v, i_h, t0, eos, H, V, BC, BVP)
+        b_b = _rows_beta(beta, i_h, t0, eos, H, BC, BETA_SIGMOID)
+    b_g = _gate_of(r_g, A_log, dt_bias, i_h, t0, eos, K, lb, BC, BK, USE_GATE, HAS_LB, HAS_A, HAS_DT, FAST_GATE)
     G = tl.cumsum(b_g, axis=0)  # log2 decay from the block start through row i (padding rows add 0)
-    gc = tl.sum(b_g, axis=0)  # ... through the block's last row
-    b_q = _rows_x(q, i_h, t0, eos, H, K, BC, BK, L2NORM)
-    b_k = _rows_x(k, i_h, t0, eos, H, K, BC, BK, L2NORM)
-    b_b = _rows_beta(beta, i_h, t0, eos, H, BC, BETA_SIGMOID)
-    e = tl.exp2(G)
-    x = b_k * e
-    qe = b_q * e
+    gam = tl.exp2(tl.sum(b_g, axis=0))  # ... through the block's last row: γ = e^{G_C}
+    tl.store(GAM + bidx * BK + o_k, gam)
+    if not EARLY_LOADS:
+        r_k = _chunk_tile(k, i_h, t0, eos, H, K, BC, BK)
+    b_k, _ = _l2norm(r_k.to(tl.float32), L2NORM)
     # A[i, j] = Σ_d a_id k_jd e^{G_id − G_jd} = (a_i e^{G_i}) · (k_j e^{−G_j}): the left factor ≤ |a|, the right
     # ≤ e^{5·16} under the bound (finite in fp32 and bf16; fp16 inputs keep fp32 operands here)
     en = tl.exp2(-G)
     kd = _op(tl.trans(b_k * en), AB_BF16)
-    o_s = tl.arange(0, BC)
-    aq = tl.dot(_op(qe, AB_BF16), kd, input_precision=PREC)
+    tl.store(KG + p, (b_k * (gam[None, :] * en)).to(DT))  # e^{G_C − G} ≤ 1 as e^{G_C} · e^{−G}: one MUFU op less
+    e = tl.exp2(G)
+    x = b_k * e
     ak = tl.dot(_op(x, AB_BF16), kd, input_precision=PREC)
+    x_dt = x.to(DT)
+    if not EARLY_LOADS:
+        r_q = _chunk_tile(q, i_h, t0, eos, H, K, BC, BK)
+    qe = _l2norm(r_q.to(tl.float32), L2NORM)[0] * e
+    aq = tl.dot(_op(qe, AB_BF16), kd, input_precision=PREC)
     aq = tl.where(o_s[:, None] >= o_s[None, :], aq, 0.) * scale
+    qg_dt = (qe * scale).to(DT)
+    if not EARLY_LOADS:
+        b_b = _rows_beta(beta, i_h, t0, eos, H, BC, BETA_SIGMOID)
     lk = tl.where(o_s[:, None] > o_s[None, :], ak * b_b[:, None], 0.)
     if INV_POW:
         tm = _inv_pow(lk, INV_PREC)
     else:
         tm = _inv16(lk)
     tb = tm * b_b[None, :]
-    base = (i_h * NCw + i_c).to(tl.int64)
-    bidx = base * NB + blk  # the block's index in the window buffers
-    row = base * BT + blk * BC + o_s
-    DT = X.dtype.element_ty
-    o_k = tl.arange(0, BK)
-    p = row[:, None] * BK + o_k[None, :]
-    gam = tl.exp2(gc)
-    tl.store(KG + p, (b_k * (gam[None, :] * en)).to(DT))  # e^{G_C − G} ≤ 1 as e^{G_C} · e^{−G}: one MUFU op less
-    tl.store(GAM + bidx * BK + o_k, gam)
     if MODE == 0:
         tl.store(TB + row[:, None] * BC + o_s[None, :], tb.to(DT))
         tl.store(AQ + row[:, None] * BC + o_s[None, :], aq.to(DT))
-        tl.store(X + p, x.to(DT))
-        tl.store(QG + p, (qe * scale).to(DT))
+        tl.store(X + p, x_dt)
+        tl.store(QG + p, qg_dt)
     else:
         o_v = tl.arange(0, BVP)
-        t = t0 + o_s
-        b_v = tl.load(v + (t * H + i_h)[:, None] * V + o_v[None, :], mask=(t < eos)[:, None] & (o_v < V)[None, :],
-                      other=0.)
+        if not EARLY_LOADS:
+            r_v = _chunk_tile(v, i_h, t0, eos, H, V, BC, BVP)
         tbo = tb.to(DT)
-        w = tl.dot(tbo, x.to(DT), input_precision=PREC)
-        u = tl.dot(tbo, b_v.to(DT), input_precision=PREC).to(DT)
+        w_dt = tl.dot(tbo, x_dt, input_precision=PREC).to(DT)
+        u = tl.dot(tbo, r_v.to(DT), input_precision=PREC).to(DT)
         # U (and A_qk U) stored transposed per block, [BVP, 16] (or [BVP, 32]): the state pass reads them as [BV, ·]
         # tiles contiguous along their rows, which its pipeline can copy asynchronously (2-byte strided ones not)
         if MODE == 1:
-            tl.store(X + p, w.to(DT))
+            tl.store(X + p, w_dt)
             tl.store(U + bidx * (BVP * BC) + o_v[None, :] * BC + o_s[:, None], u)
             tl.store(AQ + row[:, None] * BC + o_s[None, :], aq.to(DT))
-            tl.store(QG + p, (qe * scale).to(DT))
+            tl.store(QG + p, qg_dt)
         else:
             # stacked per block: rows [32·b, 32·b + 16) −W (U), rows [32·b + 16, 32·b + 32) qw (A_qk U)
             row2 = bidx * (2 * BC) + o_s
             aqo = aq.to(DT)
-            w_dt = w.to(DT)
-            qw = qe * scale - tl.dot(aqo, w_dt, input_precision=PREC)
+            qw = qg_dt.to(tl.float32) - tl.dot(aqo, w_dt, input_precision=PREC)
             tl.store(X + row2[:, None] * BK + o_k[None, :], -w_dt)
             tl.store(X + (row2 + BC)[:, None] * BK + o_k[None, :], qw.to(DT))
             p_u = U + bidx * (BVP * 2 * BC) + o_v[None, :] * (2 * BC) + o_s[:, None]
@@ -211,6 +225,9 @@ class C16Config:
     prep_inv_pow = True
     prep_inv_prec = "ieee"  # the products' precision: "ieee" (FMA) or "tf32x3" (tensor cores)
     prep_head_major = False  # prep grid (heads, blocks) instead of (blocks, heads)
+    # issue the loads of q, k, v, g, β together at the program's start (the compiled code otherwise waits for each
+    # in turn, between the gate, the norms and the products: four DRAM latencies per short program)
+    prep_early_loads = True
     state_bv = 64
     # ``FwdConfig.inference_flow = "auto"`` takes this flow from this many state-pass programs (B·H·V / state_bv)
     min_programs = 64
@@ -273,6 +290,7 @@ def launch_c16_prep(q, k, v, g, beta, A_log, dt_bias, bufs: dict, tab: ChunkTabl
         FAST_GATE=bool(C16Config.prep_fast_gate) and lower_bound is not None, PREC=dot_precision(q.dtype),
         AB_BF16=q.dtype == torch.bfloat16, MODE=_mode(), INV_POW=bool(C16Config.prep_inv_pow),
         INV_PREC=C16Config.prep_inv_prec, HEAD_MAJOR=bool(C16Config.prep_head_major),
+        EARLY_LOADS=bool(C16Config.prep_early_loads),
         num_warps=C16Config.prep_warps, num_stages=1,
     )
 

@@ -68,12 +68,7 @@ from k3.ops.kda.triton._common import (
 @triton.jit
 def _rows_x(x, i_h, t0, eos, H, K, BC: tl.constexpr, BK: tl.constexpr, L2NORM: tl.constexpr):
     """Tokens [t0, t0 + BC) of q or k [T, H, K], fp32 [BC, BK], L2-normalized if asked; zero outside."""
-    o_s = tl.arange(0, BC)
-    o_k = tl.arange(0, BK)
-    t = t0 + o_s
-    m = (t < eos)[:, None] & (o_k < K)[None, :]
-    b_x, _ = _l2norm(tl.load(x + t[:, None] * (H * K) + i_h * K + o_k[None, :], mask=m, other=0.).to(tl.float32),
-                     L2NORM)
+    b_x, _ = _l2norm(_chunk_tile(x, i_h, t0, eos, H, K, BC, BK).to(tl.float32), L2NORM)
     return b_x
 
 
