@@ -78,7 +78,8 @@ def checks() -> None:
               flush=True)
 
 
-def kernel_times(states: list[tuple[int, int, int, int]], preps: list[tuple[int, int, int]]) -> list[str]:
+def kernel_times(states: list[tuple[int, int, int, int]], preps: list[tuple[int, int, int]],
+                 modes: list[int]) -> list[str]:
     T, H = 1 << 17, 32
     x = inputs(T, H, seed=1)
     x = {n: (t.to(torch.bfloat16) if n in ("q", "k", "v", "g", "beta") else t) for n, t in x.items()}
@@ -86,7 +87,7 @@ def kernel_times(states: list[tuple[int, int, int, int]], preps: list[tuple[int,
     flags = dict(l2norm=True, use_gate=True, beta_sigmoid=True, exact_diag=False)
     o, ht = alloc_output_state(x["q"], x["v"], None, tab)
     rows = []
-    for mode in (0, 1, 2):
+    for mode in modes:
         with overridden_attrs(c16.C16Config, mode=mode):
             bufs = c16.alloc_c16_buffers(H, tab.NC, 128, 128, torch.bfloat16, x["q"].device)
 
@@ -101,8 +102,8 @@ def kernel_times(states: list[tuple[int, int, int, int]], preps: list[tuple[int,
                             f"early loads {bool(early)} | {t:.3f} | {t * 8:.1f} |")
                 print(rows[-1], flush=True)
             prep()
-            for bv, warps, stages, maxnreg in states:
-                opts = dict(state_bv=bv, state_warps=warps, state_stages=stages)
+            for bv, warps, stages, late in states:
+                opts = dict(state_bv=bv, state_warps=warps, state_stages=stages, state_store_late=bool(late))
                 with overridden_attrs(c16.C16Config, **opts):
                     try:
                         t = triton.testing.do_bench(lambda: c16.launch_c16_state(bufs, x["v"], o, ht, tab, 0, tab.NC,
@@ -111,7 +112,7 @@ def kernel_times(states: list[tuple[int, int, int, int]], preps: list[tuple[int,
                         cell = f"{t:.3f} | {t * 8:.1f}"
                     except Exception as e:  # noqa: BLE001 (a variant that does not compile or launch)
                         cell = f"{type(e).__name__} |"
-                rows.append(f"| state | mode {mode}, BV {bv}, {warps} warps, {stages} stages | {cell} |")
+                rows.append(f"| state | mode {mode}, BV {bv}, {warps} warps, {stages} stages, store late {bool(late)} | {cell} |")
                 print(rows[-1], flush=True)
             del bufs
     return rows
@@ -121,14 +122,16 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--skip-check", action="store_true")
     ap.add_argument("--states", default="64,4,3,0 64,4,4,0 64,4,5,0 128,8,3,0 128,8,4,0",
-                    help="state-pass variants BV,warps,stages,maxnreg (0: none)")
+                    help="state-pass variants BV,warps,stages,store-late")
+    ap.add_argument("--modes", default="0 1 2", help="C16Config.mode values to time")
     ap.add_argument("--preps", default="2,1,0 2,1,1 4,1,1", help="prep variants warps,inverse-by-products,early-loads")
     a = ap.parse_args()
     print(torch.cuda.get_device_name(), torch.__version__, triton.__version__)
     if not a.skip_check:
         checks()
     rows = kernel_times([tuple(int(v) for v in st.split(',')) for st in a.states.split()],
-                        [tuple(int(v) for v in p.split(',')) for p in a.preps.split()])
+                        [tuple(int(v) for v in p.split(',')) for p in a.preps.split()],
+                        [int(m) for m in a.modes.split()])
     print("\n| kernel | variant | ms (T=128K, H=32) | ×8 (per 1M) |\n|---|---|---:|---:|")
     print("\n".join(rows))
     return 0

@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # Nsight Compute on the 16-token inference flow's two kernels (one window of a B=1 H=32 T=64K prefill): launch and
 # occupancy figures, stall-reason samples, and the stall samples per Triton source line (bench/ncu_lines.py).
-# On the GPU machine, from the repository root:  OUT=/some/dir bash bench/ncu_c16.sh
+# On the GPU machine, from the repository root:  OUT=/some/dir bash bench/ncu_c16.sh [--c16-mode N]
 set -x
 R=$OUT/c16
-ncu --clock-control none --profile-from-start off --set full --import-source yes --kernel-name regex:"_c16_" --launch-count 2 --export $R --force-overwrite python bench/ncu_kda.py --case prefill16 > $OUT/ncu_run.log 2>&1
+ncu --clock-control none --profile-from-start off --set full --import-source yes --kernel-name regex:"_c16_" --launch-count 2 --export $R --force-overwrite python bench/ncu_kda.py --case prefill16 "$@" > $OUT/ncu_run.log 2>&1
 tail -3 $OUT/ncu_run.log
 for k in _c16_prep _c16_state; do
   ncu -i $R.ncu-rep --kernel-name $k --page details --section SpeedOfLight --section Occupancy --section WarpStateStats --section SchedulerStats --section LaunchStats --section MemoryWorkloadAnalysis 2>&1 | grep -v "^    ---\|^$" | grep -E "Duration|Throughput|Registers|Achieved Occupancy|Theoretical Occupancy|Warp Cycles Per Issued|Issued Warp|No Eligible|Active Warps|Eligible Warps|Block Limit|Shared Memory Config|Dynamic Shared|Stall|L1/TEX Hit|L2 Hit|DRAM Through|Compute \(SM\)|Memory Throughput" | head -40

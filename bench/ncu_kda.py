@@ -60,7 +60,12 @@ def decode() -> None:
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--case", choices=("prefill", "prefill16", "train", "decode", "all"), default="all")
+    ap.add_argument("--c16-mode", type=int, default=None, help="C16Config.mode for prefill16 (default: the library's)")
     a = ap.parse_args()
+    if a.c16_mode is not None:
+        from k3.ops.kda.triton.chunk16 import C16Config
+
+        C16Config.mode = a.c16_mode
     cases = {"prefill": prefill, "prefill16": prefill16, "train": train, "decode": decode}
     run = [c for c in cases if c != "prefill16"] if a.case == "all" else [a.case]
     for name in run:

@@ -154,6 +154,7 @@ def _c16_state(
     cu, chunk_off, c0, c1, NCw, T, NT, H, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BVP: tl.constexpr,
     IS_VARLEN: tl.constexpr, PREC: tl.constexpr, STAGES: tl.constexpr, MODE: tl.constexpr,
+    STORE_LATE: tl.constexpr = False,
 ):
     i_v, i_n, i_h, cs, bos, eos, lo, hi = _state_program(cu, chunk_off, c0, c1, T, NT, H, IS_VARLEN)
     if lo < hi:
@@ -206,8 +207,11 @@ def _c16_state(
                 vn_dt = b_vnt.to(DT)
                 b_ot = tl.dot(s_dt, tl.trans(b_qg), input_precision=PREC) + tl.dot(vn_dt, tl.trans(b_aq),
                                                                                     input_precision=PREC)
-            tl.store(o + p_v, b_ot.to(o.dtype.element_ty), mask=m_v[:, None] & m_t[None, :])
+            if not STORE_LATE:
+                tl.store(o + p_v, b_ot.to(o.dtype.element_ty), mask=m_v[:, None] & m_t[None, :])
             St = St * b_gam[None, :] + tl.dot(vn_dt, b_kg, input_precision=PREC)
+            if STORE_LATE:  # the output's layout change (through shared memory, a barrier) after the update's issue
+                tl.store(o + p_v, b_ot.to(o.dtype.element_ty), mask=m_v[:, None] & m_t[None, :])
         tl.store(p_s, St, mask=m_v[:, None] & m_k[None, :])
 
 
@@ -233,6 +237,7 @@ class C16Config:
     min_programs = 64
     state_warps = 4
     state_stages = 4
+    state_store_late = False  # the state pass stores each step's output after issuing its state update
 
 
 def _mode() -> int:
@@ -308,6 +313,7 @@ def launch_c16_state(bufs: dict, v, o, ht, tab: ChunkTable, c0: int, c1: int, H:
         bufs["X"], _or(bufs, "QG"), bufs["KG"], bufs["GAM"], _or(bufs, "TB"), _or(bufs, "AQ"), _or(bufs, "U"),
         v, o, ht, tab.cu, tab.chunk_off, c0, c1, bufs["X"].shape[1], tab.T, tab.NT, H, K, V,
         BT=BT, BC=BC, BK=BK, BV=BV, BVP=BVP, IS_VARLEN=tab.varlen, PREC=dot_precision(bufs["X"].dtype),
-        STAGES=state_stages(C16Config.state_stages, bufs["X"].dtype), MODE=_mode(), num_warps=C16Config.state_warps,
+        STAGES=state_stages(C16Config.state_stages, bufs["X"].dtype), MODE=_mode(),
+        STORE_LATE=bool(C16Config.state_store_late), num_warps=C16Config.state_warps,
         num_stages=1,
     )
