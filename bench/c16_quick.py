@@ -78,7 +78,7 @@ def checks() -> None:
               flush=True)
 
 
-def kernel_times(states: list[tuple[int, int, int, int]], preps: list[tuple[int, int, int]],
+def kernel_times(states: list[tuple[int, int, int, int]], preps: list[tuple[int, int, int, str]],
                  modes: list[int]) -> list[str]:
     T, H = 1 << 17, 32
     x = inputs(T, H, seed=1)
@@ -95,11 +95,12 @@ def kernel_times(states: list[tuple[int, int, int, int]], preps: list[tuple[int,
                 c16.launch_c16_prep(x["q"], x["k"], x["v"], x["g"], x["beta"], x["A"], x["dt"], bufs, tab, 0,
                                     tab.NC, 128 ** -0.5, -5.0, flags)
 
-            for w, pw, early in preps:
-                with overridden_attrs(c16.C16Config, prep_warps=w, prep_inv_pow=bool(pw), prep_early_loads=bool(early)):
+            for w, pw, early, prec in preps:
+                with overridden_attrs(c16.C16Config, prep_warps=w, prep_inv_pow=bool(pw), prep_early_loads=bool(early),
+                                      prep_inv_prec=prec):
                     t = triton.testing.do_bench(prep, warmup=5, rep=200, return_mode="median")
                 rows.append(f"| prep | mode {mode}, warps {w}, inverse {'pow' if pw else 'subst'}, "
-                            f"early loads {bool(early)} | {t:.3f} | {t * 8:.1f} |")
+                            f"{prec}, early loads {bool(early)} | {t:.3f} | {t * 8:.1f} |")
                 print(rows[-1], flush=True)
             prep()
             for bv, warps, stages, late in states:
@@ -124,13 +125,14 @@ def main() -> int:
     ap.add_argument("--states", default="64,4,3,0 64,4,4,0 64,4,5,0 128,8,3,0 128,8,4,0",
                     help="state-pass variants BV,warps,stages,store-late")
     ap.add_argument("--modes", default="0 1 2", help="C16Config.mode values to time")
-    ap.add_argument("--preps", default="2,1,0 2,1,1 4,1,1", help="prep variants warps,inverse-by-products,early-loads")
+    ap.add_argument("--preps", default="2,1,0,ieee 2,1,1,ieee 4,1,1,ieee",
+                    help="prep variants warps,inverse-by-products,early-loads,products' precision")
     a = ap.parse_args()
     print(torch.cuda.get_device_name(), torch.__version__, triton.__version__)
     if not a.skip_check:
         checks()
     rows = kernel_times([tuple(int(v) for v in st.split(',')) for st in a.states.split()],
-                        [tuple(int(v) for v in p.split(',')) for p in a.preps.split()],
+                        [(int(w), int(pw), int(e), prec) for w, pw, e, prec in (p.split(',') for p in a.preps.split())],
                         [int(m) for m in a.modes.split()])
     print("\n| kernel | variant | ms (T=128K, H=32) | ×8 (per 1M) |\n|---|---|---:|---:|")
     print("\n".join(rows))

@@ -5,8 +5,8 @@ L2 norm, β; the block's A_kk / A_qk (reference = the row before the block, a pa
 an earlier row even through rounding — fla issue #1240); T = (I + β A_kk)^{-1} (four-factor products at fp32
 accuracy, or forward substitution); then the step operands of its block: per ``C16Config.mode`` W = T Diag(β) X
 with X = k̂ e^G, U = T Diag(β) v, qg = scale·q̂ e^G, kg = k̂ e^{G_C − G} ([16, K] or [16, V] each), scale·A_qk
-([16, 16]) and γ = e^{G_C} ([K] fp32) — mode 1, the default; mode 0 hands over X and T Diag(β) instead of W and U;
-mode 2 folds the output's A_qk term into them (see ``_c16_prep``).
+([16, 16]) and γ = e^{G_C} ([K] fp32) — mode 1; mode 0 hands over X and T Diag(β) instead of W and U; mode 2 (the
+default) folds the output's A_qk term into them (see ``_c16_prep``).
 
 ``_c16_state`` — the sequential pass, grid (V-blocks, N·H), the state kept TRANSPOSED in registers (Sᵀ [BV, K],
 fp32) so that every product of the step has the V-block (64 rows) as its M dimension — Hopper's wgmma needs
@@ -15,9 +15,9 @@ M ≥ 64, a 16-row step would otherwise run on the older mma.sync — and the se
     V'ᵀ = Uᵀ − Sᵀ Wᵀ,  Oᵀ = Sᵀ qgᵀ + V'ᵀ (scale·A_qk)ᵀ,  Sᵀ ← Sᵀ Diag(γ) + V'ᵀ kg.
 
 Why: the 64-token flow (``chunk_fwd``) writes W, U, kg, qg, A_qk and fp32 scratch per 64-token chunk through
-three prep kernels (49 ms of the whole H200 per 1M tokens at H = 32); this prep is one light kernel (36 ms). Its
-state pass costs more per token (16-token steps: 2.55 vs 1.55 µs per 64 tokens and program), so the flow pays where
-the prep dominates — from ~64 state-pass programs (``FwdConfig.inference_flow = "auto"``). Bounded gates only
+three prep kernels (49 ms of the whole H200 per 1M tokens at H = 32); this prep is one light kernel (28 ms in mode
+2). Its state pass costs about as much per token as the 64-token one in mode 2 (1.6 µs per 64 tokens and program;
+mode 1 2.1), and the flow was measured to pay from ~64 state-pass programs (``FwdConfig.inference_flow = "auto"``). Bounded gates only
 (``lower_bound`` set): the prep's right factor k e^{−G} reaches e^{5·16} within a block, like FlashKDA's.
 Inference only (no backward), windowed like ``chunk_fwd`` so memory does not grow with T.
 """
@@ -218,26 +218,29 @@ def _c16_state(
 class C16Config:
     """Launch knobs of the 16-token inference flow (class attributes, for benchmarks to switch)."""
 
-    # what the prep hands the state pass (see ``_c16_prep``). H200 (bench/c16_quick.py, B=1 H=32, per 1M tokens):
-    # prep 31.4 / 36.4 / 40.1 ms of the whole GPU, state pass 41.7 / 34.7 / 27.6 ms on its 64 programs for modes
-    # 0 / 1 / 2; the prefill (knob_ab) 57.3 / 49.9 / 51.8 ms
-    mode = 1
-    prep_warps = 2
+    # what the prep hands the state pass (see ``_c16_prep``). H200 (bench/c16_quick.py, B=1 H=32, per 1M tokens,
+    # prep with early loads): prep 21.4 / 24.5 / 28.5 ms of the whole GPU, state pass 41.6 / 34.7 / 25.9 ms (6
+    # stages) on its 64 programs for modes 0 / 1 / 2; the prefill (knob_ab) 56.7 / 47.2–47.4 / 43.9–46.7 ms
+    mode = 2
+    prep_warps = 2  # 4 warps: prep 28.5 → 37.0 ms (mode 2)
     prep_fast_gate = True  # bounded gate σ by rsqrt (``_rows_gate`` FAST): a few ulp off the plain σ
-    # the 16×16 inverse by six fp32-accurate products instead of forward substitution; H200 (bench/c16_quick.py),
-    # prep per 1M tokens at H = 32: 33.0 ms by substitution, 31.4 by products at 'ieee', 34.3 at 'tf32x3'
+    # the 16×16 inverse by six fp32-accurate products instead of forward substitution; H200, mode 2, prep per 1M
+    # tokens at H = 32: 31.4 ms by substitution, 28.5 by products at 'ieee', 27.4–27.6 at 'tf32x3'
     prep_inv_pow = True
-    prep_inv_prec = "ieee"  # the products' precision: "ieee" (FMA) or "tf32x3" (tensor cores)
+    prep_inv_prec = "tf32x3"  # the products' precision: "ieee" (FMA) or "tf32x3" (tensor cores, fp32-accurate)
     prep_head_major = False  # prep grid (heads, blocks) instead of (blocks, heads)
     # issue the loads of q, k, v, g, β together at the program's start (the compiled code otherwise waits for each
-    # in turn, between the gate, the norms and the products: four DRAM latencies per short program)
+    # in turn, between the gate, the norms and the products: four DRAM latencies per short program); H200, mode 1:
+    # prep 31.9 → 24.5 ms per 1M at H = 32
     prep_early_loads = True
-    state_bv = 64
+    state_bv = 64  # 128 at 8 warps: 48 ms per 1M (the two warpgroups' steps do not overlap)
     # ``FwdConfig.inference_flow = "auto"`` takes this flow from this many state-pass programs (B·H·V / state_bv)
     min_programs = 64
     state_warps = 4
-    state_stages = 4
-    state_store_late = False  # the state pass stores each step's output after issuing its state update
+    state_stages = 6  # mode 2: 27.7 ms at 4 stages, 25.9 at 6, 29.1 at 8 (store late)
+    # the state pass stores each step's output after issuing its state update (one barrier less per step in the
+    # sm_90 code): the state pass alone 25.9 → 28.8 ms, but the prefill beside the prep 45.5–46.7 → 44.0–44.1
+    state_store_late = True
 
 
 def _mode() -> int:
