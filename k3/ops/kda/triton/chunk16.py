@@ -154,12 +154,18 @@ def _c16_state(
     cu, chunk_off, c0, c1, NCw, T, NT, H, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BVP: tl.constexpr,
     IS_VARLEN: tl.constexpr, PREC: tl.constexpr, STAGES: tl.constexpr, MODE: tl.constexpr,
-    STORE_LATE: tl.constexpr = False,
+    STORE_LATE: tl.constexpr = False, TMA: tl.constexpr = False,
 ):
+    # TMA (mode 2): X, KG, GAM, U are host tensor descriptors over the window buffers viewed as 2-D row tables
+    # ([blocks·32, BK], [blocks·16, BK], [blocks, BK], [blocks·BVP, 32]); each step's tiles are then one bulk copy
+    # each instead of per-thread asynchronous copies with their address arithmetic
     i_v, i_n, i_h, cs, bos, eos, lo, hi = _state_program(cu, chunk_off, c0, c1, T, NT, H, IS_VARLEN)
     if lo < hi:
         NB: tl.constexpr = BT // BC
-        DT: tl.constexpr = X.dtype.element_ty
+        if TMA:
+            DT: tl.constexpr = KG.dtype
+        else:
+            DT: tl.constexpr = KG.dtype.element_ty
         o_s = tl.arange(0, BC)
         o_k = tl.arange(0, BK)
         o_v = i_v * BV + tl.arange(0, BV)
@@ -168,24 +174,33 @@ def _c16_state(
         # Sᵀ: row = value column, column = key dimension
         p_s = ht + ((i_n * H + i_h).to(tl.int64) * K + o_k[None, :]) * V + o_v[:, None]
         St = tl.load(p_s, mask=m_v[:, None] & m_k[None, :], other=0.)
+        # step j (block j of the sequence's chunks, counted from the window's first chunk c0) reads block
+        # boff + j of the window buffers and writes tokens tok0 + j·BC ...: every address is affine in j
+        boff = (i_h * NCw - c0).to(tl.int64) * NB
+        tok0 = bos - cs.to(tl.int64) * BT
         for j in tl.range(lo * NB, hi * NB, num_stages=STAGES):
-            c = j // NB
-            blk = j % NB
-            base = (i_h * NCw + (c - c0)).to(tl.int64)
-            bidx = base * NB + blk  # the block's index in the window buffers
-            row = base * BT + blk * BC + o_s
+            bidx = boff + j  # the block's index in the window buffers
+            row = bidx * BC + o_s
             p = row[:, None] * BK + o_k[None, :]
-            b_kg = tl.load(KG + p)
-            b_gam = tl.load(GAM + bidx * BK + o_k)
-            t = bos + (c - cs).to(tl.int64) * BT + blk * BC + o_s
+            if TMA:
+                b_kg = KG.load([(bidx * BC).to(tl.int32), 0])
+                b_gam = tl.reshape(GAM.load([bidx.to(tl.int32), 0]), [BK])
+            else:
+                b_kg = tl.load(KG + p)
+                b_gam = tl.load(GAM + bidx * BK + o_k)
+            t = tok0 + j * BC + o_s
             m_t = t < eos
             p_v = (t[None, :] * H + i_h) * V + o_v[:, None]  # [BV, BC]: vᵀ and Oᵀ
             s_dt = St.to(DT)
             if MODE == 2:
-                o_r = tl.arange(0, 2 * BC)
-                b_wq = tl.load(X + (bidx * (2 * BC) + o_r)[:, None] * BK + o_k[None, :])  # [−W; qw]
-                b_ua = tl.load(U + bidx * (BVP * 2 * BC) + o_v[:, None] * (2 * BC) + o_r[None, :]).to(
-                    tl.float32)  # [U; A_qk U]ᵀ
+                if TMA:
+                    b_wq = X.load([(bidx * (2 * BC)).to(tl.int32), 0])
+                    b_ua = U.load([(bidx * BVP + i_v * BV).to(tl.int32), 0]).to(tl.float32)
+                else:
+                    o_r = tl.arange(0, 2 * BC)
+                    b_wq = tl.load(X + (bidx * (2 * BC) + o_r)[:, None] * BK + o_k[None, :])  # [−W; qw]
+                    b_ua = tl.load(U + bidx * (BVP * 2 * BC) + o_v[:, None] * (2 * BC) + o_r[None, :]).to(
+                        tl.float32)  # [U; A_qk U]ᵀ
                 # [V'ᵀ | Oᵀ] = [Uᵀ | (A_qk U)ᵀ] + Sᵀ [−W; qw]ᵀ: one product, its accumulator starts from the loads
                 acc = tl.dot(s_dt, tl.trans(b_wq), acc=b_ua, input_precision=PREC)
                 b_vnt, b_ot = tl.split(tl.permute(tl.reshape(acc, [BV, 2, BC]), (0, 2, 1)))
@@ -241,6 +256,7 @@ class C16Config:
     # the state pass stores each step's output after issuing its state update (one barrier less per step in the
     # sm_90 code): the state pass alone 25.9 → 28.8 ms, but the prefill beside the prep 45.5–46.7 → 44.0–44.1
     state_store_late = True
+    state_tma = False  # mode 2: the state pass's tiles by TMA (host descriptors) instead of per-thread copies
 
 
 def _mode() -> int:
@@ -303,6 +319,21 @@ def launch_c16_prep(q, k, v, g, beta, A_log, dt_bias, bufs: dict, tab: ChunkTabl
     )
 
 
+def _state_descriptors(bufs: dict, BV: int) -> tuple:
+    """Mode 2's state-pass operands as TMA descriptors (built once per window buffer set and V-block size)."""
+    from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: PLC0415 (Triton ≥ 3.3)
+
+    key = ("_desc", BV)
+    if key not in bufs:
+        X, KG, GAM, U = bufs["X"], bufs["KG"], bufs["GAM"], bufs["U"]
+        BK = X.shape[-1]
+        bufs[key] = (TensorDescriptor.from_tensor(X.view(-1, BK), [2 * BC, BK]),
+                     TensorDescriptor.from_tensor(KG.view(-1, BK), [BC, BK]),
+                     TensorDescriptor.from_tensor(GAM.view(-1, BK), [1, BK]),
+                     TensorDescriptor.from_tensor(U.view(-1, 2 * BC), [BV, 2 * BC]))
+    return bufs[key]
+
+
 def state_blocks(BVP: int) -> int:
     """V-blocks per (sequence, head) of the state pass: its programs are ``state_blocks(BVP)`` × N·H."""
     return BVP // min(C16Config.state_bv, BVP)
@@ -312,11 +343,13 @@ def launch_c16_state(bufs: dict, v, o, ht, tab: ChunkTable, c0: int, c1: int, H:
     BK = bufs["X"].shape[-1]
     BVP = next_pow2(V)
     BV = min(C16Config.state_bv, BVP)
+    tma = bool(C16Config.state_tma) and _mode() == 2
+    X, KG, GAM, U = _state_descriptors(bufs, BV) if tma else (bufs["X"], bufs["KG"], bufs["GAM"], _or(bufs, "U"))
     _c16_state[(state_blocks(BVP), tab.N * H)](
-        bufs["X"], _or(bufs, "QG"), bufs["KG"], bufs["GAM"], _or(bufs, "TB"), _or(bufs, "AQ"), _or(bufs, "U"),
+        X, _or(bufs, "QG"), KG, GAM, _or(bufs, "TB"), _or(bufs, "AQ"), U,
         v, o, ht, tab.cu, tab.chunk_off, c0, c1, bufs["X"].shape[1], tab.T, tab.NT, H, K, V,
         BT=BT, BC=BC, BK=BK, BV=BV, BVP=BVP, IS_VARLEN=tab.varlen, PREC=dot_precision(bufs["X"].dtype),
         STAGES=state_stages(C16Config.state_stages, bufs["X"].dtype), MODE=_mode(),
-        STORE_LATE=bool(C16Config.state_store_late), num_warps=C16Config.state_warps,
+        STORE_LATE=bool(C16Config.state_store_late), TMA=tma, num_warps=C16Config.state_warps,
         num_stages=1,
     )
