@@ -52,8 +52,9 @@ def line_table(cubin: str, nvdisasm: str) -> list[tuple[tuple[str, int] | None, 
     return seq
 
 
-def read_csv(path: str) -> tuple[list[str], list[int], list[dict[str, int]]]:
-    """Opcodes, stall samples and per-reason stall samples of every instruction in an ncu source-page CSV."""
+def read_csv(path: str) -> tuple[list[str], list[int], list[dict[str, int]], list[tuple[float, float]]]:
+    """Opcodes, stall samples, per-reason stall samples and shared-memory wavefronts (all, excessive = bank
+    conflicts) of every instruction in an ncu source-page CSV."""
     with open(path, newline="") as f:
         rows = list(csv.reader(f))
     start = next(i for i, r in enumerate(rows) if r and r[0] == "Address")
@@ -63,7 +64,12 @@ def read_csv(path: str) -> tuple[list[str], list[int], list[dict[str, int]]]:
     ops = [opcode(r[i_src]) for r in data]
     samples = [int(r[i_w] or 0) for r in data]
     per = [{name: int(r[i] or 0) for i, name in reasons} for r in data]
-    return ops, samples, per
+
+    def num(r: list[str], name: str) -> float:
+        return float((r[hdr.index(name)] or "0").replace(",", "")) if name in hdr else 0.0
+
+    wave = [(num(r, "L1 Wavefronts Shared"), num(r, "L1 Wavefronts Shared Excessive")) for r in data]
+    return ops, samples, per, wave
 
 
 def best_cubin(name: str, ops: list[str], cache: str, nvdisasm: str):
@@ -89,7 +95,7 @@ def main() -> int:
     import triton
 
     nvdisasm = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
-    ops, samples, per = read_csv(a.csv)
+    ops, samples, per, wave = read_csv(a.csv)
     if a.cubin:
         seq = line_table(a.cubin, nvdisasm)
         cubin, agree = a.cubin, sum(x == y for (_, x), y in zip(seq, ops)) / max(len(ops), 1)
@@ -114,6 +120,22 @@ def main() -> int:
         ops_ = ", ".join(f"{o}×{c}" for o, c in kinds[src].most_common(3))
         where = f"{src[0]}:{src[1]}" if src else "?"
         print(f"| {100 * w / total:.1f}% | {where} | {top} | {ops_} |")
+    waves: collections.Counter = collections.Counter()
+    excess: collections.Counter = collections.Counter()
+    smem_ops: dict = collections.defaultdict(collections.Counter)
+    for (src, op), (wv, ex) in zip(seq, wave):
+        if wv:
+            waves[src] += wv
+            excess[src] += ex
+            smem_ops[src][op] += 1
+    if waves:  # shared memory's bandwidth: one wavefront per cycle and SM
+        all_w = sum(waves.values())
+        print(f"\nshared-memory wavefronts: {all_w:.3g} ({sum(excess.values()) / all_w:.0%} excessive)")
+        print("| share | line | excessive | shared-memory opcodes |\n|---:|---|---:|---|")
+        for src, wv in waves.most_common(a.top):
+            where = f"{src[0]}:{src[1]}" if src else "?"
+            ops_ = ", ".join(f"{o}×{c}" for o, c in smem_ops[src].most_common(3))
+            print(f"| {100 * wv / all_w:.1f}% | {where} | {excess[src] / wv:.0%} | {ops_} |")
     return 0
 
 
