@@ -254,8 +254,10 @@ class C16Config:
     state_warps = 4
     state_stages = 6  # mode 2: 27.7 ms at 4 stages, 25.9 at 6, 29.1 at 8 (store late)
     # the state pass stores each step's output after issuing its state update (one barrier less per step in the
-    # sm_90 code): the state pass alone 25.9 → 28.8 ms, but the prefill beside the prep 45.5–46.7 → 44.0–44.1
-    state_store_late = True
+    # sm_90 code): alone 25.9 → 28.8 ms; in the prefill beside the prep first 45.5–46.7 → 44.0–44.1, then, with the
+    # affine addresses, on other machines 43.9 / 45.6 (early) vs 45.3 / 46.1 (late) and 41.9 vs 42.8 / 44.7: noise
+    # of ±1 ms between machines, no gain kept
+    state_store_late = False
     state_tma = False  # mode 2: the state pass's tiles by TMA (host descriptors) instead of per-thread copies
 
 
