@@ -103,8 +103,8 @@ def kernel_times(states: list[tuple[int, int, int, int]], preps: list[tuple[int,
                             f"{prec}, early loads {bool(early)} | {t:.3f} | {t * 8:.1f} |")
                 print(rows[-1], flush=True)
             prep()
-            for bv, warps, stages, late in states:
-                opts = dict(state_bv=bv, state_warps=warps, state_stages=stages, state_store_late=bool(late))
+            for bv, warps, stages, inc in states:
+                opts = dict(state_bv=bv, state_warps=warps, state_stages=stages, state_ptr_inc=bool(inc))
                 with overridden_attrs(c16.C16Config, **opts):
                     try:
                         t = triton.testing.do_bench(lambda: c16.launch_c16_state(bufs, x["v"], o, ht, tab, 0, tab.NC,
@@ -113,7 +113,7 @@ def kernel_times(states: list[tuple[int, int, int, int]], preps: list[tuple[int,
                         cell = f"{t:.3f} | {t * 8:.1f}"
                     except Exception as e:  # noqa: BLE001 (a variant that does not compile or launch)
                         cell = f"{type(e).__name__} |"
-                rows.append(f"| state | mode {mode}, BV {bv}, {warps} warps, {stages} stages, store late {bool(late)} | {cell} |")
+                rows.append(f"| state | mode {mode}, BV {bv}, {warps} warps, {stages} stages, pointers advanced {bool(inc)} | {cell} |")
                 print(rows[-1], flush=True)
             del bufs
     return rows
@@ -123,7 +123,7 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--skip-check", action="store_true")
     ap.add_argument("--states", default="64,4,3,0 64,4,4,0 64,4,5,0 128,8,3,0 128,8,4,0",
-                    help="state-pass variants BV,warps,stages,store-late")
+                    help="state-pass variants BV,warps,stages,pointer-increments (mode 2)")
     ap.add_argument("--modes", default="0 1 2", help="C16Config.mode values to time")
     ap.add_argument("--preps", default="2,1,0,ieee 2,1,1,ieee 4,1,1,ieee",
                     help="prep variants warps,inverse-by-products,early-loads,products' precision")

@@ -148,24 +148,27 @@ def _c16_prep(
             tl.store(p_u + BC, tl.dot(aqo, u, input_precision=PREC).to(DT))
 
 
+@triton.jit
+def _folded_step(s_dt, b_wq, b_ua, PREC: tl.constexpr, BV: tl.constexpr, BC: tl.constexpr):
+    """Mode 2's product: [V'ᵀ | Oᵀ] = [Uᵀ | (A_qk U)ᵀ] + Sᵀ [−W; qw]ᵀ, one product whose accumulator starts from the
+    loaded [U; A_qk U]ᵀ; returns V'ᵀ in the operand dtype and Oᵀ in fp32."""
+    acc = tl.dot(s_dt, tl.trans(b_wq), acc=b_ua, input_precision=PREC)
+    b_vnt, b_ot = tl.split(tl.permute(tl.reshape(acc, [BV, 2, BC]), (0, 2, 1)))
+    return b_vnt.to(s_dt.dtype), b_ot
+
+
 @triton.jit(do_not_specialize=['c0', 'c1', 'NCw', 'T', 'NT', 'H'])
 def _c16_state(
     X, QG, KG, GAM, TB, AQ, U, v, o, ht,
     cu, chunk_off, c0, c1, NCw, T, NT, H, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BVP: tl.constexpr,
     IS_VARLEN: tl.constexpr, PREC: tl.constexpr, STAGES: tl.constexpr, MODE: tl.constexpr,
-    STORE_LATE: tl.constexpr = False, TMA: tl.constexpr = False,
+    PTR_INC: tl.constexpr = False,
 ):
-    # TMA (mode 2): X, KG, GAM, U are host tensor descriptors over the window buffers viewed as 2-D row tables
-    # ([blocks·32, BK], [blocks·16, BK], [blocks, BK], [blocks·BVP, 32]); each step's tiles are then one bulk copy
-    # each instead of per-thread asynchronous copies with their address arithmetic
     i_v, i_n, i_h, cs, bos, eos, lo, hi = _state_program(cu, chunk_off, c0, c1, T, NT, H, IS_VARLEN)
     if lo < hi:
         NB: tl.constexpr = BT // BC
-        if TMA:
-            DT: tl.constexpr = KG.dtype
-        else:
-            DT: tl.constexpr = KG.dtype.element_ty
+        DT: tl.constexpr = KG.dtype.element_ty
         o_s = tl.arange(0, BC)
         o_k = tl.arange(0, BK)
         o_v = i_v * BV + tl.arange(0, BV)
@@ -178,55 +181,62 @@ def _c16_state(
         # boff + j of the window buffers and writes tokens tok0 + j·BC ...: every address is affine in j
         boff = (i_h * NCw - c0).to(tl.int64) * NB
         tok0 = bos - cs.to(tl.int64) * BT
-        for j in tl.range(lo * NB, hi * NB, num_stages=STAGES):
-            bidx = boff + j  # the block's index in the window buffers
-            row = bidx * BC + o_s
-            p = row[:, None] * BK + o_k[None, :]
-            if TMA:
-                b_kg = KG.load([(bidx * BC).to(tl.int32), 0])
-                b_gam = tl.reshape(GAM.load([bidx.to(tl.int32), 0]), [BK])
-            else:
+        if PTR_INC:  # mode 2 with the tile pointers carried across steps, advanced by each buffer's block stride
+            b0 = boff + lo * NB
+            o_r = tl.arange(0, 2 * BC)
+            q_kg = KG + (b0 * BC + o_s)[:, None] * BK + o_k[None, :]
+            q_gam = GAM + b0 * BK + o_k
+            q_wq = X + (b0 * (2 * BC) + o_r)[:, None] * BK + o_k[None, :]
+            q_ua = U + b0 * (BVP * 2 * BC) + o_v[:, None] * (2 * BC) + o_r[None, :]
+            t = tok0 + lo * NB * BC + o_s
+            for _ in tl.range(lo * NB, hi * NB, num_stages=STAGES):
+                b_kg = tl.load(q_kg)
+                b_gam = tl.load(q_gam)
+                vn_dt, b_ot = _folded_step(St.to(DT), tl.load(q_wq), tl.load(q_ua).to(tl.float32), PREC, BV, BC)
+                tl.store(o + (t[None, :] * H + i_h) * V + o_v[:, None], b_ot.to(o.dtype.element_ty),
+                         mask=m_v[:, None] & (t < eos)[None, :])
+                St = St * b_gam[None, :] + tl.dot(vn_dt, b_kg, input_precision=PREC)
+                q_kg += BC * BK
+                q_gam += BK
+                q_wq += 2 * BC * BK
+                q_ua += BVP * 2 * BC
+                t += BC
+        else:
+            for j in tl.range(lo * NB, hi * NB, num_stages=STAGES):
+                bidx = boff + j  # the block's index in the window buffers
+                row = bidx * BC + o_s
+                p = row[:, None] * BK + o_k[None, :]
                 b_kg = tl.load(KG + p)
                 b_gam = tl.load(GAM + bidx * BK + o_k)
-            t = tok0 + j * BC + o_s
-            m_t = t < eos
-            p_v = (t[None, :] * H + i_h) * V + o_v[:, None]  # [BV, BC]: vᵀ and Oᵀ
-            s_dt = St.to(DT)
-            if MODE == 2:
-                if TMA:
-                    b_wq = X.load([(bidx * (2 * BC)).to(tl.int32), 0])
-                    b_ua = U.load([(bidx * BVP + i_v * BV).to(tl.int32), 0]).to(tl.float32)
-                else:
+                t = tok0 + j * BC + o_s
+                m_t = t < eos
+                p_v = (t[None, :] * H + i_h) * V + o_v[:, None]  # [BV, BC]: vᵀ and Oᵀ
+                s_dt = St.to(DT)
+                if MODE == 2:
                     o_r = tl.arange(0, 2 * BC)
                     b_wq = tl.load(X + (bidx * (2 * BC) + o_r)[:, None] * BK + o_k[None, :])  # [−W; qw]
                     b_ua = tl.load(U + bidx * (BVP * 2 * BC) + o_v[:, None] * (2 * BC) + o_r[None, :]).to(
                         tl.float32)  # [U; A_qk U]ᵀ
-                # [V'ᵀ | Oᵀ] = [Uᵀ | (A_qk U)ᵀ] + Sᵀ [−W; qw]ᵀ: one product, its accumulator starts from the loads
-                acc = tl.dot(s_dt, tl.trans(b_wq), acc=b_ua, input_precision=PREC)
-                b_vnt, b_ot = tl.split(tl.permute(tl.reshape(acc, [BV, 2, BC]), (0, 2, 1)))
-                vn_dt = b_vnt.to(DT)
-            else:
-                b_qg = tl.load(QG + p)
-                b_aq = tl.load(AQ + row[:, None] * BC + o_s[None, :])
-                if MODE == 0:
-                    b_x = tl.load(X + p)
-                    b_tb = tl.load(TB + row[:, None] * BC + o_s[None, :])
-                    b_vt = tl.load(v + p_v, mask=m_v[:, None] & m_t[None, :], other=0.).to(DT)
-                    b_wt = tl.trans(tl.dot(b_tb, b_x, input_precision=PREC).to(DT))  # Wᵀ [BK, BC]
-                    b_vnt = tl.dot(b_vt, tl.trans(b_tb), input_precision=PREC) - tl.dot(s_dt, b_wt,
-                                                                                        input_precision=PREC)
+                    vn_dt, b_ot = _folded_step(s_dt, b_wq, b_ua, PREC, BV, BC)
                 else:
-                    b_wt = tl.trans(tl.load(X + p))
-                    b_ut = tl.load(U + bidx * (BVP * BC) + o_v[:, None] * BC + o_s[None, :])
-                    b_vnt = b_ut.to(tl.float32) - tl.dot(s_dt, b_wt, input_precision=PREC)
-                vn_dt = b_vnt.to(DT)
-                b_ot = tl.dot(s_dt, tl.trans(b_qg), input_precision=PREC) + tl.dot(vn_dt, tl.trans(b_aq),
-                                                                                    input_precision=PREC)
-            if not STORE_LATE:
+                    b_qg = tl.load(QG + p)
+                    b_aq = tl.load(AQ + row[:, None] * BC + o_s[None, :])
+                    if MODE == 0:
+                        b_x = tl.load(X + p)
+                        b_tb = tl.load(TB + row[:, None] * BC + o_s[None, :])
+                        b_vt = tl.load(v + p_v, mask=m_v[:, None] & m_t[None, :], other=0.).to(DT)
+                        b_wt = tl.trans(tl.dot(b_tb, b_x, input_precision=PREC).to(DT))  # Wᵀ [BK, BC]
+                        b_vnt = tl.dot(b_vt, tl.trans(b_tb), input_precision=PREC) - tl.dot(s_dt, b_wt,
+                                                                                            input_precision=PREC)
+                    else:
+                        b_wt = tl.trans(tl.load(X + p))
+                        b_ut = tl.load(U + bidx * (BVP * BC) + o_v[:, None] * BC + o_s[None, :])
+                        b_vnt = b_ut.to(tl.float32) - tl.dot(s_dt, b_wt, input_precision=PREC)
+                    vn_dt = b_vnt.to(DT)
+                    b_ot = tl.dot(s_dt, tl.trans(b_qg), input_precision=PREC) + tl.dot(vn_dt, tl.trans(b_aq),
+                                                                                        input_precision=PREC)
                 tl.store(o + p_v, b_ot.to(o.dtype.element_ty), mask=m_v[:, None] & m_t[None, :])
-            St = St * b_gam[None, :] + tl.dot(vn_dt, b_kg, input_precision=PREC)
-            if STORE_LATE:  # the output's layout change (through shared memory, a barrier) after the update's issue
-                tl.store(o + p_v, b_ot.to(o.dtype.element_ty), mask=m_v[:, None] & m_t[None, :])
+                St = St * b_gam[None, :] + tl.dot(vn_dt, b_kg, input_precision=PREC)
         tl.store(p_s, St, mask=m_v[:, None] & m_k[None, :])
 
 
@@ -248,17 +258,16 @@ class C16Config:
     # in turn, between the gate, the norms and the products: four DRAM latencies per short program); H200, mode 1:
     # prep 31.9 → 24.5 ms per 1M at H = 32
     prep_early_loads = True
+    # a register cap for the prep (None: the compiler's 167 in mode 2 at 2 warps, 6 programs per SM and 3 beside a
+    # state-pass program); 144 compiles without spills (sm_90, ptxas) and fits 7 per SM, 4 beside the state pass
+    prep_maxnreg = None
     state_bv = 64  # 128 at 8 warps: 48 ms per 1M (the two warpgroups' steps do not overlap)
     # ``FwdConfig.inference_flow = "auto"`` takes this flow from this many state-pass programs (B·H·V / state_bv)
     min_programs = 64
     state_warps = 4
     state_stages = 6  # mode 2: 27.7 ms at 4 stages, 25.9 at 6, 29.1 at 8 (store late)
-    # the state pass stores each step's output after issuing its state update (one barrier less per step in the
-    # sm_90 code): alone 25.9 → 28.8 ms; in the prefill beside the prep first 45.5–46.7 → 44.0–44.1, then, with the
-    # affine addresses, on other machines 43.9 / 45.6 (early) vs 45.3 / 46.1 (late) and 41.9 vs 42.8 / 44.7: noise
-    # of ±1 ms between machines, no gain kept
-    state_store_late = False
-    state_tma = False  # mode 2: the state pass's tiles by TMA (host descriptors) instead of per-thread copies
+    # mode 2: the step's tile pointers carried across steps and advanced by each buffer's block stride
+    state_ptr_inc = True
 
 
 def _mode() -> int:
@@ -318,22 +327,8 @@ def launch_c16_prep(q, k, v, g, beta, A_log, dt_bias, bufs: dict, tab: ChunkTabl
         INV_PREC=C16Config.prep_inv_prec, HEAD_MAJOR=bool(C16Config.prep_head_major),
         EARLY_LOADS=bool(C16Config.prep_early_loads),
         num_warps=C16Config.prep_warps, num_stages=1,
+        **({"maxnreg": int(C16Config.prep_maxnreg)} if C16Config.prep_maxnreg else {}),
     )
-
-
-def _state_descriptors(bufs: dict, BV: int) -> tuple:
-    """Mode 2's state-pass operands as TMA descriptors (built once per window buffer set and V-block size)."""
-    from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: PLC0415 (Triton ≥ 3.3)
-
-    key = ("_desc", BV)
-    if key not in bufs:
-        X, KG, GAM, U = bufs["X"], bufs["KG"], bufs["GAM"], bufs["U"]
-        BK = X.shape[-1]
-        bufs[key] = (TensorDescriptor.from_tensor(X.view(-1, BK), [2 * BC, BK]),
-                     TensorDescriptor.from_tensor(KG.view(-1, BK), [BC, BK]),
-                     TensorDescriptor.from_tensor(GAM.view(-1, BK), [1, BK]),
-                     TensorDescriptor.from_tensor(U.view(-1, 2 * BC), [BV, 2 * BC]))
-    return bufs[key]
 
 
 def state_blocks(BVP: int) -> int:
@@ -345,13 +340,11 @@ def launch_c16_state(bufs: dict, v, o, ht, tab: ChunkTable, c0: int, c1: int, H:
     BK = bufs["X"].shape[-1]
     BVP = next_pow2(V)
     BV = min(C16Config.state_bv, BVP)
-    tma = bool(C16Config.state_tma) and _mode() == 2
-    X, KG, GAM, U = _state_descriptors(bufs, BV) if tma else (bufs["X"], bufs["KG"], bufs["GAM"], _or(bufs, "U"))
     _c16_state[(state_blocks(BVP), tab.N * H)](
-        X, _or(bufs, "QG"), KG, GAM, _or(bufs, "TB"), _or(bufs, "AQ"), U,
+        bufs["X"], _or(bufs, "QG"), bufs["KG"], bufs["GAM"], _or(bufs, "TB"), _or(bufs, "AQ"), _or(bufs, "U"),
         v, o, ht, tab.cu, tab.chunk_off, c0, c1, bufs["X"].shape[1], tab.T, tab.NT, H, K, V,
         BT=BT, BC=BC, BK=BK, BV=BV, BVP=BVP, IS_VARLEN=tab.varlen, PREC=dot_precision(bufs["X"].dtype),
         STAGES=state_stages(C16Config.state_stages, bufs["X"].dtype), MODE=_mode(),
-        STORE_LATE=bool(C16Config.state_store_late), TMA=tma, num_warps=C16Config.state_warps,
+        PTR_INC=bool(C16Config.state_ptr_inc) and _mode() == 2, num_warps=C16Config.state_warps,
         num_stages=1,
     )
