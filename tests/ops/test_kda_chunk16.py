@@ -35,7 +35,12 @@ EXTREMES = {"gates_at_bound": dict(g_const=30.0), "beta_0": dict(beta_logit=-12.
             "beta_1_repeated_keys": dict(beta_logit=12.0, repeat_keys=True),
             "no_decay_beta_1_repeated": dict(beta_logit=12.0, repeat_keys=True, g_const=-30.0)}
 VARIANTS = {"m0": dict(mode=0, prep_inv_pow=False), "m1": dict(mode=1), "m2": dict(mode=2),
-            "m1_subst": dict(mode=1, prep_inv_pow=False), "m2_head_major": dict(mode=2, prep_head_major=True)}
+            "m1_subst": dict(mode=1, prep_inv_pow=False), "m2_head_major": dict(mode=2, prep_head_major=True),
+            # mode 2's state pass with per-step addresses; the prep with its loads in program order and the inverse's
+            # products at 'ieee'; a register cap on the prep
+            "m2_plain_addresses": dict(mode=2, state_ptr_inc=False),
+            "m2_late_loads_ieee": dict(mode=2, prep_early_loads=False, prep_inv_prec="ieee"),
+            "m1_maxnreg": dict(mode=1, prep_maxnreg=144)}
 
 
 @pytest.fixture(autouse=True)
@@ -222,10 +227,11 @@ for mode in eval(sys.argv[1]):
     prep = compile_sm90(c16._c16_prep, t, dict(
         BT=64, BC=16, BK=128, BVP=128, USE_GATE=True, HAS_LB=True, HAS_A=True, HAS_DT=True, L2NORM=True,
         BETA_SIGMOID=True, IS_VARLEN=False, FAST_GATE=True, PREC="tf32", AB_BF16=True, MODE=mode, INV_POW=True,
-        INV_PREC="ieee", HEAD_MAJOR=False), 2)
+        INV_PREC="tf32x3", HEAD_MAJOR=False, EARLY_LOADS=True), 2)
     t.pop("K"), t.pop("V")
     state = compile_sm90(c16._c16_state, t, dict(
-        K=128, V=128, BT=64, BC=16, BK=128, BV=64, BVP=128, IS_VARLEN=True, PREC="tf32", STAGES=4, MODE=mode), 4)
+        K=128, V=128, BT=64, BC=16, BK=128, BV=64, BVP=128, IS_VARLEN=True, PREC="tf32", STAGES=6, MODE=mode,
+        PTR_INC=mode == 2), 4)
     # the state pass's products run on wgmma (M = the 64-column V-block), its step loads are copied asynchronously
     assert "wgmma.mma_async" in state.asm["ptx"] and "cp.async" in state.asm["ptx"], mode
     assert "st.global" in prep.asm["ptx"], mode
