@@ -259,14 +259,16 @@ class C16Config:
     # prep 31.9 → 24.5 ms per 1M at H = 32
     prep_early_loads = True
     # a register cap for the prep (None: the compiler's 167 in mode 2 at 2 warps, 6 programs per SM and 3 beside a
-    # state-pass program); 144 compiles without spills (sm_90, ptxas) and fits 7 per SM, 4 beside the state pass
+    # state-pass program); 144 compiles without spills (sm_90, ptxas) and fits 7 per SM, 4 beside the state pass —
+    # but the prefill measured 42.0 / 43.3 ms against 41.2 / 42.0 uncapped (H200, same process)
     prep_maxnreg = None
     state_bv = 64  # 128 at 8 warps: 48 ms per 1M (the two warpgroups' steps do not overlap)
     # ``FwdConfig.inference_flow = "auto"`` takes this flow from this many state-pass programs (B·H·V / state_bv)
     min_programs = 64
     state_warps = 4
-    state_stages = 6  # mode 2: 27.7 ms at 4 stages, 25.9 at 6, 29.1 at 8 (store late)
-    # mode 2: the step's tile pointers carried across steps and advanced by each buffer's block stride
+    state_stages = 6  # mode 2, state pass alone: 27.7 ms at 4 stages, 25.9 at 6; the prefill 45.6 at 4 vs 42.8 at 6
+    # mode 2: the step's tile pointers carried across steps and advanced by each buffer's block stride (sm_90: 281 →
+    # 264 instructions per step); the prefill 41.15 / 41.96 ms against 42.73 / 43.24 (H200, same process)
     state_ptr_inc = True
 
 

@@ -564,9 +564,9 @@ class FwdConfig:
     # inference with a bounded gate: "c16", the 16-token flow of ``chunk16`` (FlashKDA's data flow: a light
     # token-parallel prep, a state pass whose products all have the V-block as M), "c64", the prep + state pass of
     # this module, or "auto": c16 when its state pass has ``C16Config.min_programs`` programs or more. H200
-    # (bench/knob_ab.py, session 12), prefill B=1 T=1M: H = 32 (64 programs) c64 62.4 ms, c16 49.4; H = 8 unsplit
-    # (16 programs) c64 29.9, c16 52.1 — its state pass costs more per token (2.55 vs 1.55 µs per 64 tokens and
-    # program), which only the cheaper prep of many programs pays back
+    # (bench/knob_ab.py, session 12), prefill B=1 T=1M: H = 32 (64 programs) c64 62.4 ms, c16 49.4 (session 13:
+    # 41.2); H = 8 unsplit (16 programs) c64 29.9, c16 52.1 (session 12, mode 1) — with few programs the 64-token
+    # state pass wins; session 13's c16_shapes (mode 2): at 32 programs c64 4.91 vs c16 5.11 ms, from 64 c16 1.4×
     inference_flow = "auto"
     # overlapped windows: the serial state pass on a high-priority stream, so that the block scheduler places its
     # few programs before the next window's prep programs (whose grid is large) take every free slot. H200: the
