@@ -2,7 +2,10 @@
 """The 16-token inference flow (``chunk16``) on a GPU: accuracy against the fp32 64-token path, bitwise
 causality, then each kernel timed alone over one window (B=1, T=128K, H=32, bf16) for every launch variant.
 
-    python bench/c16_quick.py [--skip-check]
+    python bench/c16_quick.py [--skip-check] [--modes "0 1 2"] [--preps "2,1,1,tf32x3 …"] [--states "64,4,6,1 …"]
+
+``--preps``: prep variants as warps,inverse-by-products,early-loads,products' precision; ``--states``: state-pass
+variants as BV,warps,stages,pointers-advanced (mode 2).
 """
 
 from __future__ import annotations
