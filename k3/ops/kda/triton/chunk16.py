@@ -188,7 +188,7 @@ def _c16_state(
             q_gam = GAM + b0 * BK + o_k
             q_wq = X + (b0 * (2 * BC) + o_r)[:, None] * BK + o_k[None, :]
             q_ua = U + b0 * (BVP * 2 * BC) + o_v[:, None] * (2 * BC) + o_r[None, :]
-            t = tok0 + lo.to(tl.int64) * (NB * BC) + o_s
+            t = tok0 + lo * NB * BC + o_s
             for _ in tl.range(lo * NB, hi * NB, num_stages=STAGES):
                 b_kg = tl.load(q_kg)
                 b_gam = tl.load(q_gam)
