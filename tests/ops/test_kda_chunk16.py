@@ -40,7 +40,12 @@ VARIANTS = {"m0": dict(mode=0, prep_inv_pow=False), "m1": dict(mode=1), "m2": di
             # products at 'ieee'; a register cap on the prep
             "m2_plain_addresses": dict(mode=2, state_ptr_inc=False),
             "m2_late_loads_ieee": dict(mode=2, prep_early_loads=False, prep_inv_prec="ieee"),
-            "m1_maxnreg": dict(mode=1, prep_maxnreg=144)}
+            "m1_maxnreg": dict(mode=1, prep_maxnreg=144),
+            # [U; A_qk U] into the accumulator by an identity product (transposed or row-major storage); γ from the
+            # cumsum's last row with a reverse cumsum; Uᵀ by transposed products (modes 1 and 2)
+            "m2_u_eye": dict(mode=2, state_u_eye=True), "m2_u_rowmajor": dict(mode=2, u_rowmajor=True),
+            "m2_gam_row_ut_dot": dict(mode=2, prep_gam_row=True, prep_ut_dot=True),
+            "m1_ut_dot": dict(mode=1, prep_ut_dot=True)}
 
 
 @pytest.fixture(autouse=True)

@@ -53,6 +53,7 @@ def _c16_prep(
     L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr, IS_VARLEN: tl.constexpr, FAST_GATE: tl.constexpr,
     PREC: tl.constexpr, AB_BF16: tl.constexpr, MODE: tl.constexpr, INV_POW: tl.constexpr,
     INV_PREC: tl.constexpr = "ieee", HEAD_MAJOR: tl.constexpr = False, EARLY_LOADS: tl.constexpr = False,
+    GAM_ROW: tl.constexpr = False, UT_DOT: tl.constexpr = False, U_RM: tl.constexpr = False,
 ):
     # MODE (``C16Config.mode``) — what the state pass is handed per 16-token block:
     #   0: X = k̂ e^G, Tβ, qg, A_qk, kg (the state pass forms W = Tβ X and U = Tβ v);
@@ -89,8 +90,9 @@ def _c16_prep(
         b_b = _rows_beta(beta, i_h, t0, eos, H, BC, BETA_SIGMOID)
     b_g = _gate_of(r_g, A_log, dt_bias, i_h, t0, eos, K, lb, BC, BK, USE_GATE, HAS_LB, HAS_A, HAS_DT, FAST_GATE)
     G = tl.cumsum(b_g, axis=0)  # log2 decay from the block start through row i (padding rows add 0)
-    gam = tl.exp2(tl.sum(b_g, axis=0))  # ... through the block's last row: γ = e^{G_C}
-    tl.store(GAM + bidx * BK + o_k, gam)
+    if not GAM_ROW:
+        gam = tl.exp2(tl.sum(b_g, axis=0))  # ... through the block's last row: γ = e^{G_C}
+        tl.store(GAM + bidx * BK + o_k, gam)
     if not EARLY_LOADS:
         r_k = _chunk_tile(k, i_h, t0, eos, H, K, BC, BK)
     b_k, _ = _l2norm(r_k.to(tl.float32), L2NORM)
@@ -98,8 +100,16 @@ def _c16_prep(
     # ≤ e^{5·16} under the bound (finite in fp32 and bf16; fp16 inputs keep fp32 operands here)
     en = tl.exp2(-G)
     kd = _op(tl.trans(b_k * en), AB_BF16)
-    tl.store(KG + p, (b_k * (gam[None, :] * en)).to(DT))  # e^{G_C − G} ≤ 1 as e^{G_C} · e^{−G}: one MUFU op less
+    if GAM_ROW:
+        # no column sum: the rows of a block sit on both warps, so a sum over them crosses warps through shared
+        # memory (ncu: 18 % of the prep's wavefronts, mostly bank conflicts); e^{G_C − G} from the reverse exclusive
+        # cumsum instead, and γ stored below from the cumsum's last row by a masked 2-D store
+        tl.store(KG + p, (b_k * tl.exp2(tl.cumsum(b_g, axis=0, reverse=True) - b_g)).to(DT))
+    else:
+        tl.store(KG + p, (b_k * (gam[None, :] * en)).to(DT))  # e^{G_C − G} ≤ 1 as e^{G_C} · e^{−G}: one MUFU less
     e = tl.exp2(G)
+    if GAM_ROW:
+        tl.store(GAM + bidx * BK + o_s[:, None] * 0 + o_k[None, :], e, mask=(o_s == BC - 1)[:, None])
     x = b_k * e
     ak = tl.dot(_op(x, AB_BF16), kd, input_precision=PREC)
     x_dt = x.to(DT)
@@ -128,12 +138,19 @@ def _c16_prep(
             r_v = _chunk_tile(v, i_h, t0, eos, H, V, BC, BVP)
         tbo = tb.to(DT)
         w_dt = tl.dot(tbo, x_dt, input_precision=PREC).to(DT)
-        u = tl.dot(tbo, r_v.to(DT), input_precision=PREC).to(DT)
         # U (and A_qk U) stored transposed per block, [BVP, 16] (or [BVP, 32]): the state pass reads them as [BV, ·]
-        # tiles contiguous along their rows, which its pipeline can copy asynchronously (2-byte strided ones not)
+        # tiles contiguous along their rows, which its pipeline can copy asynchronously (2-byte strided ones not).
+        # UT_DOT forms Uᵀ = vᵀ (Tβ)ᵀ directly, so the result is already in the stored orientation
+        if UT_DOT:
+            u = tl.dot(tl.trans(r_v.to(DT)), tl.trans(tbo), input_precision=PREC).to(DT)  # Uᵀ [BVP, 16]
+        else:
+            u = tl.dot(tbo, r_v.to(DT), input_precision=PREC).to(DT)
         if MODE == 1:
             tl.store(X + p, w_dt)
-            tl.store(U + bidx * (BVP * BC) + o_v[None, :] * BC + o_s[:, None], u)
+            if UT_DOT:
+                tl.store(U + bidx * (BVP * BC) + o_v[:, None] * BC + o_s[None, :], u)
+            else:
+                tl.store(U + bidx * (BVP * BC) + o_v[None, :] * BC + o_s[:, None], u)
             tl.store(AQ + row[:, None] * BC + o_s[None, :], aq.to(DT))
             tl.store(QG + p, qg_dt)
         else:
@@ -143,15 +160,33 @@ def _c16_prep(
             qw = qg_dt.to(tl.float32) - tl.dot(aqo, w_dt, input_precision=PREC)
             tl.store(X + row2[:, None] * BK + o_k[None, :], -w_dt)
             tl.store(X + (row2 + BC)[:, None] * BK + o_k[None, :], qw.to(DT))
-            p_u = U + bidx * (BVP * 2 * BC) + o_v[None, :] * (2 * BC) + o_s[:, None]
-            tl.store(p_u, u)
-            tl.store(p_u + BC, tl.dot(aqo, u, input_precision=PREC).to(DT))
+            if U_RM:  # row-major [U; A_qk U]: plain stores; the state pass transposes by its identity product
+                p_u = U + bidx * (BVP * 2 * BC) + o_s[:, None] * BVP + o_v[None, :]
+                tl.store(p_u, u)
+                tl.store(p_u + BC * BVP, tl.dot(aqo, u, input_precision=PREC).to(DT))
+            elif UT_DOT:
+                p_u = U + bidx * (BVP * 2 * BC) + o_v[:, None] * (2 * BC) + o_s[None, :]
+                tl.store(p_u, u)
+                tl.store(p_u + BC, tl.dot(u, tl.trans(aqo), input_precision=PREC).to(DT))  # (A_qk U)ᵀ = Uᵀ A_qkᵀ
+            else:
+                p_u = U + bidx * (BVP * 2 * BC) + o_v[None, :] * (2 * BC) + o_s[:, None]
+                tl.store(p_u, u)
+                tl.store(p_u + BC, tl.dot(aqo, u, input_precision=PREC).to(DT))
 
 
 @triton.jit
-def _folded_step(s_dt, b_wq, b_ua, PREC: tl.constexpr, BV: tl.constexpr, BC: tl.constexpr):
+def _folded_step(s_dt, b_wq, b_ua, PREC: tl.constexpr, BV: tl.constexpr, BC: tl.constexpr,
+                 U_EYE: tl.constexpr = False, U_RM: tl.constexpr = False):
     """Mode 2's product: [V'ᵀ | Oᵀ] = [Uᵀ | (A_qk U)ᵀ] + Sᵀ [−W; qw]ᵀ, one product whose accumulator starts from the
-    loaded [U; A_qk U]ᵀ; returns V'ᵀ in the operand dtype and Oᵀ in fp32."""
+    loaded [U; A_qk U]ᵀ; returns V'ᵀ in the operand dtype and Oᵀ in fp32. ``U_EYE``: b_ua stays in its load dtype
+    and enters the accumulator as the product [U; A_qk U]ᵀ·I (exact: one nonzero term per entry), read by the tensor
+    cores from shared memory instead of converted to fp32 element by element in registers."""
+    if U_EYE:
+        o_i = tl.arange(0, 2 * BC)
+        eye = tl.where(o_i[:, None] == o_i[None, :], 1.0, 0.0).to(b_ua.dtype)
+        if U_RM:  # loaded row-major [2·BC, BV]: the product transposes it
+            b_ua = tl.trans(b_ua)
+        b_ua = tl.dot(b_ua, eye, input_precision=PREC)
     acc = tl.dot(s_dt, tl.trans(b_wq), acc=b_ua, input_precision=PREC)
     b_vnt, b_ot = tl.split(tl.permute(tl.reshape(acc, [BV, 2, BC]), (0, 2, 1)))
     return b_vnt.to(s_dt.dtype), b_ot
@@ -163,7 +198,7 @@ def _c16_state(
     cu, chunk_off, c0, c1, NCw, T, NT, H, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BVP: tl.constexpr,
     IS_VARLEN: tl.constexpr, PREC: tl.constexpr, STAGES: tl.constexpr, MODE: tl.constexpr,
-    PTR_INC: tl.constexpr = False,
+    PTR_INC: tl.constexpr = False, U_EYE: tl.constexpr = False, U_RM: tl.constexpr = False,
 ):
     i_v, i_n, i_h, cs, bos, eos, lo, hi = _state_program(cu, chunk_off, c0, c1, T, NT, H, IS_VARLEN)
     if lo < hi:
@@ -187,12 +222,18 @@ def _c16_state(
             q_kg = KG + (b0 * BC + o_s)[:, None] * BK + o_k[None, :]
             q_gam = GAM + b0 * BK + o_k
             q_wq = X + (b0 * (2 * BC) + o_r)[:, None] * BK + o_k[None, :]
-            q_ua = U + b0 * (BVP * 2 * BC) + o_v[:, None] * (2 * BC) + o_r[None, :]
+            if U_RM:
+                q_ua = U + b0 * (BVP * 2 * BC) + o_r[:, None] * BVP + o_v[None, :]
+            else:
+                q_ua = U + b0 * (BVP * 2 * BC) + o_v[:, None] * (2 * BC) + o_r[None, :]
             t = tok0 + lo * NB * BC + o_s
             for _ in tl.range(lo * NB, hi * NB, num_stages=STAGES):
                 b_kg = tl.load(q_kg)
                 b_gam = tl.load(q_gam)
-                vn_dt, b_ot = _folded_step(St.to(DT), tl.load(q_wq), tl.load(q_ua).to(tl.float32), PREC, BV, BC)
+                b_ua = tl.load(q_ua)
+                if not U_EYE:
+                    b_ua = b_ua.to(tl.float32)
+                vn_dt, b_ot = _folded_step(St.to(DT), tl.load(q_wq), b_ua, PREC, BV, BC, U_EYE, U_RM)
                 tl.store(o + (t[None, :] * H + i_h) * V + o_v[:, None], b_ot.to(o.dtype.element_ty),
                          mask=m_v[:, None] & (t < eos)[None, :])
                 St = St * b_gam[None, :] + tl.dot(vn_dt, b_kg, input_precision=PREC)
@@ -262,6 +303,10 @@ class C16Config:
     # state-pass program); 144 compiles without spills (sm_90, ptxas) and fits 7 per SM, 4 beside the state pass —
     # but the prefill measured 42.0 / 43.3 ms against 41.2 / 42.0 uncapped (H200, same process)
     prep_maxnreg = None
+    # γ from the cumsum's last row and e^{G_C − G} from a reverse cumsum, instead of a column sum across the warps
+    prep_gam_row = False
+    # Uᵀ (and (A_qk U)ᵀ) formed as transposed products, in the orientation they are stored in
+    prep_ut_dot = False
     state_bv = 64  # 128 at 8 warps: 48 ms per 1M (the two warpgroups' steps do not overlap)
     # ``FwdConfig.inference_flow = "auto"`` takes this flow from this many state-pass programs (B·H·V / state_bv)
     min_programs = 64
@@ -270,6 +315,12 @@ class C16Config:
     # mode 2: the step's tile pointers carried across steps and advanced by each buffer's block stride (sm_90: 281 →
     # 264 instructions per step); the prefill 41.15 / 41.96 ms against 42.73 / 43.24 (H200, same process)
     state_ptr_inc = True
+    # mode 2 (pointer loop): [U; A_qk U]ᵀ enters the accumulator as the exact product I·[U; A_qk U]ᵀ on the tensor
+    # cores instead of a bf16 → fp32 conversion in registers (24 of the 264 sm_90 instructions per step)
+    state_u_eye = False
+    # [U; A_qk U] stored row-major per block by the prep (plain stores instead of transposed ones, ncu: 21 % of the
+    # prep's shared-memory wavefronts) and transposed by the state pass's identity product (implies state_u_eye)
+    u_rowmajor = False
 
 
 def _mode() -> int:
@@ -277,6 +328,13 @@ def _mode() -> int:
     if m not in (0, 1, 2):
         raise ValueError(f"C16Config.mode: expected 0, 1 or 2, got {m!r}")
     return int(m)
+
+
+def _u_form() -> tuple[bool, bool]:
+    """(U_EYE, U_RM) of mode 2's pointer loop; [U; A_qk U] row-major needs the identity product that transposes it."""
+    loop = _mode() == 2 and bool(C16Config.state_ptr_inc)
+    rm = loop and bool(C16Config.u_rowmajor)
+    return rm or (loop and bool(C16Config.state_u_eye)), rm
 
 
 def alloc_c16_buffers(H: int, NC: int, BK: int, BVP: int, dt: torch.dtype, device) -> dict:
@@ -327,8 +385,8 @@ def launch_c16_prep(q, k, v, g, beta, A_log, dt_bias, bufs: dict, tab: ChunkTabl
         FAST_GATE=bool(C16Config.prep_fast_gate) and lower_bound is not None, PREC=dot_precision(q.dtype),
         AB_BF16=q.dtype == torch.bfloat16, MODE=_mode(), INV_POW=bool(C16Config.prep_inv_pow),
         INV_PREC=C16Config.prep_inv_prec, HEAD_MAJOR=bool(C16Config.prep_head_major),
-        EARLY_LOADS=bool(C16Config.prep_early_loads),
-        num_warps=C16Config.prep_warps, num_stages=1,
+        EARLY_LOADS=bool(C16Config.prep_early_loads), GAM_ROW=bool(C16Config.prep_gam_row),
+        UT_DOT=bool(C16Config.prep_ut_dot), U_RM=_u_form()[1], num_warps=C16Config.prep_warps, num_stages=1,
         **({"maxnreg": int(C16Config.prep_maxnreg)} if C16Config.prep_maxnreg else {}),
     )
 
@@ -347,6 +405,7 @@ def launch_c16_state(bufs: dict, v, o, ht, tab: ChunkTable, c0: int, c1: int, H:
         v, o, ht, tab.cu, tab.chunk_off, c0, c1, bufs["X"].shape[1], tab.T, tab.NT, H, K, V,
         BT=BT, BC=BC, BK=BK, BV=BV, BVP=BVP, IS_VARLEN=tab.varlen, PREC=dot_precision(bufs["X"].dtype),
         STAGES=state_stages(C16Config.state_stages, bufs["X"].dtype), MODE=_mode(),
-        PTR_INC=bool(C16Config.state_ptr_inc) and _mode() == 2, num_warps=C16Config.state_warps,
+        PTR_INC=bool(C16Config.state_ptr_inc) and _mode() == 2, U_EYE=_u_form()[0], U_RM=_u_form()[1],
+        num_warps=C16Config.state_warps,
         num_stages=1,
     )
