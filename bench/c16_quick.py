@@ -3,6 +3,7 @@
 causality, then each kernel timed alone over one window (B=1, T=128K, H=32, bf16) for every launch variant.
 
     python bench/c16_quick.py [--skip-check] [--modes "0 1 2"] [--preps "2,1,1,tf32x3 …"] [--states "64,4,6,1 …"]
+    python bench/c16_quick.py --skip-check --sets base: eye:state_u_eye=True [--rounds 2]
 
 ``--preps``: prep variants as warps,inverse-by-products,early-loads,products' precision; ``--states``: state-pass
 variants as BV,warps,stages,pointers-advanced (mode 2).
@@ -11,6 +12,7 @@ variants as BV,warps,stages,pointers-advanced (mode 2).
 from __future__ import annotations
 
 import argparse
+import ast
 import os
 import sys
 
@@ -122,6 +124,39 @@ def kernel_times(states: list[tuple[int, int, int, int]], preps: list[tuple[int,
     return rows
 
 
+def knob_sets(sets: list[tuple[str, dict]], rounds: int) -> list[str]:
+    """Each named set of ``C16Config`` knobs at the default launch: the prep and the state pass alone over one window,
+    every set timed ``rounds`` times, interleaved (drift shows as spread within a set)."""
+    T, H = 1 << 17, 32
+    x = inputs(T, H, seed=1)
+    x = {n: (t.to(torch.bfloat16) if n in ("q", "k", "v", "g", "beta") else t) for n, t in x.items()}
+    tab = make_chunk_table(1, T, None, x["q"].device)
+    flags = dict(l2norm=True, use_gate=True, beta_sigmoid=True, exact_diag=False)
+    o, ht = alloc_output_state(x["q"], x["v"], None, tab)
+    bufs = c16.alloc_c16_buffers(H, tab.NC, 128, 128, torch.bfloat16, x["q"].device)
+    times: dict[str, tuple[list[float], list[float]]] = {n: ([], []) for n, _ in sets}
+    for _ in range(rounds):
+        for name, knobs in sets:
+            with overridden_attrs(c16.C16Config, **knobs):
+                def prep():
+                    c16.launch_c16_prep(x["q"], x["k"], x["v"], x["g"], x["beta"], x["A"], x["dt"], bufs, tab, 0,
+                                        tab.NC, 128 ** -0.5, -5.0, flags)
+
+                def state():
+                    c16.launch_c16_state(bufs, x["v"], o, ht, tab, 0, tab.NC, H, 128, 128)
+
+                times[name][0].append(triton.testing.do_bench(prep, warmup=5, rep=200, return_mode="median"))
+                prep()
+                times[name][1].append(triton.testing.do_bench(state, warmup=3, rep=300, return_mode="median"))
+            print(f"{name}: prep {times[name][0][-1]:.3f} state {times[name][1][-1]:.3f} ms", flush=True)
+    rows = []
+    for name, knobs in sets:
+        kn = ", ".join(f"{k}={v!r}" for k, v in knobs.items()) or "default"
+        cells = [" / ".join(f"{t * 8:.2f}" for t in ts) for ts in times[name]]
+        rows.append(f"| {name} | {kn} | {cells[0]} | {cells[1]} |")
+    return rows
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--skip-check", action="store_true")
@@ -130,10 +165,23 @@ def main() -> int:
     ap.add_argument("--modes", default="0 1 2", help="C16Config.mode values to time")
     ap.add_argument("--preps", default="2,1,0,ieee 2,1,1,ieee 4,1,1,ieee",
                     help="prep variants warps,inverse-by-products,early-loads,products' precision")
+    ap.add_argument("--sets", nargs="*", default=None, metavar="NAME:KNOB=VALUE,…",
+                    help="instead of the variant lists: named sets of C16Config knobs (Python literals), each prep "
+                         "and state pass timed at the default launch, e.g. base: eye:state_u_eye=True")
+    ap.add_argument("--rounds", type=int, default=2, help="rounds over --sets, interleaved")
     a = ap.parse_args()
     print(torch.cuda.get_device_name(), torch.__version__, triton.__version__)
     if not a.skip_check:
         checks()
+    if a.sets is not None:
+        sets = []
+        for spec in a.sets:
+            name, _, kv = spec.partition(":")
+            sets.append((name, {k: ast.literal_eval(v) for k, v in (i.split("=", 1) for i in kv.split(",") if i)}))
+        rows = knob_sets(sets, a.rounds)
+        print("\n| set | knobs | prep per 1M (ms, each round) | state pass per 1M (ms, each round) |\n|---|---|---:|---:|")
+        print("\n".join(rows))
+        return 0
     rows = kernel_times([tuple(int(v) for v in st.split(',')) for st in a.states.split()],
                         [(int(w), int(pw), int(e), prec) for w, pw, e, prec in (p.split(',') for p in a.preps.split())],
                         [int(m) for m in a.modes.split()])

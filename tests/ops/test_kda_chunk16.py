@@ -45,7 +45,9 @@ VARIANTS = {"m0": dict(mode=0, prep_inv_pow=False), "m1": dict(mode=1), "m2": di
             # cumsum's last row with a reverse cumsum; Uᵀ by transposed products (modes 1 and 2)
             "m2_u_eye": dict(mode=2, state_u_eye=True), "m2_u_rowmajor": dict(mode=2, u_rowmajor=True),
             "m2_gam_row_ut_dot": dict(mode=2, prep_gam_row=True, prep_ut_dot=True),
-            "m1_ut_dot": dict(mode=1, prep_ut_dot=True)}
+            "m1_ut_dot": dict(mode=1, prep_ut_dot=True),
+            # the inverse's products on fp16 hi + lo splits
+            "m2_inv_fp16x3": dict(mode=2, prep_inv_prec="fp16x3")}
 
 
 @pytest.fixture(autouse=True)
@@ -86,7 +88,7 @@ def test_c16_matches_recurrence(monkeypatch, variant, T, H, K, V, h0):
 
 
 @cpu_only
-@pytest.mark.parametrize("variant", ["m0", "m1", "m2"])
+@pytest.mark.parametrize("variant", ["m0", "m1", "m2", "m2_inv_fp16x3"])
 @pytest.mark.parametrize("kw", list(EXTREMES.values()), ids=list(EXTREMES))
 def test_c16_extremes(monkeypatch, variant, kw):
     use(monkeypatch, variant)
@@ -151,6 +153,22 @@ def test_c16_dispatch(monkeypatch):
         c16.alloc_c16_buffers(1, 1, 16, 16, torch.float32, "cpu")
 
 
+def test_c16_fp16x3_inverse_only_for_bounded_calls(monkeypatch):
+    """The fp16-split inverse needs |β A_kk| ≤ 1 (partial sums ≤ 2^14 < fp16's 65504): any call without the in-kernel
+    L2 norm, β sigmoid or bounded gate falls back to 'tf32x3'; an unknown precision is a ValueError."""
+    k3_call = dict(l2norm=True, beta_sigmoid=True, use_gate=True)
+    monkeypatch.setattr(c16.C16Config, "prep_inv_prec", "fp16x3")
+    assert c16._inv_prec(k3_call, -5.0) == "fp16x3"
+    assert c16._inv_prec(k3_call, None) == "tf32x3"
+    for off in k3_call:
+        assert c16._inv_prec({**k3_call, off: False}, -5.0) == "tf32x3"
+    monkeypatch.setattr(c16.C16Config, "prep_inv_prec", "ieee")
+    assert c16._inv_prec({**k3_call, "l2norm": False}, None) == "ieee"
+    monkeypatch.setattr(c16.C16Config, "prep_inv_prec", "fp16")
+    with pytest.raises(ValueError, match="C16Config.prep_inv_prec"):
+        c16._inv_prec(k3_call, -5.0)
+
+
 @cpu_only
 def test_c16_not_used_for_unbounded_gates_or_training(monkeypatch):
     """A spy on the prep launch: an unbounded gate and a call that needs gradients never reach the 16-token flow."""
@@ -183,7 +201,7 @@ def test_gpu_c16_bf16_matches_recurrence(monkeypatch, variant, T, cu):
 
 
 @gpu
-@pytest.mark.parametrize("variant", ["m0", "m1", "m2"])
+@pytest.mark.parametrize("variant", ["m0", "m1", "m2", "m2_inv_fp16x3", "m2_u_eye"])
 @pytest.mark.parametrize("kw", list(EXTREMES.values()), ids=list(EXTREMES))
 def test_gpu_c16_extremes(monkeypatch, variant, kw):
     use(monkeypatch, variant)

@@ -293,7 +293,9 @@ class C16Config:
     # the 16×16 inverse by six fp32-accurate products instead of forward substitution; H200, mode 2, prep per 1M
     # tokens at H = 32: 31.4 ms by substitution, 28.5 by products at 'ieee', 27.4–27.6 at 'tf32x3'
     prep_inv_pow = True
-    prep_inv_prec = "tf32x3"  # the products' precision: "ieee" (FMA) or "tf32x3" (tensor cores, fp32-accurate)
+    # the products' precision: "ieee" (FMA), "tf32x3" (tensor cores, fp32-accurate) or "fp16x3" (fp16 hi + lo
+    # splits on tensor cores, ~22 bits: half the operand bytes through shared memory)
+    prep_inv_prec = "tf32x3"
     prep_head_major = False  # prep grid (heads, blocks) instead of (blocks, heads)
     # issue the loads of q, k, v, g, β together at the program's start (the compiled code otherwise waits for each
     # in turn, between the gate, the norms and the products: four DRAM latencies per short program); H200, mode 1:
@@ -328,6 +330,17 @@ def _mode() -> int:
     if m not in (0, 1, 2):
         raise ValueError(f"C16Config.mode: expected 0, 1 or 2, got {m!r}")
     return int(m)
+
+
+def _inv_prec(flags: dict, lower_bound) -> str:
+    """``C16Config.prep_inv_prec``, except that 'fp16x3' needs |β A_kk| ≤ 1 — unit keys (the in-kernel L2 norm), β in
+    (0, 1) (the in-kernel sigmoid) and decays ≤ 1 (the bounded in-kernel gate) — so the inverse's partial sums stay
+    ≤ 2^14, inside fp16's range; other calls use 'tf32x3'."""
+    p = C16Config.prep_inv_prec
+    if p not in ("ieee", "tf32x3", "fp16x3"):
+        raise ValueError(f"C16Config.prep_inv_prec: expected 'ieee', 'tf32x3' or 'fp16x3', got {p!r}")
+    bounded = flags["l2norm"] and flags["beta_sigmoid"] and flags["use_gate"] and lower_bound is not None
+    return "tf32x3" if p == "fp16x3" and not bounded else p
 
 
 def _u_form() -> tuple[bool, bool]:
@@ -384,7 +397,7 @@ def launch_c16_prep(q, k, v, g, beta, A_log, dt_bias, bufs: dict, tab: ChunkTabl
         BETA_SIGMOID=flags["beta_sigmoid"], IS_VARLEN=tab.varlen,
         FAST_GATE=bool(C16Config.prep_fast_gate) and lower_bound is not None, PREC=dot_precision(q.dtype),
         AB_BF16=q.dtype == torch.bfloat16, MODE=_mode(), INV_POW=bool(C16Config.prep_inv_pow),
-        INV_PREC=C16Config.prep_inv_prec, HEAD_MAJOR=bool(C16Config.prep_head_major),
+        INV_PREC=_inv_prec(flags, lower_bound), HEAD_MAJOR=bool(C16Config.prep_head_major),
         EARLY_LOADS=bool(C16Config.prep_early_loads), GAM_ROW=bool(C16Config.prep_gam_row),
         UT_DOT=bool(C16Config.prep_ut_dot), U_RM=_u_form()[1], num_warps=C16Config.prep_warps, num_stages=1,
         **({"maxnreg": int(C16Config.prep_maxnreg)} if C16Config.prep_maxnreg else {}),

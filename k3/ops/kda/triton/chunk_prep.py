@@ -450,14 +450,32 @@ def _inv_pow(L, PREC: tl.constexpr):
     decay), so they run at fp32 accuracy ('tf32x3' or 'ieee'), never plain tf32 (FlashKDA's fp16 version returned
     NaN there)."""
     N = -L
-    N2 = tl.dot(N, N, input_precision=PREC)
-    N4 = tl.dot(N2, N2, input_precision=PREC)
-    N8 = tl.dot(N4, N4, input_precision=PREC)
+    N2 = _mm_acc(N, N, PREC)
+    N4 = _mm_acc(N2, N2, PREC)
+    N8 = _mm_acc(N4, N4, PREC)
     o_i = tl.arange(0, L.shape[-1])
     D = tl.where(o_i[:, None] == o_i[None, :], 1.0, 0.0) + N
-    D = D + tl.dot(D, N2, input_precision=PREC)
-    D = D + tl.dot(D, N4, input_precision=PREC)
-    return D + tl.dot(D, N8, input_precision=PREC)
+    D = D + _mm_acc(D, N2, PREC)
+    D = D + _mm_acc(D, N4, PREC)
+    return D + _mm_acc(D, N8, PREC)
+
+
+@triton.jit
+def _mm_acc(a, b, PREC: tl.constexpr):
+    """fp32 product of fp32 operands at ~fp32 accuracy. PREC 'ieee' / 'tf32x3': ``tl.dot``'s own; 'fp16x3': each
+    operand split into fp16 hi + lo (22 significant bits together) and three fp16 tensor-core products
+    (hi·hi + hi·lo + lo·hi) — half the bytes of tf32x3's operands through shared memory, for values below fp16's
+    65504 (``_inv_pow``'s partial products stay below ~6.5e3)."""
+    if PREC == "fp16x3":
+        a_hi = a.to(tl.float16)
+        a_lo = (a - a_hi.to(tl.float32)).to(tl.float16)
+        b_hi = b.to(tl.float16)
+        b_lo = (b - b_hi.to(tl.float32)).to(tl.float16)
+        acc = tl.dot(a_hi, b_lo)
+        acc = tl.dot(a_lo, b_hi, acc=acc)
+        return tl.dot(a_hi, b_hi, acc=acc)
+    else:
+        return tl.dot(a, b, input_precision=PREC)
 
 
 @triton.jit
