@@ -179,7 +179,8 @@ def main() -> int:
             name, _, kv = spec.partition(":")
             sets.append((name, {k: ast.literal_eval(v) for k, v in (i.split("=", 1) for i in kv.split(",") if i)}))
         rows = knob_sets(sets, a.rounds)
-        print("\n| set | knobs | prep per 1M (ms, each round) | state pass per 1M (ms, each round) |\n|---|---|---:|---:|")
+        print("\n| set | knobs | prep per 1M (ms, each round) | state pass per 1M (ms, each round) |")
+        print("|---|---|---:|---:|")
         print("\n".join(rows))
         return 0
     rows = kernel_times([tuple(int(v) for v in st.split(',')) for st in a.states.split()],

@@ -41,13 +41,14 @@ VARIANTS = {"m0": dict(mode=0, prep_inv_pow=False), "m1": dict(mode=1), "m2": di
             "m2_plain_addresses": dict(mode=2, state_ptr_inc=False),
             "m2_late_loads_ieee": dict(mode=2, prep_early_loads=False, prep_inv_prec="ieee"),
             "m1_maxnreg": dict(mode=1, prep_maxnreg=144),
-            # [U; A_qk U] into the accumulator by an identity product (transposed or row-major storage); γ from the
-            # cumsum's last row with a reverse cumsum; Uᵀ by transposed products (modes 1 and 2)
-            "m2_u_eye": dict(mode=2, state_u_eye=True), "m2_u_rowmajor": dict(mode=2, u_rowmajor=True),
-            "m2_gam_row_ut_dot": dict(mode=2, prep_gam_row=True, prep_ut_dot=True),
+            # [U; A_qk U] stored transposed (the default: row-major), entering the accumulator by an identity product
+            # or converted in registers; γ from the cumsum's last row with a reverse cumsum; Uᵀ by transposed products
+            "m2_u_eye": dict(mode=2, u_rowmajor=False, state_u_eye=True),
+            "m2_u_transposed": dict(mode=2, u_rowmajor=False, prep_inv_prec="tf32x3"),
+            "m2_gam_row_ut_dot": dict(mode=2, u_rowmajor=False, prep_gam_row=True, prep_ut_dot=True),
             "m1_ut_dot": dict(mode=1, prep_ut_dot=True),
-            # the inverse's products on fp16 hi + lo splits
-            "m2_inv_fp16x3": dict(mode=2, prep_inv_prec="fp16x3")}
+            # the inverse's products at tf32x3 (the default: fp16 hi + lo splits)
+            "m2_inv_tf32x3": dict(mode=2, prep_inv_prec="tf32x3")}
 
 
 @pytest.fixture(autouse=True)
@@ -88,7 +89,7 @@ def test_c16_matches_recurrence(monkeypatch, variant, T, H, K, V, h0):
 
 
 @cpu_only
-@pytest.mark.parametrize("variant", ["m0", "m1", "m2", "m2_inv_fp16x3"])
+@pytest.mark.parametrize("variant", ["m0", "m1", "m2", "m2_inv_tf32x3"])
 @pytest.mark.parametrize("kw", list(EXTREMES.values()), ids=list(EXTREMES))
 def test_c16_extremes(monkeypatch, variant, kw):
     use(monkeypatch, variant)
@@ -201,7 +202,7 @@ def test_gpu_c16_bf16_matches_recurrence(monkeypatch, variant, T, cu):
 
 
 @gpu
-@pytest.mark.parametrize("variant", ["m0", "m1", "m2", "m2_inv_fp16x3", "m2_u_eye"])
+@pytest.mark.parametrize("variant", ["m0", "m1", "m2", "m2_inv_tf32x3", "m2_u_eye"])
 @pytest.mark.parametrize("kw", list(EXTREMES.values()), ids=list(EXTREMES))
 def test_gpu_c16_extremes(monkeypatch, variant, kw):
     use(monkeypatch, variant)
@@ -250,13 +251,15 @@ for mode in eval(sys.argv[1]):
     prep = compile_sm90(c16._c16_prep, t, dict(
         BT=64, BC=16, BK=128, BVP=128, USE_GATE=True, HAS_LB=True, HAS_A=True, HAS_DT=True, L2NORM=True,
         BETA_SIGMOID=True, IS_VARLEN=False, FAST_GATE=True, PREC="tf32", AB_BF16=True, MODE=mode, INV_POW=True,
-        INV_PREC="tf32x3", HEAD_MAJOR=False, EARLY_LOADS=True), 2)
+        INV_PREC="fp16x3" if mode == 2 else "tf32x3", HEAD_MAJOR=False, EARLY_LOADS=True, U_RM=mode == 2), 2)
     t.pop("K"), t.pop("V")
     state = compile_sm90(c16._c16_state, t, dict(
         K=128, V=128, BT=64, BC=16, BK=128, BV=64, BVP=128, IS_VARLEN=True, PREC="tf32", STAGES=6, MODE=mode,
-        PTR_INC=mode == 2), 4)
+        PTR_INC=mode == 2, U_EYE=mode == 2, U_RM=mode == 2), 4)
     # the state pass's products run on wgmma (M = the 64-column V-block), its step loads are copied asynchronously
     assert "wgmma.mma_async" in state.asm["ptx"] and "cp.async" in state.asm["ptx"], mode
+    if mode == 2:  # [U; A_qk U] reaches the accumulator through the identity product, not a register conversion
+        assert state.asm["ptx"].count("wgmma.mma_async") > 9, mode
     assert "st.global" in prep.asm["ptx"], mode
 print("compiled", flush=True)
 """

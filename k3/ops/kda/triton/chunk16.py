@@ -175,6 +175,18 @@ def _c16_prep(
 
 
 @triton.jit
+def _u_acc(b_ua, PREC: tl.constexpr, BC: tl.constexpr, U_RM: tl.constexpr):
+    """[U; A_qk U]ᵀ in fp32 as the exact product [U; A_qk U]ᵀ·I (one nonzero term per entry) from its tile in the load
+    dtype: the tensor cores read it from shared memory instead of a conversion element by element in registers.
+    ``U_RM``: the tile was loaded row-major [2·BC, BV] and the product transposes it."""
+    o_i = tl.arange(0, 2 * BC)
+    eye = tl.where(o_i[:, None] == o_i[None, :], 1.0, 0.0).to(b_ua.dtype)
+    if U_RM:
+        b_ua = tl.trans(b_ua)
+    return tl.dot(b_ua, eye, input_precision=PREC)
+
+
+@triton.jit
 def _folded_step(s_dt, b_wq, b_ua, PREC: tl.constexpr, BV: tl.constexpr, BC: tl.constexpr,
                  U_EYE: tl.constexpr = False, U_RM: tl.constexpr = False):
     """Mode 2's product: [V'ᵀ | Oᵀ] = [Uᵀ | (A_qk U)ᵀ] + Sᵀ [−W; qw]ᵀ, one product whose accumulator starts from the
@@ -182,11 +194,7 @@ def _folded_step(s_dt, b_wq, b_ua, PREC: tl.constexpr, BV: tl.constexpr, BC: tl.
     and enters the accumulator as the product [U; A_qk U]ᵀ·I (exact: one nonzero term per entry), read by the tensor
     cores from shared memory instead of converted to fp32 element by element in registers."""
     if U_EYE:
-        o_i = tl.arange(0, 2 * BC)
-        eye = tl.where(o_i[:, None] == o_i[None, :], 1.0, 0.0).to(b_ua.dtype)
-        if U_RM:  # loaded row-major [2·BC, BV]: the product transposes it
-            b_ua = tl.trans(b_ua)
-        b_ua = tl.dot(b_ua, eye, input_precision=PREC)
+        b_ua = _u_acc(b_ua, PREC, BC, U_RM)
     acc = tl.dot(s_dt, tl.trans(b_wq), acc=b_ua, input_precision=PREC)
     b_vnt, b_ot = tl.split(tl.permute(tl.reshape(acc, [BV, 2, BC]), (0, 2, 1)))
     return b_vnt.to(s_dt.dtype), b_ot
@@ -230,10 +238,11 @@ def _c16_state(
             for _ in tl.range(lo * NB, hi * NB, num_stages=STAGES):
                 b_kg = tl.load(q_kg)
                 b_gam = tl.load(q_gam)
-                b_ua = tl.load(q_ua)
-                if not U_EYE:
-                    b_ua = b_ua.to(tl.float32)
-                vn_dt, b_ot = _folded_step(St.to(DT), tl.load(q_wq), b_ua, PREC, BV, BC, U_EYE, U_RM)
+                if U_EYE:  # issued before Sᵀ's conversion, which then runs under the product's latency
+                    b_ua = _u_acc(tl.load(q_ua), PREC, BC, U_RM)
+                else:
+                    b_ua = tl.load(q_ua).to(tl.float32)
+                vn_dt, b_ot = _folded_step(St.to(DT), tl.load(q_wq), b_ua, PREC, BV, BC)
                 tl.store(o + (t[None, :] * H + i_h) * V + o_v[:, None], b_ot.to(o.dtype.element_ty),
                          mask=m_v[:, None] & (t < eos)[None, :])
                 St = St * b_gam[None, :] + tl.dot(vn_dt, b_kg, input_precision=PREC)
@@ -295,7 +304,8 @@ class C16Config:
     prep_inv_pow = True
     # the products' precision: "ieee" (FMA), "tf32x3" (tensor cores, fp32-accurate) or "fp16x3" (fp16 hi + lo
     # splits on tensor cores, ~22 bits: half the operand bytes through shared memory)
-    prep_inv_prec = "tf32x3"
+    # H200, B=1 H=32 per 1M (same process): prep alone 27.4 (tf32x3) → 24.9 ms (fp16x3); prefill 45.5–47.0 → 45.0–45.6
+    prep_inv_prec = "fp16x3"
     prep_head_major = False  # prep grid (heads, blocks) instead of (blocks, heads)
     # issue the loads of q, k, v, g, β together at the program's start (the compiled code otherwise waits for each
     # in turn, between the gate, the norms and the products: four DRAM latencies per short program); H200, mode 1:
@@ -305,9 +315,12 @@ class C16Config:
     # state-pass program); 144 compiles without spills (sm_90, ptxas) and fits 7 per SM, 4 beside the state pass —
     # but the prefill measured 42.0 / 43.3 ms against 41.2 / 42.0 uncapped (H200, same process)
     prep_maxnreg = None
-    # γ from the cumsum's last row and e^{G_C − G} from a reverse cumsum, instead of a column sum across the warps
+    # γ from the cumsum's last row and e^{G_C − G} from a reverse cumsum, instead of a column sum across the warps:
+    # the prep alone 27.4 → 40.8 ms (232 registers, a second scan and 92 more MUFU ops per thread)
     prep_gam_row = False
-    # Uᵀ (and (A_qk U)ᵀ) formed as transposed products, in the orientation they are stored in
+    # Uᵀ (and (A_qk U)ᵀ) formed as transposed products, in the orientation they are stored in (with u_rowmajor off):
+    # the prep 27.4 → 36.2 ms (one [2, 1]-warp mma layout for every product, so the 16-row ones run twice; 198
+    # registers)
     prep_ut_dot = False
     state_bv = 64  # 128 at 8 warps: 48 ms per 1M (the two warpgroups' steps do not overlap)
     # ``FwdConfig.inference_flow = "auto"`` takes this flow from this many state-pass programs (B·H·V / state_bv)
@@ -317,12 +330,16 @@ class C16Config:
     # mode 2: the step's tile pointers carried across steps and advanced by each buffer's block stride (sm_90: 281 →
     # 264 instructions per step); the prefill 41.15 / 41.96 ms against 42.73 / 43.24 (H200, same process)
     state_ptr_inc = True
-    # mode 2 (pointer loop): [U; A_qk U]ᵀ enters the accumulator as the exact product I·[U; A_qk U]ᵀ on the tensor
-    # cores instead of a bf16 → fp32 conversion in registers (24 of the 264 sm_90 instructions per step)
+    # mode 2 (pointer loop): [U; A_qk U]ᵀ enters the accumulator as the exact product [U; A_qk U]ᵀ·I on the tensor
+    # cores instead of a bf16 → fp32 conversion in registers (sm_90: 266 → 245 instructions per step); H200 prefill
+    # 44.7–45.5 ms against 45.5–47.0 without (same process), 44.0 with fp16x3
     state_u_eye = False
-    # [U; A_qk U] stored row-major per block by the prep (plain stores instead of transposed ones, ncu: 21 % of the
-    # prep's shared-memory wavefronts) and transposed by the state pass's identity product (implies state_u_eye)
-    u_rowmajor = False
+    # [U; A_qk U] stored row-major per block by the prep (plain stores instead of transposed ones) and transposed by
+    # the state pass's identity product (implies state_u_eye). H200, B=1 H=32 per 1M, same process: alone the prep
+    # 27.3 → 28.6 ms and the state pass 26.7 → 27.9 (the identity product's wait is on the step's chain), yet the
+    # prefill 45.5–47.0 → 44.8–45.3 (the state pass issues 266 → 252 instructions per step beside the prep's
+    # programs); with fp16x3 42.2–43.8 against 45.0–45.6 for fp16x3 alone
+    u_rowmajor = True
 
 
 def _mode() -> int:
@@ -399,7 +416,8 @@ def launch_c16_prep(q, k, v, g, beta, A_log, dt_bias, bufs: dict, tab: ChunkTabl
         AB_BF16=q.dtype == torch.bfloat16, MODE=_mode(), INV_POW=bool(C16Config.prep_inv_pow),
         INV_PREC=_inv_prec(flags, lower_bound), HEAD_MAJOR=bool(C16Config.prep_head_major),
         EARLY_LOADS=bool(C16Config.prep_early_loads), GAM_ROW=bool(C16Config.prep_gam_row),
-        UT_DOT=bool(C16Config.prep_ut_dot), U_RM=_u_form()[1], num_warps=C16Config.prep_warps, num_stages=1,
+        UT_DOT=bool(C16Config.prep_ut_dot) and not _u_form()[1], U_RM=_u_form()[1],
+        num_warps=C16Config.prep_warps, num_stages=1,
         **({"maxnreg": int(C16Config.prep_maxnreg)} if C16Config.prep_maxnreg else {}),
     )
 
