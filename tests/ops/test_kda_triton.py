@@ -199,6 +199,16 @@ def test_chunk_long_tiny():
 
 
 @cpu_only
+@pytest.mark.parametrize("bad", [1, 0, 2.5, "2"])
+def test_window_buffers_validated(monkeypatch, bad):
+    """The overlapped windows' ring needs at least two buffers: anything else is a ValueError naming the knob."""
+    monkeypatch.setattr(FwdConfig, "window_buffers", bad)
+    x = make_inputs(1, 100, 1, 16, 16)
+    with pytest.raises(ValueError, match="FwdConfig.window_buffers"):
+        run_chunk(x, torch.float32, grad=False)
+
+
+@cpu_only
 @pytest.mark.parametrize("flow", ["c16", "c64"])
 def test_inference_windows_match_training_path(monkeypatch, flow):
     """No-grad prefill runs in windows of chunks (bounded memory), by either inference flow: the same result as the
@@ -441,13 +451,15 @@ def test_gpu_fp16_gates_at_bound():
 
 @pytest.mark.gpu_quick
 @gpu
-@pytest.mark.parametrize("flow,priority", [("c16", True), ("c16", False), ("c64", True), ("c64", False)])
-def test_gpu_overlapped_windows_bitwise(monkeypatch, flow, priority):
-    """Prep on a side stream one window ahead of the state pass (itself on a high-priority stream or on the
-    caller's): the same kernels in the same order per window, so the result is bitwise that of the serial windows
-    (several windows, varlen, a sequence across windows)."""
+@pytest.mark.parametrize("flow,priority,nbuf", [("c16", True, 2), ("c16", False, 2), ("c64", True, 2),
+                                                ("c64", False, 2), ("c16", True, 3), ("c64", True, 4)])
+def test_gpu_overlapped_windows_bitwise(monkeypatch, flow, priority, nbuf):
+    """Prep on a side stream up to ``window_buffers`` − 1 windows ahead of the state pass (itself on a high-priority
+    stream or on the caller's): the same kernels in the same order per window, so the result is bitwise that of the
+    serial windows (several windows, varlen, a sequence across windows)."""
     monkeypatch.setattr(FwdConfig, "inference_flow", flow)
     monkeypatch.setattr(FwdConfig, "state_priority", priority)
+    monkeypatch.setattr(FwdConfig, "window_buffers", nbuf)
     x = make_inputs(1, 5000, 2, 128, 128, N=3)
     cu = [0, 1500, 1501, 5000]
     monkeypatch.setattr(FwdConfig, "window_bytes", 1 << 20)

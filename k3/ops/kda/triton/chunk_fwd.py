@@ -572,6 +572,9 @@ class FwdConfig:
     # few programs before the next window's prep programs (whose grid is large) take every free slot. H200: the
     # c16 prefill above 73.4 → 57.3 ms (mode 0); c64 62.1 vs 62.5 (no change)
     state_priority = True
+    # overlapped windows: buffers in the ring (the prep runs up to window_buffers − 1 windows ahead of the state pass;
+    # each buffer is window_bytes)
+    window_buffers = 2
 
 
 def alloc_chunk_buffers(H: int, NC: int, BK: int, BVP: int, dt: torch.dtype, device, store_t: bool) -> dict:
@@ -777,12 +780,15 @@ def run_windows(NC: int, ncw: int, device: torch.device, alloc: Callable[[], dic
     runs the state pass over them. On CUDA with ``FwdConfig.overlap_windows`` and more than one window, the prep
     runs on a side stream one window ahead of the state pass.
 
-    Two window buffers then alternate; the prep of window w waits until the state pass that last read its buffer
-    (window w−2) is done, and the state pass of window w waits for that prep. The state passes run on the caller's
+    ``FwdConfig.window_buffers`` window buffers then take turns; the prep of window w waits until the state pass
+    that last read its buffer (window w − window_buffers) is done, and the state pass of window w waits for that prep. The state passes run on the caller's
     stream, or with ``FwdConfig.state_priority`` on a high-priority stream that the caller's stream waits for at
     the end; either way every side-stream launch is ordered before later work on the caller's stream, so the buffers
     may be freed (reused by the caching allocator) when this returns, and a CUDA-graph capture sees every forked
     stream joined back."""
+    nb = FwdConfig.window_buffers
+    if not (isinstance(nb, int) and nb >= 2):
+        raise ValueError(f"FwdConfig.window_buffers: expected an int ≥ 2, got {nb!r}")
     if not (FwdConfig.overlap_windows and device.type == "cuda" and NC > ncw):
         bufs = alloc()
         for c0 in range(0, NC, ncw):
@@ -790,16 +796,16 @@ def run_windows(NC: int, ncw: int, device: torch.device, alloc: Callable[[], dic
             prep(bufs, c0, n)
             state(bufs, c0, n)
         return
-    bufs = [alloc() for _ in range(2)]
+    bufs = [alloc() for _ in range(nb)]
     main, side = torch.cuda.current_stream(device), torch.cuda.Stream(device)
     side.wait_stream(main)  # the inputs, the buffers and o/ht were produced on the main stream
     serial = main
     if FwdConfig.state_priority:  # the state pass on a high-priority stream, joined back into main at the end
         serial = torch.cuda.Stream(device, priority=-1)
         serial.wait_stream(main)
-    freed = [None, None]
+    freed = [None] * nb
     for w, c0 in enumerate(range(0, NC, ncw)):
-        n, b = min(ncw, NC - c0), w % 2
+        n, b = min(ncw, NC - c0), w % nb
         with torch.cuda.stream(side):
             if freed[b] is not None:
                 side.wait_event(freed[b])
