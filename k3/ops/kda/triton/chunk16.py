@@ -41,7 +41,7 @@ from k3.ops.kda.triton._common import (
     next_pow2,
 )
 from k3.ops.kda.triton.chunk_fwd import _inv16, state_stages
-from k3.ops.kda.triton.chunk_prep import _inv_pow, _op, _rows_beta
+from k3.ops.kda.triton.chunk_prep import _inv_pow, _mm_acc, _op, _rows_beta
 
 
 @triton.jit(do_not_specialize=['c0', 'NCw', 'T', 'NT', 'H'])
@@ -53,7 +53,7 @@ def _c16_prep(
     L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr, IS_VARLEN: tl.constexpr, FAST_GATE: tl.constexpr,
     PREC: tl.constexpr, AB_BF16: tl.constexpr, MODE: tl.constexpr, INV_POW: tl.constexpr,
     INV_PREC: tl.constexpr = "ieee", HEAD_MAJOR: tl.constexpr = False, EARLY_LOADS: tl.constexpr = False,
-    GAM_ROW: tl.constexpr = False, UT_DOT: tl.constexpr = False, U_RM: tl.constexpr = False,
+    CUMSUM_DOT: tl.constexpr = False, UT_DOT: tl.constexpr = False, U_RM: tl.constexpr = False,
 ):
     # MODE (``C16Config.mode``) — what the state pass is handed per 16-token block:
     #   0: X = k̂ e^G, Tβ, qg, A_qk, kg (the state pass forms W = Tβ X and U = Tβ v);
@@ -89,8 +89,15 @@ def _c16_prep(
             r_v = _chunk_tile(v, i_h, t0, eos, H, V, BC, BVP)
         b_b = _rows_beta(beta, i_h, t0, eos, H, BC, BETA_SIGMOID)
     b_g = _gate_of(r_g, A_log, dt_bias, i_h, t0, eos, K, lb, BC, BK, USE_GATE, HAS_LB, HAS_A, HAS_DT, FAST_GATE)
-    G = tl.cumsum(b_g, axis=0)  # log2 decay from the block start through row i (padding rows add 0)
-    if not GAM_ROW:
+    if CUMSUM_DOT:
+        # G and G_C − G as products with exact 0/1 triangles (fp16 hi + lo of g: ~22 bits) on the tensor cores: the
+        # rows of a block sit on both warps, so Triton's scan and column sum cross warps through shared memory
+        tri = tl.where(o_s[:, None] >= o_s[None, :], 1.0, 0.0)
+        G = _mm_acc(tri, b_g, "fp16x3")
+        G_rest = _mm_acc(1.0 - tri, b_g, "fp16x3")  # Σ_{j > i} g_j = G_C − G_i
+    else:
+        G = tl.cumsum(b_g, axis=0)  # log2 decay from the block start through row i (padding rows add 0)
+    if not CUMSUM_DOT:
         gam = tl.exp2(tl.sum(b_g, axis=0))  # ... through the block's last row: γ = e^{G_C}
         tl.store(GAM + bidx * BK + o_k, gam)
     if not EARLY_LOADS:
@@ -100,15 +107,12 @@ def _c16_prep(
     # ≤ e^{5·16} under the bound (finite in fp32 and bf16; fp16 inputs keep fp32 operands here)
     en = tl.exp2(-G)
     kd = _op(tl.trans(b_k * en), AB_BF16)
-    if GAM_ROW:
-        # no column sum: the rows of a block sit on both warps, so a sum over them crosses warps through shared
-        # memory (ncu: 18 % of the prep's wavefronts, mostly bank conflicts); e^{G_C − G} from the reverse exclusive
-        # cumsum instead, and γ stored below from the cumsum's last row by a masked 2-D store
-        tl.store(KG + p, (b_k * tl.exp2(tl.cumsum(b_g, axis=0, reverse=True) - b_g)).to(DT))
+    if CUMSUM_DOT:  # γ is stored below from e^G's last row, by a masked 2-D store (no column sum)
+        tl.store(KG + p, (b_k * tl.exp2(G_rest)).to(DT))
     else:
         tl.store(KG + p, (b_k * (gam[None, :] * en)).to(DT))  # e^{G_C − G} ≤ 1 as e^{G_C} · e^{−G}: one MUFU less
     e = tl.exp2(G)
-    if GAM_ROW:
+    if CUMSUM_DOT:
         tl.store(GAM + bidx * BK + o_s[:, None] * 0 + o_k[None, :], e, mask=(o_s == BC - 1)[:, None])
     x = b_k * e
     ak = tl.dot(_op(x, AB_BF16), kd, input_precision=PREC)
@@ -315,9 +319,11 @@ class C16Config:
     # state-pass program); 144 compiles without spills (sm_90, ptxas) and fits 7 per SM, 4 beside the state pass —
     # but the prefill measured 42.0 / 43.3 ms against 41.2 / 42.0 uncapped (H200, same process)
     prep_maxnreg = None
-    # γ from the cumsum's last row and e^{G_C − G} from a reverse cumsum, instead of a column sum across the warps:
-    # the prep alone 27.4 → 40.8 ms (232 registers, a second scan and 92 more MUFU ops per thread)
-    prep_gam_row = False
+    # the gate cumsum G and G_C − G as products with 0/1 triangles (fp16x3: for the bounded in-kernel gate only,
+    # |g| ≤ 5·log2 e), γ from e^G's last row: no scan or column sum across the warps (sm_90: 62 fewer shared loads,
+    # 180 registers instead of 163). Without the products (γ from the last row, G_C − G from a reverse scan) the
+    # prep measured 27.4 → 40.8 ms
+    prep_cumsum_dot = False
     # Uᵀ (and (A_qk U)ᵀ) formed as transposed products, in the orientation they are stored in (with u_rowmajor off):
     # the prep 27.4 → 36.2 ms (one [2, 1]-warp mma layout for every product, so the 16-row ones run twice; 198
     # registers)
@@ -415,7 +421,7 @@ def launch_c16_prep(q, k, v, g, beta, A_log, dt_bias, bufs: dict, tab: ChunkTabl
         FAST_GATE=bool(C16Config.prep_fast_gate) and lower_bound is not None, PREC=dot_precision(q.dtype),
         AB_BF16=q.dtype == torch.bfloat16, MODE=_mode(), INV_POW=bool(C16Config.prep_inv_pow),
         INV_PREC=_inv_prec(flags, lower_bound), HEAD_MAJOR=bool(C16Config.prep_head_major),
-        EARLY_LOADS=bool(C16Config.prep_early_loads), GAM_ROW=bool(C16Config.prep_gam_row),
+        EARLY_LOADS=bool(C16Config.prep_early_loads), CUMSUM_DOT=bool(C16Config.prep_cumsum_dot) and flags["use_gate"] and lower_bound is not None,
         UT_DOT=bool(C16Config.prep_ut_dot) and not _u_form()[1], U_RM=_u_form()[1],
         num_warps=C16Config.prep_warps, num_stages=1,
         **({"maxnreg": int(C16Config.prep_maxnreg)} if C16Config.prep_maxnreg else {}),
