@@ -42,12 +42,9 @@ VARIANTS = {"m0": dict(mode=0, prep_inv_pow=False), "m1": dict(mode=1), "m2": di
             "m2_late_loads_ieee": dict(mode=2, prep_early_loads=False, prep_inv_prec="ieee"),
             "m1_maxnreg": dict(mode=1, prep_maxnreg=144),
             # [U; A_qk U] stored transposed (the default: row-major), entering the accumulator by an identity product
-            # or converted in registers; the gate cumsum by triangular products; Uᵀ by transposed products
+            # or converted in registers
             "m2_u_eye": dict(mode=2, u_rowmajor=False, state_u_eye=True),
             "m2_u_transposed": dict(mode=2, u_rowmajor=False, prep_inv_prec="tf32x3"),
-            "m2_cumsum_dot": dict(mode=2, prep_cumsum_dot=True),
-            "m2_ut_dot": dict(mode=2, u_rowmajor=False, prep_ut_dot=True),
-            "m1_ut_dot": dict(mode=1, prep_ut_dot=True),
             # the inverse's products at tf32x3 (the default: fp16 hi + lo splits)
             "m2_inv_tf32x3": dict(mode=2, prep_inv_prec="tf32x3")}
 
@@ -90,7 +87,7 @@ def test_c16_matches_recurrence(monkeypatch, variant, T, H, K, V, h0):
 
 
 @cpu_only
-@pytest.mark.parametrize("variant", ["m0", "m1", "m2", "m2_inv_tf32x3", "m2_cumsum_dot"])
+@pytest.mark.parametrize("variant", ["m0", "m1", "m2", "m2_inv_tf32x3"])
 @pytest.mark.parametrize("kw", list(EXTREMES.values()), ids=list(EXTREMES))
 def test_c16_extremes(monkeypatch, variant, kw):
     use(monkeypatch, variant)
@@ -203,7 +200,7 @@ def test_gpu_c16_bf16_matches_recurrence(monkeypatch, variant, T, cu):
 
 
 @gpu
-@pytest.mark.parametrize("variant", ["m0", "m1", "m2", "m2_inv_tf32x3", "m2_u_eye", "m2_cumsum_dot"])
+@pytest.mark.parametrize("variant", ["m0", "m1", "m2", "m2_inv_tf32x3", "m2_u_eye"])
 @pytest.mark.parametrize("kw", list(EXTREMES.values()), ids=list(EXTREMES))
 def test_gpu_c16_extremes(monkeypatch, variant, kw):
     use(monkeypatch, variant)

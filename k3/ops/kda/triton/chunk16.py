@@ -41,7 +41,7 @@ from k3.ops.kda.triton._common import (
     next_pow2,
 )
 from k3.ops.kda.triton.chunk_fwd import _inv16, state_stages
-from k3.ops.kda.triton.chunk_prep import _inv_pow, _mm_acc, _op, _rows_beta
+from k3.ops.kda.triton.chunk_prep import _inv_pow, _op, _rows_beta
 
 
 @triton.jit(do_not_specialize=['c0', 'NCw', 'T', 'NT', 'H'])
@@ -53,7 +53,7 @@ def _c16_prep(
     L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr, IS_VARLEN: tl.constexpr, FAST_GATE: tl.constexpr,
     PREC: tl.constexpr, AB_BF16: tl.constexpr, MODE: tl.constexpr, INV_POW: tl.constexpr,
     INV_PREC: tl.constexpr = "ieee", HEAD_MAJOR: tl.constexpr = False, EARLY_LOADS: tl.constexpr = False,
-    CUMSUM_DOT: tl.constexpr = False, UT_DOT: tl.constexpr = False, U_RM: tl.constexpr = False,
+    U_RM: tl.constexpr = False,
 ):
     # MODE (``C16Config.mode``) — what the state pass is handed per 16-token block:
     #   0: X = k̂ e^G, Tβ, qg, A_qk, kg (the state pass forms W = Tβ X and U = Tβ v);
@@ -89,17 +89,9 @@ def _c16_prep(
             r_v = _chunk_tile(v, i_h, t0, eos, H, V, BC, BVP)
         b_b = _rows_beta(beta, i_h, t0, eos, H, BC, BETA_SIGMOID)
     b_g = _gate_of(r_g, A_log, dt_bias, i_h, t0, eos, K, lb, BC, BK, USE_GATE, HAS_LB, HAS_A, HAS_DT, FAST_GATE)
-    if CUMSUM_DOT:
-        # G and G_C − G as products with exact 0/1 triangles (fp16 hi + lo of g: ~22 bits) on the tensor cores: the
-        # rows of a block sit on both warps, so Triton's scan and column sum cross warps through shared memory
-        tri = tl.where(o_s[:, None] >= o_s[None, :], 1.0, 0.0)
-        G = _mm_acc(tri, b_g, "fp16x3")
-        G_rest = _mm_acc(1.0 - tri, b_g, "fp16x3")  # Σ_{j > i} g_j = G_C − G_i
-    else:
-        G = tl.cumsum(b_g, axis=0)  # log2 decay from the block start through row i (padding rows add 0)
-    if not CUMSUM_DOT:
-        gam = tl.exp2(tl.sum(b_g, axis=0))  # ... through the block's last row: γ = e^{G_C}
-        tl.store(GAM + bidx * BK + o_k, gam)
+    G = tl.cumsum(b_g, axis=0)  # log2 decay from the block start through row i (padding rows add 0)
+    gam = tl.exp2(tl.sum(b_g, axis=0))  # ... through the block's last row: γ = e^{G_C}
+    tl.store(GAM + bidx * BK + o_k, gam)
     if not EARLY_LOADS:
         r_k = _chunk_tile(k, i_h, t0, eos, H, K, BC, BK)
     b_k, _ = _l2norm(r_k.to(tl.float32), L2NORM)
@@ -107,13 +99,8 @@ def _c16_prep(
     # ≤ e^{5·16} under the bound (finite in fp32 and bf16; fp16 inputs keep fp32 operands here)
     en = tl.exp2(-G)
     kd = _op(tl.trans(b_k * en), AB_BF16)
-    if CUMSUM_DOT:  # γ is stored below from e^G's last row, by a masked 2-D store (no column sum)
-        tl.store(KG + p, (b_k * tl.exp2(G_rest)).to(DT))
-    else:
-        tl.store(KG + p, (b_k * (gam[None, :] * en)).to(DT))  # e^{G_C − G} ≤ 1 as e^{G_C} · e^{−G}: one MUFU less
+    tl.store(KG + p, (b_k * (gam[None, :] * en)).to(DT))  # e^{G_C − G} ≤ 1 as e^{G_C} · e^{−G}: one MUFU op less
     e = tl.exp2(G)
-    if CUMSUM_DOT:
-        tl.store(GAM + bidx * BK + o_s[:, None] * 0 + o_k[None, :], e, mask=(o_s == BC - 1)[:, None])
     x = b_k * e
     ak = tl.dot(_op(x, AB_BF16), kd, input_precision=PREC)
     x_dt = x.to(DT)
@@ -142,19 +129,13 @@ def _c16_prep(
             r_v = _chunk_tile(v, i_h, t0, eos, H, V, BC, BVP)
         tbo = tb.to(DT)
         w_dt = tl.dot(tbo, x_dt, input_precision=PREC).to(DT)
+        u = tl.dot(tbo, r_v.to(DT), input_precision=PREC).to(DT)
         # U (and A_qk U) stored transposed per block, [BVP, 16] (or [BVP, 32]): the state pass reads them as [BV, ·]
-        # tiles contiguous along their rows, which its pipeline can copy asynchronously (2-byte strided ones not).
-        # UT_DOT forms Uᵀ = vᵀ (Tβ)ᵀ directly, so the result is already in the stored orientation
-        if UT_DOT:
-            u = tl.dot(tl.trans(r_v.to(DT)), tl.trans(tbo), input_precision=PREC).to(DT)  # Uᵀ [BVP, 16]
-        else:
-            u = tl.dot(tbo, r_v.to(DT), input_precision=PREC).to(DT)
+        # tiles contiguous along their rows, which its pipeline can copy asynchronously (2-byte strided ones not) —
+        # or, mode 2 with U_RM, row-major [32, BVP] per block, transposed by the state pass's identity product
         if MODE == 1:
             tl.store(X + p, w_dt)
-            if UT_DOT:
-                tl.store(U + bidx * (BVP * BC) + o_v[:, None] * BC + o_s[None, :], u)
-            else:
-                tl.store(U + bidx * (BVP * BC) + o_v[None, :] * BC + o_s[:, None], u)
+            tl.store(U + bidx * (BVP * BC) + o_v[None, :] * BC + o_s[:, None], u)
             tl.store(AQ + row[:, None] * BC + o_s[None, :], aq.to(DT))
             tl.store(QG + p, qg_dt)
         else:
@@ -168,10 +149,6 @@ def _c16_prep(
                 p_u = U + bidx * (BVP * 2 * BC) + o_s[:, None] * BVP + o_v[None, :]
                 tl.store(p_u, u)
                 tl.store(p_u + BC * BVP, tl.dot(aqo, u, input_precision=PREC).to(DT))
-            elif UT_DOT:
-                p_u = U + bidx * (BVP * 2 * BC) + o_v[:, None] * (2 * BC) + o_s[None, :]
-                tl.store(p_u, u)
-                tl.store(p_u + BC, tl.dot(u, tl.trans(aqo), input_precision=PREC).to(DT))  # (A_qk U)ᵀ = Uᵀ A_qkᵀ
             else:
                 p_u = U + bidx * (BVP * 2 * BC) + o_v[None, :] * (2 * BC) + o_s[:, None]
                 tl.store(p_u, u)
@@ -319,15 +296,6 @@ class C16Config:
     # state-pass program); 144 compiles without spills (sm_90, ptxas) and fits 7 per SM, 4 beside the state pass —
     # but the prefill measured 42.0 / 43.3 ms against 41.2 / 42.0 uncapped (H200, same process)
     prep_maxnreg = None
-    # the gate cumsum G and G_C − G as products with 0/1 triangles (fp16x3: for the bounded in-kernel gate only,
-    # |g| ≤ 5·log2 e), γ from e^G's last row: no scan or column sum across the warps (sm_90: 62 fewer shared loads,
-    # 180 registers instead of 163). Without the products (γ from the last row, G_C − G from a reverse scan) the
-    # prep measured 27.4 → 40.8 ms
-    prep_cumsum_dot = False
-    # Uᵀ (and (A_qk U)ᵀ) formed as transposed products, in the orientation they are stored in (with u_rowmajor off):
-    # the prep 27.4 → 36.2 ms (one [2, 1]-warp mma layout for every product, so the 16-row ones run twice; 198
-    # registers)
-    prep_ut_dot = False
     state_bv = 64  # 128 at 8 warps: 48 ms per 1M (the two warpgroups' steps do not overlap)
     # ``FwdConfig.inference_flow = "auto"`` takes this flow from this many state-pass programs (B·H·V / state_bv)
     min_programs = 64
@@ -421,8 +389,7 @@ def launch_c16_prep(q, k, v, g, beta, A_log, dt_bias, bufs: dict, tab: ChunkTabl
         FAST_GATE=bool(C16Config.prep_fast_gate) and lower_bound is not None, PREC=dot_precision(q.dtype),
         AB_BF16=q.dtype == torch.bfloat16, MODE=_mode(), INV_POW=bool(C16Config.prep_inv_pow),
         INV_PREC=_inv_prec(flags, lower_bound), HEAD_MAJOR=bool(C16Config.prep_head_major),
-        EARLY_LOADS=bool(C16Config.prep_early_loads), CUMSUM_DOT=bool(C16Config.prep_cumsum_dot) and flags["use_gate"] and lower_bound is not None,
-        UT_DOT=bool(C16Config.prep_ut_dot) and not _u_form()[1], U_RM=_u_form()[1],
+        EARLY_LOADS=bool(C16Config.prep_early_loads), U_RM=_u_form()[1],
         num_warps=C16Config.prep_warps, num_stages=1,
         **({"maxnreg": int(C16Config.prep_maxnreg)} if C16Config.prep_maxnreg else {}),
     )
