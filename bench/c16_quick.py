@@ -133,11 +133,11 @@ def knob_sets(sets: list[tuple[str, dict]], rounds: int) -> list[str]:
     tab = make_chunk_table(1, T, None, x["q"].device)
     flags = dict(l2norm=True, use_gate=True, beta_sigmoid=True, exact_diag=False)
     o, ht = alloc_output_state(x["q"], x["v"], None, tab)
-    bufs = c16.alloc_c16_buffers(H, tab.NC, 128, 128, torch.bfloat16, x["q"].device)
     times: dict[str, tuple[list[float], list[float]]] = {n: ([], []) for n, _ in sets}
     for _ in range(rounds):
         for name, knobs in sets:
             with overridden_attrs(c16.C16Config, **knobs):
+                bufs = c16.alloc_c16_buffers(H, tab.NC, 128, 128, torch.bfloat16, x["q"].device)  # per mode
                 def prep():
                     c16.launch_c16_prep(x["q"], x["k"], x["v"], x["g"], x["beta"], x["A"], x["dt"], bufs, tab, 0,
                                         tab.NC, 128 ** -0.5, -5.0, flags)
@@ -148,6 +148,7 @@ def knob_sets(sets: list[tuple[str, dict]], rounds: int) -> list[str]:
                 times[name][0].append(triton.testing.do_bench(prep, warmup=5, rep=200, return_mode="median"))
                 prep()
                 times[name][1].append(triton.testing.do_bench(state, warmup=3, rep=300, return_mode="median"))
+                del bufs
             print(f"{name}: prep {times[name][0][-1]:.3f} state {times[name][1][-1]:.3f} ms", flush=True)
     rows = []
     for name, knobs in sets:

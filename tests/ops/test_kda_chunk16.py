@@ -46,7 +46,9 @@ VARIANTS = {"m0": dict(mode=0, prep_inv_pow=False), "m1": dict(mode=1), "m2": di
             "m2_u_eye": dict(mode=2, u_rowmajor=False, state_u_eye=True),
             "m2_u_transposed": dict(mode=2, u_rowmajor=False, prep_inv_prec="tf32x3"),
             # the inverse's products at tf32x3 (the default: fp16 hi + lo splits)
-            "m2_inv_tf32x3": dict(mode=2, prep_inv_prec="tf32x3")}
+            "m2_inv_tf32x3": dict(mode=2, prep_inv_prec="tf32x3"),
+            # A_qk U formed by the state pass: Uᵀ [I | A_qkᵀ], one product from the loaded U and [I | A_qkᵀ] tiles
+            "m3": dict(mode=3)}
 
 
 @pytest.fixture(autouse=True)
@@ -87,7 +89,7 @@ def test_c16_matches_recurrence(monkeypatch, variant, T, H, K, V, h0):
 
 
 @cpu_only
-@pytest.mark.parametrize("variant", ["m0", "m1", "m2", "m2_inv_tf32x3"])
+@pytest.mark.parametrize("variant", ["m0", "m1", "m2", "m2_inv_tf32x3", "m3"])
 @pytest.mark.parametrize("kw", list(EXTREMES.values()), ids=list(EXTREMES))
 def test_c16_extremes(monkeypatch, variant, kw):
     use(monkeypatch, variant)
@@ -95,7 +97,7 @@ def test_c16_extremes(monkeypatch, variant, kw):
 
 
 @cpu_only
-@pytest.mark.parametrize("variant", ["m0", "m1", "m2"])
+@pytest.mark.parametrize("variant", ["m0", "m1", "m2", "m3"])
 def test_c16_varlen_with_empty_and_tiny_sequences(monkeypatch, variant):
     use(monkeypatch, variant)
     cu = [0, 1, 64, 64, 130, 200]
@@ -123,7 +125,7 @@ def test_c16_windows_bitwise(monkeypatch, variant):
 
 
 @cpu_only
-@pytest.mark.parametrize("variant", ["m0", "m1", "m2"])
+@pytest.mark.parametrize("variant", ["m0", "m1", "m2", "m3"])
 def test_c16_causality_bitwise(monkeypatch, variant):
     use(monkeypatch, variant)
     causality(70, 1, 16, torch.float32, (1, 17, 37, 64))
@@ -147,7 +149,7 @@ def test_c16_dispatch(monkeypatch):
     monkeypatch.setattr(cf.FwdConfig, "inference_flow", "fast")
     with pytest.raises(ValueError, match="FwdConfig.inference_flow"):
         cf.use_c16(-5.0, bounded, n, bv)
-    monkeypatch.setattr(c16.C16Config, "mode", 3)
+    monkeypatch.setattr(c16.C16Config, "mode", 4)
     with pytest.raises(ValueError, match="C16Config.mode"):
         c16.alloc_c16_buffers(1, 1, 16, 16, torch.float32, "cpu")
 
@@ -200,7 +202,7 @@ def test_gpu_c16_bf16_matches_recurrence(monkeypatch, variant, T, cu):
 
 
 @gpu
-@pytest.mark.parametrize("variant", ["m0", "m1", "m2", "m2_inv_tf32x3", "m2_u_eye"])
+@pytest.mark.parametrize("variant", ["m0", "m1", "m2", "m2_inv_tf32x3", "m2_u_eye", "m3"])
 @pytest.mark.parametrize("kw", list(EXTREMES.values()), ids=list(EXTREMES))
 def test_gpu_c16_extremes(monkeypatch, variant, kw):
     use(monkeypatch, variant)

@@ -145,7 +145,12 @@ def _c16_prep(
             qw = qg_dt.to(tl.float32) - tl.dot(aqo, w_dt, input_precision=PREC)
             tl.store(X + row2[:, None] * BK + o_k[None, :], -w_dt)
             tl.store(X + (row2 + BC)[:, None] * BK + o_k[None, :], qw.to(DT))
-            if U_RM:  # row-major [U; A_qk U]: plain stores; the state pass transposes by its identity product
+            if MODE == 3:  # U row-major [16, BVP] and [I | A_qkᵀ] [16, 32] per block: A_qk U left to the state pass
+                tl.store(U + bidx * (BC * BVP) + o_s[:, None] * BVP + o_v[None, :], u)
+                p_ia = AQ + bidx * (BC * 2 * BC) + o_s[:, None] * (2 * BC) + o_s[None, :]
+                tl.store(p_ia, tl.where(o_s[:, None] == o_s[None, :], 1.0, 0.0).to(DT))
+                tl.store(AQ + bidx * (BC * 2 * BC) + o_s[None, :] * (2 * BC) + BC + o_s[:, None], aqo)  # A_qkᵀ
+            elif U_RM:  # row-major [U; A_qk U]: plain stores; the state pass transposes by its identity product
                 p_u = U + bidx * (BVP * 2 * BC) + o_s[:, None] * BVP + o_v[None, :]
                 tl.store(p_u, u)
                 tl.store(p_u + BC * BVP, tl.dot(aqo, u, input_precision=PREC).to(DT))
@@ -211,7 +216,10 @@ def _c16_state(
             q_kg = KG + (b0 * BC + o_s)[:, None] * BK + o_k[None, :]
             q_gam = GAM + b0 * BK + o_k
             q_wq = X + (b0 * (2 * BC) + o_r)[:, None] * BK + o_k[None, :]
-            if U_RM:
+            if MODE == 3:
+                q_ua = U + b0 * (BC * BVP) + o_s[:, None] * BVP + o_v[None, :]  # U [16, BV]
+                q_ia = AQ + b0 * (BC * 2 * BC) + o_s[:, None] * (2 * BC) + o_r[None, :]  # [I | A_qkᵀ] [16, 32]
+            elif U_RM:
                 q_ua = U + b0 * (BVP * 2 * BC) + o_r[:, None] * BVP + o_v[None, :]
             else:
                 q_ua = U + b0 * (BVP * 2 * BC) + o_v[:, None] * (2 * BC) + o_r[None, :]
@@ -219,7 +227,10 @@ def _c16_state(
             for _ in tl.range(lo * NB, hi * NB, num_stages=STAGES):
                 b_kg = tl.load(q_kg)
                 b_gam = tl.load(q_gam)
-                if U_EYE:  # issued before Sᵀ's conversion, which then runs under the product's latency
+                if MODE == 3:  # [Uᵀ | (A_qk U)ᵀ] = Uᵀ [I | A_qkᵀ]: one K = 16 product from shared memory
+                    b_ua = tl.dot(tl.trans(tl.load(q_ua)), tl.load(q_ia), input_precision=PREC)
+                    q_ia += BC * 2 * BC
+                elif U_EYE:  # issued before Sᵀ's conversion, which then runs under the product's latency
                     b_ua = _u_acc(tl.load(q_ua), PREC, BC, U_RM)
                 else:
                     b_ua = tl.load(q_ua).to(tl.float32)
@@ -230,7 +241,7 @@ def _c16_state(
                 q_kg += BC * BK
                 q_gam += BK
                 q_wq += 2 * BC * BK
-                q_ua += BVP * 2 * BC
+                q_ua += BVP * 2 * BC if MODE == 2 else BVP * BC
                 t += BC
         else:
             for j in tl.range(lo * NB, hi * NB, num_stages=STAGES):
@@ -318,8 +329,8 @@ class C16Config:
 
 def _mode() -> int:
     m = C16Config.mode
-    if m not in (0, 1, 2):
-        raise ValueError(f"C16Config.mode: expected 0, 1 or 2, got {m!r}")
+    if m not in (0, 1, 2, 3):
+        raise ValueError(f"C16Config.mode: expected 0, 1, 2 or 3, got {m!r}")
     return int(m)
 
 
@@ -336,7 +347,7 @@ def _inv_prec(flags: dict, lower_bound) -> str:
 
 def _u_form() -> tuple[bool, bool]:
     """(U_EYE, U_RM) of mode 2's pointer loop; [U; A_qk U] row-major needs the identity product that transposes it."""
-    loop = _mode() == 2 and bool(C16Config.state_ptr_inc)
+    loop = _mode() == 2 and bool(C16Config.state_ptr_inc)  # (mode 3 forms [U; A_qk U] its own way)
     rm = loop and bool(C16Config.u_rowmajor)
     return rm or (loop and bool(C16Config.state_u_eye)), rm
 
@@ -344,7 +355,7 @@ def _u_form() -> tuple[bool, bool]:
 def alloc_c16_buffers(H: int, NC: int, BK: int, BVP: int, dt: torch.dtype, device) -> dict:
     e = dict(dtype=dt, device=device)
     mode = _mode()
-    rows = 2 * BT if mode == 2 else BT  # mode 2 stacks two 16-row tiles per block
+    rows = 2 * BT if mode >= 2 else BT  # modes 2 and 3 stack two 16-row tiles per block
     bufs = {
         "X": torch.empty(H, NC, rows, BK, **e),
         "KG": torch.empty(H, NC, BT, BK, **e),
@@ -355,6 +366,9 @@ def alloc_c16_buffers(H: int, NC: int, BK: int, BVP: int, dt: torch.dtype, devic
         bufs["AQ"] = torch.empty(H, NC, BT, BC, **e)
     if mode == 0:
         bufs["TB"] = torch.empty(H, NC, BT, BC, **e)
+    elif mode == 3:  # U [16, BVP] and [I | A_qkᵀ] [16, 32] per block
+        bufs["U"] = torch.empty(H, NC, BT, BVP, **e)
+        bufs["AQ"] = torch.empty(H, NC, BT, 2 * BC, **e)
     else:
         bufs["U"] = torch.empty(H, NC, rows, BVP, **e)
     return bufs
@@ -363,7 +377,7 @@ def alloc_c16_buffers(H: int, NC: int, BK: int, BVP: int, dt: torch.dtype, devic
 def c16_chunk_bytes(H: int, BK: int, BVP: int, dt: torch.dtype) -> int:
     """Bytes of window buffers per 64-token chunk (all heads)."""
     es = torch.finfo(dt).bits // 8
-    per = {0: 3 * BK + 2 * BC, 1: 3 * BK + BVP + BC, 2: 3 * BK + 2 * BVP}[_mode()]
+    per = {0: 3 * BK + 2 * BC, 1: 3 * BK + BVP + BC, 2: 3 * BK + 2 * BVP, 3: 3 * BK + BVP + 2 * BC}[_mode()]
     return H * (BT * per * es + (BT // BC) * BK * 4)
 
 
@@ -409,7 +423,7 @@ def launch_c16_state(bufs: dict, v, o, ht, tab: ChunkTable, c0: int, c1: int, H:
         v, o, ht, tab.cu, tab.chunk_off, c0, c1, bufs["X"].shape[1], tab.T, tab.NT, H, K, V,
         BT=BT, BC=BC, BK=BK, BV=BV, BVP=BVP, IS_VARLEN=tab.varlen, PREC=dot_precision(bufs["X"].dtype),
         STAGES=state_stages(C16Config.state_stages, bufs["X"].dtype), MODE=_mode(),
-        PTR_INC=bool(C16Config.state_ptr_inc) and _mode() == 2, U_EYE=_u_form()[0], U_RM=_u_form()[1],
+        PTR_INC=(bool(C16Config.state_ptr_inc) and _mode() == 2) or _mode() == 3, U_EYE=_u_form()[0], U_RM=_u_form()[1],
         num_warps=C16Config.state_warps,
         num_stages=1,
     )
