@@ -254,7 +254,7 @@ for mode in eval(sys.argv[1]):
         INV_PREC="fp16x3" if mode == 2 else "tf32x3", HEAD_MAJOR=False, EARLY_LOADS=True, U_RM=mode == 2), 2)
     t.pop("K"), t.pop("V")
     state = compile_sm90(c16._c16_state, t, dict(
-        K=128, V=128, BT=64, BC=16, BK=128, BV=64, BVP=128, IS_VARLEN=True, PREC="tf32", STAGES=6, MODE=mode,
+        K=128, V=128, BT=64, BC=16, BK=128, BV=64, BVP=128, IS_VARLEN=True, PREC="tf32", STAGES=8, MODE=mode,
         PTR_INC=mode == 2, U_EYE=mode == 2, U_RM=mode == 2), 4)
     # the state pass's products run on wgmma (M = the 64-column V-block), its step loads are copied asynchronously
     assert "wgmma.mma_async" in state.asm["ptx"] and "cp.async" in state.asm["ptx"], mode

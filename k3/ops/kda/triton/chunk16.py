@@ -311,7 +311,10 @@ class C16Config:
     # ``FwdConfig.inference_flow = "auto"`` takes this flow from this many state-pass programs (B·H·V / state_bv)
     min_programs = 64
     state_warps = 4
-    state_stages = 6  # mode 2, state pass alone: 27.7 ms at 4 stages, 25.9 at 6; the prefill 45.6 at 4 vs 42.8 at 6
+    # mode 2, state pass alone: 27.7 ms at 4 stages, 25.9 at 6; the prefill 45.6 at 4 vs 42.8 at 6. Session 14 (U
+    # row-major, fp16x3): alone 29.5 (6) / 28.2 (8) / 28.5 (10) / 28.8 (13); the prefill 43.6–44.9 (6) against
+    # 42.9–43.6 (8) and 43.5–43.6 (10), four interleaved rounds in one process
+    state_stages = 8
     # mode 2: the step's tile pointers carried across steps and advanced by each buffer's block stride (sm_90: 281 →
     # 264 instructions per step); the prefill 41.15 / 41.96 ms against 42.73 / 43.24 (H200, same process)
     state_ptr_inc = True
