@@ -239,7 +239,10 @@ import k3.ops.kda.triton.chunk16 as c16
 
 def compile_sm90(fn, types, const, warps):
     sig = {n: types.get(n, "constexpr") for n in fn.arg_names}
-    src = ASTSource(fn, sig, constexprs={(fn.arg_names.index(n),): v for n, v in const.items()})
+    # pointers 16-byte aligned, as the launcher's specialisation sees them (else no vectorised, asynchronous loads)
+    ptrs = [n for n in fn.arg_names if types.get(n, "").startswith("*")]
+    src = ASTSource(fn, sig, constexprs={(fn.arg_names.index(n),): v for n, v in const.items()},
+                    attrs={(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in ptrs})
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=1))
 
 ptr = lambda dt: "*" + dt  # noqa: E731
@@ -260,6 +263,12 @@ for mode in eval(sys.argv[1]):
     assert "wgmma.mma_async" in state.asm["ptx"] and "cp.async" in state.asm["ptx"], mode
     if mode == 2:  # [U; A_qk U] reaches the accumulator through the identity product, not a register conversion
         assert state.asm["ptx"].count("wgmma.mma_async") > 9, mode
+        # the split prefill's span pass on mode 2's buffers: wgmma, its tiles copied asynchronously
+        span = compile_sm90(c16._c16_span_rows, dict(t, SE="*fp32", M="*fp32", row_cs="*i32", row_ce="*i32",
+                                                         row_m="*i32"),
+                            dict(K=128, V=128, BT=64, BC=16, BK=128, BV=64, BVP=128, PREC="tf32", STAGES=8,
+                                 U_RM=True), 4)
+        assert "wgmma.mma_async" in span.asm["ptx"] and span.asm["ptx"].count("cp.async.cg") >= 3
     assert "st.global" in prep.asm["ptx"], mode
 print("compiled", flush=True)
 """

@@ -331,6 +331,83 @@ def test_split_triton_windows_extreme_gates(monkeypatch, nan_empty):
         assert rel(out[0], exact[0]) <= 1e-4 and rel(out[1], exact[1]) <= 1e-4, name
 
 
+def _k3_call_case(lens: list[int], seed: int = 0):
+    """fp32 inputs and the K3 call's keywords (bounded gate fused, in-kernel norms and β), mild gates so states carry
+    across segments, initial states: the 16-token flow's domain."""
+    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist())
+    q, k, v, g, b, S0 = make(1, sum(lens), 2, 16, 16, N=len(lens), seed=seed)
+    kw = dict(initial_state=S0, output_final_state=True, cu_seqlens=cu, use_qk_l2norm_in_kernel=True,
+              use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True, lower_bound=-5.0, A_log=torch.zeros(2),
+              dt_bias=torch.full((2 * 16,), -6.5))  # g ≈ −0.01 per token: long memory
+    return (q, k, v, g, b - 1.5), kw
+
+
+@triton_only
+@pytest.mark.parametrize("P", [2, 3, 7])
+@pytest.mark.parametrize("u_rowmajor", [True, False])
+def test_split_c16_matches_unsplit(P, u_rowmajor, monkeypatch, nan_empty):
+    """``SplitConfig.flow = "c16"``: the 16-token prep, span pass (``_c16_span_rows``, [S_ext | M] held transposed)
+    and segmented state pass. Forced splits over small windows (a sequence crossing several, one shorter than a
+    segment, one empty) equal the unsplit path to fp32 rounding and the fp64 recurrence to 1e-4; a spy checks that
+    the 16-token span pass ran. Both storages of U (row-major, transposed)."""
+    from k3.ops.kda.triton import chunk16, span
+
+    monkeypatch.setenv("K3_KDA_BACKEND", "triton")
+    monkeypatch.setattr(chunk16.C16Config, "u_rowmajor", u_rowmajor)
+    monkeypatch.setattr(span.SplitConfig, "window_bytes", 5 * chunk16.c16_chunk_bytes(2, 16, 16, torch.float32))
+    (q, k, v, g, b), kw = _k3_call_case([400, 20, 0, 150])
+    with torch.no_grad():
+        monkeypatch.setenv("K3_KDA_SPLITS", "1")
+        ref = chunk_kda(q, k, v, g, b, **kw)
+        monkeypatch.setenv("K3_KDA_SPLITS", str(P))
+        monkeypatch.setattr(span.SplitConfig, "flow", "c16")
+        spans = []
+        real = chunk16.launch_c16_span
+        monkeypatch.setattr(chunk16, "launch_c16_span", lambda *a: spans.append(1) or real(*a))
+        out = chunk_kda(q, k, v, g, b, **kw)
+    exact = _fp64_reference(q, k, v, g, b, kw["cu_seqlens"], kw["initial_state"], **kw)
+    assert spans, "the 16-token span pass did not run"
+    assert rel(out[0], ref[0]) <= 1e-5 and rel(out[1], ref[1]) <= 1e-5
+    assert rel(out[0], exact[0]) <= 1e-4 and rel(out[1], exact[1]) <= 1e-4
+
+
+@triton_only
+def test_split_c16_detects_a_wrong_span(monkeypatch):
+    """The comparison above can fail: M left at the identity in the 16-token span rows gives a large error."""
+    from k3.ops.kda.triton import chunk16, span
+
+    monkeypatch.setenv("K3_KDA_BACKEND", "triton")
+    monkeypatch.setattr(span.SplitConfig, "flow", "c16")
+    (q, k, v, g, b), kw = _k3_call_case([400, 150])
+    with torch.no_grad():
+        monkeypatch.setenv("K3_KDA_SPLITS", "1")
+        ref = chunk_kda(q, k, v, g, b, **kw)
+        monkeypatch.setenv("K3_KDA_SPLITS", "3")
+        real = chunk16.launch_c16_span
+
+        def s_only(bufs, SE, Mt, rows, *a):
+            real(bufs, SE, Mt, {**rows, "row_m": torch.zeros_like(rows["row_m"])}, *a)  # M never updated
+
+        monkeypatch.setattr(chunk16, "launch_c16_span", s_only)
+        out = chunk_kda(q, k, v, g, b, **kw)
+    assert rel(out[0], ref[0]) > 1e-2
+
+
+def test_split_flow_validated_and_falls_back(monkeypatch):
+    """An unknown ``SplitConfig.flow`` is a ValueError; "c16" without a bounded gate or in another mode runs "c64"."""
+    from k3.ops.kda.triton import chunk16, span
+
+    k3 = dict(exact_diag=False)
+    monkeypatch.setattr(span.SplitConfig, "flow", "c16")
+    assert span._split_flow(-5.0, k3) == "c16"
+    assert span._split_flow(None, dict(exact_diag=True)) == "c64"
+    monkeypatch.setattr(chunk16.C16Config, "mode", 1)
+    assert span._split_flow(-5.0, k3) == "c64"
+    monkeypatch.setattr(span.SplitConfig, "flow", "fast")
+    with pytest.raises(ValueError, match="SplitConfig.flow"):
+        span._split_flow(-5.0, k3)
+
+
 @triton_only
 def test_split_triton_dense_batch_model_cut(monkeypatch, nan_empty):
     """A fixed-length batch (B = 2, no cu_seqlens) through the cost-model cut with a model made to favour
@@ -360,11 +437,15 @@ def test_split_triton_dense_batch_model_cut(monkeypatch, nan_empty):
 @pytest.mark.gpu_quick
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_split_gpu_matches_unsplit(dtype, monkeypatch):
+@pytest.mark.parametrize("flow", ["c64", "c16"])
+def test_split_gpu_matches_unsplit(dtype, flow, monkeypatch):
     """GPU, K = V = 128, the K3 activations, varlen with initial states and long memory: forced 2, 3, 7, the
     automatic rule (made to consider these short sequences) and forced 3 over many windows with the prep
-    overlapped equal unsplit (fp32: 1e-5; bf16 storage: 2e-2)."""
+    overlapped equal unsplit (fp32: 1e-5; bf16 storage: 2e-2), with the split's 64-token or 16-token kernels."""
+    from k3.ops.kda.triton import span
+
     monkeypatch.delenv("K3_KDA_BACKEND", raising=False)
+    monkeypatch.setattr(span.SplitConfig, "flow", flow)
     lens = [20000, 3, 9000, 777]
     cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), device="cuda")
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -393,7 +474,6 @@ def test_split_gpu_matches_unsplit(dtype, monkeypatch):
             assert torch.isfinite(out[0]).all(), P
             assert rel(out[0].float(), ref[0].float()) <= tol and rel(out[1], ref[1]) <= tol, P
         # many small windows with the next window's prep on a side stream: the same result
-        from k3.ops.kda.triton import span
         from k3.ops.kda.triton.chunk_fwd import chunk_bytes
 
         monkeypatch.setenv("K3_KDA_SPLITS", "3")

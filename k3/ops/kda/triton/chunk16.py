@@ -282,6 +282,68 @@ def _c16_state(
         tl.store(p_s, St, mask=m_v[:, None] & m_k[None, :])
 
 
+@triton.jit(do_not_specialize=['c0', 'NCw', 'H'])
+def _c16_span_rows(
+    X, KG, GAM, U, SE, M,
+    row_cs, row_ce, row_m, c0, NCw,
+    H, K: tl.constexpr, V: tl.constexpr,
+    BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BVP: tl.constexpr,
+    PREC: tl.constexpr, STAGES: tl.constexpr, U_RM: tl.constexpr,
+):
+    """The split prefill's span pass on mode 2's window buffers: row r's extended state [S_ext | M] through the
+    chunks [row_cs[r], row_ce[r]) (global numbers, inside the window that starts at chunk c0), in 16-token steps
+    with each column block held TRANSPOSED ([BV, K] fp32, the state pass's form):
+        V'ᵀ = [U | 0]ᵀ − [S_ext | M]ᵀ Wᵀ,  [S_ext | M]ᵀ ← [S_ext | M]ᵀ Diag(γ) + V'ᵀ kg.
+    One program per (column block, row, head); blocks below BVP are S_ext (``SE [R, H, K, V]``), the others M
+    (``M [R, H, K, K]``), each started from its contents and written back; rows with ``row_m[r] == 0`` skip their
+    M blocks, an empty range leaves the row as it was (``span._kda_span_rows``'s contract)."""
+    i_b = tl.program_id(0)
+    i_rh = tl.program_id(1)
+    i_r = i_rh // H
+    i_h = i_rh % H
+    cs = tl.load(row_cs + i_r)
+    ce = tl.load(row_ce + i_r)
+    is_m = i_b * BV >= BVP
+    if (cs < ce) & ((tl.load(row_m + i_r) != 0) | (i_b * BV < BVP)):
+        NB: tl.constexpr = BT // BC
+        DT: tl.constexpr = KG.dtype.element_ty
+        o_s = tl.arange(0, BC)
+        o_k = tl.arange(0, BK)
+        # (arithmetic, not tl.where: the compiler then knows the block start is a multiple of BV, so the tile loads
+        # stay vectorised and asynchronous)
+        col = i_b * BV - is_m.to(tl.int32) * BVP + tl.arange(0, BV)
+        ncol = tl.where(is_m, K, V)
+        m_s = (col < ncol)[:, None] & (o_k < K)[None, :]
+        p_s = ((i_r * H + i_h).to(tl.int64) * K + o_k[None, :]) * ncol + col[:, None]  # Sᵀ: row = column
+        if is_m:
+            St = tl.load(M + p_s, mask=m_s, other=0.)
+        else:
+            St = tl.load(SE + p_s, mask=m_s, other=0.)
+        m_u = (col < BVP)[None, :] & (i_b * BV < BVP)  # M columns: V' = 0 − W M
+        b0 = (i_h * NCw - c0).to(tl.int64) * NB + cs * NB
+        q_kg = KG + (b0 * BC + o_s)[:, None] * BK + o_k[None, :]
+        q_gam = GAM + b0 * BK + o_k
+        q_w = X + (b0 * (2 * BC) + o_s)[:, None] * BK + o_k[None, :]  # −W, the first 16 rows of [−W; qw]
+        if U_RM:
+            q_u = U + b0 * (BVP * 2 * BC) + o_s[:, None] * BVP + col[None, :]  # U [16, BV]
+        else:
+            q_u = U + b0 * (BVP * 2 * BC) + col[None, :] * (2 * BC) + o_s[:, None]  # the same from Uᵀ [BVP, 32]
+        eye = tl.where(o_s[:, None] == o_s[None, :], 1.0, 0.0).to(DT)
+        for _ in tl.range(cs * NB, ce * NB, num_stages=STAGES):
+            # Uᵀ (zero for M's blocks) into the accumulator by the exact product Uᵀ·I, then V'ᵀ = Uᵀ + Sᵀ (−W)ᵀ
+            acc = tl.dot(tl.trans(tl.load(q_u, mask=m_u, other=0.)), eye, input_precision=PREC)
+            vn = tl.dot(St.to(DT), tl.trans(tl.load(q_w)), acc=acc, input_precision=PREC).to(DT)
+            St = St * tl.load(q_gam)[None, :] + tl.dot(vn, tl.load(q_kg), input_precision=PREC)
+            q_kg += BC * BK
+            q_gam += BK
+            q_w += 2 * BC * BK
+            q_u += BVP * 2 * BC
+        if is_m:
+            tl.store(M + p_s, St, mask=m_s)
+        else:
+            tl.store(SE + p_s, St, mask=m_s)
+
+
 class C16Config:
     """Launch knobs of the 16-token inference flow (class attributes, for benchmarks to switch)."""
 
@@ -308,6 +370,7 @@ class C16Config:
     # but the prefill measured 42.0 / 43.3 ms against 41.2 / 42.0 uncapped (H200, same process)
     prep_maxnreg = None
     state_bv = 64  # 128 at 8 warps: 48 ms per 1M (the two warpgroups' steps do not overlap)
+    span_bv = 64  # columns of [S_ext | M] per program of the split prefill's span pass (``_c16_span_rows``)
     # ``FwdConfig.inference_flow = "auto"`` takes this flow from this many state-pass programs (B·H·V / state_bv)
     min_programs = 64
     state_warps = 4
@@ -429,4 +492,20 @@ def launch_c16_state(bufs: dict, v, o, ht, tab: ChunkTable, c0: int, c1: int, H:
         PTR_INC=(bool(C16Config.state_ptr_inc) and _mode() == 2) or _mode() == 3, U_EYE=_u_form()[0], U_RM=_u_form()[1],
         num_warps=C16Config.state_warps,
         num_stages=1,
+    )
+
+
+def launch_c16_span(bufs: dict, SE: torch.Tensor, Mt: torch.Tensor, rows: dict, c0: int, H: int, K: int,
+                    V: int) -> None:
+    """``_c16_span_rows`` over the window of mode-2 buffers that starts at chunk c0: ``SE [Q, R, H, K, V]`` and
+    ``Mt [Q, R, H, K, K]`` (fp32, updated in place), ``rows`` the int32 tables row_cs, row_ce, row_m [Q·R]."""
+    if _mode() != 2:
+        raise ValueError(f"C16Config.mode: the 16-token span pass reads mode 2's buffers, got mode {_mode()}")
+    BK, BVP = bufs["X"].shape[-1], next_pow2(V)
+    bv = min(C16Config.span_bv, BVP, BK)
+    _c16_span_rows[((BVP + BK) // bv, rows["row_cs"].numel() * H)](
+        bufs["X"], bufs["KG"], bufs["GAM"], bufs["U"], SE, Mt, rows["row_cs"], rows["row_ce"], rows["row_m"],
+        c0, bufs["X"].shape[1], H, K, V, BT=BT, BC=BC, BK=BK, BV=bv, BVP=BVP,
+        PREC=dot_precision(bufs["X"].dtype), STAGES=state_stages(C16Config.state_stages, bufs["X"].dtype),
+        U_RM=_u_form()[1], num_warps=C16Config.state_warps, num_stages=1,
     )

@@ -31,6 +31,7 @@ from k3.ops.kda.triton._common import (
     next_pow2,
     store_dtype,
 )
+from k3.ops.kda.triton import chunk16 as c16_flow
 from k3.ops.kda.triton.chunk_fwd import (
     FwdConfig,
     alloc_chunk_buffers,
@@ -171,6 +172,9 @@ class SplitConfig:
     # buffers). The split's serial passes fill most SMs, so the gain is bounded: H200 (session 4) 27.29 vs 27.39 ms
     # at B=1, H=8, T=1M, 4 segments — none, so off
     overlap_prep = False
+    # the kernels of the split: "c64" (64-token prep, span and state passes) or "c16" (the 16-token flow's prep and
+    # state pass, ``chunk16._c16_span_rows`` for the spans; bounded gates, mode 2). Untimed: "c64" stays the default
+    flow = "c64"
 
 
 @triton.jit(do_not_specialize=['c0', 'NCw', 'H'])
@@ -302,14 +306,16 @@ def _segment_table(w: _Window) -> ChunkTable:
     return ChunkTable(cu.numel() - 1, w.n, 0, 0, True, cu, off, off, [], [])
 
 
-def _span_and_fold(bufs: dict, ht: torch.Tensor, w: _Window, K: int, V: int, prec: str) -> torch.Tensor:
+def _span_and_fold(bufs: dict, ht: torch.Tensor, w: _Window, K: int, V: int, prec: str,
+                   c16: bool = False) -> torch.Tensor:
     """Entry state of every segment of the window, ``[n_segments, H, K, V]`` fp32 (segment order).
 
     A piece cut into p ≥ 2 segments gets span rows 0 … p − 2: row 0 runs segment 0 from the piece's known entry
     state (S only: its final state IS segment 1's entry), rows j ≥ 1 the affine map (E_j, M_j) of segment j from
-    [0 | I]. The fold S_{j+1} = M_j S_j + E_j runs in fp64 (a left fold: the exact recurrence; P tiny matmuls)."""
+    [0 | I]. The fold S_{j+1} = M_j S_j + E_j runs in fp64 (a left fold: the exact recurrence; P tiny matmuls).
+    ``c16``: the buffers are the 16-token flow's (mode 2) and its span pass runs (``chunk16.launch_c16_span``)."""
     H, dev = ht.shape[1], ht.device
-    BK, BVP = bufs["W"].shape[-1], bufs["U"].shape[-1]
+    BK, BVP = next_pow2(K), next_pow2(V)
     ix = w.i64
     entries = torch.empty(w.i32["seg_cu"].numel() - 1, H, K, V, dtype=torch.float32, device=dev)
     entries[ix["first"]] = ht[ix["seq"]]
@@ -318,11 +324,14 @@ def _span_and_fold(bufs: dict, ht: torch.Tensor, w: _Window, K: int, V: int, pre
     SE = torch.zeros(w.Q, w.R, H, K, V, dtype=torch.float32, device=dev)
     SE[:, 0] = ht[ix["multi_seq"]]
     Mt = torch.eye(K, dtype=torch.float32, device=dev).repeat(w.Q, w.R, H, 1, 1)
-    bv = min(SplitConfig.span_bv, BVP, BK)
-    _kda_span_rows[((BVP + BK) // bv, w.Q * w.R * H)](
-        bufs["W"], bufs["U"], bufs["KG"], bufs["GAM"], SE, Mt, w.i32["row_cs"], w.i32["row_ce"], w.i32["row_m"],
-        w.c0, bufs["W"].shape[1], H, K, V, BT=BT, BK=BK, BV=bv, BVP=BVP, PREC=prec,
-        num_warps=SplitConfig.span_warps, num_stages=SplitConfig.span_stages)
+    if c16:
+        c16_flow.launch_c16_span(bufs, SE, Mt, w.i32, w.c0, H, K, V)
+    else:
+        bv = min(SplitConfig.span_bv, BVP, BK)
+        _kda_span_rows[((BVP + BK) // bv, w.Q * w.R * H)](
+            bufs["W"], bufs["U"], bufs["KG"], bufs["GAM"], SE, Mt, w.i32["row_cs"], w.i32["row_ce"],
+            w.i32["row_m"], w.c0, bufs["W"].shape[1], H, K, V, BT=BT, BK=BK, BV=bv, BVP=BVP, PREC=prec,
+            num_warps=SplitConfig.span_warps, num_stages=SplitConfig.span_stages)
     S = SE[:, 0].double()  # segment 1's entry (padded rows: M = I, E = 0 keep S; their results are not used)
     fold = [S]
     for j in range(1, w.R):
@@ -330,6 +339,16 @@ def _span_and_fold(bufs: dict, ht: torch.Tensor, w: _Window, K: int, V: int, pre
         fold.append(S)
     entries[ix["dst"]] = torch.stack(fold, 1).flatten(0, 1)[ix["src"]].float()
     return entries
+
+
+def _split_flow(lower_bound, flags: dict) -> str:
+    """``SplitConfig.flow``: "c64" (the 64-token kernels) or "c16" (the 16-token flow's prep, span pass and state
+    pass; it needs a bounded gate and ``C16Config.mode`` 2, else the split runs "c64")."""
+    flow = SplitConfig.flow
+    if flow not in ("c16", "c64"):
+        raise ValueError(f"SplitConfig.flow: expected 'c16' or 'c64', got {flow!r}")
+    ok = lower_bound is not None and not flags["exact_diag"] and c16_flow.C16Config.mode == 2
+    return "c16" if flow == "c16" and ok else "c64"
 
 
 def _state_knobs() -> contextlib.AbstractContextManager:
@@ -379,7 +398,9 @@ def split_prefill_triton(
                  beta_sigmoid=bool(use_beta_sigmoid_in_kernel), exact_diag=lower_bound is None)
     if not use_gate_in_kernel:
         A_log = dt_bias = None
-    ncw = max(1, min(tab.NC, split_window_bytes(q.device) // chunk_bytes(H, BK, BVP, dt)))
+    c16 = _split_flow(lower_bound, flags) == "c16"
+    per_chunk = c16_flow.c16_chunk_bytes(H, BK, BVP, dt) if c16 else chunk_bytes(H, BK, BVP, dt)
+    ncw = max(1, min(tab.NC, 16383 if c16 else tab.NC, split_window_bytes(q.device) // per_chunk))
     windows = []
     for c0 in range(0, tab.NC, ncw):
         n = min(ncw, tab.NC - c0)
@@ -387,15 +408,27 @@ def split_prefill_triton(
         windows.append(_plan_window(c0, n, pieces, cut([pc.n for pc in pieces], H)))
     _upload(windows, q.device)
     overlap = bool(SplitConfig.overlap_prep) and q.is_cuda and len(windows) > 1
-    bufs = [alloc_chunk_buffers(H, ncw, BK, BVP, dt, q.device, store_t=False) for _ in range(1 + overlap)]
+    if c16:
+        bufs = [c16_flow.alloc_c16_buffers(H, ncw, BK, BVP, dt, q.device) for _ in range(1 + overlap)]
+    else:
+        bufs = [alloc_chunk_buffers(H, ncw, BK, BVP, dt, q.device, store_t=False) for _ in range(1 + overlap)]
 
     def prep(w: _Window, b: dict) -> None:
-        launch_prep(q, k, v, g, beta, A_log, dt_bias, b, tab, w.c0, w.n, float(scale), lower_bound, flags, False)
+        if c16:
+            c16_flow.launch_c16_prep(q, k, v, g, beta, A_log, dt_bias, b, tab, w.c0, w.n, float(scale),
+                                     lower_bound, flags)
+        else:
+            launch_prep(q, k, v, g, beta, A_log, dt_bias, b, tab, w.c0, w.n, float(scale), lower_bound, flags,
+                        False)
 
     def serial(w: _Window, b: dict) -> None:
-        hs = _span_and_fold(b, ht, w, K, V, dot_precision(q.dtype))
-        with _state_knobs():
-            launch_state(b, o, None, hs, _segment_table(w), w.c0, w.c0 + w.n, H, K, V)
+        if c16:
+            hs = _span_and_fold(b, ht, w, K, V, dot_precision(q.dtype), c16=True)
+            c16_flow.launch_c16_state(b, v, o, hs, _segment_table(w), w.c0, w.c0 + w.n, H, K, V)
+        else:
+            hs = _span_and_fold(b, ht, w, K, V, dot_precision(q.dtype))
+            with _state_knobs():
+                launch_state(b, o, None, hs, _segment_table(w), w.c0, w.c0 + w.n, H, K, V)
         ht[w.i64["seq"]] = hs[w.i64["last"]]
 
     if overlap:
