@@ -129,6 +129,10 @@ def test_auto_rule_on_cuda(monkeypatch):
 
     monkeypatch.setattr(FwdConfig, "overlap_windows", True, raising=False)  # the unsplit path would overlap
     assert pf._auto_splits([1 << 20], 8, 128, 128, cuda, "triton")[0] == 5  # (31.2 ms measured vs 25–27 split)
+    # a bounded gate: the split runs the 16-token kernels and their model (measured best: P = 8, 15.2 ms)
+    P, model = pf._auto_splits([1 << 20], 8, 128, 128, cuda, "triton", lower_bound=-5.0)
+    assert P == 8 and model == pf.SplitCostModel.c16(132)
+    assert pf._auto_splits([1 << 20], 32, 128, 128, cuda, "triton", lower_bound=-5.0)[0] == 1
     perfect = pf.SplitCostModel(overlap_exposed=0.0)  # were the overlap perfect, no split would pay
     assert perfect.best([(1 << 20) // 64], 8, 128, 128, 32, overlap=11) == 1
     monkeypatch.setattr(FwdConfig, "overlap_windows", False, raising=False)
@@ -397,15 +401,16 @@ def test_split_flow_validated_and_falls_back(monkeypatch):
     """An unknown ``SplitConfig.flow`` is a ValueError; "c16" without a bounded gate or in another mode runs "c64"."""
     from k3.ops.kda.triton import chunk16, span
 
-    k3 = dict(exact_diag=False)
     monkeypatch.setattr(span.SplitConfig, "flow", "c16")
-    assert span._split_flow(-5.0, k3) == "c16"
-    assert span._split_flow(None, dict(exact_diag=True)) == "c64"
+    assert span.split_flow(-5.0) == "c16"
+    assert span.split_flow(None) == "c64"
     monkeypatch.setattr(chunk16.C16Config, "mode", 1)
-    assert span._split_flow(-5.0, k3) == "c64"
+    assert span.split_flow(-5.0) == "c64"
+    monkeypatch.setattr(span.SplitConfig, "flow", "c64")
+    assert span.split_flow(-5.0) == "c64"
     monkeypatch.setattr(span.SplitConfig, "flow", "fast")
     with pytest.raises(ValueError, match="SplitConfig.flow"):
-        span._split_flow(-5.0, k3)
+        span.split_flow(-5.0)
 
 
 @triton_only

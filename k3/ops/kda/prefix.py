@@ -172,6 +172,16 @@ class SplitCostModel:
     tie_margin: float = 0.03  # a larger P must be predicted this much faster than the best smaller one
     overlap_exposed: float = 0.65  # share of the shorter of prep / state pass left exposed when they overlap
 
+    @classmethod
+    def c16(cls, sm_count: int = 132) -> "SplitCostModel":
+        """The split on the 16-token kernels (``SplitConfig.flow = "c16"``). One H200 (session 14): the state pass
+        1.72 µs per chunk and program (28.2 ms over 16384 chunks at B=1, H=32, 64 programs, 8 stages: one per SM),
+        the span pass taken as the same per chunk with two programs per SM (86 KiB, 168 registers at sm_90), the
+        prep 6.27 SM·µs per chunk and head (24.9 ms per 1M at H=32). Checked at B=1, H=8, T=1M: predicted P = 6 /
+        8 / 10 / 12 / 16: 15.7 / 13.4 / 17.7 / 15.8 / 13.5 ms, measured 17.6 / 15.2 / 19.6 / 18.3 / 16.3 — ~2 ms
+        low, the same saw-tooth, the same best P."""
+        return cls(sm_count=sm_count, state_step_us=1.72, span_step_us=1.72, span_per_sm=2, prep_sm_us=6.27)
+
     def state_us(self, cuts: list[list[int]], H: int, V: int) -> float:
         """The state pass over all segments (``cuts``: chunk counts of each piece's segments)."""
         nv = max(1, _pow2(V) // min(self.state_bv, _pow2(V)))
@@ -305,7 +315,8 @@ def _sm_count(index: int) -> int:
 
 
 def _auto_splits(lens: list[int], H: int, K: int, V: int, device: torch.device, backend: str,
-                 dtype: torch.dtype = torch.bfloat16) -> tuple[int, SplitCostModel | None]:
+                 dtype: torch.dtype = torch.bfloat16, lower_bound: float | None = None
+                 ) -> tuple[int, SplitCostModel | None]:
     """``(P, model)`` for this call. ``K3_KDA_SPLITS=n`` forces n on any device (model None: even cuts).
     Otherwise, on CUDA with the Triton backend while ``AUTO_SPLIT`` is on (or ``K3_KDA_SPLITS=auto``): the
     :class:`SplitCostModel` on the sequences' chunk counts — P > 1 only when it predicts a clear win, which needs
@@ -317,8 +328,10 @@ def _auto_splits(lens: list[int], H: int, K: int, V: int, device: torch.device, 
         return 1, None  # on CPU the torch path is serial anyway: splitting only adds the summary work
     if max(lens, default=0) < 2 * _MIN_SEG:
         return 1, None
-    model = SplitCostModel(sm_count=_sm_count(device.index if device.index is not None else
-                                              torch.cuda.current_device()))
+    from k3.ops.kda.triton.span import split_flow  # noqa: PLC0415 (triton is optional)
+
+    sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    model = SplitCostModel.c16(sms) if split_flow(lower_bound) == "c16" else SplitCostModel(sm_count=sms)
     slots = model.sm_count * model.state_per_sm
     if sum(1 for n in lens if n) * H * max(1, _pow2(V) // model.state_bv) >= slots:
         return 1, None  # the unsplit state pass fills every SM already
@@ -461,7 +474,7 @@ def maybe_split_chunk_kda(
     cu = args[12]
     B, T, H, K = q.shape
     lens = [T] * B if cu is None else (cu[1:] - cu[:-1]).detach().cpu().tolist()
-    P, model = _auto_splits(lens, H, K, v.shape[-1], q.device, backend, q.dtype)
+    P, model = _auto_splits(lens, H, K, v.shape[-1], q.device, backend, q.dtype, args[11])
     if P <= 1 or max(lens, default=0) <= _ALIGN:
         return None
     if model is None:

@@ -173,8 +173,10 @@ class SplitConfig:
     # at B=1, H=8, T=1M, 4 segments — none, so off
     overlap_prep = False
     # the kernels of the split: "c64" (64-token prep, span and state passes) or "c16" (the 16-token flow's prep and
-    # state pass, ``chunk16._c16_span_rows`` for the spans; bounded gates, mode 2). Untimed: "c64" stays the default
-    flow = "c64"
+    # state pass, ``chunk16._c16_span_rows`` for the spans; bounded gates, mode 2, else "c64" runs; the cost model
+    # then is ``SplitCostModel.c16``). H200 (session 14, same process), B=1 H=8 T=1M: "c64" 21.0–21.1 ms, "c16"
+    # at P = 5 (the c64 model's choice) 17.9, 6 17.6, 8 15.2 (the c16 model's choice), 10 19.6, 12 18.3, 16 16.3
+    flow = "c16"
 
 
 @triton.jit(do_not_specialize=['c0', 'NCw', 'H'])
@@ -341,13 +343,13 @@ def _span_and_fold(bufs: dict, ht: torch.Tensor, w: _Window, K: int, V: int, pre
     return entries
 
 
-def _split_flow(lower_bound, flags: dict) -> str:
+def split_flow(lower_bound) -> str:
     """``SplitConfig.flow``: "c64" (the 64-token kernels) or "c16" (the 16-token flow's prep, span pass and state
     pass; it needs a bounded gate and ``C16Config.mode`` 2, else the split runs "c64")."""
     flow = SplitConfig.flow
     if flow not in ("c16", "c64"):
         raise ValueError(f"SplitConfig.flow: expected 'c16' or 'c64', got {flow!r}")
-    ok = lower_bound is not None and not flags["exact_diag"] and c16_flow.C16Config.mode == 2
+    ok = lower_bound is not None and c16_flow.C16Config.mode == 2
     return "c16" if flow == "c16" and ok else "c64"
 
 
@@ -398,7 +400,7 @@ def split_prefill_triton(
                  beta_sigmoid=bool(use_beta_sigmoid_in_kernel), exact_diag=lower_bound is None)
     if not use_gate_in_kernel:
         A_log = dt_bias = None
-    c16 = _split_flow(lower_bound, flags) == "c16"
+    c16 = split_flow(lower_bound) == "c16"
     per_chunk = c16_flow.c16_chunk_bytes(H, BK, BVP, dt) if c16 else chunk_bytes(H, BK, BVP, dt)
     ncw = max(1, min(tab.NC, 16383 if c16 else tab.NC, split_window_bytes(q.device) // per_chunk))
     windows = []
