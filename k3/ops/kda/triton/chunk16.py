@@ -1,4 +1,5 @@
-"""Inference forward of KDA in 16-token steps (the FlashKDA data flow, research/kda.md §4): two kernels.
+"""Inference forward of KDA in 16-token steps (the FlashKDA data flow, research/kda.md §4): two kernels, and the
+split prefill's span pass in the same form.
 
 ``_c16_prep`` — token-parallel, one program per 16-token block and head: gate activation and cumsum (fp32, log2),
 L2 norm, β; the block's A_kk / A_qk (reference = the row before the block, a past row, so no future gate reaches
@@ -14,10 +15,14 @@ M ≥ 64, a 16-row step would otherwise run on the older mma.sync — and the se
 (Sᵀ and V'ᵀ are the left operands):
     V'ᵀ = Uᵀ − Sᵀ Wᵀ,  Oᵀ = Sᵀ qgᵀ + V'ᵀ (scale·A_qk)ᵀ,  Sᵀ ← Sᵀ Diag(γ) + V'ᵀ kg.
 
+``_c16_span_rows`` — the same step on the extended state [S_ext | M]ᵀ without the output, for the split prefill's
+span summaries (``span.split_prefill_triton`` with ``SplitConfig.flow = "c16"``).
+
 Why: the 64-token flow (``chunk_fwd``) writes W, U, kg, qg, A_qk and fp32 scratch per 64-token chunk through
 three prep kernels (49 ms of the whole H200 per 1M tokens at H = 32); this prep is one light kernel (28 ms in mode
-2). Its state pass costs about as much per token as the 64-token one in mode 2 (1.6 µs per 64 tokens and program;
-mode 1 2.1), and the flow was measured to pay from ~64 state-pass programs (``FwdConfig.inference_flow = "auto"``). Bounded gates only
+2; 25 with the inverse at fp16x3). Its state pass costs about as much per token as the 64-token one in mode 2 (1.6
+µs per 64 tokens and program; mode 1 2.1), and the flow was measured to pay from ~64 state-pass programs
+(``FwdConfig.inference_flow = "auto"``). Bounded gates only
 (``lower_bound`` set): the prep's right factor k e^{−G} reaches e^{5·16} within a block, like FlashKDA's.
 Inference only (no backward), windowed like ``chunk_fwd`` so memory does not grow with T.
 """
@@ -60,7 +65,8 @@ def _c16_prep(
     #   1: W, U, qg, A_qk, kg;
     #   2: [−W; qw] stacked (qw = qg − A_qk W), [U; A_qk U] stacked, kg — the output folds into
     #      Oᵀ = Sᵀ qwᵀ + (A_qk U)ᵀ, so the state pass runs one product Sᵀ [−W; qw]ᵀ (accumulating onto [U; A_qk U]ᵀ)
-    #      and the kg update per step
+    #      and the kg update per step;
+    #   3: as 2, but U alone and [I | A_qkᵀ]: the state pass forms [U; A_qk U]ᵀ = Uᵀ [I | A_qkᵀ] (fewer bytes)
     if HEAD_MAJOR:  # adjacent programs read adjacent heads of the same tokens (contiguous rows of q, k, g, v)
         i_h = tl.program_id(0)
         i_b = tl.program_id(1)
@@ -173,14 +179,9 @@ def _u_acc(b_ua, PREC: tl.constexpr, BC: tl.constexpr, U_RM: tl.constexpr):
 
 
 @triton.jit
-def _folded_step(s_dt, b_wq, b_ua, PREC: tl.constexpr, BV: tl.constexpr, BC: tl.constexpr,
-                 U_EYE: tl.constexpr = False, U_RM: tl.constexpr = False):
-    """Mode 2's product: [V'ᵀ | Oᵀ] = [Uᵀ | (A_qk U)ᵀ] + Sᵀ [−W; qw]ᵀ, one product whose accumulator starts from the
-    loaded [U; A_qk U]ᵀ; returns V'ᵀ in the operand dtype and Oᵀ in fp32. ``U_EYE``: b_ua stays in its load dtype
-    and enters the accumulator as the product [U; A_qk U]ᵀ·I (exact: one nonzero term per entry), read by the tensor
-    cores from shared memory instead of converted to fp32 element by element in registers."""
-    if U_EYE:
-        b_ua = _u_acc(b_ua, PREC, BC, U_RM)
+def _folded_step(s_dt, b_wq, b_ua, PREC: tl.constexpr, BV: tl.constexpr, BC: tl.constexpr):
+    """Mode 2's product: [V'ᵀ | Oᵀ] = [Uᵀ | (A_qk U)ᵀ] + Sᵀ [−W; qw]ᵀ, one product whose accumulator starts from
+    [U; A_qk U]ᵀ (fp32, ``b_ua``); returns V'ᵀ in the operand dtype and Oᵀ in fp32."""
     acc = tl.dot(s_dt, tl.trans(b_wq), acc=b_ua, input_precision=PREC)
     b_vnt, b_ot = tl.split(tl.permute(tl.reshape(acc, [BV, 2, BC]), (0, 2, 1)))
     return b_vnt.to(s_dt.dtype), b_ot
@@ -489,9 +490,8 @@ def launch_c16_state(bufs: dict, v, o, ht, tab: ChunkTable, c0: int, c1: int, H:
         v, o, ht, tab.cu, tab.chunk_off, c0, c1, bufs["X"].shape[1], tab.T, tab.NT, H, K, V,
         BT=BT, BC=BC, BK=BK, BV=BV, BVP=BVP, IS_VARLEN=tab.varlen, PREC=dot_precision(bufs["X"].dtype),
         STAGES=state_stages(C16Config.state_stages, bufs["X"].dtype), MODE=_mode(),
-        PTR_INC=(bool(C16Config.state_ptr_inc) and _mode() == 2) or _mode() == 3, U_EYE=_u_form()[0], U_RM=_u_form()[1],
-        num_warps=C16Config.state_warps,
-        num_stages=1,
+        PTR_INC=(bool(C16Config.state_ptr_inc) and _mode() == 2) or _mode() == 3,  # mode 3: pointer loop only
+        U_EYE=_u_form()[0], U_RM=_u_form()[1], num_warps=C16Config.state_warps, num_stages=1,
     )
 
 

@@ -402,7 +402,8 @@ def split_prefill_triton(
         A_log = dt_bias = None
     c16 = split_flow(lower_bound) == "c16"
     per_chunk = c16_flow.c16_chunk_bytes(H, BK, BVP, dt) if c16 else chunk_bytes(H, BK, BVP, dt)
-    ncw = max(1, min(tab.NC, 16383 if c16 else tab.NC, split_window_bytes(q.device) // per_chunk))
+    cap = 16383 if c16 else tab.NC  # (the 16-token prep's head-major grid holds ≤ 16383 chunks per launch)
+    ncw = max(1, min(tab.NC, cap, split_window_bytes(q.device) // per_chunk))
     windows = []
     for c0 in range(0, tab.NC, ncw):
         n = min(ncw, tab.NC - c0)
