@@ -83,14 +83,20 @@ def checks() -> None:
               flush=True)
 
 
-def kernel_times(states: list[tuple[int, int, int, int]], preps: list[tuple[int, int, int, str]],
-                 modes: list[int]) -> list[str]:
-    T, H = 1 << 17, 32
+def one_window(T: int = 1 << 17, H: int = 32):
+    """bf16 inputs of one 128K-token window at H=32 (the K3 call), its chunk table, flags, output and state."""
     x = inputs(T, H, seed=1)
     x = {n: (t.to(torch.bfloat16) if n in ("q", "k", "v", "g", "beta") else t) for n, t in x.items()}
     tab = make_chunk_table(1, T, None, x["q"].device)
     flags = dict(l2norm=True, use_gate=True, beta_sigmoid=True, exact_diag=False)
     o, ht = alloc_output_state(x["q"], x["v"], None, tab)
+    return x, tab, flags, o, ht
+
+
+def kernel_times(states: list[tuple[int, int, int, int]], preps: list[tuple[int, int, int, str]],
+                 modes: list[int]) -> list[str]:
+    H = 32
+    x, tab, flags, o, ht = one_window(H=H)
     rows = []
     for mode in modes:
         with overridden_attrs(c16.C16Config, mode=mode):
@@ -127,12 +133,8 @@ def kernel_times(states: list[tuple[int, int, int, int]], preps: list[tuple[int,
 def knob_sets(sets: list[tuple[str, dict]], rounds: int) -> list[str]:
     """Each named set of ``C16Config`` knobs at the default launch: the prep and the state pass alone over one window,
     every set timed ``rounds`` times, interleaved (drift shows as spread within a set)."""
-    T, H = 1 << 17, 32
-    x = inputs(T, H, seed=1)
-    x = {n: (t.to(torch.bfloat16) if n in ("q", "k", "v", "g", "beta") else t) for n, t in x.items()}
-    tab = make_chunk_table(1, T, None, x["q"].device)
-    flags = dict(l2norm=True, use_gate=True, beta_sigmoid=True, exact_diag=False)
-    o, ht = alloc_output_state(x["q"], x["v"], None, tab)
+    H = 32
+    x, tab, flags, o, ht = one_window(H=H)
     times: dict[str, tuple[list[float], list[float]]] = {n: ([], []) for n, _ in sets}
     for _ in range(rounds):
         for name, knobs in sets:

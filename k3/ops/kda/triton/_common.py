@@ -137,6 +137,21 @@ def _state_program(cu, chunk_off, c0, c1, T, NT, H, IS_VARLEN: tl.constexpr):
 
 
 @triton.jit
+def _span_row_program(row_cs, row_ce, row_m, H, BV: tl.constexpr, BVP: tl.constexpr):
+    """A span-pass program on grid (column blocks of [S_ext | M], rows·H): its column block, row, head, the row's
+    chunk range [cs, ce), and whether it has work (a non-empty range; M's blocks, from BVP on, only where
+    ``row_m[row]`` is set)."""
+    i_b = tl.program_id(0)
+    i_rh = tl.program_id(1)
+    i_r = i_rh // H
+    i_h = i_rh % H
+    cs = tl.load(row_cs + i_r)
+    ce = tl.load(row_ce + i_r)
+    live = (cs < ce) & ((tl.load(row_m + i_r) != 0) | (i_b * BV < BVP))
+    return i_b, i_r, i_h, cs, ce, live
+
+
+@triton.jit
 def _chunk_pos(c, cu, chunk_seq, chunk_off, T, NT, BT: tl.constexpr, IS_VARLEN: tl.constexpr):
     """Global chunk c → (first token, end of its sequence)."""
     if IS_VARLEN:

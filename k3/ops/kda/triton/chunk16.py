@@ -41,6 +41,7 @@ from k3.ops.kda.triton._common import (
     _chunk_tile,
     _gate_of,
     _l2norm,
+    _span_row_program,
     _state_program,
     dot_precision,
     next_pow2,
@@ -298,14 +299,9 @@ def _c16_span_rows(
     One program per (column block, row, head); blocks below BVP are S_ext (``SE [R, H, K, V]``), the others M
     (``M [R, H, K, K]``), each started from its contents and written back; rows with ``row_m[r] == 0`` skip their
     M blocks, an empty range leaves the row as it was (``span._kda_span_rows``'s contract)."""
-    i_b = tl.program_id(0)
-    i_rh = tl.program_id(1)
-    i_r = i_rh // H
-    i_h = i_rh % H
-    cs = tl.load(row_cs + i_r)
-    ce = tl.load(row_ce + i_r)
+    i_b, i_r, i_h, cs, ce, live = _span_row_program(row_cs, row_ce, row_m, H, BV, BVP)
     is_m = i_b * BV >= BVP
-    if (cs < ce) & ((tl.load(row_m + i_r) != 0) | (i_b * BV < BVP)):
+    if live:
         NB: tl.constexpr = BT // BC
         DT: tl.constexpr = KG.dtype.element_ty
         o_s = tl.arange(0, BC)

@@ -26,6 +26,7 @@ from k3.ops.kda.triton._common import (
     BT,
     ChunkTable,
     _chunk_range,
+    _span_row_program,
     dot_precision,
     make_chunk_table,
     next_pow2,
@@ -191,13 +192,7 @@ def _kda_span_rows(
     [0, BVP) are S (``SE [R, H, K, V]``, started from its contents), blocks [BVP, BVP + BK) are M (``M [R, H, K,
     K]``, started from its contents); rows with ``row_m[r] == 0`` skip their M blocks (their entry state is known,
     so only S is needed). An empty range leaves the row as it was."""
-    i_b = tl.program_id(0)
-    i_rh = tl.program_id(1)
-    i_r = i_rh // H
-    i_h = i_rh % H
-    cs = tl.load(row_cs + i_r)
-    ce = tl.load(row_ce + i_r)
-    live = (cs < ce) & ((tl.load(row_m + i_r) != 0) | (i_b * BV < BVP))
+    i_b, i_r, i_h, cs, ce, live = _span_row_program(row_cs, row_ce, row_m, H, BV, BVP)
     if live:
         _span_columns(W, U, KG, GAM, SE, M, i_b, i_r, i_h, cs, ce, c0, NCw, H, K, V, BT, BK, BV, BVP, PREC)
 
