@@ -484,5 +484,7 @@ def test_split_gpu_matches_unsplit(dtype, flow, monkeypatch):
         monkeypatch.setenv("K3_KDA_SPLITS", "3")
         monkeypatch.setattr(span.SplitConfig, "window_bytes", 40 * chunk_bytes(H, 128, 128, span.store_dtype(dtype)))
         monkeypatch.setattr(span.SplitConfig, "overlap_prep", True)
-        out = chunk_kda(**x, **kw)
-        assert rel(out[0].float(), ref[0].float()) <= tol and rel(out[1], ref[1]) <= tol
+        for priority in (False, True):  # the serial passes on the caller's stream / a high-priority one
+            monkeypatch.setattr(span.SplitConfig, "serial_priority", priority)
+            out = chunk_kda(**x, **kw)
+            assert rel(out[0].float(), ref[0].float()) <= tol and rel(out[1], ref[1]) <= tol, priority

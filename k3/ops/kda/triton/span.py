@@ -173,6 +173,10 @@ class SplitConfig:
     # buffers). The split's serial passes fill most SMs, so the gain is bounded: H200 (session 4) 27.29 vs 27.39 ms
     # at B=1, H=8, T=1M, 4 segments — none, so off
     overlap_prep = False
+    # with overlap_prep: the span / fold / state passes on a high-priority stream, so the block scheduler places their
+    # programs before the next window's prep programs take the free slots (as ``FwdConfig.state_priority`` does for
+    # the unsplit flow). Untimed (session 14 ran out of device time): off
+    serial_priority = False
     # the kernels of the split: "c64" (64-token prep, span and state passes) or "c16" (the 16-token flow's prep and
     # state pass, ``chunk16._c16_span_rows`` for the spans; bounded gates, mode 2, else "c64" runs; the cost model
     # then is ``SplitCostModel.c16``). H200 (session 14, same process), B=1 H=8 T=1M: "c64" 21.0–21.1 ms, "c16"
@@ -442,10 +446,16 @@ def _overlapped(windows: list[_Window], bufs: list[dict], prep: Callable[[_Windo
                 serial: Callable[[_Window, dict], None], device: torch.device) -> None:
     """Windows with the prep on a side stream one window ahead of the span / fold / state pass (two buffers
     alternate). The prep of window w waits until the serial passes that last read its buffer (window w − 2) are
-    done; the serial passes of window w wait for its prep. Every side-stream launch is ordered before a later
-    main-stream one, so the buffers may be reused by the caching allocator once this returns."""
+    done; the serial passes of window w wait for its prep. The serial passes run on the caller's stream, or with
+    ``SplitConfig.serial_priority`` on a high-priority stream that the caller's stream waits for at the end; either
+    way every side-stream launch is ordered before later work on the caller's stream, so the buffers may be reused
+    by the caching allocator once this returns."""
     main, side = torch.cuda.current_stream(device), torch.cuda.Stream(device)
     side.wait_stream(main)  # inputs, tables, buffers, o and ht come from the main stream
+    run = main
+    if SplitConfig.serial_priority:  # the serial passes on a high-priority stream, joined back into main at the end
+        run = torch.cuda.Stream(device, priority=-1)
+        run.wait_stream(main)
     freed: list[torch.cuda.Event | None] = [None, None]
     for i, w in enumerate(windows):
         b = i % 2
@@ -455,7 +465,10 @@ def _overlapped(windows: list[_Window], bufs: list[dict], prep: Callable[[_Windo
             prep(w, bufs[b])
             ready = torch.cuda.Event()
             ready.record(side)
-        main.wait_event(ready)
-        serial(w, bufs[b])
+        run.wait_event(ready)
+        with torch.cuda.stream(run):
+            serial(w, bufs[b])
         freed[b] = torch.cuda.Event()
-        freed[b].record(main)
+        freed[b].record(run)
+    if run is not main:
+        main.wait_stream(run)
