@@ -376,6 +376,26 @@ def test_split_c16_matches_unsplit(P, u_rowmajor, monkeypatch, nan_empty):
 
 
 @triton_only
+@pytest.mark.parametrize("u_fp32", [False, True])
+def test_split_c16_fp16(u_fp32, monkeypatch, nan_empty):
+    """fp16 storage through the 16-token split (the span pass's identity product on fp16 U, or U in fp32 loaded as
+    is): forced 3 equals unsplit to fp16 rounding."""
+    from k3.ops.kda.triton import chunk16, span
+
+    monkeypatch.setenv("K3_KDA_BACKEND", "triton")
+    monkeypatch.setattr(chunk16.C16Config, "u_fp32", u_fp32)
+    monkeypatch.setattr(span.SplitConfig, "flow", "c16")
+    (q, k, v, g, b), kw = _k3_call_case([300, 100])
+    q, k, v, g, b = (x.half() for x in (q, k, v, g, b))
+    with torch.no_grad():
+        monkeypatch.setenv("K3_KDA_SPLITS", "1")
+        ref = chunk_kda(q, k, v, g, b, **kw)
+        monkeypatch.setenv("K3_KDA_SPLITS", "3")
+        out = chunk_kda(q, k, v, g, b, **kw)
+    assert rel(out[0], ref[0]) <= 5e-3 and rel(out[1], ref[1]) <= 5e-3
+
+
+@triton_only
 def test_split_c16_detects_a_wrong_span(monkeypatch):
     """The comparison above can fail: M left at the identity in the 16-token span rows gives a large error."""
     from k3.ops.kda.triton import chunk16, span

@@ -136,7 +136,8 @@ def _c16_prep(
             r_v = _chunk_tile(v, i_h, t0, eos, H, V, BC, BVP)
         tbo = tb.to(DT)
         w_dt = tl.dot(tbo, x_dt, input_precision=PREC).to(DT)
-        u = tl.dot(tbo, r_v.to(DT), input_precision=PREC).to(DT)
+        u32 = tl.dot(tbo, r_v.to(DT), input_precision=PREC)
+        u = u32.to(DT)
         # U (and A_qk U) stored transposed per block, [BVP, 16] (or [BVP, 32]): the state pass reads them as [BV, ·]
         # tiles contiguous along their rows, which its pipeline can copy asynchronously (2-byte strided ones not) —
         # or, mode 2 with U_RM, row-major [32, BVP] per block, transposed by the state pass's identity product
@@ -161,10 +162,11 @@ def _c16_prep(
                 p_u = U + bidx * (BVP * 2 * BC) + o_s[:, None] * BVP + o_v[None, :]
                 tl.store(p_u, u)
                 tl.store(p_u + BC * BVP, tl.dot(aqo, u, input_precision=PREC).to(DT))
-            else:
+            else:  # in U's dtype: DT, or fp32 (``C16Config.u_fp32``: the state pass then loads its accumulator as is)
+                UT = U.dtype.element_ty
                 p_u = U + bidx * (BVP * 2 * BC) + o_v[None, :] * (2 * BC) + o_s[:, None]
-                tl.store(p_u, u)
-                tl.store(p_u + BC, tl.dot(aqo, u, input_precision=PREC).to(DT))
+                tl.store(p_u, u32.to(UT))
+                tl.store(p_u + BC, tl.dot(aqo, u, input_precision=PREC).to(UT))
 
 
 @triton.jit
@@ -327,8 +329,13 @@ def _c16_span_rows(
             q_u = U + b0 * (BVP * 2 * BC) + col[None, :] * (2 * BC) + o_s[:, None]  # the same from Uᵀ [BVP, 32]
         eye = tl.where(o_s[:, None] == o_s[None, :], 1.0, 0.0).to(DT)
         for _ in tl.range(cs * NB, ce * NB, num_stages=STAGES):
-            # Uᵀ (zero for M's blocks) into the accumulator by the exact product Uᵀ·I, then V'ᵀ = Uᵀ + Sᵀ (−W)ᵀ
-            acc = tl.dot(tl.trans(tl.load(q_u, mask=m_u, other=0.)), eye, input_precision=PREC)
+            # Uᵀ (zero for M's blocks) into the accumulator by the exact product Uᵀ·I (U stored in fp32: as is),
+            # then V'ᵀ = Uᵀ + Sᵀ (−W)ᵀ
+            b_u = tl.trans(tl.load(q_u, mask=m_u, other=0.))
+            if U.dtype.element_ty == tl.float32:
+                acc = b_u
+            else:
+                acc = tl.dot(b_u, eye, input_precision=PREC)
             vn = tl.dot(St.to(DT), tl.trans(tl.load(q_w)), acc=acc, input_precision=PREC).to(DT)
             St = St * tl.load(q_gam)[None, :] + tl.dot(vn, tl.load(q_kg), input_precision=PREC)
             q_kg += BC * BK
@@ -388,6 +395,11 @@ class C16Config:
     # prefill 45.5–47.0 → 44.8–45.3 (the state pass issues 266 → 252 instructions per step beside the prep's
     # programs); with fp16x3 42.2–43.8 against 45.0–45.6 for fp16x3 alone
     u_rowmajor = True
+    # mode 2: [U; A_qk U] stored in fp32 (transposed, as without u_rowmajor, which it overrides) and loaded as the
+    # state pass's accumulator as is: no conversion and no identity product on the step's chain, for 512 more bytes
+    # per token and head through DRAM and the prep's fp32 stores (sm_90: 248 instructions and two wgmma waits per
+    # step, against 252 and three with u_rowmajor). Untimed (session 14 ran out of device time): off
+    u_fp32 = False
 
 
 def _mode() -> int:
@@ -408,9 +420,14 @@ def _inv_prec(flags: dict, lower_bound) -> str:
     return "tf32x3" if p == "fp16x3" and not bounded else p
 
 
+def _u_fp32() -> bool:
+    """Whether [U; A_qk U] is stored in fp32 (mode 2 with ``C16Config.u_fp32``)."""
+    return _mode() == 2 and bool(C16Config.u_fp32)
+
+
 def _u_form() -> tuple[bool, bool]:
     """(U_EYE, U_RM) of mode 2's pointer loop; [U; A_qk U] row-major needs the identity product that transposes it."""
-    loop = _mode() == 2 and bool(C16Config.state_ptr_inc)  # (mode 3 forms [U; A_qk U] its own way)
+    loop = _mode() == 2 and bool(C16Config.state_ptr_inc) and not _u_fp32()  # (mode 3: its own way)
     rm = loop and bool(C16Config.u_rowmajor)
     return rm or (loop and bool(C16Config.state_u_eye)), rm
 
@@ -433,7 +450,7 @@ def alloc_c16_buffers(H: int, NC: int, BK: int, BVP: int, dt: torch.dtype, devic
         bufs["U"] = torch.empty(H, NC, BT, BVP, **e)
         bufs["AQ"] = torch.empty(H, NC, BT, 2 * BC, **e)
     else:
-        bufs["U"] = torch.empty(H, NC, rows, BVP, **e)
+        bufs["U"] = torch.empty(H, NC, rows, BVP, **{**e, "dtype": torch.float32 if _u_fp32() else dt})
     return bufs
 
 
@@ -441,7 +458,8 @@ def c16_chunk_bytes(H: int, BK: int, BVP: int, dt: torch.dtype) -> int:
     """Bytes of window buffers per 64-token chunk (all heads)."""
     es = torch.finfo(dt).bits // 8
     per = {0: 3 * BK + 2 * BC, 1: 3 * BK + BVP + BC, 2: 3 * BK + 2 * BVP, 3: 3 * BK + BVP + 2 * BC}[_mode()]
-    return H * (BT * per * es + (BT // BC) * BK * 4)
+    wide = BT * 2 * BVP * (4 - es) if _u_fp32() else 0  # [U; A_qk U] in fp32
+    return H * (BT * per * es + wide + (BT // BC) * BK * 4)
 
 
 def _or(bufs: dict, name: str) -> torch.Tensor:
