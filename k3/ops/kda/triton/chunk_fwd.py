@@ -781,11 +781,11 @@ def run_windows(NC: int, ncw: int, device: torch.device, alloc: Callable[[], dic
     runs on a side stream one window ahead of the state pass.
 
     ``FwdConfig.window_buffers`` window buffers then take turns; the prep of window w waits until the state pass
-    that last read its buffer (window w − window_buffers) is done, and the state pass of window w waits for that prep. The state passes run on the caller's
-    stream, or with ``FwdConfig.state_priority`` on a high-priority stream that the caller's stream waits for at
-    the end; either way every side-stream launch is ordered before later work on the caller's stream, so the buffers
-    may be freed (reused by the caching allocator) when this returns, and a CUDA-graph capture sees every forked
-    stream joined back."""
+    that last read its buffer (window w − window_buffers) is done, and the state pass of window w waits for that
+    prep. The state passes run on the caller's stream, or with ``FwdConfig.state_priority`` on a high-priority
+    stream that the caller's stream waits for at the end; either way every side-stream launch is ordered before
+    later work on the caller's stream, so the buffers may be freed (reused by the caching allocator) when this
+    returns, and a CUDA-graph capture sees every forked stream joined back."""
     nb = FwdConfig.window_buffers
     if not (isinstance(nb, int) and nb >= 2):
         raise ValueError(f"FwdConfig.window_buffers: expected an int ≥ 2, got {nb!r}")
