@@ -124,6 +124,13 @@ def _chunk_range(i_n, chunk_off, NT, IS_VARLEN: tl.constexpr):
 
 
 @triton.jit
+def _eye(N: tl.constexpr):
+    """The [N, N] fp32 identity."""
+    o_i = tl.arange(0, N)
+    return tl.where(o_i[:, None] == o_i[None, :], 1.0, 0.0)
+
+
+@triton.jit
 def _state_program(cu, chunk_off, c0, c1, T, NT, H, IS_VARLEN: tl.constexpr):
     """A state pass program on grid (V-blocks, N·H) over the window of chunks [c0, c1): its V-block, sequence and
     head, the sequence's first chunk and token range, and its chunk range inside the window [lo, hi)."""

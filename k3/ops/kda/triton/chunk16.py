@@ -39,6 +39,7 @@ from k3.ops.kda.triton._common import (
     ChunkTable,
     _chunk_pos,
     _chunk_tile,
+    _eye,
     _gate_of,
     _l2norm,
     _span_row_program,
@@ -156,7 +157,7 @@ def _c16_prep(
             if MODE == 3:  # U row-major [16, BVP] and [I | A_qkᵀ] [16, 32] per block: A_qk U left to the state pass
                 tl.store(U + bidx * (BC * BVP) + o_s[:, None] * BVP + o_v[None, :], u)
                 p_ia = AQ + bidx * (BC * 2 * BC) + o_s[:, None] * (2 * BC) + o_s[None, :]
-                tl.store(p_ia, tl.where(o_s[:, None] == o_s[None, :], 1.0, 0.0).to(DT))
+                tl.store(p_ia, _eye(BC).to(DT))
                 tl.store(AQ + bidx * (BC * 2 * BC) + o_s[None, :] * (2 * BC) + BC + o_s[:, None], aqo)  # A_qkᵀ
             elif U_RM:  # row-major [U; A_qk U]: plain stores; the state pass transposes by its identity product
                 p_u = U + bidx * (BVP * 2 * BC) + o_s[:, None] * BVP + o_v[None, :]
@@ -174,8 +175,7 @@ def _u_acc(b_ua, PREC: tl.constexpr, BC: tl.constexpr, U_RM: tl.constexpr):
     """[U; A_qk U]ᵀ in fp32 as the exact product [U; A_qk U]ᵀ·I (one nonzero term per entry) from its tile in the load
     dtype: the tensor cores read it from shared memory instead of a conversion element by element in registers.
     ``U_RM``: the tile was loaded row-major [2·BC, BV] and the product transposes it."""
-    o_i = tl.arange(0, 2 * BC)
-    eye = tl.where(o_i[:, None] == o_i[None, :], 1.0, 0.0).to(b_ua.dtype)
+    eye = _eye(2 * BC).to(b_ua.dtype)
     if U_RM:
         b_ua = tl.trans(b_ua)
     return tl.dot(b_ua, eye, input_precision=PREC)
@@ -327,7 +327,7 @@ def _c16_span_rows(
             q_u = U + b0 * (BVP * 2 * BC) + o_s[:, None] * BVP + col[None, :]  # U [16, BV]
         else:
             q_u = U + b0 * (BVP * 2 * BC) + col[None, :] * (2 * BC) + o_s[:, None]  # the same from Uᵀ [BVP, 32]
-        eye = tl.where(o_s[:, None] == o_s[None, :], 1.0, 0.0).to(DT)
+        eye = _eye(BC).to(DT)
         for _ in tl.range(cs * NB, ce * NB, num_stages=STAGES):
             # Uᵀ (zero for M's blocks) into the accumulator by the exact product Uᵀ·I (U stored in fp32: as is),
             # then V'ᵀ = Uᵀ + Sᵀ (−W)ᵀ
@@ -460,6 +460,12 @@ def c16_chunk_bytes(H: int, BK: int, BVP: int, dt: torch.dtype) -> int:
     per = {0: 3 * BK + 2 * BC, 1: 3 * BK + BVP + BC, 2: 3 * BK + 2 * BVP, 3: 3 * BK + BVP + 2 * BC}[_mode()]
     wide = BT * 2 * BVP * (4 - es) if _u_fp32() else 0  # [U; A_qk U] in fp32
     return H * (BT * per * es + wide + (BT // BC) * BK * 4)
+
+
+def c16_window_chunks(NC: int, budget: int, H: int, BK: int, BVP: int, dt: torch.dtype) -> int:
+    """Chunks per window of buffers within ``budget`` bytes: at least 1, at most NC and 16383 (the head-major prep
+    grid puts 4 programs per chunk on grid axis 1, at most 65535)."""
+    return max(1, min(NC, 16383, budget // c16_chunk_bytes(H, BK, BVP, dt)))
 
 
 def _or(bufs: dict, name: str) -> torch.Tensor:

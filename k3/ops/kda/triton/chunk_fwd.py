@@ -38,6 +38,7 @@ from k3.ops.kda.triton._common import (
     _chunk_gate_cumsum,
     _chunk_tile,
     _chunk_pos,
+    _eye,
     _l2norm,
     _merge_T,
     _rows_gate,
@@ -163,7 +164,7 @@ def _inv16(L):
     """(I + L)^{-1} of a strictly lower-triangular 16×16 block by forward substitution (fp32)."""
     R: tl.constexpr = L.shape[0]
     o_s = tl.arange(0, R)
-    Tm = tl.where(o_s[:, None] == o_s[None, :], 1.0, 0.0)
+    Tm = _eye(R)
     for s in range(1, R):
         row = tl.sum(tl.where((o_s == s)[:, None], L, 0.), axis=0)  # L[s, :]
         new = tl.where(o_s == s, 1.0, 0.0) - tl.sum(row[:, None] * Tm, axis=0)
@@ -180,7 +181,7 @@ def _inv16x4(LD, base, BC: tl.constexpr):
     barrier per step. The four blocks share each step (independent chains, more instructions in flight)."""
     o_s = tl.arange(0, BC)
     p = LD + base * (4 * BC * BC) + o_s
-    eye = tl.where(o_s[:, None] == o_s[None, :], 1.0, 0.0)
+    eye = _eye(BC)
     U0 = eye
     U1 = eye
     U2 = eye
@@ -741,8 +742,7 @@ def kda_fwd(q, k, v, g, beta, A_log, dt_bias, scale: float, initial_state, tab: 
     if use_c16(lower_bound, flags, tab.N * H, BVP):
         from k3.ops.kda.triton import chunk16 as c16  # noqa: PLC0415 (chunk16 imports this module's helpers)
 
-        # ≤ 16383 chunks: the head-major prep grid puts 4 programs per chunk on grid axis 1 (at most 65535)
-        ncw = max(1, min(tab.NC, 16383, FwdConfig.window_bytes // c16.c16_chunk_bytes(H, BK, BVP, dt)))
+        ncw = c16.c16_window_chunks(tab.NC, FwdConfig.window_bytes, H, BK, BVP, dt)
         run_windows(tab.NC, ncw, q.device,
                     lambda: c16.alloc_c16_buffers(H, ncw, BK, BVP, dt, q.device),
                     lambda b, c0, n: c16.launch_c16_prep(q, k, v, g, beta, A_log, dt_bias, b, tab, c0, n, scale,

@@ -400,9 +400,11 @@ def split_prefill_triton(
     if not use_gate_in_kernel:
         A_log = dt_bias = None
     c16 = split_flow(lower_bound) == "c16"
-    per_chunk = c16_flow.c16_chunk_bytes(H, BK, BVP, dt) if c16 else chunk_bytes(H, BK, BVP, dt)
-    cap = 16383 if c16 else tab.NC  # (the 16-token prep's head-major grid holds ≤ 16383 chunks per launch)
-    ncw = max(1, min(tab.NC, cap, split_window_bytes(q.device) // per_chunk))
+    budget = split_window_bytes(q.device)
+    if c16:
+        ncw = c16_flow.c16_window_chunks(tab.NC, budget, H, BK, BVP, dt)
+    else:
+        ncw = max(1, min(tab.NC, budget // chunk_bytes(H, BK, BVP, dt)))
     windows = []
     for c0 in range(0, tab.NC, ncw):
         n = min(ncw, tab.NC - c0)
