@@ -1,0 +1,105 @@
+#!/usr/bin/env python3
+"""Where one prefill call's GPU time goes: kernel times per name from ``torch.profiler``, beside the call's
+``do_bench`` median, for the default and each knob variant (same syntax as ``bench/knob_ab.py``).
+
+    python bench/split_parts.py --cases prefill8 --variant w4g SplitConfig.window_cap=4294967296
+
+Per variant: the call's median (ms), then per kernel name the summed device time of one call (ms), the launch
+count, and the busy time of the union of all kernels (overlapping kernels count once) against the call's span on
+the GPU — the gap is idle time between launches (host waits, serial tails).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections import defaultdict
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+from torch.profiler import ProfilerActivity, profile  # noqa: E402
+
+from k3.bench.kda import _inputs  # noqa: E402
+from knob_ab import CASES, applied, parse, run  # noqa: E402
+
+
+def union_ms(spans: list[tuple[float, float]]) -> float:
+    """Length of the union of [start, end) intervals (µs in, ms out)."""
+    total, end = 0.0, float("-inf")
+    for s, e in sorted(spans):
+        if s > end:
+            total += e - s
+            end = e
+        elif e > end:
+            total += e - end
+            end = e
+    return total / 1e3
+
+
+def profile_call(case: str, x: dict, calls: int) -> tuple[dict[str, list[float]], float, float]:
+    """Kernel name → [ms per call, launches per call]; union busy ms and first-to-last span ms per call."""
+    run(case, x, None)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            run(case, x, None)
+        torch.cuda.synchronize()
+    per: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])
+    spans = []
+    for ev in prof.events():
+        if ev.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        start = ev.time_range.start
+        dur = ev.time_range.end - start
+        spans.append((start, start + dur))
+        name = ev.name if len(ev.name) < 60 else ev.name[:57] + "..."
+        per[name][0] += dur / 1e3 / calls
+        per[name][1] += 1 / calls
+    busy = union_ms(spans) / calls
+    span = (max(e for _, e in spans) - min(s for s, _ in spans)) / 1e3 / calls if spans else 0.0
+    return per, busy, span
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--cases", nargs="+", default=["prefill8"], choices=["prefill8", "prefill32"])
+    ap.add_argument("--variant", nargs="+", action="append", default=[], metavar=("NAME", "KNOB"))
+    ap.add_argument("--rep", type=float, default=300.0)
+    ap.add_argument("--calls", type=int, default=3)
+    ap.add_argument("--top", type=int, default=12)
+    a = ap.parse_args()
+    variants = [("default", {})] + [(v[0], parse(v[1:])) for v in a.variant]
+    summary = []
+    for case in a.cases:
+        B, T, H, _ = CASES[case]
+        x = _inputs(B, T, H)
+        x["h0"] = torch.randn(B, H, 128, 128, device="cuda")
+        for name, knobs in variants:
+            with applied(knobs):
+                t = triton.testing.do_bench(lambda: run(case, x, None), warmup=3, rep=a.rep, return_mode="median")
+                per, busy, span = profile_call(case, x, a.calls)
+            print(f"\n## {case} {name}: {t:.3f} ms (do_bench median); kernels' union {busy:.3f} ms, "
+                  f"first-to-last {span:.3f} ms per call")
+            print("| kernel | ms per call | launches |\n|---|---:|---:|")
+            rows = sorted(per.items(), key=lambda kv: -kv[1][0])
+            for kname, (ms, n) in rows[:a.top]:
+                print(f"| {kname} | {ms:.3f} | {n:.0f} |")
+            rest = rows[a.top:]
+            if rest:
+                print(f"| ({len(rest)} others) | {sum(r[1][0] for r in rest):.3f} | "
+                      f"{sum(r[1][1] for r in rest):.0f} |")
+            summary.append((case, name, t, busy, span, sum(v[1] for v in per.values())))
+        del x
+        torch.cuda.empty_cache()
+    print("\n| case | variant | median ms | kernels' union ms | span ms | launches |\n|---|---|---:|---:|---:|---:|")
+    for case, name, t, busy, span, n in summary:
+        print(f"| {case} | {name} | {t:.3f} | {busy:.3f} | {span:.3f} | {n:.0f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
