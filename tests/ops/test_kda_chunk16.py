@@ -48,9 +48,7 @@ VARIANTS = {"m0": dict(mode=0, prep_inv_pow=False), "m1": dict(mode=1), "m2": di
             # the inverse's products at tf32x3 (the default: fp16 hi + lo splits)
             "m2_inv_tf32x3": dict(mode=2, prep_inv_prec="tf32x3"),
             # A_qk U formed by the state pass: Uᵀ [I | A_qkᵀ], one product from the loaded U and [I | A_qkᵀ] tiles
-            "m3": dict(mode=3),
-            # [U; A_qk U] stored in fp32, loaded as the accumulator as is
-            "m2_u_fp32": dict(mode=2, u_fp32=True)}
+            "m3": dict(mode=3)}
 
 
 @pytest.fixture(autouse=True)
@@ -91,7 +89,7 @@ def test_c16_matches_recurrence(monkeypatch, variant, T, H, K, V, h0):
 
 
 @cpu_only
-@pytest.mark.parametrize("variant", ["m0", "m1", "m2", "m2_inv_tf32x3", "m3", "m2_u_fp32"])
+@pytest.mark.parametrize("variant", ["m0", "m1", "m2", "m2_inv_tf32x3", "m3"])
 @pytest.mark.parametrize("kw", list(EXTREMES.values()), ids=list(EXTREMES))
 def test_c16_extremes(monkeypatch, variant, kw):
     use(monkeypatch, variant)
@@ -107,9 +105,9 @@ def test_c16_varlen_with_empty_and_tiny_sequences(monkeypatch, variant):
 
 
 @cpu_only
-@pytest.mark.parametrize("variant", ["m1", "m2", "m2_u_fp32", "m2_u_transposed"])
+@pytest.mark.parametrize("variant", ["m1", "m2", "m2_u_transposed"])
 def test_c16_fp16(monkeypatch, variant):
-    """fp16 storage (the interpreter's half dtype): the buffers in fp16, [U; A_qk U] in fp16 or fp32."""
+    """fp16 storage (the interpreter's half dtype): the buffers in fp16, [U; A_qk U] row-major or transposed."""
     use(monkeypatch, variant)
     check(make_inputs(100, 1, 32, 32), 2e-3, dtype=torch.float16)
 
@@ -206,7 +204,7 @@ def test_gpu_c16_bf16_matches_recurrence(monkeypatch, variant, T, cu):
 
 
 @gpu
-@pytest.mark.parametrize("variant", ["m0", "m1", "m2", "m2_inv_tf32x3", "m2_u_eye", "m3", "m2_u_fp32"])
+@pytest.mark.parametrize("variant", ["m0", "m1", "m2", "m2_inv_tf32x3", "m2_u_eye", "m3"])
 @pytest.mark.parametrize("kw", list(EXTREMES.values()), ids=list(EXTREMES))
 def test_gpu_c16_extremes(monkeypatch, variant, kw):
     use(monkeypatch, variant)
@@ -273,16 +271,6 @@ for mode in eval(sys.argv[1]):
                             dict(K=128, V=128, BT=64, BC=16, BK=128, BV=64, BVP=128, PREC="tf32", STAGES=8,
                                  U_RM=True), 4)
         assert "wgmma.mma_async" in span.asm["ptx"] and span.asm["ptx"].count("cp.async.cg") >= 3
-        # [U; A_qk U] in fp32 (C16Config.u_fp32): the prep's fp32 stores, the state pass's accumulator loaded as is
-        t32 = dict(t, U="*fp32")
-        compile_sm90(c16._c16_prep, dict(t32, K="i32", V="i32"), dict(
-            BT=64, BC=16, BK=128, BVP=128, USE_GATE=True, HAS_LB=True, HAS_A=True, HAS_DT=True, L2NORM=True,
-            BETA_SIGMOID=True, IS_VARLEN=False, FAST_GATE=True, PREC="tf32", AB_BF16=True, MODE=2, INV_POW=True,
-            INV_PREC="fp16x3", HEAD_MAJOR=False, EARLY_LOADS=True, U_RM=False), 2)
-        state32 = compile_sm90(c16._c16_state, t32, dict(
-            K=128, V=128, BT=64, BC=16, BK=128, BV=64, BVP=128, IS_VARLEN=True, PREC="tf32", STAGES=8, MODE=2,
-            PTR_INC=True, U_EYE=False, U_RM=False), 4)
-        assert state32.asm["ptx"].count("wgmma.mma_async") == 9 and "cp.async" in state32.asm["ptx"]
     assert "st.global" in prep.asm["ptx"], mode
 print("compiled", flush=True)
 """

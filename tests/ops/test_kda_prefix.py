@@ -265,11 +265,15 @@ def _spy_split(monkeypatch) -> list:
 
 
 @triton_only
-@pytest.mark.parametrize("P", [2, 3, 7])
-def test_split_triton_matches_unsplit(P, varlen_case, monkeypatch, nan_empty):
+@pytest.mark.parametrize("P,fold", [(2, "triton"), (3, "triton"), (7, "triton"), (7, "torch")])
+def test_split_triton_matches_unsplit(P, fold, varlen_case, monkeypatch, nan_empty):
     """Forced splits on the one-prep Triton path: outputs and final states equal the unsplit Triton path to fp32
-    rounding and the fp64 token recurrence to 1e-4 (varlen: long, short, empty sequences; initial states)."""
+    rounding and the fp64 token recurrence to 1e-4 (varlen: long, short, empty sequences; initial states), with the
+    fold by its kernel or by fp64 torch products."""
+    from k3.ops.kda.triton import span
+
     (q, k, v, g, b), kw, ref, exact = varlen_case
+    monkeypatch.setattr(span.SplitConfig, "fold", fold)
     monkeypatch.setenv("K3_KDA_BACKEND", "triton")
     monkeypatch.setenv("K3_KDA_SPLITS", str(P))
     calls = _spy_split(monkeypatch)
@@ -279,6 +283,47 @@ def test_split_triton_matches_unsplit(P, varlen_case, monkeypatch, nan_empty):
     assert rel(out[0], ref[0]) <= 1e-5 and rel(out[1], ref[1]) <= 1e-5
     assert rel(out[0], exact[0]) <= 1e-4 and rel(out[1], exact[1]) <= 1e-4
     assert rel(ref[0], out[0] * 0 + exact[0]) <= 1e-4  # (the unsplit path itself is exact)
+
+
+@triton_only
+@pytest.mark.parametrize("K,V,bv", [(16, 20, 32), (16, 16, 16), (32, 48, 32)])
+def test_fold_rows_matches_fp64(K, V, bv, monkeypatch, nan_empty):
+    """``_fold_rows`` on random maps: two pieces of 4 and 2 segments (rows padded to 3, the padded row's result
+    not stored), entry states scattered by the row table; against the fp64 left fold, and rows with no destination
+    leave their entry slots as they were (NaN-poisoned)."""
+    import triton
+
+    from k3.ops.kda.triton import span
+
+    monkeypatch.setattr(span.SplitConfig, "fold_bv", bv)
+    Q, R, H = 2, 3, 2
+    gen = torch.Generator().manual_seed(K + V)
+    SE = torch.randn(Q, R, H, K, V, generator=gen)
+    Mt = torch.eye(K) + 0.3 * torch.randn(Q, R, H, K, K, generator=gen) / K**0.5
+    row_dst = torch.tensor([1, 2, 3, 5, -1, -1], dtype=torch.int32)  # piece 1: one fold row (2 segments)
+    ent = torch.full((7, H, K, V), float("nan"))
+    span._fold_rows[(triton.cdiv(V, bv), Q, H)](SE, Mt, ent, row_dst, R, H, K, V, BK=max(16, K), BV=bv)
+    for q in range(Q):
+        S = SE[q, 0].double()
+        for j in range(R):
+            if j:
+                S = Mt[q, j].double() @ S + SE[q, j].double()
+            d = int(row_dst[q * R + j])
+            if d >= 0:
+                assert rel(ent[d], S.float()) <= 1e-6, (q, j)
+    assert torch.isnan(ent[[0, 4, 6]]).all()
+
+
+@triton_only
+def test_split_fold_validated(monkeypatch):
+    from k3.ops.kda.triton import span
+
+    monkeypatch.setattr(span.SplitConfig, "fold", "fp16")
+    monkeypatch.setenv("K3_KDA_BACKEND", "triton")
+    monkeypatch.setenv("K3_KDA_SPLITS", "3")
+    q, k, v, g, b, _ = make(1, 300, 1, 16, 16)
+    with pytest.raises(ValueError, match="SplitConfig.fold"), torch.no_grad():
+        chunk_kda(q, k, v, g, b)
 
 
 @triton_only
@@ -376,14 +421,12 @@ def test_split_c16_matches_unsplit(P, u_rowmajor, monkeypatch, nan_empty):
 
 
 @triton_only
-@pytest.mark.parametrize("u_fp32", [False, True])
-def test_split_c16_fp16(u_fp32, monkeypatch, nan_empty):
-    """fp16 storage through the 16-token split (the span pass's identity product on fp16 U, or U in fp32 loaded as
-    is): forced 3 equals unsplit to fp16 rounding."""
-    from k3.ops.kda.triton import chunk16, span
+def test_split_c16_fp16(monkeypatch, nan_empty):
+    """fp16 storage through the 16-token split (the span pass's identity product on fp16 U): forced 3 equals unsplit
+    to fp16 rounding."""
+    from k3.ops.kda.triton import span
 
     monkeypatch.setenv("K3_KDA_BACKEND", "triton")
-    monkeypatch.setattr(chunk16.C16Config, "u_fp32", u_fp32)
     monkeypatch.setattr(span.SplitConfig, "flow", "c16")
     (q, k, v, g, b), kw = _k3_call_case([300, 100])
     q, k, v, g, b = (x.half() for x in (q, k, v, g, b))

@@ -163,11 +163,10 @@ def _c16_prep(
                 p_u = U + bidx * (BVP * 2 * BC) + o_s[:, None] * BVP + o_v[None, :]
                 tl.store(p_u, u)
                 tl.store(p_u + BC * BVP, tl.dot(aqo, u, input_precision=PREC).to(DT))
-            else:  # in U's dtype: DT, or fp32 (``C16Config.u_fp32``: the state pass then loads its accumulator as is)
-                UT = U.dtype.element_ty
+            else:  # transposed [U; A_qk U]ᵀ per block
                 p_u = U + bidx * (BVP * 2 * BC) + o_v[None, :] * (2 * BC) + o_s[:, None]
-                tl.store(p_u, u32.to(UT))
-                tl.store(p_u + BC, tl.dot(aqo, u, input_precision=PREC).to(UT))
+                tl.store(p_u, u)
+                tl.store(p_u + BC, tl.dot(aqo, u, input_precision=PREC).to(DT))
 
 
 @triton.jit
@@ -393,13 +392,10 @@ class C16Config:
     # the state pass's identity product (implies state_u_eye). H200, B=1 H=32 per 1M, same process: alone the prep
     # 27.3 → 28.6 ms and the state pass 26.7 → 27.9 (the identity product's wait is on the step's chain), yet the
     # prefill 45.5–47.0 → 44.8–45.3 (the state pass issues 266 → 252 instructions per step beside the prep's
-    # programs); with fp16x3 42.2–43.8 against 45.0–45.6 for fp16x3 alone
+    # programs); with fp16x3 42.2–43.8 against 45.0–45.6 for fp16x3 alone. [U; A_qk U] stored in fp32 and loaded
+    # as the accumulator as is (no identity product on the chain; 512 more bytes per token and head) measured
+    # 46.6–47.9 against 40.7–42.0 (session 15, same process): removed
     u_rowmajor = True
-    # mode 2: [U; A_qk U] stored in fp32 (transposed, as without u_rowmajor, which it overrides) and loaded as the
-    # state pass's accumulator as is: no conversion and no identity product on the step's chain, for 512 more bytes
-    # per token and head through DRAM and the prep's fp32 stores (sm_90: 248 instructions and two wgmma waits per
-    # step, against 252 and three with u_rowmajor). Untimed (session 14 ran out of device time): off
-    u_fp32 = False
 
 
 def _mode() -> int:
@@ -420,14 +416,9 @@ def _inv_prec(flags: dict, lower_bound) -> str:
     return "tf32x3" if p == "fp16x3" and not bounded else p
 
 
-def _u_fp32() -> bool:
-    """Whether [U; A_qk U] is stored in fp32 (mode 2 with ``C16Config.u_fp32``)."""
-    return _mode() == 2 and bool(C16Config.u_fp32)
-
-
 def _u_form() -> tuple[bool, bool]:
     """(U_EYE, U_RM) of mode 2's pointer loop; [U; A_qk U] row-major needs the identity product that transposes it."""
-    loop = _mode() == 2 and bool(C16Config.state_ptr_inc) and not _u_fp32()  # (mode 3: its own way)
+    loop = _mode() == 2 and bool(C16Config.state_ptr_inc)  # (mode 3: its own way)
     rm = loop and bool(C16Config.u_rowmajor)
     return rm or (loop and bool(C16Config.state_u_eye)), rm
 
@@ -450,7 +441,7 @@ def alloc_c16_buffers(H: int, NC: int, BK: int, BVP: int, dt: torch.dtype, devic
         bufs["U"] = torch.empty(H, NC, BT, BVP, **e)
         bufs["AQ"] = torch.empty(H, NC, BT, 2 * BC, **e)
     else:
-        bufs["U"] = torch.empty(H, NC, rows, BVP, **{**e, "dtype": torch.float32 if _u_fp32() else dt})
+        bufs["U"] = torch.empty(H, NC, rows, BVP, **e)
     return bufs
 
 
@@ -458,8 +449,7 @@ def c16_chunk_bytes(H: int, BK: int, BVP: int, dt: torch.dtype) -> int:
     """Bytes of window buffers per 64-token chunk (all heads)."""
     es = torch.finfo(dt).bits // 8
     per = {0: 3 * BK + 2 * BC, 1: 3 * BK + BVP + BC, 2: 3 * BK + 2 * BVP, 3: 3 * BK + BVP + 2 * BC}[_mode()]
-    wide = BT * 2 * BVP * (4 - es) if _u_fp32() else 0  # [U; A_qk U] in fp32
-    return H * (BT * per * es + wide + (BT // BC) * BK * 4)
+    return H * (BT * per * es + (BT // BC) * BK * 4)
 
 
 def c16_window_chunks(NC: int, budget: int, H: int, BK: int, BVP: int, dt: torch.dtype) -> int:

@@ -576,6 +576,10 @@ class FwdConfig:
     # overlapped windows: buffers in the ring (the prep runs up to window_buffers − 1 windows ahead of the state pass;
     # each buffer is window_bytes)
     window_buffers = 2
+    # overlapped windows: the first window holds 1 / window_ramp of a full one and each next one twice the last (so
+    # the state pass starts after a short prep instead of a full window's), and the last windows shrink the same way
+    # (so the state pass's last window, which runs with no prep beside it, is short); 1: equal windows
+    window_ramp = 1
 
 
 def alloc_chunk_buffers(H: int, NC: int, BK: int, BVP: int, dt: torch.dtype, device, store_t: bool) -> dict:
@@ -758,6 +762,25 @@ def kda_fwd(q, k, v, g, beta, A_log, dt_bias, scale: float, initial_state, tab: 
     return o, ht, None
 
 
+def window_spans(NC: int, ncw: int, ramp: int = 1) -> list[tuple[int, int]]:
+    """``(c0, n)`` of each window over NC chunks, at most ``ncw`` chunks each. ``ramp`` > 1: the first windows
+    hold ncw / ramp, 2·ncw / ramp, … chunks up to ncw, the last ones the same sizes in reverse (when NC leaves room
+    for both ramps; else equal windows)."""
+    if not (isinstance(ramp, int) and ramp >= 1):
+        raise ValueError(f"FwdConfig.window_ramp: expected an int ≥ 1, got {ramp!r}")
+    head = []
+    n = -(-ncw // ramp)
+    while ramp > 1 and n < ncw:
+        head.append(n)
+        n *= 2
+    if 2 * sum(head) >= NC:
+        head = []
+    mid = NC - 2 * sum(head)
+    sizes = head + [min(ncw, mid - i) for i in range(0, mid, ncw)] + head[::-1]
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    return list(zip(starts, sizes))
+
+
 def use_c16(lower_bound, flags: dict, heads: int, BVP: int) -> bool:
     """Whether inference runs the 16-token flow: a bounded gate (its prep's right factor k e^{−G} needs the bound),
     and ``FwdConfig.inference_flow`` "c16", or "auto" with enough state-pass programs: ``heads`` (sequences ×
@@ -797,6 +820,7 @@ def run_windows(NC: int, ncw: int, device: torch.device, alloc: Callable[[], dic
             state(bufs, c0, n)
         return
     bufs = [alloc() for _ in range(nb)]
+    spans = window_spans(NC, ncw, FwdConfig.window_ramp)
     main, side = torch.cuda.current_stream(device), torch.cuda.Stream(device)
     side.wait_stream(main)  # the inputs, the buffers and o/ht were produced on the main stream
     serial = main
@@ -804,8 +828,8 @@ def run_windows(NC: int, ncw: int, device: torch.device, alloc: Callable[[], dic
         serial = torch.cuda.Stream(device, priority=-1)
         serial.wait_stream(main)
     freed = [None] * nb
-    for w, c0 in enumerate(range(0, NC, ncw)):
-        n, b = min(ncw, NC - c0), w % nb
+    for w, (c0, n) in enumerate(spans):
+        b = w % nb
         with torch.cuda.stream(side):
             if freed[b] is not None:
                 side.wait_event(freed[b])

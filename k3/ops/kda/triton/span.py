@@ -40,6 +40,7 @@ from k3.ops.kda.triton.chunk_fwd import (
     chunk_bytes,
     launch_prep,
     launch_state,
+    window_spans,
 )
 from k3.utils import overridden_attrs
 
@@ -177,11 +178,43 @@ class SplitConfig:
     # programs before the next window's prep programs take the free slots (as ``FwdConfig.state_priority`` does for
     # the unsplit flow). Untimed (session 14 ran out of device time): off
     serial_priority = False
+    # with overlap_prep: windows ramped as ``FwdConfig.window_ramp`` (``chunk_fwd.window_spans``); 1: equal windows
+    window_ramp = 1
     # the kernels of the split: "c64" (64-token prep, span and state passes) or "c16" (the 16-token flow's prep and
     # state pass, ``chunk16._c16_span_rows`` for the spans; bounded gates, mode 2, else "c64" runs; the cost model
     # then is ``SplitCostModel.c16``). H200 (session 14, same process), B=1 H=8 T=1M: "c64" 21.0–21.1 ms, "c16"
     # at P = 5 (the c64 model's choice) 17.9, 6 17.6, 8 15.2 (the c16 model's choice), 10 19.6, 12 18.3, 16 16.3
     flow = "c16"
+    # the fold S_{j+1} = M_j S_j + E_j of a window's span rows: "triton" (one launch, ``_fold_rows``: fp32 products
+    # at 'ieee', the entry states written in place) or "torch" (fp64 batched products: ~30 launches per window)
+    fold = "triton"
+    fold_bv = 32  # columns of S per fold program
+    fold_warps = 8
+
+
+@triton.jit(do_not_specialize=['R', 'H'])
+def _fold_rows(SE, M, ENT, row_dst, R, H, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
+    """The left fold of one piece's span rows, one program per (V-block, piece, head): S_1 = SE[q, 0] (segment 1's
+    entry: row 0 ran from the piece's known entry state), S_{j+1} = M[q, j] S_j + SE[q, j] for j ≥ 1, each S_{j+1}
+    stored as entry state ``row_dst[q·R + j]`` of ``ENT [n_segments, H, K, V]`` (rows past the piece's last
+    segment have row_dst < 0 and are not stored). fp32 throughout, the products at 'ieee' (FMA)."""
+    i_v, i_q, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    o_k = tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_kv = (o_k < K)[:, None] & (o_v < V)[None, :]
+    p_kv = o_k[:, None] * V + o_v[None, :]
+    p_kk = o_k[:, None] * K + o_k[None, :]
+    m_kk = (o_k < K)[:, None] & (o_k < K)[None, :]
+    base = (i_q * R).to(tl.int64) * H + i_h  # row (q, 0); row (q, j) is base + j·H
+    S = tl.load(SE + base * K * V + p_kv, mask=m_kv, other=0.)
+    for j in range(0, R):
+        if j > 0:
+            row = base + j * H
+            Mj = tl.load(M + row * K * K + p_kk, mask=m_kk, other=0.)
+            S = tl.dot(Mj, S, input_precision="ieee") + tl.load(SE + row * K * V + p_kv, mask=m_kv, other=0.)
+        d = tl.load(row_dst + i_q * R + j)
+        if d >= 0:
+            tl.store(ENT + (d.to(tl.int64) * H + i_h) * K * V + p_kv, S, mask=m_kv)
 
 
 @triton.jit(do_not_specialize=['c0', 'NCw', 'H'])
@@ -277,7 +310,10 @@ def _plan_window(c0: int, n: int, pieces: list[Piece], cuts: list[list[int]]) ->
             dst.append(first[i] + j + 1)
             src.append(q * w.R + j)
             c += m
-    w.i32 = dict(seg_cu=seg_cu, seg_off=seg_off, row_cs=cs, row_ce=ce, row_m=has_m)
+    row_dst = [-1] * (w.Q * w.R)  # the fold kernel's table: entry state written by each span row, −1 for none
+    for d, r in zip(dst, src):
+        row_dst[r] = d
+    w.i32 = dict(seg_cu=seg_cu, seg_off=seg_off, row_cs=cs, row_ce=ce, row_m=has_m, row_dst=row_dst)
     w.i64 = dict(first=first, last=last, seq=[pc.seq for pc in pieces], multi_seq=[pieces[i].seq for i in multi],
                  dst=dst, src=src)
     return w
@@ -313,7 +349,8 @@ def _span_and_fold(bufs: dict, ht: torch.Tensor, w: _Window, K: int, V: int, pre
 
     A piece cut into p ≥ 2 segments gets span rows 0 … p − 2: row 0 runs segment 0 from the piece's known entry
     state (S only: its final state IS segment 1's entry), rows j ≥ 1 the affine map (E_j, M_j) of segment j from
-    [0 | I]. The fold S_{j+1} = M_j S_j + E_j runs in fp64 (a left fold: the exact recurrence; P tiny matmuls).
+    [0 | I]. The fold S_{j+1} = M_j S_j + E_j is a left fold (the exact recurrence): one ``_fold_rows`` launch
+    (fp32), or fp64 batched products (``SplitConfig.fold = "torch"``).
     ``c16``: the buffers are the 16-token flow's (mode 2) and its span pass runs (``chunk16.launch_c16_span``)."""
     H, dev = ht.shape[1], ht.device
     BK, BVP = next_pow2(K), next_pow2(V)
@@ -333,12 +370,20 @@ def _span_and_fold(bufs: dict, ht: torch.Tensor, w: _Window, K: int, V: int, pre
             bufs["W"], bufs["U"], bufs["KG"], bufs["GAM"], SE, Mt, w.i32["row_cs"], w.i32["row_ce"],
             w.i32["row_m"], w.c0, bufs["W"].shape[1], H, K, V, BT=BT, BK=BK, BV=bv, BVP=BVP, PREC=prec,
             num_warps=SplitConfig.span_warps, num_stages=SplitConfig.span_stages)
-    S = SE[:, 0].double()  # segment 1's entry (padded rows: M = I, E = 0 keep S; their results are not used)
-    fold = [S]
-    for j in range(1, w.R):
-        S = torch.matmul(Mt[:, j].double(), S) + SE[:, j].double()
-        fold.append(S)
-    entries[ix["dst"]] = torch.stack(fold, 1).flatten(0, 1)[ix["src"]].float()
+    fold = SplitConfig.fold
+    if fold == "triton":
+        bv = min(SplitConfig.fold_bv, BVP)
+        _fold_rows[(BVP // bv, w.Q, H)](SE, Mt, entries, w.i32["row_dst"], w.R, H, K, V, BK=BK, BV=bv,
+                                        num_warps=SplitConfig.fold_warps)
+    elif fold == "torch":
+        S = SE[:, 0].double()  # segment 1's entry (padded rows: M = I, E = 0 keep S; their results are not used)
+        out = [S]
+        for j in range(1, w.R):
+            S = torch.matmul(Mt[:, j].double(), S) + SE[:, j].double()
+            out.append(S)
+        entries[ix["dst"]] = torch.stack(out, 1).flatten(0, 1)[ix["src"]].float()
+    else:
+        raise ValueError(f"SplitConfig.fold: expected 'triton' or 'torch', got {fold!r}")
     return entries
 
 
@@ -405,13 +450,12 @@ def split_prefill_triton(
         ncw = c16_flow.c16_window_chunks(tab.NC, budget, H, BK, BVP, dt)
     else:
         ncw = max(1, min(tab.NC, budget // chunk_bytes(H, BK, BVP, dt)))
+    overlap = bool(SplitConfig.overlap_prep) and q.is_cuda and tab.NC > ncw
     windows = []
-    for c0 in range(0, tab.NC, ncw):
-        n = min(ncw, tab.NC - c0)
+    for c0, n in window_spans(tab.NC, ncw, SplitConfig.window_ramp if overlap else 1):
         pieces = window_pieces(tab, c0, c0 + n)
         windows.append(_plan_window(c0, n, pieces, cut([pc.n for pc in pieces], H)))
     _upload(windows, q.device)
-    overlap = bool(SplitConfig.overlap_prep) and q.is_cuda and len(windows) > 1
     if c16:
         bufs = [c16_flow.alloc_c16_buffers(H, ncw, BK, BVP, dt, q.device) for _ in range(1 + overlap)]
     else:
