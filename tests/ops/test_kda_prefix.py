@@ -302,7 +302,8 @@ def test_fold_rows_matches_fp64(K, V, bv, monkeypatch, nan_empty):
     Mt = torch.eye(K) + 0.3 * torch.randn(Q, R, H, K, K, generator=gen) / K**0.5
     row_dst = torch.tensor([1, 2, 3, 5, -1, -1], dtype=torch.int32)  # piece 1: one fold row (2 segments)
     ent = torch.full((7, H, K, V), float("nan"))
-    span._fold_rows[(triton.cdiv(V, bv), Q, H)](SE, Mt, ent, row_dst, R, H, K, V, BK=max(16, K), BV=bv)
+    se = SE.clone()  # the kernel overwrites its rows
+    span._fold_rows[(triton.cdiv(V, bv), Q, H)](se, Mt, ent, row_dst, R, H, K, V, BK=max(16, K), BV=bv, BKB=16)
     for q in range(Q):
         S = SE[q, 0].double()
         for j in range(R):

@@ -185,33 +185,46 @@ class SplitConfig:
     # then is ``SplitCostModel.c16``). H200 (session 14, same process), B=1 H=8 T=1M: "c64" 21.0–21.1 ms, "c16"
     # at P = 5 (the c64 model's choice) 17.9, 6 17.6, 8 15.2 (the c16 model's choice), 10 19.6, 12 18.3, 16 16.3
     flow = "c16"
-    # the fold S_{j+1} = M_j S_j + E_j of a window's span rows: "triton" (one launch, ``_fold_rows``: fp32 products
-    # at 'ieee', the entry states written in place) or "torch" (fp64 batched products: ~30 launches per window)
+    # the fold S_{j+1} = M_j S_j + E_j of a window's span rows: "triton" (one launch, ``_fold_rows``: fp32, products
+    # at tf32x3, the entry states written in place) or "torch" (fp64 batched products: ~30 launches per window).
+    # H200, B=1 H=8 T=1M: the first kernel's products at 'ieee' (FMA, spilling) took 20.6 ms against 15.3 (torch)
     fold = "triton"
     fold_bv = 32  # columns of S per fold program
+    fold_bkb = 32  # rows of S_j per product
     fold_warps = 8
 
 
 @triton.jit(do_not_specialize=['R', 'H'])
-def _fold_rows(SE, M, ENT, row_dst, R, H, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
+def _fold_rows(SE, M, ENT, row_dst, R, H, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+               BKB: tl.constexpr):
     """The left fold of one piece's span rows, one program per (V-block, piece, head): S_1 = SE[q, 0] (segment 1's
     entry: row 0 ran from the piece's known entry state), S_{j+1} = M[q, j] S_j + SE[q, j] for j ≥ 1, each S_{j+1}
     stored as entry state ``row_dst[q·R + j]`` of ``ENT [n_segments, H, K, V]`` (rows past the piece's last
-    segment have row_dst < 0 and are not stored). fp32 throughout, the products at 'ieee' (FMA)."""
+    segment have row_dst < 0 and are not stored). fp32, the products at tf32x3 over K-blocks of BKB rows of S_j,
+    which is read back from SE[q, j − 1] (overwritten by S_j: each program owns its columns of SE)."""
     i_v, i_q, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     o_k = tl.arange(0, BK)
+    o_b = tl.arange(0, BKB)
     o_v = i_v * BV + tl.arange(0, BV)
-    m_kv = (o_k < K)[:, None] & (o_v < V)[None, :]
+    m_v = o_v < V
+    m_kv = (o_k < K)[:, None] & m_v[None, :]
     p_kv = o_k[:, None] * V + o_v[None, :]
-    p_kk = o_k[:, None] * K + o_k[None, :]
-    m_kk = (o_k < K)[:, None] & (o_k < K)[None, :]
     base = (i_q * R).to(tl.int64) * H + i_h  # row (q, 0); row (q, j) is base + j·H
-    S = tl.load(SE + base * K * V + p_kv, mask=m_kv, other=0.)
     for j in range(0, R):
+        row = base + j * H
+        S = tl.load(SE + row * K * V + p_kv, mask=m_kv, other=0.)  # E_j (for j = 0: S_1 itself)
         if j > 0:
-            row = base + j * H
-            Mj = tl.load(M + row * K * K + p_kk, mask=m_kk, other=0.)
-            S = tl.dot(Mj, S, input_precision="ieee") + tl.load(SE + row * K * V + p_kv, mask=m_kv, other=0.)
+            prev = SE + (row - H) * K * V  # holds S_j
+            for kb in range(0, BK, BKB):
+                m_b = (kb + o_b) < K
+                Mb = tl.load(M + row * K * K + o_k[:, None] * K + (kb + o_b)[None, :],
+                             mask=(o_k < K)[:, None] & m_b[None, :], other=0.)
+                Sb = tl.load(prev + (kb + o_b)[:, None] * V + o_v[None, :], mask=m_b[:, None] & m_v[None, :],
+                             other=0.)
+                S = tl.dot(Mb, Sb, acc=S, input_precision="tf32x3")
+            tl.debug_barrier()  # every thread has read S_j before S_{j+1} overwrites row j
+            tl.store(SE + row * K * V + p_kv, S, mask=m_kv)
+            tl.debug_barrier()  # S_{j+1} is in place for the next step's loads
         d = tl.load(row_dst + i_q * R + j)
         if d >= 0:
             tl.store(ENT + (d.to(tl.int64) * H + i_h) * K * V + p_kv, S, mask=m_kv)
@@ -374,7 +387,7 @@ def _span_and_fold(bufs: dict, ht: torch.Tensor, w: _Window, K: int, V: int, pre
     if fold == "triton":
         bv = min(SplitConfig.fold_bv, BVP)
         _fold_rows[(BVP // bv, w.Q, H)](SE, Mt, entries, w.i32["row_dst"], w.R, H, K, V, BK=BK, BV=bv,
-                                        num_warps=SplitConfig.fold_warps)
+                                        BKB=min(SplitConfig.fold_bkb, BK), num_warps=SplitConfig.fold_warps)
     elif fold == "torch":
         S = SE[:, 0].double()  # segment 1's entry (padded rows: M = I, E = 0 keep S; their results are not used)
         out = [S]
