@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Host time of one prefill call: how long after the call starts its first kernel starts on an idle GPU (the GPU
 waits that long: ``do_bench`` counts it), the host time until the call returns, and where the host spends it
-(``cProfile``, cumulative).
+(``cProfile``, cumulative); then the call's ``do_bench`` median eagerly and as a CUDA-graph replay (no host time).
 
     python bench/host_time.py --cases prefill32 prefill8 [--variant NAME Class.knob=value ...]
 """
@@ -20,6 +20,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
+import triton  # noqa: E402
+import triton.runtime.jit as tjit  # noqa: E402
 from torch.profiler import ProfilerActivity, profile, record_function  # noqa: E402
 
 from k3.bench.kda import _inputs  # noqa: E402
@@ -46,6 +48,47 @@ def first_kernel_delay(case: str, x: dict, calls: int = 5) -> tuple[float, float
     return delays[len(delays) // 2], returns[len(returns) // 2]
 
 
+def first_launch_ms(case: str, x: dict, calls: int = 5) -> float:
+    """Median host ms from the call's start to its first Triton launch (no profiler: the launcher is wrapped)."""
+    stamps: list[float] = []
+    orig = tjit.JITFunction.run
+
+    def stamped(self, *a, **k):
+        stamps.append(time.perf_counter())
+        return orig(self, *a, **k)
+
+    out = []
+    tjit.JITFunction.run = stamped
+    try:
+        for _ in range(calls):
+            torch.cuda.synchronize()
+            stamps.clear()
+            t0 = time.perf_counter()
+            run(case, x, None)
+            out.append((stamps[0] - t0) * 1e3 if stamps else float("nan"))
+    finally:
+        tjit.JITFunction.run = orig
+    torch.cuda.synchronize()
+    return sorted(out)[len(out) // 2]
+
+
+def graph_ms(case: str, x: dict) -> float:
+    """do_bench median of a CUDA-graph replay of the call (nan if the capture fails)."""
+    try:
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            run(case, x, None)
+        torch.cuda.current_stream().wait_stream(s)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            run(case, x, None)
+        return triton.testing.do_bench(g.replay, warmup=3, rep=300, return_mode="median")
+    except Exception as e:  # noqa: BLE001 — report, do not stop the other rows
+        print(f"graph capture failed: {type(e).__name__}: {e}", flush=True)
+        return float("nan")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--cases", nargs="+", default=["prefill32", "prefill8"], choices=["prefill32", "prefill8"])
@@ -62,6 +105,9 @@ def main() -> int:
             with applied(knobs):
                 run(case, x, None)
                 delay, ret = first_kernel_delay(case, x)
+                launch = first_launch_ms(case, x)
+                eager = triton.testing.do_bench(lambda: run(case, x, None), warmup=3, rep=300, return_mode="median")
+                graph = graph_ms(case, x)
                 torch.cuda.synchronize()
                 t0 = time.perf_counter()
                 run(case, x, None)
@@ -76,12 +122,13 @@ def main() -> int:
             pstats.Stats(pr, stream=s).sort_stats("cumulative").print_stats(a.top)
             print(f"\n## {case} {name}: first kernel {delay:.3f} ms after the call starts; returns after {ret:.3f} "
                   f"ms (profiled), {host:.3f} ms (plain)\n{s.getvalue()}", flush=True)
-            rows.append((case, name, delay, ret, host))
+            rows.append((case, name, delay, ret, host, launch, eager, graph))
         del x
         torch.cuda.empty_cache()
-    print("| case | variant | first kernel ms | host return ms (profiled) | host return ms |\n|---|---|---:|---:|---:|")
+    print("| case | variant | first kernel ms (profiled) | host return ms (profiled) | host return ms | first launch "
+          "ms | eager ms | graph replay ms |\n|---|---|---:|---:|---:|---:|---:|---:|")
     for r in rows:
-        print(f"| {r[0]} | {r[1]} | {r[2]:.3f} | {r[3]:.3f} | {r[4]:.3f} |")
+        print(f"| {r[0]} | {r[1]} | " + " | ".join(f"{v:.3f}" for v in r[2:]) + " |")
     return 0
 
 

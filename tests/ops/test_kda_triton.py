@@ -198,23 +198,6 @@ def test_chunk_long_tiny():
     check_against_reference(x, 1e-4)
 
 
-@pytest.mark.parametrize("ramp", [1, 2, 3, 8, 64])
-def test_window_spans_partition(ramp):
-    """Windows (equal or ramped) cover the chunks in order, each non-empty and at most a full window; a ramp
-    starts and ends with windows smaller than a full one when there is room for both ramps."""
-    from k3.ops.kda.triton.chunk_fwd import window_spans
-
-    for NC in (1, 2, 5, 63, 64, 65, 200, 1001):
-        for ncw in (1, 4, 16, 64):
-            spans = window_spans(NC, ncw, ramp)
-            assert [c0 for c0, _ in spans] == [sum(n for _, n in spans[:i]) for i in range(len(spans))]
-            assert sum(n for _, n in spans) == NC and all(0 < n <= ncw for _, n in spans)
-            if ramp > 1 and ncw > 1 and NC >= 4 * ncw:
-                assert spans[0][1] < ncw and spans[-1][1] < ncw and max(n for _, n in spans) == ncw
-    with pytest.raises(ValueError, match="FwdConfig.window_ramp"):
-        window_spans(10, 4, 0)
-
-
 @cpu_only
 @pytest.mark.parametrize("bad", [1, 0, 2.5, "2"])
 def test_window_buffers_validated(monkeypatch, bad):
@@ -468,25 +451,28 @@ def test_gpu_fp16_gates_at_bound():
 
 @pytest.mark.gpu_quick
 @gpu
-@pytest.mark.parametrize("flow,priority,nbuf,ramp", [("c16", True, 2, 1), ("c16", False, 2, 1), ("c64", True, 2, 1),
-                                                     ("c64", False, 2, 1), ("c16", True, 3, 1), ("c64", True, 4, 1),
-                                                     ("c16", True, 2, 4), ("c64", True, 2, 8)])
-def test_gpu_overlapped_windows_bitwise(monkeypatch, flow, priority, nbuf, ramp):
+@pytest.mark.parametrize("flow,priority,nbuf,cached", [("c16", True, 2, True), ("c16", False, 2, True),
+                                                       ("c64", True, 2, True), ("c64", False, 2, True),
+                                                       ("c16", True, 3, True), ("c64", True, 4, True),
+                                                       ("c16", True, 2, False)])
+def test_gpu_overlapped_windows_bitwise(monkeypatch, flow, priority, nbuf, cached):
     """Prep on a side stream up to ``window_buffers`` − 1 windows ahead of the state pass (itself on a high-priority
-    stream or on the caller's), equal windows or ramped ones: the same kernels on the same chunks, so the result is
-    bitwise that of the serial windows (several windows, varlen, a sequence across windows)."""
+    stream or on the caller's; the streams cached per device or new per call): the same kernels in the same order
+    per window, so the result is bitwise that of the serial windows (several windows, varlen, a sequence across
+    windows), twice in a row."""
     monkeypatch.setattr(FwdConfig, "inference_flow", flow)
     monkeypatch.setattr(FwdConfig, "state_priority", priority)
     monkeypatch.setattr(FwdConfig, "window_buffers", nbuf)
-    monkeypatch.setattr(FwdConfig, "window_ramp", ramp)
+    monkeypatch.setattr(FwdConfig, "cache_streams", cached)
     x = make_inputs(1, 5000, 2, 128, 128, N=3)
     cu = [0, 1500, 1501, 5000]
     monkeypatch.setattr(FwdConfig, "window_bytes", 1 << 20)
     monkeypatch.setattr(FwdConfig, "overlap_windows", False)
     o_ref, h_ref, *_ = run_chunk(x, torch.bfloat16, cu=cu, grad=False)
     monkeypatch.setattr(FwdConfig, "overlap_windows", True)
-    o, h, *_ = run_chunk(x, torch.bfloat16, cu=cu, grad=False)
-    assert torch.equal(o, o_ref) and torch.equal(h, h_ref)
+    for _ in range(2):
+        o, h, *_ = run_chunk(x, torch.bfloat16, cu=cu, grad=False)
+        assert torch.equal(o, o_ref) and torch.equal(h, h_ref)
 
 
 @pytest.mark.gpu_quick

@@ -24,6 +24,7 @@ for the diagonal blocks (``EXACT_DIAG``).
 
 from __future__ import annotations
 
+import functools
 from typing import Callable
 
 import torch
@@ -576,10 +577,9 @@ class FwdConfig:
     # overlapped windows: buffers in the ring (the prep runs up to window_buffers − 1 windows ahead of the state pass;
     # each buffer is window_bytes)
     window_buffers = 2
-    # overlapped windows: the first window holds 1 / window_ramp of a full one and each next one twice the last (so
-    # the state pass starts after a short prep instead of a full window's), and the last windows shrink the same way
-    # (so the state pass's last window, which runs with no prep beside it, is short); 1: equal windows
-    window_ramp = 1
+    # overlapped windows: the side and high-priority streams made once per device and reused (stream creation is a
+    # driver call on the host path before the first launch); False: new streams per call
+    cache_streams = True
 
 
 def alloc_chunk_buffers(H: int, NC: int, BK: int, BVP: int, dt: torch.dtype, device, store_t: bool) -> dict:
@@ -762,25 +762,6 @@ def kda_fwd(q, k, v, g, beta, A_log, dt_bias, scale: float, initial_state, tab: 
     return o, ht, None
 
 
-def window_spans(NC: int, ncw: int, ramp: int = 1) -> list[tuple[int, int]]:
-    """``(c0, n)`` of each window over NC chunks, at most ``ncw`` chunks each. ``ramp`` > 1: the first windows
-    hold ncw / ramp, 2·ncw / ramp, … chunks up to ncw, the last ones the same sizes in reverse (when NC leaves room
-    for both ramps; else equal windows)."""
-    if not (isinstance(ramp, int) and ramp >= 1):
-        raise ValueError(f"FwdConfig.window_ramp: expected an int ≥ 1, got {ramp!r}")
-    head = []
-    n = -(-ncw // ramp)
-    while ramp > 1 and n < ncw:
-        head.append(n)
-        n *= 2
-    if 2 * sum(head) >= NC:
-        head = []
-    mid = NC - 2 * sum(head)
-    sizes = head + [min(ncw, mid - i) for i in range(0, mid, ncw)] + head[::-1]
-    starts = [sum(sizes[:i]) for i in range(len(sizes))]
-    return list(zip(starts, sizes))
-
-
 def use_c16(lower_bound, flags: dict, heads: int, BVP: int) -> bool:
     """Whether inference runs the 16-token flow: a bounded gate (its prep's right factor k e^{−G} needs the bound),
     and ``FwdConfig.inference_flow`` "c16", or "auto" with enough state-pass programs: ``heads`` (sequences ×
@@ -795,6 +776,21 @@ def use_c16(lower_bound, flags: dict, heads: int, BVP: int) -> bool:
     from k3.ops.kda.triton.chunk16 import C16Config, state_blocks  # noqa: PLC0415 (chunk16 imports this module)
 
     return heads * state_blocks(BVP) >= C16Config.min_programs
+
+
+@functools.lru_cache(maxsize=16)
+def _cached_streams(index: int) -> tuple[torch.cuda.Stream, torch.cuda.Stream]:
+    return torch.cuda.Stream(index), torch.cuda.Stream(index, priority=-1)
+
+
+def side_streams(device: torch.device) -> tuple[torch.cuda.Stream, torch.cuda.Stream]:
+    """(side stream, high-priority stream) of ``device`` for overlapped windows: cached per device with
+    ``FwdConfig.cache_streams`` (every use starts by waiting on the caller's stream and ends joined into it, so
+    calls that share them stay ordered), else new ones."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if FwdConfig.cache_streams:
+        return _cached_streams(index)
+    return torch.cuda.Stream(index), torch.cuda.Stream(index, priority=-1)
 
 
 def run_windows(NC: int, ncw: int, device: torch.device, alloc: Callable[[], dict],
@@ -820,16 +816,16 @@ def run_windows(NC: int, ncw: int, device: torch.device, alloc: Callable[[], dic
             state(bufs, c0, n)
         return
     bufs = [alloc() for _ in range(nb)]
-    spans = window_spans(NC, ncw, FwdConfig.window_ramp)
-    main, side = torch.cuda.current_stream(device), torch.cuda.Stream(device)
+    main = torch.cuda.current_stream(device)
+    side, high = side_streams(device)
     side.wait_stream(main)  # the inputs, the buffers and o/ht were produced on the main stream
     serial = main
     if FwdConfig.state_priority:  # the state pass on a high-priority stream, joined back into main at the end
-        serial = torch.cuda.Stream(device, priority=-1)
+        serial = high
         serial.wait_stream(main)
     freed = [None] * nb
-    for w, (c0, n) in enumerate(spans):
-        b = w % nb
+    for w, c0 in enumerate(range(0, NC, ncw)):
+        n, b = min(ncw, NC - c0), w % nb
         with torch.cuda.stream(side):
             if freed[b] is not None:
                 side.wait_event(freed[b])

@@ -40,7 +40,7 @@ from k3.ops.kda.triton.chunk_fwd import (
     chunk_bytes,
     launch_prep,
     launch_state,
-    window_spans,
+    side_streams,
 )
 from k3.utils import overridden_attrs
 
@@ -171,15 +171,13 @@ class SplitConfig:
     state_warps: int | None = None
     state_stages: int | None = None
     # CUDA: the prep of window w + 1 on a side stream beside the span / fold / state pass of window w (two window
-    # buffers). The split's serial passes fill most SMs, so the gain is bounded: H200 (session 4) 27.29 vs 27.39 ms
-    # at B=1, H=8, T=1M, 4 segments — none, so off
-    overlap_prep = False
-    # with overlap_prep: the span / fold / state passes on a high-priority stream, so the block scheduler places their
-    # programs before the next window's prep programs take the free slots (as ``FwdConfig.state_priority`` does for
-    # the unsplit flow). Untimed (session 14 ran out of device time): off
-    serial_priority = False
-    # with overlap_prep: windows ramped as ``FwdConfig.window_ramp`` (``chunk_fwd.window_spans``); 1: equal windows
-    window_ramp = 1
+    # buffers), with ``serial_priority`` the serial passes on a high-priority stream, so the block scheduler places
+    # their programs before the next window's prep programs take the free slots (as ``FwdConfig.state_priority``
+    # does for the unsplit flow). H200, B=1 H=8 T=1M, c16 split at P = 8 (session 15, same process): 15.28 → 13.95 ms
+    # (the fp64 torch fold), 14.78–14.94 → 14.07–14.26 (the fold kernel); overlap without the priority stream 15.68
+    # (no gain: session 4 measured none for the 64-token split either)
+    overlap_prep = True
+    serial_priority = True
     # the kernels of the split: "c64" (64-token prep, span and state passes) or "c16" (the 16-token flow's prep and
     # state pass, ``chunk16._c16_span_rows`` for the spans; bounded gates, mode 2, else "c64" runs; the cost model
     # then is ``SplitCostModel.c16``). H200 (session 14, same process), B=1 H=8 T=1M: "c64" 21.0–21.1 ms, "c16"
@@ -187,7 +185,8 @@ class SplitConfig:
     flow = "c16"
     # the fold S_{j+1} = M_j S_j + E_j of a window's span rows: "triton" (one launch, ``_fold_rows``: fp32, products
     # at tf32x3, the entry states written in place) or "torch" (fp64 batched products: ~30 launches per window).
-    # H200, B=1 H=8 T=1M: the first kernel's products at 'ieee' (FMA, spilling) took 20.6 ms against 15.3 (torch)
+    # H200, B=1 H=8 T=1M (session 15, same process): 14.78–14.94 ms against 15.30–15.44 with the torch fold (6
+    # windows); the first version's products at 'ieee' (FMA, spilling at sm_90) took 20.6
     fold = "triton"
     fold_bv = 32  # columns of S per fold program
     fold_bkb = 32  # rows of S_j per product
@@ -465,7 +464,8 @@ def split_prefill_triton(
         ncw = max(1, min(tab.NC, budget // chunk_bytes(H, BK, BVP, dt)))
     overlap = bool(SplitConfig.overlap_prep) and q.is_cuda and tab.NC > ncw
     windows = []
-    for c0, n in window_spans(tab.NC, ncw, SplitConfig.window_ramp if overlap else 1):
+    for c0 in range(0, tab.NC, ncw):
+        n = min(ncw, tab.NC - c0)
         pieces = window_pieces(tab, c0, c0 + n)
         windows.append(_plan_window(c0, n, pieces, cut([pc.n for pc in pieces], H)))
     _upload(windows, q.device)
@@ -509,11 +509,12 @@ def _overlapped(windows: list[_Window], bufs: list[dict], prep: Callable[[_Windo
     ``SplitConfig.serial_priority`` on a high-priority stream that the caller's stream waits for at the end; either
     way every side-stream launch is ordered before later work on the caller's stream, so the buffers may be reused
     by the caching allocator once this returns."""
-    main, side = torch.cuda.current_stream(device), torch.cuda.Stream(device)
+    main = torch.cuda.current_stream(device)
+    side, high = side_streams(device)
     side.wait_stream(main)  # inputs, tables, buffers, o and ht come from the main stream
     run = main
     if SplitConfig.serial_priority:  # the serial passes on a high-priority stream, joined back into main at the end
-        run = torch.cuda.Stream(device, priority=-1)
+        run = high
         run.wait_stream(main)
     freed: list[torch.cuda.Event | None] = [None, None]
     for i, w in enumerate(windows):
