@@ -451,19 +451,15 @@ def test_gpu_fp16_gates_at_bound():
 
 @pytest.mark.gpu_quick
 @gpu
-@pytest.mark.parametrize("flow,priority,nbuf,cached", [("c16", True, 2, True), ("c16", False, 2, True),
-                                                       ("c64", True, 2, True), ("c64", False, 2, True),
-                                                       ("c16", True, 3, True), ("c64", True, 4, True),
-                                                       ("c16", True, 2, False)])
-def test_gpu_overlapped_windows_bitwise(monkeypatch, flow, priority, nbuf, cached):
+@pytest.mark.parametrize("flow,priority,nbuf", [("c16", True, 2), ("c16", False, 2), ("c64", True, 2),
+                                                ("c64", False, 2), ("c16", True, 3), ("c64", True, 4)])
+def test_gpu_overlapped_windows_bitwise(monkeypatch, flow, priority, nbuf):
     """Prep on a side stream up to ``window_buffers`` − 1 windows ahead of the state pass (itself on a high-priority
-    stream or on the caller's; the streams cached per device or new per call): the same kernels in the same order
-    per window, so the result is bitwise that of the serial windows (several windows, varlen, a sequence across
-    windows), twice in a row."""
+    stream or on the caller's): the same kernels in the same order per window, so the result is bitwise that of the
+    serial windows (several windows, varlen, a sequence across windows), twice in a row."""
     monkeypatch.setattr(FwdConfig, "inference_flow", flow)
     monkeypatch.setattr(FwdConfig, "state_priority", priority)
     monkeypatch.setattr(FwdConfig, "window_buffers", nbuf)
-    monkeypatch.setattr(FwdConfig, "cache_streams", cached)
     x = make_inputs(1, 5000, 2, 128, 128, N=3)
     cu = [0, 1500, 1501, 5000]
     monkeypatch.setattr(FwdConfig, "window_bytes", 1 << 20)

@@ -24,7 +24,6 @@ for the diagonal blocks (``EXACT_DIAG``).
 
 from __future__ import annotations
 
-import functools
 from typing import Callable
 
 import torch
@@ -577,9 +576,6 @@ class FwdConfig:
     # overlapped windows: buffers in the ring (the prep runs up to window_buffers − 1 windows ahead of the state pass;
     # each buffer is window_bytes)
     window_buffers = 2
-    # overlapped windows: the side and high-priority streams made once per device and reused (stream creation is a
-    # driver call on the host path before the first launch); False: new streams per call
-    cache_streams = True
 
 
 def alloc_chunk_buffers(H: int, NC: int, BK: int, BVP: int, dt: torch.dtype, device, store_t: bool) -> dict:
@@ -778,21 +774,6 @@ def use_c16(lower_bound, flags: dict, heads: int, BVP: int) -> bool:
     return heads * state_blocks(BVP) >= C16Config.min_programs
 
 
-@functools.lru_cache(maxsize=16)
-def _cached_streams(index: int) -> tuple[torch.cuda.Stream, torch.cuda.Stream]:
-    return torch.cuda.Stream(index), torch.cuda.Stream(index, priority=-1)
-
-
-def side_streams(device: torch.device) -> tuple[torch.cuda.Stream, torch.cuda.Stream]:
-    """(side stream, high-priority stream) of ``device`` for overlapped windows: cached per device with
-    ``FwdConfig.cache_streams`` (every use starts by waiting on the caller's stream and ends joined into it, so
-    calls that share them stay ordered), else new ones."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if FwdConfig.cache_streams:
-        return _cached_streams(index)
-    return torch.cuda.Stream(index), torch.cuda.Stream(index, priority=-1)
-
-
 def run_windows(NC: int, ncw: int, device: torch.device, alloc: Callable[[], dict],
                 prep: Callable[[dict, int, int], None], state: Callable[[dict, int, int], None]) -> None:
     """The windowed inference forward: ``prep(bufs, c0, n)`` fills a window's buffers, ``state(bufs, c0, n)``
@@ -816,12 +797,11 @@ def run_windows(NC: int, ncw: int, device: torch.device, alloc: Callable[[], dic
             state(bufs, c0, n)
         return
     bufs = [alloc() for _ in range(nb)]
-    main = torch.cuda.current_stream(device)
-    side, high = side_streams(device)
+    main, side = torch.cuda.current_stream(device), torch.cuda.Stream(device)
     side.wait_stream(main)  # the inputs, the buffers and o/ht were produced on the main stream
     serial = main
     if FwdConfig.state_priority:  # the state pass on a high-priority stream, joined back into main at the end
-        serial = high
+        serial = torch.cuda.Stream(device, priority=-1)
         serial.wait_stream(main)
     freed = [None] * nb
     for w, c0 in enumerate(range(0, NC, ncw)):

@@ -40,7 +40,6 @@ from k3.ops.kda.triton.chunk_fwd import (
     chunk_bytes,
     launch_prep,
     launch_state,
-    side_streams,
 )
 from k3.utils import overridden_attrs
 
@@ -509,12 +508,11 @@ def _overlapped(windows: list[_Window], bufs: list[dict], prep: Callable[[_Windo
     ``SplitConfig.serial_priority`` on a high-priority stream that the caller's stream waits for at the end; either
     way every side-stream launch is ordered before later work on the caller's stream, so the buffers may be reused
     by the caching allocator once this returns."""
-    main = torch.cuda.current_stream(device)
-    side, high = side_streams(device)
+    main, side = torch.cuda.current_stream(device), torch.cuda.Stream(device)
     side.wait_stream(main)  # inputs, tables, buffers, o and ht come from the main stream
     run = main
     if SplitConfig.serial_priority:  # the serial passes on a high-priority stream, joined back into main at the end
-        run = high
+        run = torch.cuda.Stream(device, priority=-1)
         run.wait_stream(main)
     freed: list[torch.cuda.Event | None] = [None, None]
     for i, w in enumerate(windows):
