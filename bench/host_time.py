@@ -24,8 +24,7 @@ import triton  # noqa: E402
 import triton.runtime.jit as tjit  # noqa: E402
 from torch.profiler import ProfilerActivity, profile, record_function  # noqa: E402
 
-from k3.bench.kda import _inputs  # noqa: E402
-from knob_ab import CASES, applied, parse, run  # noqa: E402
+from knob_ab import add_variant_args, applied, prefill_inputs, run, variant_list  # noqa: E402
 
 
 def first_kernel_delay(case: str, x: dict, calls: int = 5) -> tuple[float, float]:
@@ -91,16 +90,13 @@ def graph_ms(case: str, x: dict) -> float:
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--cases", nargs="+", default=["prefill32", "prefill8"], choices=["prefill32", "prefill8"])
-    ap.add_argument("--variant", nargs="+", action="append", default=[], metavar=("NAME", "KNOB"))
+    add_variant_args(ap, ["prefill32", "prefill8"], ["prefill32", "prefill8"])
     ap.add_argument("--top", type=int, default=25)
     a = ap.parse_args()
-    variants = [("default", {})] + [(v[0], parse(v[1:])) for v in a.variant]
+    variants = variant_list(a.variant)
     rows = []
     for case in a.cases:
-        B, T, H, _ = CASES[case]
-        x = _inputs(B, T, H)
-        x["h0"] = torch.randn(B, H, 128, 128, device="cuda")
+        x = prefill_inputs(case)
         for name, knobs in variants:
             with applied(knobs):
                 run(case, x, None)

@@ -64,6 +64,25 @@ def parse(specs: list[str]) -> dict[Any, dict[str, Any]]:
     return out
 
 
+def variant_list(specs: list[list[str]]) -> list[tuple[str, dict[Any, dict[str, Any]]]]:
+    """``--variant NAME KNOB…`` arguments → [("default", {}), (NAME, knobs), …]."""
+    return [("default", {})] + [(v[0], parse(v[1:])) for v in specs]
+
+
+def add_variant_args(ap: argparse.ArgumentParser, cases: list[str], default: list[str]) -> None:
+    """The ``--cases`` and ``--variant`` options every knob script takes."""
+    ap.add_argument("--cases", nargs="+", default=default, choices=cases)
+    ap.add_argument("--variant", nargs="+", action="append", default=[], metavar=("NAME", "KNOB"))
+
+
+def prefill_inputs(case: str) -> dict:
+    """The inputs of a prefill case at its full size, with an fp32 initial state."""
+    B, T, H, _ = CASES[case]
+    x = _inputs(B, T, H)
+    x["h0"] = torch.randn(B, H, 128, 128, device="cuda")
+    return x
+
+
 @contextlib.contextmanager
 def applied(knobs: dict[Any, dict[str, Any]]) -> Iterator[None]:
     """Every (class → attrs) override at once, restored after the block."""
@@ -117,8 +136,7 @@ def run(case: str, x: dict, do: torch.Tensor | None, accumulate: bool = False) -
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--cases", nargs="+", default=["prefill32", "prefill8"], choices=list(CASES))
-    ap.add_argument("--variant", nargs="+", action="append", default=[], metavar=("NAME", "KNOB"))
+    add_variant_args(ap, list(CASES), ["prefill32", "prefill8"])
     ap.add_argument("--rep", type=float, default=300.0)
     ap.add_argument("--rounds", type=int, default=1,
                     help="time every variant this many times, interleaved (A B A B …): machine and clock drift "
@@ -126,7 +144,7 @@ def main() -> int:
     ap.add_argument("--accumulate", action="store_true",
                     help="time training steps that add into existing .grad, as the bench and the fla anchor do")
     a = ap.parse_args()
-    variants = [("default", {})] + [(v[0], parse(v[1:])) for v in a.variant]
+    variants = variant_list(a.variant)
     rows: dict[str, dict[str, str]] = {n: {} for n, _ in variants}
     for case in a.cases:
         B, T, H, grad = CASES[case]

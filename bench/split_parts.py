@@ -23,8 +23,7 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
-from k3.bench.kda import _inputs  # noqa: E402
-from knob_ab import CASES, applied, parse, run  # noqa: E402
+from knob_ab import add_variant_args, applied, prefill_inputs, run, variant_list  # noqa: E402
 
 
 def union_ms(spans: list[tuple[float, float]]) -> float:
@@ -66,18 +65,15 @@ def profile_call(case: str, x: dict, calls: int) -> tuple[dict[str, list[float]]
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--cases", nargs="+", default=["prefill8"], choices=["prefill8", "prefill32"])
-    ap.add_argument("--variant", nargs="+", action="append", default=[], metavar=("NAME", "KNOB"))
+    add_variant_args(ap, ["prefill32", "prefill8"], ["prefill8"])
     ap.add_argument("--rep", type=float, default=300.0)
     ap.add_argument("--calls", type=int, default=3)
     ap.add_argument("--top", type=int, default=12)
     a = ap.parse_args()
-    variants = [("default", {})] + [(v[0], parse(v[1:])) for v in a.variant]
+    variants = variant_list(a.variant)
     summary = []
     for case in a.cases:
-        B, T, H, _ = CASES[case]
-        x = _inputs(B, T, H)
-        x["h0"] = torch.randn(B, H, 128, 128, device="cuda")
+        x = prefill_inputs(case)
         for name, knobs in variants:
             with applied(knobs):
                 t = triton.testing.do_bench(lambda: run(case, x, None), warmup=3, rep=a.rep, return_mode="median")
