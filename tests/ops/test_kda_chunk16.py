@@ -271,6 +271,12 @@ for mode in eval(sys.argv[1]):
                             dict(K=128, V=128, BT=64, BC=16, BK=128, BV=64, BVP=128, PREC="tf32", STAGES=8,
                                  U_RM=True), 4)
         assert "wgmma.mma_async" in span.asm["ptx"] and span.asm["ptx"].count("cp.async.cg") >= 3
+        light = compile_sm90(c16._c16_span_rows, dict(t, SE="*fp32", M="*fp32", row_cs="*i32", row_ce="*i32",
+                                                          row_m="*i32"),
+                             dict(K=128, V=128, BT=64, BC=16, BK=128, BV=64, BVP=128, PREC="tf32", STAGES=8,
+                                  U_RM=True, M_LIGHT=True), 4)  # M's blocks in a loop of their own
+        assert light.asm["ptx"].count("wgmma.mma_async") > span.asm["ptx"].count("wgmma.mma_async")
+        assert light.asm["ptx"].count("cp.async.cg") > span.asm["ptx"].count("cp.async.cg")
     assert "st.global" in prep.asm["ptx"], mode
 print("compiled", flush=True)
 """

@@ -291,7 +291,7 @@ def _c16_span_rows(
     row_cs, row_ce, row_m, c0, NCw,
     H, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BVP: tl.constexpr,
-    PREC: tl.constexpr, STAGES: tl.constexpr, U_RM: tl.constexpr,
+    PREC: tl.constexpr, STAGES: tl.constexpr, U_RM: tl.constexpr, M_LIGHT: tl.constexpr = False,
 ):
     """The split prefill's span pass on mode 2's window buffers: row r's extended state [S_ext | M] through the
     chunks [row_cs[r], row_ce[r]) (global numbers, inside the window that starts at chunk c0), in 16-token steps
@@ -299,7 +299,8 @@ def _c16_span_rows(
         V'ᵀ = [U | 0]ᵀ − [S_ext | M]ᵀ Wᵀ,  [S_ext | M]ᵀ ← [S_ext | M]ᵀ Diag(γ) + V'ᵀ kg.
     One program per (column block, row, head); blocks below BVP are S_ext (``SE [R, H, K, V]``), the others M
     (``M [R, H, K, K]``), each started from its contents and written back; rows with ``row_m[r] == 0`` skip their
-    M blocks, an empty range leaves the row as it was (``span._kda_span_rows``'s contract)."""
+    M blocks, an empty range leaves the row as it was (``span._kda_span_rows``'s contract). ``M_LIGHT``: M's blocks
+    run a loop of their own without the U tile (``C16Config.span_m_light``)."""
     i_b, i_r, i_h, cs, ce, live = _span_row_program(row_cs, row_ce, row_m, H, BV, BVP)
     is_m = i_b * BV >= BVP
     if live:
@@ -327,20 +328,28 @@ def _c16_span_rows(
         else:
             q_u = U + b0 * (BVP * 2 * BC) + col[None, :] * (2 * BC) + o_s[:, None]  # the same from Uᵀ [BVP, 32]
         eye = _eye(BC).to(DT)
-        for _ in tl.range(cs * NB, ce * NB, num_stages=STAGES):
-            # Uᵀ (zero for M's blocks) into the accumulator by the exact product Uᵀ·I (U stored in fp32: as is),
-            # then V'ᵀ = Uᵀ + Sᵀ (−W)ᵀ
-            b_u = tl.trans(tl.load(q_u, mask=m_u, other=0.))
-            if U.dtype.element_ty == tl.float32:
-                acc = b_u
-            else:
-                acc = tl.dot(b_u, eye, input_precision=PREC)
-            vn = tl.dot(St.to(DT), tl.trans(tl.load(q_w)), acc=acc, input_precision=PREC).to(DT)
-            St = St * tl.load(q_gam)[None, :] + tl.dot(vn, tl.load(q_kg), input_precision=PREC)
-            q_kg += BC * BK
-            q_gam += BK
-            q_w += 2 * BC * BK
-            q_u += BVP * 2 * BC
+        if M_LIGHT and is_m:  # M's blocks: V'ᵀ = Mᵀ (−W)ᵀ, no U tile and no identity product on the step's chain
+            for _ in tl.range(cs * NB, ce * NB, num_stages=STAGES):
+                vn = tl.dot(St.to(DT), tl.trans(tl.load(q_w)), input_precision=PREC).to(DT)
+                St = St * tl.load(q_gam)[None, :] + tl.dot(vn, tl.load(q_kg), input_precision=PREC)
+                q_kg += BC * BK
+                q_gam += BK
+                q_w += 2 * BC * BK
+        else:
+            for _ in tl.range(cs * NB, ce * NB, num_stages=STAGES):
+                # Uᵀ (zero for M's blocks) into the accumulator by the exact product Uᵀ·I (U stored in fp32: as
+                # is), then V'ᵀ = Uᵀ + Sᵀ (−W)ᵀ
+                b_u = tl.trans(tl.load(q_u, mask=m_u, other=0.))
+                if U.dtype.element_ty == tl.float32:
+                    acc = b_u
+                else:
+                    acc = tl.dot(b_u, eye, input_precision=PREC)
+                vn = tl.dot(St.to(DT), tl.trans(tl.load(q_w)), acc=acc, input_precision=PREC).to(DT)
+                St = St * tl.load(q_gam)[None, :] + tl.dot(vn, tl.load(q_kg), input_precision=PREC)
+                q_kg += BC * BK
+                q_gam += BK
+                q_w += 2 * BC * BK
+                q_u += BVP * 2 * BC
         if is_m:
             tl.store(M + p_s, St, mask=m_s)
         else:
@@ -374,6 +383,9 @@ class C16Config:
     prep_maxnreg = None
     state_bv = 64  # 128 at 8 warps: 48 ms per 1M (the two warpgroups' steps do not overlap)
     span_bv = 64  # columns of [S_ext | M] per program of the split prefill's span pass (``_c16_span_rows``)
+    # the span pass's M blocks (half of its programs at H = 8, 8 segments) in a loop without the U tile and the
+    # identity product (their U columns are zero). Untimed (session 15 ran out of device time): off
+    span_m_light = False
     # ``FwdConfig.inference_flow = "auto"`` takes this flow from this many state-pass programs (B·H·V / state_bv)
     min_programs = 64
     state_warps = 4
@@ -517,5 +529,5 @@ def launch_c16_span(bufs: dict, SE: torch.Tensor, Mt: torch.Tensor, rows: dict, 
         bufs["X"], bufs["KG"], bufs["GAM"], bufs["U"], SE, Mt, rows["row_cs"], rows["row_ce"], rows["row_m"],
         c0, bufs["X"].shape[1], H, K, V, BT=BT, BC=BC, BK=BK, BV=bv, BVP=BVP,
         PREC=dot_precision(bufs["X"].dtype), STAGES=state_stages(C16Config.state_stages, bufs["X"].dtype),
-        U_RM=_u_form()[1], num_warps=C16Config.state_warps, num_stages=1,
+        U_RM=_u_form()[1], M_LIGHT=bool(C16Config.span_m_light), num_warps=C16Config.state_warps, num_stages=1,
     )
