@@ -24,7 +24,7 @@ for the diagonal blocks (``EXACT_DIAG``).
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 import triton
@@ -796,26 +796,39 @@ def run_windows(NC: int, ncw: int, device: torch.device, alloc: Callable[[], dic
             prep(bufs, c0, n)
             state(bufs, c0, n)
         return
-    bufs = [alloc() for _ in range(nb)]
+    spans = [(c0, min(ncw, NC - c0)) for c0 in range(0, NC, ncw)]
+    pipelined(spans, [alloc() for _ in range(nb)], lambda sp, b: prep(b, *sp), lambda sp, b: state(b, *sp), device,
+              bool(FwdConfig.state_priority))
+
+
+def pipelined(items: list, bufs: list[dict], prep: Callable[[Any, dict], None], serial: Callable[[Any, dict], None],
+              device: torch.device, priority: bool) -> None:
+    """``prep(item, buf)`` of each item on a side stream, up to len(bufs) − 1 items ahead of ``serial(item, buf)``
+    on the caller's stream (``priority``: on a high-priority stream, joined back into the caller's at the end), the
+    buffers taking turns: the prep of item i waits until the serial work that last read its buffer (item
+    i − len(bufs)) is done, the serial work of item i waits for its prep. Every side-stream launch is ordered before
+    later work on the caller's stream, so the buffers may be freed (reused by the caching allocator) when this
+    returns, and a CUDA-graph capture sees every forked stream joined back. (The windowed inference forward and
+    the split prefill.)"""
     main, side = torch.cuda.current_stream(device), torch.cuda.Stream(device)
-    side.wait_stream(main)  # the inputs, the buffers and o/ht were produced on the main stream
-    serial = main
-    if FwdConfig.state_priority:  # the state pass on a high-priority stream, joined back into main at the end
-        serial = torch.cuda.Stream(device, priority=-1)
-        serial.wait_stream(main)
-    freed = [None] * nb
-    for w, c0 in enumerate(range(0, NC, ncw)):
-        n, b = min(ncw, NC - c0), w % nb
+    side.wait_stream(main)  # the inputs, the buffers and the outputs were produced on the main stream
+    run = main
+    if priority:  # the block scheduler then places the serial work's few programs before the prep's many
+        run = torch.cuda.Stream(device, priority=-1)
+        run.wait_stream(main)
+    freed: list[torch.cuda.Event | None] = [None] * len(bufs)
+    for i, item in enumerate(items):
+        b = i % len(bufs)
         with torch.cuda.stream(side):
             if freed[b] is not None:
                 side.wait_event(freed[b])
-            prep(bufs[b], c0, n)
+            prep(item, bufs[b])
             ready = torch.cuda.Event()
             ready.record(side)
-        serial.wait_event(ready)
-        with torch.cuda.stream(serial):
-            state(bufs[b], c0, n)
+        run.wait_event(ready)
+        with torch.cuda.stream(run):
+            serial(item, bufs[b])
         freed[b] = torch.cuda.Event()
-        freed[b].record(serial)
-    if serial is not main:
-        main.wait_stream(serial)  # later main-stream work (and reuse of the buffers' memory) follows both streams
+        freed[b].record(run)
+    if run is not main:
+        main.wait_stream(run)  # later main-stream work (and reuse of the buffers' memory) follows both streams

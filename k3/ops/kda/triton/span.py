@@ -40,6 +40,7 @@ from k3.ops.kda.triton.chunk_fwd import (
     chunk_bytes,
     launch_prep,
     launch_state,
+    pipelined,
 )
 from k3.utils import overridden_attrs
 
@@ -491,42 +492,10 @@ def split_prefill_triton(
                 launch_state(b, o, None, hs, _segment_table(w), w.c0, w.c0 + w.n, H, K, V)
         ht[w.i64["seq"]] = hs[w.i64["last"]]
 
-    if overlap:
-        _overlapped(windows, bufs, prep, serial, q.device)
+    if overlap:  # the prep one window ahead on a side stream (two buffers take turns)
+        pipelined(windows, bufs, prep, serial, q.device, bool(SplitConfig.serial_priority))
     else:
         for w in windows:
             prep(w, bufs[0])
             serial(w, bufs[0])
     return o, (ht if output_final_state else None)
-
-
-def _overlapped(windows: list[_Window], bufs: list[dict], prep: Callable[[_Window, dict], None],
-                serial: Callable[[_Window, dict], None], device: torch.device) -> None:
-    """Windows with the prep on a side stream one window ahead of the span / fold / state pass (two buffers
-    alternate). The prep of window w waits until the serial passes that last read its buffer (window w − 2) are
-    done; the serial passes of window w wait for its prep. The serial passes run on the caller's stream, or with
-    ``SplitConfig.serial_priority`` on a high-priority stream that the caller's stream waits for at the end; either
-    way every side-stream launch is ordered before later work on the caller's stream, so the buffers may be reused
-    by the caching allocator once this returns."""
-    main, side = torch.cuda.current_stream(device), torch.cuda.Stream(device)
-    side.wait_stream(main)  # inputs, tables, buffers, o and ht come from the main stream
-    run = main
-    if SplitConfig.serial_priority:  # the serial passes on a high-priority stream, joined back into main at the end
-        run = torch.cuda.Stream(device, priority=-1)
-        run.wait_stream(main)
-    freed: list[torch.cuda.Event | None] = [None, None]
-    for i, w in enumerate(windows):
-        b = i % 2
-        with torch.cuda.stream(side):
-            if freed[b] is not None:
-                side.wait_event(freed[b])
-            prep(w, bufs[b])
-            ready = torch.cuda.Event()
-            ready.record(side)
-        run.wait_event(ready)
-        with torch.cuda.stream(run):
-            serial(w, bufs[b])
-        freed[b] = torch.cuda.Event()
-        freed[b].record(run)
-    if run is not main:
-        main.wait_stream(run)
