@@ -32,9 +32,6 @@ VARIANTS = {
     "bv16": dict(bv=16),
     "bv64 no cap": dict(bv=64, maxnreg=None),
     "bv128": dict(bv=128, maxnreg=None),
-    # the last 5 tiles as 16-wide tiles (warps along K), and the whole grid so (4 warps along K)
-    "tail 5": dict(tail_tiles=5),
-    "all tail, bv64": dict(bv=64, maxnreg=None, tail_tiles=1 << 30),
 }
 # (use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel, lower_bound, A_log, dt_bias)
 FLAGS = {
@@ -209,25 +206,6 @@ def test_bad_block_width_names_the_knob(monkeypatch):
         dg.decode_step_gluon((), {}, 1, 1, 16, 16, 16, 1.0, 0.0)
 
 
-def test_tail_split_and_its_validation(monkeypatch):
-    """The tail knobs: how many full-width programs stay, where the tail does not apply, and bad values named."""
-    cfg = dg.GluonDecodeConfig
-    monkeypatch.setattr(cfg, "tail_bv", 16)
-    monkeypatch.setattr(cfg, "tail_tiles", 0)
-    assert dg._tail(32, 128, 100, True) == (32, 100)  # off
-    monkeypatch.setattr(cfg, "tail_tiles", 7)
-    assert dg._tail(32, 128, 100, True) == (16, 93)
-    assert dg._tail(32, 128, 5, True) == (16, 0)  # more tail than tiles: all of them
-    assert dg._tail(32, 128, 100, False) == (32, 100)  # uneven shapes keep one width
-    assert dg._tail(16, 128, 100, True) == (16, 100)  # nothing narrower than the tile
-    assert dg._tail(128, 16, 100, True) == (128, 100)  # 8 warps along K need 64 rows
-    for name, bad in (("tail_tiles", -1), ("tail_bv", 24)):
-        monkeypatch.setattr(cfg, name, bad)
-        with pytest.raises(ValueError, match=f"GluonDecodeConfig.{name}"):
-            dg._tail(32, 128, 100, True)
-        monkeypatch.setattr(cfg, name, 7 if name == "tail_tiles" else 16)
-
-
 _COMPILE = r"""
 import itertools, sys, triton
 from triton.backends.compiler import GPUTarget
@@ -235,16 +213,13 @@ from triton.experimental.gluon._runtime import GluonASTSource
 import k3.ops.kda.triton.decode_gluon as dg
 fn = dg._kda_decode_gluon
 types = dict(q="*bf16", k="*bf16", v="*bf16", g="*bf16", beta="*bf16", A_log="*fp32", dt_bias="*fp32", o="*bf16",
-             s_in="*fp32", s_out="*fp32", idx="*i64", H="i32", scale="fp32", lb="fp32", n_big="i32")
+             s_in="*fp32", s_out="*fp32", idx="*i64", H="i32", scale="fp32", lb="fp32")
 sig = {n: types.get(n, "constexpr") for n in fn.arg_names}
-# (pool slots, initial state): dense with and without a state, and a pool; shapes: uneven, and K = V = 128 with a
-# 16-wide tail (its warps along K)
-shapes = (dict(K=100, V=72, BK=128, NV=3, TBV=32), dict(K=128, V=128, BK=128, NV=4, TBV=16))
-for flags, (pool, s0), shape in itertools.product(eval(sys.argv[1]), ((False, True), (False, False), (True, True)),
-                                                  shapes):
+# (pool slots, initial state): dense with and without a state, and a pool
+for flags, (pool, s0) in itertools.product(eval(sys.argv[1]), ((False, True), (False, False), (True, True))):
     l2, gate, bsig, lb, use_a, use_dt = flags
-    const = dict(BV=32, USE_GATE=gate, HAS_LB=lb is not None, HAS_A=gate and use_a, HAS_DT=gate and use_dt,
-                 L2NORM=l2, BETA_SIGMOID=bsig, USE_IDX=pool, USE_S0=s0, STORE_S=True, **shape)
+    const = dict(K=100, V=72, BK=128, BV=32, NV=3, USE_GATE=gate, HAS_LB=lb is not None, HAS_A=gate and use_a,
+                 HAS_DT=gate and use_dt, L2NORM=l2, BETA_SIGMOID=bsig, USE_IDX=pool, USE_S0=s0, STORE_S=True)
     src = GluonASTSource(fn, sig, constexprs={(fn.arg_names.index(n),): v for n, v in const.items()})
     c = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=2, maxnreg=128))
     assert "st.global" in c.asm["ptx"], flags

@@ -38,18 +38,11 @@ class GluonDecodeConfig:
     - ``bv``: V columns per program (16 per warp: 32 → 2 warps).
     - ``maxnreg``: register cap (128: 8 programs of 2 warps per SM without spills on sm_90; the compiler alone
       takes 149 registers, 6 programs, 0.0739 ms; 120 and below spill).
-    - ``tail_tiles`` / ``tail_bv``: the last ``tail_tiles`` tiles of the grid (in ``bv`` units) are run as
-      ``tail_bv``-wide tiles by as many more programs, the extra warps along K. Why: one-tile programs live ~9 µs
-      under the DRAM queue, so the grid's last wave drains slowly (~7.5 µs fixed cost against a copy's ~4);
-      programs dispatch in index order, so narrower tiles at the end shorten the drain. Used where K is a
-      power of two and ``bv`` divides V; 0 = off.
     """
 
     enabled = True
     bv = 32
     maxnreg: int | None = 128
-    tail_tiles = 0
-    tail_bv = 16
 
 
 if HAVE_GLUON:
@@ -82,14 +75,23 @@ if HAVE_GLUON:
         return g
 
     @gluon.jit
-    def _tile_step(q, k, v, g, beta, A_log, dt_bias, o, s_in, s_out, idx, H, scale, lb, i_nh, i_v,
-                   L: gl.constexpr, K: gl.constexpr, V: gl.constexpr, BK: gl.constexpr, BV: gl.constexpr,
-                   USE_GATE: gl.constexpr, HAS_LB: gl.constexpr, HAS_A: gl.constexpr, HAS_DT: gl.constexpr,
-                   L2NORM: gl.constexpr, BETA_SIGMOID: gl.constexpr, USE_IDX: gl.constexpr, USE_S0: gl.constexpr,
-                   STORE_S: gl.constexpr):
-        """One token on the [BK, BV] state tile ``i_v`` of sequence-head ``i_nh``, in register layout ``L``."""
+    def _kda_decode_gluon(
+        q, k, v, g, beta, A_log, dt_bias, o, s_in, s_out, idx, H, scale, lb,
+        K: gl.constexpr, V: gl.constexpr, BK: gl.constexpr, BV: gl.constexpr, NV: gl.constexpr,
+        USE_GATE: gl.constexpr, HAS_LB: gl.constexpr, HAS_A: gl.constexpr, HAS_DT: gl.constexpr,
+        L2NORM: gl.constexpr, BETA_SIGMOID: gl.constexpr, USE_IDX: gl.constexpr, USE_S0: gl.constexpr,
+        STORE_S: gl.constexpr,
+    ):
+        """Grid (N·H·NV,): program i updates V-block i % NV of sequence-head i // NV (sequence n's token is row n;
+        adjacent programs share a head, so the state is read in address order)."""
+        # [BK, BV] tile: a thread holds BK/8 consecutive rows × 4 columns; 8 threads × 4 threads per warp; warps
+        # side by side along V (16 columns each) — the K reductions never leave a warp
+        L: gl.constexpr = gl.BlockedLayout([BK // 8, 4], [8, 4], [1, BV // 16], [1, 0])
         LK: gl.constexpr = gl.SliceLayout(1, L)
         LV: gl.constexpr = gl.SliceLayout(0, L)
+        i = gl.program_id(0)
+        i_nh = i // NV
+        i_v = i % NV
         i_n = i_nh // H
         i_h = i_nh % H
         o_k = gl.arange(0, BK, layout=LK)
@@ -130,39 +132,6 @@ if HAVE_GLUON:
         if STORE_S:
             gl.store(s_out + base + off, S * b_a[:, None] + b_k[:, None] * r[None, :], mask=m_s)
 
-    @gluon.jit
-    def _kda_decode_gluon(
-        q, k, v, g, beta, A_log, dt_bias, o, s_in, s_out, idx, H, scale, lb, n_big,
-        K: gl.constexpr, V: gl.constexpr, BK: gl.constexpr, BV: gl.constexpr, NV: gl.constexpr,
-        USE_GATE: gl.constexpr, HAS_LB: gl.constexpr, HAS_A: gl.constexpr, HAS_DT: gl.constexpr,
-        L2NORM: gl.constexpr, BETA_SIGMOID: gl.constexpr, USE_IDX: gl.constexpr, USE_S0: gl.constexpr,
-        STORE_S: gl.constexpr, TBV: gl.constexpr,
-    ):
-        """Programs below ``n_big`` update tile i of width BV: V-block i % NV of sequence-head i // NV (sequence n's
-        token is row n; adjacent programs share a head, so the state is read in address order). With a tail
-        (TBV < BV), the programs from ``n_big`` on update the rest of the state in TBV-wide tiles, in order."""
-        # [BK, BV] tile: a thread holds BK/8 consecutive rows × 4 columns; 8 threads × 4 threads per warp; warps
-        # side by side along V (16 columns each) — the K reductions never leave a warp
-        WARPS: gl.constexpr = BV // 16
-        L: gl.constexpr = gl.BlockedLayout([BK // 8, 4], [8, 4], [1, WARPS], [1, 0])
-        i = gl.program_id(0)
-        if TBV == BV:
-            _tile_step(q, k, v, g, beta, A_log, dt_bias, o, s_in, s_out, idx, H, scale, lb, i // NV, i % NV,
-                       L, K, V, BK, BV, USE_GATE, HAS_LB, HAS_A, HAS_DT, L2NORM, BETA_SIGMOID, USE_IDX, USE_S0, STORE_S)
-        else:
-            # the tail's tiles: the same warps, those beyond TBV's columns stacked along K (reductions cross warps)
-            WV: gl.constexpr = TBV // 16
-            WK: gl.constexpr = WARPS // WV
-            LT: gl.constexpr = gl.BlockedLayout([BK // (8 * WK), 4], [8, 4], [WK, WV], [1, 0])
-            R: gl.constexpr = BV // TBV
-            if i < n_big:
-                _tile_step(q, k, v, g, beta, A_log, dt_bias, o, s_in, s_out, idx, H, scale, lb, i // NV, i % NV,
-                           L, K, V, BK, BV, USE_GATE, HAS_LB, HAS_A, HAS_DT, L2NORM, BETA_SIGMOID, USE_IDX, USE_S0, STORE_S)
-            else:
-                t = i - n_big + n_big * R  # the TBV-wide tile index over the whole state
-                _tile_step(q, k, v, g, beta, A_log, dt_bias, o, s_in, s_out, idx, H, scale, lb, t // (NV * R),
-                           t % (NV * R), LT, K, V, BK, TBV, USE_GATE, HAS_LB, HAS_A, HAS_DT, L2NORM, BETA_SIGMOID, USE_IDX, USE_S0, STORE_S)
-
 
 def usable(q: torch.Tensor, T: int, varlen: bool, N: int) -> bool:
     """Whether the Gluon kernel takes this call: CUDA tensors, a dense one-token step, the knob on."""
@@ -183,23 +152,4 @@ def decode_step_gluon(ptrs: tuple, flags: dict, N: int, H: int, K: int, V: int, 
         kw["maxnreg"] = int(cfg.maxnreg)
     f = {n: flags[n] for n in ("USE_GATE", "HAS_LB", "HAS_A", "HAS_DT", "L2NORM", "BETA_SIGMOID", "USE_IDX",
                                "USE_S0", "STORE_S")}
-    n_tiles = N * H * NV
-    TBV, n_big = _tail(BV, BK, n_tiles, K == BK and V % BV == 0)
-    grid = n_big + (n_tiles - n_big) * (BV // TBV)
-    _kda_decode_gluon[(grid,)](*ptrs, H, scale, lb, n_big, K=K, V=V, BK=BK, BV=BV, NV=NV, **f,
-                               TBV=TBV, **kw)
-
-
-def _tail(BV: int, BK: int, n_tiles: int, even: bool) -> tuple[int, int]:
-    """(tail tile width, programs of full width) for ``GluonDecodeConfig.tail_tiles`` / ``tail_bv``; the tail is
-    dropped where it does not apply (uneven shapes, too few K rows for its warps along K)."""
-    cfg = GluonDecodeConfig
-    tail = int(cfg.tail_tiles)
-    if tail < 0:
-        raise ValueError(f"GluonDecodeConfig.tail_tiles: expected an int >= 0, got {cfg.tail_tiles!r}")
-    if cfg.tail_bv not in (16, 32, 64):
-        raise ValueError(f"GluonDecodeConfig.tail_bv: expected 16, 32 or 64, got {cfg.tail_bv!r}")
-    TBV = int(cfg.tail_bv)
-    if tail == 0 or TBV >= BV or not even or BK < 8 * (BV // TBV):
-        return BV, n_tiles
-    return TBV, max(0, n_tiles - tail)
+    _kda_decode_gluon[(N * H * NV,)](*ptrs, H, scale, lb, K=K, V=V, BK=BK, BV=BV, NV=NV, **f, **kw)
