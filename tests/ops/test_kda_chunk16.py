@@ -156,6 +156,38 @@ def test_c16_dispatch(monkeypatch):
         c16.alloc_c16_buffers(1, 1, 16, 16, torch.float32, "cpu")
 
 
+@cpu_only
+def test_c16_probe_ring_wraps_stores_and_loads(monkeypatch):
+    """``C16Config.probe_ring`` (the L2 probe's ring of R chunks): the prep leaves slot s holding the last chunk
+    c ≡ s (mod R), bitwise as the full buffers hold it; the state pass reading the ring equals it reading full
+    buffers whose chunk c is the ring's slot c mod R."""
+    from k3.ops.kda.triton._common import make_chunk_table
+    from k3.ops.kda.triton.chunk_fwd import alloc_output_state
+
+    T, H, D, R = 64 * 5 + 7, 2, 16, 2
+    x = {n: t.float() for n, t in make_inputs(T, H, D, D, seed=3).items()}
+    tab = make_chunk_table(1, T, None, x["q"].device)
+    flags = dict(l2norm=True, use_gate=True, beta_sigmoid=True, exact_diag=False)
+    full = c16.alloc_c16_buffers(H, tab.NC, D, D, torch.float32, "cpu")
+    ring = c16.alloc_c16_buffers(H, R, D, D, torch.float32, "cpu")
+    for bufs, r in ((full, 0), (ring, R)):
+        monkeypatch.setattr(c16.C16Config, "probe_ring", r)
+        c16.launch_c16_prep(x["q"], x["k"], x["v"], x["g"], x["beta"], x["A"], x["dt"], bufs, tab, 0, tab.NC,
+                            D ** -0.5, -5.0, flags)
+    last = [max(c for c in range(tab.NC) if c % R == s) for s in range(R)]
+    for name in full:
+        assert torch.equal(ring[name], full[name][:, last]), name
+    tiled = {n: b[:, [c % R for c in range(tab.NC)]].contiguous() for n, b in ring.items()}
+    outs = []
+    for bufs, r in ((tiled, 0), (ring, R)):
+        monkeypatch.setattr(c16.C16Config, "probe_ring", r)
+        o, ht = alloc_output_state(x["q"], x["v"], None, tab)
+        c16.launch_c16_state(bufs, x["v"], o, ht, tab, 0, tab.NC, H, D, D)
+        outs.append((o, ht))
+    assert not outs[0][0].isnan().any()
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+
+
 def test_c16_fp16x3_inverse_only_for_bounded_calls(monkeypatch):
     """The fp16-split inverse needs |β A_kk| ≤ 1 (partial sums ≤ 2^14 < fp16's 65504): any call without the in-kernel
     L2 norm, β sigmoid or bounded gate falls back to 'tf32x3'; an unknown precision is a ValueError."""
@@ -256,27 +288,27 @@ for mode in eval(sys.argv[1]):
     prep = compile_sm90(c16._c16_prep, t, dict(
         BT=64, BC=16, BK=128, BVP=128, USE_GATE=True, HAS_LB=True, HAS_A=True, HAS_DT=True, L2NORM=True,
         BETA_SIGMOID=True, IS_VARLEN=False, FAST_GATE=True, PREC="tf32", AB_BF16=True, MODE=mode, INV_POW=True,
-        INV_PREC="fp16x3" if mode == 2 else "tf32x3", HEAD_MAJOR=False, EARLY_LOADS=True, U_RM=mode == 2), 2)
+        INV_PREC="fp16x3" if mode == 2 else "tf32x3", HEAD_MAJOR=False, EARLY_LOADS=True, U_RM=mode == 2,
+        RING=0), 2)
     t.pop("K"), t.pop("V")
     state = compile_sm90(c16._c16_state, t, dict(
         K=128, V=128, BT=64, BC=16, BK=128, BV=64, BVP=128, IS_VARLEN=True, PREC="tf32", STAGES=8, MODE=mode,
-        PTR_INC=mode == 2, U_EYE=mode == 2, U_RM=mode == 2), 4)
+        PTR_INC=mode == 2, U_EYE=mode == 2, U_RM=mode == 2, RING=0), 4)
     # the state pass's products run on wgmma (M = the 64-column V-block), its step loads are copied asynchronously
     assert "wgmma.mma_async" in state.asm["ptx"] and "cp.async" in state.asm["ptx"], mode
     if mode == 2:  # [U; A_qk U] reaches the accumulator through the identity product, not a register conversion
         assert state.asm["ptx"].count("wgmma.mma_async") > 9, mode
         # the split prefill's span pass on mode 2's buffers: wgmma, its tiles copied asynchronously
+        # the L2 probe's ring (``C16Config.probe_ring``) keeps the step loads asynchronous
+        ringed = compile_sm90(c16._c16_state, t, dict(
+            K=128, V=128, BT=64, BC=16, BK=128, BV=64, BVP=128, IS_VARLEN=False, PREC="tf32", STAGES=8, MODE=2,
+            PTR_INC=True, U_EYE=True, U_RM=True, RING=8), 4)
+        assert ringed.asm["ptx"].count("cp.async") == state.asm["ptx"].count("cp.async")
         span = compile_sm90(c16._c16_span_rows, dict(t, SE="*fp32", M="*fp32", row_cs="*i32", row_ce="*i32",
                                                          row_m="*i32"),
                             dict(K=128, V=128, BT=64, BC=16, BK=128, BV=64, BVP=128, PREC="tf32", STAGES=8,
                                  U_RM=True), 4)
         assert "wgmma.mma_async" in span.asm["ptx"] and span.asm["ptx"].count("cp.async.cg") >= 3
-        light = compile_sm90(c16._c16_span_rows, dict(t, SE="*fp32", M="*fp32", row_cs="*i32", row_ce="*i32",
-                                                          row_m="*i32"),
-                             dict(K=128, V=128, BT=64, BC=16, BK=128, BV=64, BVP=128, PREC="tf32", STAGES=8,
-                                  U_RM=True, M_LIGHT=True), 4)  # M's blocks in a loop of their own
-        assert light.asm["ptx"].count("wgmma.mma_async") > span.asm["ptx"].count("wgmma.mma_async")
-        assert light.asm["ptx"].count("cp.async.cg") > span.asm["ptx"].count("cp.async.cg")
     assert "st.global" in prep.asm["ptx"], mode
 print("compiled", flush=True)
 """

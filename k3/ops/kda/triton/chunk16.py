@@ -60,7 +60,7 @@ def _c16_prep(
     L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr, IS_VARLEN: tl.constexpr, FAST_GATE: tl.constexpr,
     PREC: tl.constexpr, AB_BF16: tl.constexpr, MODE: tl.constexpr, INV_POW: tl.constexpr,
     INV_PREC: tl.constexpr = "ieee", HEAD_MAJOR: tl.constexpr = False, EARLY_LOADS: tl.constexpr = False,
-    U_RM: tl.constexpr = False,
+    U_RM: tl.constexpr = False, RING: tl.constexpr = 0,
 ):
     # MODE (``C16Config.mode``) — what the state pass is handed per 16-token block:
     #   0: X = k̂ e^G, Tβ, qg, A_qk, kg (the state pass forms W = Tβ X and U = Tβ v);
@@ -82,7 +82,10 @@ def _c16_prep(
     t0 = bos + blk * BC
     # Written in the order that keeps few [16, K] fp32 tiles live at once (each is 32 registers per thread at 2
     # warps): every operand is stored or narrowed to the store dtype as soon as it is formed
-    base = (i_h * NCw + i_c).to(tl.int64)
+    if RING > 0:  # measurement only (``C16Config.probe_ring``): outputs wrap over RING chunks, overwritten
+        base = (i_h * NCw + i_c % RING).to(tl.int64)
+    else:
+        base = (i_h * NCw + i_c).to(tl.int64)
     bidx = base * NB + blk  # the block's index in the window buffers
     o_s = tl.arange(0, BC)
     o_k = tl.arange(0, BK)
@@ -196,6 +199,7 @@ def _c16_state(
     BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BVP: tl.constexpr,
     IS_VARLEN: tl.constexpr, PREC: tl.constexpr, STAGES: tl.constexpr, MODE: tl.constexpr,
     PTR_INC: tl.constexpr = False, U_EYE: tl.constexpr = False, U_RM: tl.constexpr = False,
+    RING: tl.constexpr = 0,
 ):
     i_v, i_n, i_h, cs, bos, eos, lo, hi = _state_program(cu, chunk_off, c0, c1, T, NT, H, IS_VARLEN)
     if lo < hi:
@@ -227,7 +231,7 @@ def _c16_state(
             else:
                 q_ua = U + b0 * (BVP * 2 * BC) + o_v[:, None] * (2 * BC) + o_r[None, :]
             t = tok0 + lo * NB * BC + o_s
-            for _ in tl.range(lo * NB, hi * NB, num_stages=STAGES):
+            for j in tl.range(lo * NB, hi * NB, num_stages=STAGES):
                 b_kg = tl.load(q_kg)
                 b_gam = tl.load(q_gam)
                 if MODE == 3:  # [Uᵀ | (A_qk U)ᵀ] = Uᵀ [I | A_qkᵀ]: one K = 16 product from shared memory
@@ -241,10 +245,17 @@ def _c16_state(
                 tl.store(o + (t[None, :] * H + i_h) * V + o_v[:, None], b_ot.to(o.dtype.element_ty),
                          mask=m_v[:, None] & (t < eos)[None, :])
                 St = St * b_gam[None, :] + tl.dot(vn_dt, b_kg, input_precision=PREC)
-                q_kg += BC * BK
-                q_gam += BK
-                q_wq += 2 * BC * BK
-                q_ua += BVP * 2 * BC if MODE == 2 else BVP * BC
+                if RING > 0:  # measurement only (``C16Config.probe_ring``): reads wrap over RING chunks
+                    wr = tl.where((j + 1) % (RING * NB) == 0, RING * NB, 0)
+                    q_kg += BC * BK * (1 - wr)
+                    q_gam += BK * (1 - wr)
+                    q_wq += 2 * BC * BK * (1 - wr)
+                    q_ua += (BVP * 2 * BC if MODE == 2 else BVP * BC) * (1 - wr)
+                else:
+                    q_kg += BC * BK
+                    q_gam += BK
+                    q_wq += 2 * BC * BK
+                    q_ua += BVP * 2 * BC if MODE == 2 else BVP * BC
                 t += BC
         else:
             for j in tl.range(lo * NB, hi * NB, num_stages=STAGES):
@@ -291,7 +302,7 @@ def _c16_span_rows(
     row_cs, row_ce, row_m, c0, NCw,
     H, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BVP: tl.constexpr,
-    PREC: tl.constexpr, STAGES: tl.constexpr, U_RM: tl.constexpr, M_LIGHT: tl.constexpr = False,
+    PREC: tl.constexpr, STAGES: tl.constexpr, U_RM: tl.constexpr,
 ):
     """The split prefill's span pass on mode 2's window buffers: row r's extended state [S_ext | M] through the
     chunks [row_cs[r], row_ce[r]) (global numbers, inside the window that starts at chunk c0), in 16-token steps
@@ -299,8 +310,7 @@ def _c16_span_rows(
         V'ᵀ = [U | 0]ᵀ − [S_ext | M]ᵀ Wᵀ,  [S_ext | M]ᵀ ← [S_ext | M]ᵀ Diag(γ) + V'ᵀ kg.
     One program per (column block, row, head); blocks below BVP are S_ext (``SE [R, H, K, V]``), the others M
     (``M [R, H, K, K]``), each started from its contents and written back; rows with ``row_m[r] == 0`` skip their
-    M blocks, an empty range leaves the row as it was (``span._kda_span_rows``'s contract). ``M_LIGHT``: M's blocks
-    run a loop of their own without the U tile (``C16Config.span_m_light``)."""
+    M blocks, an empty range leaves the row as it was (``span._kda_span_rows``'s contract)."""
     i_b, i_r, i_h, cs, ce, live = _span_row_program(row_cs, row_ce, row_m, H, BV, BVP)
     is_m = i_b * BV >= BVP
     if live:
@@ -328,28 +338,20 @@ def _c16_span_rows(
         else:
             q_u = U + b0 * (BVP * 2 * BC) + col[None, :] * (2 * BC) + o_s[:, None]  # the same from Uᵀ [BVP, 32]
         eye = _eye(BC).to(DT)
-        if M_LIGHT and is_m:  # M's blocks: V'ᵀ = Mᵀ (−W)ᵀ, no U tile and no identity product on the step's chain
-            for _ in tl.range(cs * NB, ce * NB, num_stages=STAGES):
-                vn = tl.dot(St.to(DT), tl.trans(tl.load(q_w)), input_precision=PREC).to(DT)
-                St = St * tl.load(q_gam)[None, :] + tl.dot(vn, tl.load(q_kg), input_precision=PREC)
-                q_kg += BC * BK
-                q_gam += BK
-                q_w += 2 * BC * BK
-        else:
-            for _ in tl.range(cs * NB, ce * NB, num_stages=STAGES):
-                # Uᵀ (zero for M's blocks) into the accumulator by the exact product Uᵀ·I (U stored in fp32: as
-                # is), then V'ᵀ = Uᵀ + Sᵀ (−W)ᵀ
-                b_u = tl.trans(tl.load(q_u, mask=m_u, other=0.))
-                if U.dtype.element_ty == tl.float32:
-                    acc = b_u
-                else:
-                    acc = tl.dot(b_u, eye, input_precision=PREC)
-                vn = tl.dot(St.to(DT), tl.trans(tl.load(q_w)), acc=acc, input_precision=PREC).to(DT)
-                St = St * tl.load(q_gam)[None, :] + tl.dot(vn, tl.load(q_kg), input_precision=PREC)
-                q_kg += BC * BK
-                q_gam += BK
-                q_w += 2 * BC * BK
-                q_u += BVP * 2 * BC
+        for _ in tl.range(cs * NB, ce * NB, num_stages=STAGES):
+            # Uᵀ (zero for M's blocks) into the accumulator by the exact product Uᵀ·I (U stored in fp32: as is),
+            # then V'ᵀ = Uᵀ + Sᵀ (−W)ᵀ
+            b_u = tl.trans(tl.load(q_u, mask=m_u, other=0.))
+            if U.dtype.element_ty == tl.float32:
+                acc = b_u
+            else:
+                acc = tl.dot(b_u, eye, input_precision=PREC)
+            vn = tl.dot(St.to(DT), tl.trans(tl.load(q_w)), acc=acc, input_precision=PREC).to(DT)
+            St = St * tl.load(q_gam)[None, :] + tl.dot(vn, tl.load(q_kg), input_precision=PREC)
+            q_kg += BC * BK
+            q_gam += BK
+            q_w += 2 * BC * BK
+            q_u += BVP * 2 * BC
         if is_m:
             tl.store(M + p_s, St, mask=m_s)
         else:
@@ -381,11 +383,11 @@ class C16Config:
     # state-pass program); 144 compiles without spills (sm_90, ptxas) and fits 7 per SM, 4 beside the state pass —
     # but the prefill measured 42.0 / 43.3 ms against 41.2 / 42.0 uncapped (H200, same process)
     prep_maxnreg = None
+    # measurement only (``bench/l2_probe.py``): the prep's outputs and the state pass's reads wrap over this many
+    # chunks of the window buffers (the results are garbage), to time both with their hand-off resident in L2
+    probe_ring = 0
     state_bv = 64  # 128 at 8 warps: 48 ms per 1M (the two warpgroups' steps do not overlap)
     span_bv = 64  # columns of [S_ext | M] per program of the split prefill's span pass (``_c16_span_rows``)
-    # the span pass's M blocks (half of its programs at H = 8, 8 segments) in a loop without the U tile and the
-    # identity product (their U columns are zero). Untimed (session 15 ran out of device time): off
-    span_m_light = False
     # ``FwdConfig.inference_flow = "auto"`` takes this flow from this many state-pass programs (B·H·V / state_bv)
     min_programs = 64
     state_warps = 4
@@ -492,7 +494,7 @@ def launch_c16_prep(q, k, v, g, beta, A_log, dt_bias, bufs: dict, tab: ChunkTabl
         FAST_GATE=bool(C16Config.prep_fast_gate) and lower_bound is not None, PREC=dot_precision(q.dtype),
         AB_BF16=q.dtype == torch.bfloat16, MODE=_mode(), INV_POW=bool(C16Config.prep_inv_pow),
         INV_PREC=_inv_prec(flags, lower_bound), HEAD_MAJOR=bool(C16Config.prep_head_major),
-        EARLY_LOADS=bool(C16Config.prep_early_loads), U_RM=_u_form()[1],
+        EARLY_LOADS=bool(C16Config.prep_early_loads), U_RM=_u_form()[1], RING=int(C16Config.probe_ring),
         num_warps=C16Config.prep_warps, num_stages=1,
         **({"maxnreg": int(C16Config.prep_maxnreg)} if C16Config.prep_maxnreg else {}),
     )
@@ -513,7 +515,8 @@ def launch_c16_state(bufs: dict, v, o, ht, tab: ChunkTable, c0: int, c1: int, H:
         BT=BT, BC=BC, BK=BK, BV=BV, BVP=BVP, IS_VARLEN=tab.varlen, PREC=dot_precision(bufs["X"].dtype),
         STAGES=state_stages(C16Config.state_stages, bufs["X"].dtype), MODE=_mode(),
         PTR_INC=(bool(C16Config.state_ptr_inc) and _mode() == 2) or _mode() == 3,  # mode 3: pointer loop only
-        U_EYE=_u_form()[0], U_RM=_u_form()[1], num_warps=C16Config.state_warps, num_stages=1,
+        U_EYE=_u_form()[0], U_RM=_u_form()[1], RING=int(C16Config.probe_ring), num_warps=C16Config.state_warps,
+        num_stages=1,
     )
 
 
@@ -529,5 +532,5 @@ def launch_c16_span(bufs: dict, SE: torch.Tensor, Mt: torch.Tensor, rows: dict, 
         bufs["X"], bufs["KG"], bufs["GAM"], bufs["U"], SE, Mt, rows["row_cs"], rows["row_ce"], rows["row_m"],
         c0, bufs["X"].shape[1], H, K, V, BT=BT, BC=BC, BK=BK, BV=bv, BVP=BVP,
         PREC=dot_precision(bufs["X"].dtype), STAGES=state_stages(C16Config.state_stages, bufs["X"].dtype),
-        U_RM=_u_form()[1], M_LIGHT=bool(C16Config.span_m_light), num_warps=C16Config.state_warps, num_stages=1,
+        U_RM=_u_form()[1], num_warps=C16Config.state_warps, num_stages=1,
     )
