@@ -186,6 +186,13 @@ def test_c16_probe_ring_wraps_stores_and_loads(monkeypatch):
         outs.append((o, ht))
     assert not outs[0][0].isnan().any()
     assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+    monkeypatch.setattr(c16.C16Config, "state_ptr_inc", False)  # the per-step-address loop has no wrap
+    with pytest.raises(ValueError, match="C16Config.probe_ring"):
+        c16.launch_c16_state(ring, x["v"], o, ht, tab, 0, tab.NC, H, D, D)
+    monkeypatch.setattr(c16.C16Config, "probe_ring", -1)
+    with pytest.raises(ValueError, match="C16Config.probe_ring"):
+        c16.launch_c16_prep(x["q"], x["k"], x["v"], x["g"], x["beta"], x["A"], x["dt"], ring, tab, 0, tab.NC,
+                            D ** -0.5, -5.0, flags)
 
 
 def test_c16_fp16x3_inverse_only_for_bounded_calls(monkeypatch):

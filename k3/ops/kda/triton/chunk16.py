@@ -472,6 +472,14 @@ def c16_window_chunks(NC: int, budget: int, H: int, BK: int, BVP: int, dt: torch
     return max(1, min(NC, 16383, budget // c16_chunk_bytes(H, BK, BVP, dt)))
 
 
+def _probe_ring() -> int:
+    """``C16Config.probe_ring`` checked: 0 (off) or the ring's chunk count."""
+    ring = C16Config.probe_ring
+    if not isinstance(ring, int) or ring < 0:
+        raise ValueError(f"C16Config.probe_ring: expected an int >= 0 (0 = off), got {ring!r}")
+    return ring
+
+
 def _or(bufs: dict, name: str) -> torch.Tensor:
     return bufs.get(name, bufs["GAM"])  # a buffer this mode does not use: any pointer
 
@@ -494,7 +502,7 @@ def launch_c16_prep(q, k, v, g, beta, A_log, dt_bias, bufs: dict, tab: ChunkTabl
         FAST_GATE=bool(C16Config.prep_fast_gate) and lower_bound is not None, PREC=dot_precision(q.dtype),
         AB_BF16=q.dtype == torch.bfloat16, MODE=_mode(), INV_POW=bool(C16Config.prep_inv_pow),
         INV_PREC=_inv_prec(flags, lower_bound), HEAD_MAJOR=bool(C16Config.prep_head_major),
-        EARLY_LOADS=bool(C16Config.prep_early_loads), U_RM=_u_form()[1], RING=int(C16Config.probe_ring),
+        EARLY_LOADS=bool(C16Config.prep_early_loads), U_RM=_u_form()[1], RING=_probe_ring(),
         num_warps=C16Config.prep_warps, num_stages=1,
         **({"maxnreg": int(C16Config.prep_maxnreg)} if C16Config.prep_maxnreg else {}),
     )
@@ -509,13 +517,17 @@ def launch_c16_state(bufs: dict, v, o, ht, tab: ChunkTable, c0: int, c1: int, H:
     BK = bufs["X"].shape[-1]
     BVP = next_pow2(V)
     BV = min(C16Config.state_bv, BVP)
+    ptr_inc = (bool(C16Config.state_ptr_inc) and _mode() == 2) or _mode() == 3  # mode 3: pointer loop only
+    ring = _probe_ring()
+    if ring and not (ptr_inc and _mode() == 2):
+        raise ValueError("C16Config.probe_ring: the state pass wraps its reads only in mode 2's pointer loop "
+                         "(C16Config.mode = 2, state_ptr_inc = True)")
     _c16_state[(state_blocks(BVP), tab.N * H)](
         bufs["X"], _or(bufs, "QG"), bufs["KG"], bufs["GAM"], _or(bufs, "TB"), _or(bufs, "AQ"), _or(bufs, "U"),
         v, o, ht, tab.cu, tab.chunk_off, c0, c1, bufs["X"].shape[1], tab.T, tab.NT, H, K, V,
         BT=BT, BC=BC, BK=BK, BV=BV, BVP=BVP, IS_VARLEN=tab.varlen, PREC=dot_precision(bufs["X"].dtype),
         STAGES=state_stages(C16Config.state_stages, bufs["X"].dtype), MODE=_mode(),
-        PTR_INC=(bool(C16Config.state_ptr_inc) and _mode() == 2) or _mode() == 3,  # mode 3: pointer loop only
-        U_EYE=_u_form()[0], U_RM=_u_form()[1], RING=int(C16Config.probe_ring), num_warps=C16Config.state_warps,
+        PTR_INC=ptr_inc, U_EYE=_u_form()[0], U_RM=_u_form()[1], RING=ring, num_warps=C16Config.state_warps,
         num_stages=1,
     )
 
