@@ -6,7 +6,10 @@ hand-off's bytes stay in L2 once R chunks fit there; the outputs are garbage, th
 alone, the state pass alone, and both at once on two streams (the state pass on a high-priority stream, as the
 prefill runs them) — against the same with full-length buffers (every byte through DRAM). A large R is the control.
 
-    python bench/l2_probe.py [--H 32 8] [--rings 4 8 16 64] [--rounds 2]
+    python bench/l2_probe.py [--H 32 8] [--rings 4 8 16 64] [--rounds 2] [--kinds prep state both]
+
+A ring of R chunks also sets the distance between the heads' regions of the buffers ([H, R, …]), so rings larger
+than L2 time the prep's stores at other address strides (a 1 GiB window at H=32 is ~390 chunks).
 """
 
 from __future__ import annotations
@@ -61,6 +64,7 @@ def main() -> int:
     ap.add_argument("--rings", type=int, nargs="+", default=[4, 8, 16, 64])
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--T", type=int, default=1 << 20)
+    ap.add_argument("--kinds", nargs="+", default=["prep", "state", "both"], choices=["prep", "state", "both"])
     a = ap.parse_args()
     print(torch.cuda.get_device_name(), torch.__version__, triton.__version__, flush=True)
     rows = []
@@ -75,16 +79,16 @@ def main() -> int:
             fns[n]["prep"]()  # compile, and fill the buffers the state pass reads
         times: dict[tuple[str, str], list[float]] = {}
         for _ in range(a.rounds):
-            for kind in ("prep", "state", "both"):
+            for kind in a.kinds:
                 for n, f in fns.items():
                     t = triton.testing.do_bench(f[kind], warmup=2, rep=300, return_mode="median")
                     times.setdefault((kind, n), []).append(t)
                     print(f"H={H} {kind} {n} ({mb[n]:.0f} MiB): {t:.2f} ms", flush=True)
-        for kind in ("prep", "state", "both"):
+        for kind in a.kinds:
             rows.append(f"| {H} | {kind} | " + " | ".join(" / ".join(f"{t:.2f}" for t in times[(kind, n)])
                                                          for n in fns) + " |")
         head = "| H | kernel | " + " | ".join(f"{n} ({mb[n]:.0f} MiB)" for n in fns) + " |"
-        rows.insert(len(rows) - 3, head + "\n|---|---|" + "---:|" * len(fns))
+        rows.insert(len(rows) - len(a.kinds), head + "\n|---|---|" + "---:|" * len(fns))
         del sets, fns, x, o, ht
         torch.cuda.empty_cache()
     print(f"\nT={a.T}, ms per call (do_bench medians, each round):")
