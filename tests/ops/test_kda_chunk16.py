@@ -48,11 +48,7 @@ VARIANTS = {"m0": dict(mode=0, prep_inv_pow=False), "m1": dict(mode=1), "m2": di
             # the inverse's products at tf32x3 (the default: fp16 hi + lo splits)
             "m2_inv_tf32x3": dict(mode=2, prep_inv_prec="tf32x3"),
             # A_qk U formed by the state pass: Uᵀ [I | A_qkᵀ], one product from the loaded U and [I | A_qkᵀ] tiles
-            "m3": dict(mode=3),
-            # the window buffers block-major ([blocks, H, ...]), in the pointer loop, per-step addresses and mode 3
-            "m2_block_major": dict(mode=2, block_major=True),
-            "m2_block_major_plain": dict(mode=2, block_major=True, state_ptr_inc=False),
-            "m3_block_major": dict(mode=3, block_major=True)}
+            "m3": dict(mode=3)}
 
 
 @pytest.fixture(autouse=True)
@@ -101,7 +97,7 @@ def test_c16_extremes(monkeypatch, variant, kw):
 
 
 @cpu_only
-@pytest.mark.parametrize("variant", ["m0", "m1", "m2", "m3", "m2_block_major"])
+@pytest.mark.parametrize("variant", ["m0", "m1", "m2", "m3"])
 def test_c16_varlen_with_empty_and_tiny_sequences(monkeypatch, variant):
     use(monkeypatch, variant)
     cu = [0, 1, 64, 64, 130, 200]
@@ -117,7 +113,7 @@ def test_c16_fp16(monkeypatch, variant):
 
 
 @cpu_only
-@pytest.mark.parametrize("variant", ["m1", "m2", "m2_block_major", "m2_block_major_plain"])
+@pytest.mark.parametrize("variant", ["m1", "m2"])
 def test_c16_windows_bitwise(monkeypatch, variant):
     """One chunk per window (the state carried between windows, a sequence across windows): bitwise the result of
     one window — the same kernels on the same blocks."""
@@ -197,32 +193,6 @@ def test_c16_probe_ring_wraps_stores_and_loads(monkeypatch):
     with pytest.raises(ValueError, match="C16Config.probe_ring"):
         c16.launch_c16_prep(x["q"], x["k"], x["v"], x["g"], x["beta"], x["A"], x["dt"], ring, tab, 0, tab.NC,
                             D ** -0.5, -5.0, flags)
-
-
-@cpu_only
-@pytest.mark.parametrize("mode", [1, 2, 3])
-def test_c16_block_major_buffers(monkeypatch, mode):
-    """``C16Config.block_major``: the prep stores block b of head h at block (b·H + h) — bitwise the head-major
-    buffers' contents, transposed to [blocks, H, ...]."""
-    from k3.ops.kda.triton._common import make_chunk_table
-
-    T, H, D = 64 * 3 + 5, 3, 16
-    x = {n: t.float() for n, t in make_inputs(T, H, D, D, seed=4).items()}
-    tab = make_chunk_table(1, T, None, x["q"].device)
-    flags = dict(l2norm=True, use_gate=True, beta_sigmoid=True, exact_diag=False)
-    monkeypatch.setattr(c16.C16Config, "mode", mode)
-    out = []
-    for bm in (False, True):
-        monkeypatch.setattr(c16.C16Config, "block_major", bm)
-        bufs = c16.alloc_c16_buffers(H, tab.NC, D, D, torch.float32, "cpu")
-        c16.launch_c16_prep(x["q"], x["k"], x["v"], x["g"], x["beta"], x["A"], x["dt"], bufs, tab, 0, tab.NC,
-                            D ** -0.5, -5.0, flags)
-        out.append(bufs)
-    nb = tab.NC * (c16.BT // c16.BC)
-    for name, hm in out[0].items():
-        per_block = hm[0].numel() // nb  # elements of one block of one head
-        want = hm.reshape(H, nb, per_block).transpose(0, 1)
-        assert torch.equal(out[1][name].reshape(nb, H, per_block), want), name
 
 
 def test_c16_fp16x3_inverse_only_for_bounded_calls(monkeypatch):

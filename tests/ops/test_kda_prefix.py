@@ -393,20 +393,16 @@ def _k3_call_case(lens: list[int], seed: int = 0):
 
 
 @triton_only
-@pytest.mark.parametrize("P,u_rowmajor,block_major", [(2, True, False), (3, True, False), (7, True, False),
-                                                     (2, False, False), (3, False, False), (7, False, False),
-                                                     (3, True, True), (7, True, True)])
-def test_split_c16_matches_unsplit(P, u_rowmajor, block_major, monkeypatch, nan_empty):
+@pytest.mark.parametrize("P,u_rowmajor", [(2, True), (3, True), (7, True), (2, False), (3, False), (7, False)])
+def test_split_c16_matches_unsplit(P, u_rowmajor, monkeypatch, nan_empty):
     """``SplitConfig.flow = "c16"``: the 16-token prep, span pass (``_c16_span_rows``, [S_ext | M] held transposed)
     and segmented state pass. Forced splits over small windows (a sequence crossing several, one shorter than a
     segment, one empty) equal the unsplit path to fp32 rounding and the fp64 recurrence to 1e-4; a spy checks that
-    the 16-token span pass ran. Both storages of U (row-major, transposed); the buffers head-major and
-    block-major (``C16Config.block_major``)."""
+    the 16-token span pass ran. Both storages of U (row-major, transposed)."""
     from k3.ops.kda.triton import chunk16, span
 
     monkeypatch.setenv("K3_KDA_BACKEND", "triton")
     monkeypatch.setattr(chunk16.C16Config, "u_rowmajor", u_rowmajor)
-    monkeypatch.setattr(chunk16.C16Config, "block_major", block_major)
     monkeypatch.setattr(span.SplitConfig, "window_bytes", 5 * chunk16.c16_chunk_bytes(2, 16, 16, torch.float32))
     (q, k, v, g, b), kw = _k3_call_case([400, 20, 0, 150])
     with torch.no_grad():

@@ -60,7 +60,7 @@ def _c16_prep(
     L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr, IS_VARLEN: tl.constexpr, FAST_GATE: tl.constexpr,
     PREC: tl.constexpr, AB_BF16: tl.constexpr, MODE: tl.constexpr, INV_POW: tl.constexpr,
     INV_PREC: tl.constexpr = "ieee", HEAD_MAJOR: tl.constexpr = False, EARLY_LOADS: tl.constexpr = False,
-    U_RM: tl.constexpr = False, RING: tl.constexpr = 0, BLOCK_MAJOR: tl.constexpr = False,
+    U_RM: tl.constexpr = False, RING: tl.constexpr = 0,
 ):
     # MODE (``C16Config.mode``) — what the state pass is handed per 16-token block:
     #   0: X = k̂ e^G, Tβ, qg, A_qk, kg (the state pass forms W = Tβ X and U = Tβ v);
@@ -83,20 +83,13 @@ def _c16_prep(
     # Written in the order that keeps few [16, K] fp32 tiles live at once (each is 32 registers per thread at 2
     # warps): every operand is stored or narrowed to the store dtype as soon as it is formed
     if RING > 0:  # measurement only (``C16Config.probe_ring``): outputs wrap over RING chunks, overwritten
-        i_cw = i_c % RING
+        base = (i_h * NCw + i_c % RING).to(tl.int64)
     else:
-        i_cw = i_c
-    if BLOCK_MAJOR:  # buffers [blocks, H, ...] (``C16Config.block_major``): a block's heads stored side by side
-        bidx = (i_cw * NB + blk).to(tl.int64) * H + i_h
-    else:  # buffers [H, blocks, ...]
-        base = (i_h * NCw + i_cw).to(tl.int64)
-        bidx = base * NB + blk  # the block's index in the window buffers
+        base = (i_h * NCw + i_c).to(tl.int64)
+    bidx = base * NB + blk  # the block's index in the window buffers
     o_s = tl.arange(0, BC)
     o_k = tl.arange(0, BK)
-    if BLOCK_MAJOR:
-        row = bidx * BC + o_s
-    else:
-        row = base * BT + blk * BC + o_s
+    row = base * BT + blk * BC + o_s
     p = row[:, None] * BK + o_k[None, :]
     DT = X.dtype.element_ty
     r_g = _chunk_tile(g, i_h, t0, eos, H, K, BC, BK)
@@ -206,7 +199,7 @@ def _c16_state(
     BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BVP: tl.constexpr,
     IS_VARLEN: tl.constexpr, PREC: tl.constexpr, STAGES: tl.constexpr, MODE: tl.constexpr,
     PTR_INC: tl.constexpr = False, U_EYE: tl.constexpr = False, U_RM: tl.constexpr = False,
-    RING: tl.constexpr = 0, BLOCK_MAJOR: tl.constexpr = False,
+    RING: tl.constexpr = 0,
 ):
     i_v, i_n, i_h, cs, bos, eos, lo, hi = _state_program(cu, chunk_off, c0, c1, T, NT, H, IS_VARLEN)
     if lo < hi:
@@ -222,17 +215,10 @@ def _c16_state(
         St = tl.load(p_s, mask=m_v[:, None] & m_k[None, :], other=0.)
         # step j (block j of the sequence's chunks, counted from the window's first chunk c0) reads block
         # boff + j of the window buffers and writes tokens tok0 + j·BC ...: every address is affine in j
-        # (block-major buffers, ``C16Config.block_major``: block j of head h is (j − c0·NB)·H + h, so a step
-        # advances H blocks)
         boff = (i_h * NCw - c0).to(tl.int64) * NB
         tok0 = bos - cs.to(tl.int64) * BT
         if PTR_INC:  # mode 2 with the tile pointers carried across steps, advanced by each buffer's block stride
-            if BLOCK_MAJOR:
-                b0 = (lo * NB - c0 * NB).to(tl.int64) * H + i_h
-                hs = H
-            else:
-                b0 = boff + lo * NB
-                hs = 1
+            b0 = boff + lo * NB
             o_r = tl.arange(0, 2 * BC)
             q_kg = KG + (b0 * BC + o_s)[:, None] * BK + o_k[None, :]
             q_gam = GAM + b0 * BK + o_k
@@ -250,7 +236,7 @@ def _c16_state(
                 b_gam = tl.load(q_gam)
                 if MODE == 3:  # [Uᵀ | (A_qk U)ᵀ] = Uᵀ [I | A_qkᵀ]: one K = 16 product from shared memory
                     b_ua = tl.dot(tl.trans(tl.load(q_ua)), tl.load(q_ia), input_precision=PREC)
-                    q_ia += BC * 2 * BC * hs
+                    q_ia += BC * 2 * BC
                 elif U_EYE:  # issued before Sᵀ's conversion, which then runs under the product's latency
                     b_ua = _u_acc(tl.load(q_ua), PREC, BC, U_RM)
                 else:
@@ -261,22 +247,19 @@ def _c16_state(
                 St = St * b_gam[None, :] + tl.dot(vn_dt, b_kg, input_precision=PREC)
                 if RING > 0:  # measurement only (``C16Config.probe_ring``): reads wrap over RING chunks
                     wr = tl.where((j + 1) % (RING * NB) == 0, RING * NB, 0)
-                    q_kg += BC * BK * hs * (1 - wr)
-                    q_gam += BK * hs * (1 - wr)
-                    q_wq += 2 * BC * BK * hs * (1 - wr)
-                    q_ua += (BVP * 2 * BC if MODE == 2 else BVP * BC) * hs * (1 - wr)
+                    q_kg += BC * BK * (1 - wr)
+                    q_gam += BK * (1 - wr)
+                    q_wq += 2 * BC * BK * (1 - wr)
+                    q_ua += (BVP * 2 * BC if MODE == 2 else BVP * BC) * (1 - wr)
                 else:
-                    q_kg += BC * BK * hs
-                    q_gam += BK * hs
-                    q_wq += 2 * BC * BK * hs
-                    q_ua += (BVP * 2 * BC if MODE == 2 else BVP * BC) * hs
+                    q_kg += BC * BK
+                    q_gam += BK
+                    q_wq += 2 * BC * BK
+                    q_ua += BVP * 2 * BC if MODE == 2 else BVP * BC
                 t += BC
         else:
             for j in tl.range(lo * NB, hi * NB, num_stages=STAGES):
-                if BLOCK_MAJOR:
-                    bidx = (j - c0 * NB) * H + i_h.to(tl.int64)
-                else:
-                    bidx = boff + j  # the block's index in the window buffers
+                bidx = boff + j  # the block's index in the window buffers
                 row = bidx * BC + o_s
                 p = row[:, None] * BK + o_k[None, :]
                 b_kg = tl.load(KG + p)
@@ -319,7 +302,7 @@ def _c16_span_rows(
     row_cs, row_ce, row_m, c0, NCw,
     H, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BVP: tl.constexpr,
-    PREC: tl.constexpr, STAGES: tl.constexpr, U_RM: tl.constexpr, BLOCK_MAJOR: tl.constexpr = False,
+    PREC: tl.constexpr, STAGES: tl.constexpr, U_RM: tl.constexpr,
 ):
     """The split prefill's span pass on mode 2's window buffers: row r's extended state [S_ext | M] through the
     chunks [row_cs[r], row_ce[r]) (global numbers, inside the window that starts at chunk c0), in 16-token steps
@@ -346,12 +329,7 @@ def _c16_span_rows(
         else:
             St = tl.load(SE + p_s, mask=m_s, other=0.)
         m_u = (col < BVP)[None, :] & (i_b * BV < BVP)  # M columns: V' = 0 − W M
-        if BLOCK_MAJOR:  # ``C16Config.block_major``: a step advances H blocks
-            b0 = ((cs - c0) * NB).to(tl.int64) * H + i_h
-            hs = H
-        else:
-            b0 = (i_h * NCw - c0).to(tl.int64) * NB + cs * NB
-            hs = 1
+        b0 = (i_h * NCw - c0).to(tl.int64) * NB + cs * NB
         q_kg = KG + (b0 * BC + o_s)[:, None] * BK + o_k[None, :]
         q_gam = GAM + b0 * BK + o_k
         q_w = X + (b0 * (2 * BC) + o_s)[:, None] * BK + o_k[None, :]  # −W, the first 16 rows of [−W; qw]
@@ -370,10 +348,10 @@ def _c16_span_rows(
                 acc = tl.dot(b_u, eye, input_precision=PREC)
             vn = tl.dot(St.to(DT), tl.trans(tl.load(q_w)), acc=acc, input_precision=PREC).to(DT)
             St = St * tl.load(q_gam)[None, :] + tl.dot(vn, tl.load(q_kg), input_precision=PREC)
-            q_kg += BC * BK * hs
-            q_gam += BK * hs
-            q_w += 2 * BC * BK * hs
-            q_u += BVP * 2 * BC * hs
+            q_kg += BC * BK
+            q_gam += BK
+            q_w += 2 * BC * BK
+            q_u += BVP * 2 * BC
         if is_m:
             tl.store(M + p_s, St, mask=m_s)
         else:
@@ -408,12 +386,6 @@ class C16Config:
     # measurement only (``bench/l2_probe.py``): the prep's outputs and the state pass's reads wrap over this many
     # chunks of the window buffers (the results are garbage), to time both with their hand-off resident in L2
     probe_ring = 0
-    # the window buffers block-major, [blocks, H, ...] instead of [H, blocks, ...]: the prep's programs of one block
-    # (all heads, adjacent in launch order) store side by side, and the state / span passes' programs read one
-    # moving region. Why: the prep alone ran 22.2 ms per 1M at H = 32 when its H regions lay ≤ 328 MiB apart, 24.4–25.1
-    # at 1–42 GiB (the 1 GiB window: 25.1) — yet smaller windows cost more per window (256 MiB: prefill 40.7–41.4 vs
-    # 39.3–39.5). H200, ``bench/l2_probe.py`` / ``knob_ab``, session 16. Untimed as a whole: off
-    block_major = False
     state_bv = 64  # 128 at 8 warps: 48 ms per 1M (the two warpgroups' steps do not overlap)
     span_bv = 64  # columns of [S_ext | M] per program of the split prefill's span pass (``_c16_span_rows``)
     # ``FwdConfig.inference_flow = "auto"`` takes this flow from this many state-pass programs (B·H·V / state_bv)
@@ -531,7 +503,6 @@ def launch_c16_prep(q, k, v, g, beta, A_log, dt_bias, bufs: dict, tab: ChunkTabl
         AB_BF16=q.dtype == torch.bfloat16, MODE=_mode(), INV_POW=bool(C16Config.prep_inv_pow),
         INV_PREC=_inv_prec(flags, lower_bound), HEAD_MAJOR=bool(C16Config.prep_head_major),
         EARLY_LOADS=bool(C16Config.prep_early_loads), U_RM=_u_form()[1], RING=_probe_ring(),
-        BLOCK_MAJOR=bool(C16Config.block_major),
         num_warps=C16Config.prep_warps, num_stages=1,
         **({"maxnreg": int(C16Config.prep_maxnreg)} if C16Config.prep_maxnreg else {}),
     )
@@ -556,8 +527,8 @@ def launch_c16_state(bufs: dict, v, o, ht, tab: ChunkTable, c0: int, c1: int, H:
         v, o, ht, tab.cu, tab.chunk_off, c0, c1, bufs["X"].shape[1], tab.T, tab.NT, H, K, V,
         BT=BT, BC=BC, BK=BK, BV=BV, BVP=BVP, IS_VARLEN=tab.varlen, PREC=dot_precision(bufs["X"].dtype),
         STAGES=state_stages(C16Config.state_stages, bufs["X"].dtype), MODE=_mode(),
-        PTR_INC=ptr_inc, U_EYE=_u_form()[0], U_RM=_u_form()[1], RING=ring,
-        BLOCK_MAJOR=bool(C16Config.block_major), num_warps=C16Config.state_warps, num_stages=1,
+        PTR_INC=ptr_inc, U_EYE=_u_form()[0], U_RM=_u_form()[1], RING=ring, num_warps=C16Config.state_warps,
+        num_stages=1,
     )
 
 
@@ -573,6 +544,5 @@ def launch_c16_span(bufs: dict, SE: torch.Tensor, Mt: torch.Tensor, rows: dict, 
         bufs["X"], bufs["KG"], bufs["GAM"], bufs["U"], SE, Mt, rows["row_cs"], rows["row_ce"], rows["row_m"],
         c0, bufs["X"].shape[1], H, K, V, BT=BT, BC=BC, BK=BK, BV=bv, BVP=BVP,
         PREC=dot_precision(bufs["X"].dtype), STAGES=state_stages(C16Config.state_stages, bufs["X"].dtype),
-        U_RM=_u_form()[1], BLOCK_MAJOR=bool(C16Config.block_major), num_warps=C16Config.state_warps,
-        num_stages=1,
+        U_RM=_u_form()[1], num_warps=C16Config.state_warps, num_stages=1,
     )
