@@ -6,7 +6,7 @@ hand-off's bytes stay in L2 once R chunks fit there; the outputs are garbage, th
 alone, the state pass alone, and both at once on two streams (the state pass on a high-priority stream, as the
 prefill runs them) — against the same with full-length buffers (every byte through DRAM). A large R is the control.
 
-    python bench/l2_probe.py [--H 32 8] [--rings 4 8 16 64] [--rounds 2] [--kinds prep state both]
+    python bench/l2_probe.py [--H 32 8] [--rings 4 8 16 64] [--rounds 2] [--kinds prep state both prep_ring]
 
 A ring of R chunks also sets the distance between the heads' regions of the buffers ([H, R, …]), so rings larger
 than L2 time the prep's stores at other address strides (a 1 GiB window at H=32 is ~390 chunks).
@@ -29,9 +29,11 @@ from k3.ops.kda.triton import chunk16 as c16  # noqa: E402
 from k3.utils import overridden_attrs  # noqa: E402
 
 
-def kernels(H: int, bufs: dict, ring: int, x: dict, tab, flags: dict, o: torch.Tensor,
-            ht: torch.Tensor) -> dict[str, Callable[[], None]]:
-    """The prep, the state pass and both together over the whole sequence, on ``bufs`` wrapped at ``ring`` chunks."""
+def kernels(H: int, bufs: dict, ring: int, x: dict, tab, flags: dict, o: torch.Tensor, ht: torch.Tensor,
+            full: dict) -> dict[str, Callable[[], None]]:
+    """The prep, the state pass and both together over the whole sequence, on ``bufs`` wrapped at ``ring`` chunks;
+    ``prep_ring``: the prep on the ring beside the state pass on the ``full`` buffers (its reads unwrapped: the
+    prep's gain from a small store footprint without the ring's per-step arithmetic in the state pass)."""
     def prep() -> None:
         with overridden_attrs(c16.C16Config, probe_ring=ring):
             c16.launch_c16_prep(x["q"], x["k"], x["v"], x["g"], x["beta"], x["A"], x["dt"], bufs, tab, 0, tab.NC,
@@ -55,7 +57,21 @@ def kernels(H: int, bufs: dict, ring: int, x: dict, tab, flags: dict, o: torch.T
         cur.wait_stream(hi)
         cur.wait_stream(side)
 
-    return {"prep": prep, "state": state, "both": both}
+    def state_full() -> None:
+        c16.launch_c16_state(full, x["v"], o, ht, tab, 0, tab.NC, H, 128, 128)
+
+    def prep_ring() -> None:
+        cur = torch.cuda.current_stream()
+        hi.wait_stream(cur)
+        side.wait_stream(cur)
+        with torch.cuda.stream(hi):
+            state_full()
+        with torch.cuda.stream(side):
+            prep()
+        cur.wait_stream(hi)
+        cur.wait_stream(side)
+
+    return {"prep": prep, "state": state, "both": both, "prep_ring": prep_ring}
 
 
 def main() -> int:
@@ -64,7 +80,8 @@ def main() -> int:
     ap.add_argument("--rings", type=int, nargs="+", default=[4, 8, 16, 64])
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--T", type=int, default=1 << 20)
-    ap.add_argument("--kinds", nargs="+", default=["prep", "state", "both"], choices=["prep", "state", "both"])
+    ap.add_argument("--kinds", nargs="+", default=["prep", "state", "both"],
+                    choices=["prep", "state", "both", "prep_ring"])
     a = ap.parse_args()
     print(torch.cuda.get_device_name(), torch.__version__, triton.__version__, flush=True)
     rows = []
@@ -74,7 +91,7 @@ def main() -> int:
         for r in a.rings:
             sets[f"R={r}"] = (c16.alloc_c16_buffers(H, r, 128, 128, torch.bfloat16, x["q"].device), r)
         mb = {n: c16.c16_chunk_bytes(H, 128, 128, torch.bfloat16) * (r or tab.NC) / 2 ** 20 for n, (_, r) in sets.items()}
-        fns = {n: kernels(H, b, r, x, tab, flags, o, ht) for n, (b, r) in sets.items()}
+        fns = {n: kernels(H, b, r, x, tab, flags, o, ht, sets["full"][0]) for n, (b, r) in sets.items()}
         for n in fns:
             fns[n]["prep"]()  # compile, and fill the buffers the state pass reads
         times: dict[tuple[str, str], list[float]] = {}

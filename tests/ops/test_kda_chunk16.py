@@ -305,12 +305,12 @@ for mode in eval(sys.argv[1]):
     assert "wgmma.mma_async" in state.asm["ptx"] and "cp.async" in state.asm["ptx"], mode
     if mode == 2:  # [U; A_qk U] reaches the accumulator through the identity product, not a register conversion
         assert state.asm["ptx"].count("wgmma.mma_async") > 9, mode
-        # the split prefill's span pass on mode 2's buffers: wgmma, its tiles copied asynchronously
         # the L2 probe's ring (``C16Config.probe_ring``) keeps the step loads asynchronous
         ringed = compile_sm90(c16._c16_state, t, dict(
             K=128, V=128, BT=64, BC=16, BK=128, BV=64, BVP=128, IS_VARLEN=False, PREC="tf32", STAGES=8, MODE=2,
             PTR_INC=True, U_EYE=True, U_RM=True, RING=8), 4)
         assert ringed.asm["ptx"].count("cp.async") == state.asm["ptx"].count("cp.async")
+        # the split prefill's span pass on mode 2's buffers: wgmma, its tiles copied asynchronously
         span = compile_sm90(c16._c16_span_rows, dict(t, SE="*fp32", M="*fp32", row_cs="*i32", row_ce="*i32",
                                                          row_m="*i32"),
                             dict(K=128, V=128, BT=64, BC=16, BK=128, BV=64, BVP=128, PREC="tf32", STAGES=8,
