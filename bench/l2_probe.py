@@ -46,32 +46,23 @@ def kernels(H: int, bufs: dict, ring: int, x: dict, tab, flags: dict, o: torch.T
     hi = torch.cuda.Stream(priority=-1)
     side = torch.cuda.Stream()
 
-    def both() -> None:
+    def corun(serial: Callable[[], None], other: Callable[[], None]) -> None:
+        """``serial`` on the high-priority stream beside ``other`` on a side stream; the current stream waits."""
         cur = torch.cuda.current_stream()
         hi.wait_stream(cur)
         side.wait_stream(cur)
         with torch.cuda.stream(hi):
-            state()
+            serial()
         with torch.cuda.stream(side):
-            prep()
+            other()
         cur.wait_stream(hi)
         cur.wait_stream(side)
 
     def state_full() -> None:
         c16.launch_c16_state(full, x["v"], o, ht, tab, 0, tab.NC, H, 128, 128)
 
-    def prep_ring() -> None:
-        cur = torch.cuda.current_stream()
-        hi.wait_stream(cur)
-        side.wait_stream(cur)
-        with torch.cuda.stream(hi):
-            state_full()
-        with torch.cuda.stream(side):
-            prep()
-        cur.wait_stream(hi)
-        cur.wait_stream(side)
-
-    return {"prep": prep, "state": state, "both": both, "prep_ring": prep_ring}
+    return {"prep": prep, "state": state, "both": lambda: corun(state, prep),
+            "prep_ring": lambda: corun(state_full, prep)}
 
 
 def main() -> int:
