@@ -246,16 +246,13 @@ def _c16_state(
                          mask=m_v[:, None] & (t < eos)[None, :])
                 St = St * b_gam[None, :] + tl.dot(vn_dt, b_kg, input_precision=PREC)
                 if RING > 0:  # measurement only (``C16Config.probe_ring``): reads wrap over RING chunks
-                    wr = tl.where((j + 1) % (RING * NB) == 0, RING * NB, 0)
-                    q_kg += BC * BK * (1 - wr)
-                    q_gam += BK * (1 - wr)
-                    q_wq += 2 * BC * BK * (1 - wr)
-                    q_ua += (BVP * 2 * BC if MODE == 2 else BVP * BC) * (1 - wr)
+                    nb = 1 - tl.where((j + 1) % (RING * NB) == 0, RING * NB, 0)  # blocks to advance
                 else:
-                    q_kg += BC * BK
-                    q_gam += BK
-                    q_wq += 2 * BC * BK
-                    q_ua += BVP * 2 * BC if MODE == 2 else BVP * BC
+                    nb = 1
+                q_kg += BC * BK * nb
+                q_gam += BK * nb
+                q_wq += 2 * BC * BK * nb
+                q_ua += (BVP * 2 * BC if MODE == 2 else BVP * BC) * nb
                 t += BC
         else:
             for j in tl.range(lo * NB, hi * NB, num_stages=STAGES):
