@@ -1,0 +1,209 @@
+"""The 16-token flow's state pass in Gluon: both 64-column V-blocks of a head as two chains in one warpgroup.
+
+Why: the Triton state pass (``chunk16._c16_state``, mode 2) holds one V-block per program and issues each step's
+products one after another, waiting on each: its step is a serial chain (Sᵀ → bf16 → wgmma → V' → bf16 → wgmma →
+Sᵀ), latency-bound at ~0.4 instructions per cycle per scheduler, and beside the prep's programs it slows from 28 to
+~40 ms per 1M tokens at H = 32. Here one program holds the two V-blocks of a head (two independent chains, the
+K-side tiles −W, qw, kg, γ read once for both) and issues the products asynchronously, so that one chain's products
+run while the other's conversions and decay are issued; V' and the output get separate products, so the update of
+Sᵀ waits on V' alone and the output's product runs beside it.
+
+The step, for each chain c (its V-block's columns of U and A_qk U):
+    V'ᵀ = Uᵀ − Sᵀ Wᵀ,  Oᵀ = (A_qk U)ᵀ + Sᵀ qwᵀ,  Sᵀ ← Sᵀ Diag(γ) + V'ᵀ kg
+with Uᵀ and (A_qk U)ᵀ entering the accumulators by exact products with the identity (the tiles are row-major in
+shared memory; the tensor cores transpose them), every other operand of the chain in registers.
+
+Gluon does not run in Triton's interpreter: CPU tests compile it to sm_90 code, GPU tests compare it with the
+Triton state pass and the fp64 recurrence.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from k3.ops.kda.triton.decode_gluon import HAVE_GLUON
+
+if HAVE_GLUON:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        async_copy,
+        fence_async_shared,
+        warpgroup_mma,
+        warpgroup_mma_init,
+        warpgroup_mma_wait,
+    )
+
+
+class GluonStateConfig:
+    """Knobs of the Gluon state pass (``k3.ops.kda.triton.state_gluon``).
+
+    - ``enabled``: run the 16-token flow's state pass (mode 2, K = V = 128) with this kernel on CUDA.
+    - ``stages``: depth of the shared-memory ring of step tiles (20.5 KiB each).
+    """
+
+    enabled = False
+    stages = 8
+
+
+if HAVE_GLUON:
+
+    @gluon.jit
+    def _copy_tile(smem, base, R: gl.constexpr, C: gl.constexpr, stride, layout: gl.constexpr):
+        """cp.async of the [R, C] tile at ``base`` (row stride ``stride`` elements) into ``smem``."""
+        o_r = gl.arange(0, R, layout=gl.SliceLayout(1, layout))
+        o_c = gl.arange(0, C, layout=gl.SliceLayout(0, layout))
+        async_copy.async_copy_global_to_shared(smem, base + o_r[:, None] * stride + o_c[None, :])
+
+    @gluon.jit
+    def _issue_step(X, KG, GAM, U, b, slot, s_wq, s_kg, s_gam, s_u0, s_u1,
+                    BC: gl.constexpr, BK: gl.constexpr, BVP: gl.constexpr, LD: gl.constexpr, LG: gl.constexpr):
+        """Copies of block b's tiles into ring slot ``slot``: [−W; qw] [32, BK], kg [16, BK], γ [BK] (fp32), and
+        [U; A_qk U] [32, BVP] as its two 64-column halves."""
+        _copy_tile(s_wq.index(slot), X + b * (2 * BC * BK), 2 * BC, BK, BK, LD)
+        _copy_tile(s_kg.index(slot), KG + b * (BC * BK), BC, BK, BK, LD)
+        o_k = gl.arange(0, BK, layout=LG)
+        async_copy.async_copy_global_to_shared(s_gam.index(slot), GAM + b * BK + o_k)
+        pu = U + b * (2 * BC * BVP)
+        _copy_tile(s_u0.index(slot), pu, 2 * BC, BVP // 2, BVP, LD)
+        _copy_tile(s_u1.index(slot), pu + BVP // 2, 2 * BC, BVP // 2, BVP, LD)
+
+    @gluon.jit
+    def _chain_products(S, u, w_t, q_t, gam, kg, s_eye, zero16, p_o, m_o, BC: gl.constexpr, A16: gl.constexpr,
+                        AS: gl.constexpr, LS: gl.constexpr, DT: gl.constexpr):
+        """One chain's step. On entry at most this chain's update of the previous step is still in flight (plus the
+        other chain's, issued after it); returns the accumulator of this step's update, in flight."""
+        S = warpgroup_mma_wait(1, deps=[S])  # this chain's previous update (the other chain's may still run)
+        a = gl.convert_layout(S.to(DT), A16)
+        # V'ᵀ = Uᵀ + Sᵀ (−W)ᵀ and Oᵀ = (A_qk U)ᵀ + Sᵀ qwᵀ, the transposed tiles entering by identity products
+        vn = warpgroup_mma(u.slice(0, BC, dim=0).permute((1, 0)), s_eye, zero16, use_acc=False, is_async=True)
+        vn = warpgroup_mma(a, w_t, vn, is_async=True)
+        ot = warpgroup_mma(u.slice(BC, BC, dim=0).permute((1, 0)), s_eye, zero16, use_acc=False, is_async=True)
+        ot = warpgroup_mma(a, q_t, ot, is_async=True)
+        S = S * gam.load(gl.SliceLayout(0, LS))[None, :]  # the decay, under the products
+        vn = warpgroup_mma_wait(2, deps=[vn])  # (also the other chain's update)
+        S = warpgroup_mma(gl.convert_layout(vn.to(DT), AS), kg, S, is_async=True)
+        ot = warpgroup_mma_wait(1, deps=[ot])
+        gl.store(p_o, ot.to(p_o.dtype.element_ty), mask=m_o)
+        return S
+
+    @gluon.jit
+    def _c16_state_gluon(
+        X, KG, GAM, U, o, ht, cu, chunk_off, c0, c1, NCw, T, NT, H,
+        K: gl.constexpr, V: gl.constexpr, BT: gl.constexpr, BC: gl.constexpr, BK: gl.constexpr,
+        BVP: gl.constexpr, IS_VARLEN: gl.constexpr, STAGES: gl.constexpr,
+    ):
+        """Grid (N·H,): sequence i_n, head i_h; the window of chunks [c0, c1). Same buffers and contract as
+        ``_c16_state`` in mode 2 with [U; A_qk U] row-major (``u_rowmajor``) and the pointer loop."""
+        BV: gl.constexpr = BVP // 2
+        NB: gl.constexpr = BT // BC
+        # layouts: Sᵀ [BV, BK] and the step's [BV, 16] products on wgmma (one warpgroup); their bf16 left operands
+        # in registers; the step tiles in 128-byte-swizzled shared memory
+        LS: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BK, 16])
+        L16: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BC, 16])
+        A16: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=L16, k_width=2)
+        AS: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=LS, k_width=2)
+        LD: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+        LG: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+        DT: gl.constexpr = KG.dtype.element_ty
+        SH_K: gl.constexpr = gl.NVMMASharedLayout.get_default_for([2 * BC, BK], DT)
+        SH_V: gl.constexpr = gl.NVMMASharedLayout.get_default_for([2 * BC, BV], DT)
+        SH_I: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BC, BC], DT)
+        SH_G: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+
+        i_nh = gl.program_id(0)
+        i_n = i_nh // H
+        i_h = i_nh % H
+        if IS_VARLEN:
+            cs = gl.load(chunk_off + i_n)
+            ce = gl.load(chunk_off + i_n + 1)
+            bos = gl.load(cu + i_n).to(gl.int64)
+            eos = gl.load(cu + i_n + 1).to(gl.int64)
+        else:
+            cs = i_n * NT
+            ce = cs + NT
+            bos = i_n.to(gl.int64) * T
+            eos = bos + T
+        lo = gl.maximum(cs, c0)
+        hi = gl.minimum(ce, c1)
+        if lo < hi:
+            s_wq = gl.allocate_shared_memory(DT, [STAGES, 2 * BC, BK], SH_K)
+            s_kg = gl.allocate_shared_memory(DT, [STAGES, BC, BK], SH_K)
+            s_gam = gl.allocate_shared_memory(gl.float32, [STAGES, BK], SH_G)
+            s_u0 = gl.allocate_shared_memory(DT, [STAGES, 2 * BC, BV], SH_V)
+            s_u1 = gl.allocate_shared_memory(DT, [STAGES, 2 * BC, BV], SH_V)
+            # the identity that transposes Uᵀ and (A_qk U)ᵀ into the accumulators
+            o_i = gl.arange(0, BC, layout=gl.SliceLayout(1, LD))
+            o_j = gl.arange(0, BC, layout=gl.SliceLayout(0, LD))
+            s_eye = gl.allocate_shared_memory(DT, [BC, BC], SH_I,
+                                              gl.where(o_i[:, None] == o_j[None, :], 1.0, 0.0).to(DT))
+
+            b0 = (i_h * NCw - c0).to(gl.int64) * NB + lo * NB  # first block of the window buffers
+            n_steps = (hi - lo) * NB
+            for i in gl.static_range(STAGES - 1):
+                if i < n_steps:
+                    _issue_step(X, KG, GAM, U, b0 + i, i, s_wq, s_kg, s_gam, s_u0, s_u1, BC, BK, BVP, LD, LG)
+                async_copy.commit_group()
+
+            # Sᵀ of both chains: row = value column, column = key dimension
+            o_vs = gl.arange(0, BV, layout=gl.SliceLayout(1, LS))
+            o_ks = gl.arange(0, BK, layout=gl.SliceLayout(0, LS))
+            p_s = ht + ((i_n * H + i_h).to(gl.int64) * K + o_ks[None, :]) * V + o_vs[:, None]
+            S0 = warpgroup_mma_init(gl.load(p_s))  # as accumulators: the loop carries them in flight
+            S1 = warpgroup_mma_init(gl.load(p_s + BV))
+            # output addresses: Oᵀ [BV, 16] — row = value column, column = token
+            o_vo = gl.arange(0, BV, layout=gl.SliceLayout(1, L16))
+            o_t = gl.arange(0, BC, layout=gl.SliceLayout(0, L16))
+            t0 = bos - cs.to(gl.int64) * BT + lo.to(gl.int64) * BT
+            zero16 = gl.zeros([BV, BC], gl.float32, L16)
+            for j in range(n_steps):
+                slot = j % STAGES
+                async_copy.wait_group(STAGES - 2)
+                fence_async_shared()
+                gl.thread_barrier()
+                nxt = j + STAGES - 1
+                if nxt < n_steps:
+                    _issue_step(X, KG, GAM, U, b0 + nxt, nxt % STAGES, s_wq, s_kg, s_gam, s_u0, s_u1,
+                                BC, BK, BVP, LD, LG)
+                async_copy.commit_group()
+
+                wq = s_wq.index(slot)
+                w_t = wq.slice(0, BC, dim=0).permute((1, 0))  # (−W)ᵀ [BK, 16]
+                q_t = wq.slice(BC, BC, dim=0).permute((1, 0))  # qwᵀ [BK, 16]
+                kg = s_kg.index(slot)
+                gam = s_gam.index(slot)
+                t = t0 + j * BC + o_t
+                p_o = o + (t[None, :] * H + i_h) * V + o_vo[:, None]
+                m_o = (t < eos)[None, :]
+                # the chains run half a step apart: chain 0's products while chain 1's update is in flight (issued
+                # at the end of the previous step), then chain 1's products while chain 0's update is in flight
+                S0 = _chain_products(S0, s_u0.index(slot), w_t, q_t, gam, kg, s_eye, zero16, p_o, m_o,
+                                     BC, A16, AS, LS, DT)
+                S1 = _chain_products(S1, s_u1.index(slot), w_t, q_t, gam, kg, s_eye, zero16, p_o + BV, m_o,
+                                     BC, A16, AS, LS, DT)
+            S0, S1 = warpgroup_mma_wait(0, deps=[S0, S1])
+            async_copy.wait_group(0)
+            gl.store(p_s, S0)
+            gl.store(p_s + BV, S1)
+
+
+def usable(bufs: dict, v, H: int, K: int, V: int, mode: int, ptr_inc: bool, u_rowmajor: bool, ring: int) -> bool:
+    """Whether this kernel takes the state pass: the knob on, CUDA, mode 2's pointer loop with [U; A_qk U]
+    row-major, 16-bit buffers, K = V = 128 (the tiles unmasked: two 64-column V-blocks), no probe ring."""
+    X = bufs["X"]
+    return (HAVE_GLUON and bool(GluonStateConfig.enabled) and X.is_cuda and mode == 2 and ptr_inc and u_rowmajor
+            and ring == 0 and X.dtype in (torch.bfloat16, torch.float16) and X.shape[-1] == 128 and K == 128
+            and V == 128 and bufs["U"].shape[-1] == 128)
+
+
+def launch(bufs: dict, o, ht, tab, c0: int, c1: int, H: int, K: int, V: int, BT: int, BC: int) -> None:
+    """The state pass over the window [c0, c1) of the 16-token flow's mode-2 buffers (``chunk16.launch_c16_state``'s
+    contract), one program per (sequence, head)."""
+    stages = GluonStateConfig.stages
+    if not isinstance(stages, int) or not 2 <= stages <= 10:
+        raise ValueError(f"GluonStateConfig.stages: expected an int in [2, 10], got {stages!r}")
+    _c16_state_gluon[(tab.N * H,)](
+        bufs["X"], bufs["KG"], bufs["GAM"], bufs["U"], o, ht, tab.cu, tab.chunk_off, c0, c1, bufs["X"].shape[1],
+        tab.T, tab.NT, H, K=K, V=V, BT=BT, BC=BC, BK=128, BVP=128, IS_VARLEN=tab.varlen, STAGES=stages,
+        num_warps=4,
+    )
