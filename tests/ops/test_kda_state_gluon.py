@@ -119,7 +119,7 @@ def test_gluon_state_dispatch_and_knob(monkeypatch):
 
 
 _COMPILE = r"""
-import triton
+import os, subprocess, tempfile, triton
 from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
 import k3.ops.kda.triton.state_gluon as sg
@@ -128,14 +128,22 @@ t = dict(X="*bf16", KG="*bf16", GAM="*fp32", U="*bf16", o="*bf16", ht="*fp32", c
          c0="i32", c1="i32", NCw="i32", T="i32", NT="i32", H="i32")
 sig = {n: t.get(n, "constexpr") for n in fn.arg_names}
 ptrs = [n for n in fn.arg_names if t.get(n, "").startswith("*")]
+ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
 for varlen in (False, True):
     const = dict(K=128, V=128, BT=64, BC=16, BK=128, BVP=128, IS_VARLEN=varlen, STAGES=8)
     src = GluonASTSource(fn, sig, constexprs={(fn.arg_names.index(n),): v for n, v in const.items()},
                          attrs={(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in ptrs})
     ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4)).asm["ptx"]
-    # both chains' products on wgmma, issued asynchronously (waits that leave groups in flight), tiles by cp.async
-    assert ptx.count("wgmma.mma_async") >= 10 and "wgmma.wait_group.sync.aligned 2" in ptx, varlen
+    # both chains' products on wgmma, a wait that leaves the other chain's update in flight, tiles by cp.async
+    assert ptx.count("wgmma.mma_async") >= 20 and "wgmma.wait_group.sync.aligned 1" in ptx, varlen
     assert "cp.async.cg.shared.global" in ptx, varlen
+    # ptxas keeps the products asynchronous: it serialises every wgmma (C7514) when a non-wgmma instruction may read
+    # an accumulator in flight — which a wrong wait count would cause
+    with tempfile.TemporaryDirectory() as d:
+        open(os.path.join(d, "k.ptx"), "w").write(ptx)
+        r = subprocess.run([ptxas, "-arch=sm_90a", "-v", os.path.join(d, "k.ptx"), "-o", os.path.join(d, "k.o")],
+                           capture_output=True, text=True)
+    assert r.returncode == 0 and "C7514" not in r.stderr + r.stdout, r.stderr
 print("compiled", flush=True)
 """
 

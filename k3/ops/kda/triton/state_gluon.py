@@ -69,22 +69,20 @@ if HAVE_GLUON:
         _copy_tile(s_u1.index(slot), pu + BVP // 2, 2 * BC, BVP // 2, BVP, LD)
 
     @gluon.jit
-    def _chain_products(S, u, w_t, q_t, gam, kg, s_eye, zero16, p_o, m_o, BC: gl.constexpr, A16: gl.constexpr,
-                        AS: gl.constexpr, LS: gl.constexpr, DT: gl.constexpr):
+    def _chain_products(S, u, wq_t, gam, kg, s_eye, zero16, p_o, m_o, BC: gl.constexpr, A16: gl.constexpr,
+                        AS: gl.constexpr, LS: gl.constexpr, LO: gl.constexpr, DT: gl.constexpr):
         """One chain's step. On entry at most this chain's update of the previous step is still in flight (plus the
         other chain's, issued after it); returns the accumulator of this step's update, in flight."""
         S = warpgroup_mma_wait(1, deps=[S])  # this chain's previous update (the other chain's may still run)
         a = gl.convert_layout(S.to(DT), A16)
-        # V'ᵀ = Uᵀ + Sᵀ (−W)ᵀ and Oᵀ = (A_qk U)ᵀ + Sᵀ qwᵀ, the transposed tiles entering by identity products
-        vn = warpgroup_mma(u.slice(0, BC, dim=0).permute((1, 0)), s_eye, zero16, use_acc=False, is_async=True)
-        vn = warpgroup_mma(a, w_t, vn, is_async=True)
-        ot = warpgroup_mma(u.slice(BC, BC, dim=0).permute((1, 0)), s_eye, zero16, use_acc=False, is_async=True)
-        ot = warpgroup_mma(a, q_t, ot, is_async=True)
+        # [V'ᵀ | Oᵀ] = [Uᵀ | (A_qk U)ᵀ] + Sᵀ [−W; qw]ᵀ: [U; A_qk U]ᵀ enters the accumulator by the identity product
+        acc = warpgroup_mma(u.permute((1, 0)), s_eye, zero16, use_acc=False, is_async=True)
+        acc = warpgroup_mma(a, wq_t, acc, is_async=True)
         S = S * gam.load(gl.SliceLayout(0, LS))[None, :]  # the decay, under the products
-        vn = warpgroup_mma_wait(2, deps=[vn])  # (also the other chain's update)
+        acc = warpgroup_mma_wait(0, deps=[acc])  # (also the other chain's update)
+        vn, ot = gl.split(gl.permute(gl.reshape(acc, [acc.shape[0], 2, BC]), (0, 2, 1)))
         S = warpgroup_mma(gl.convert_layout(vn.to(DT), AS), kg, S, is_async=True)
-        ot = warpgroup_mma_wait(1, deps=[ot])
-        gl.store(p_o, ot.to(p_o.dtype.element_ty), mask=m_o)
+        gl.store(p_o, gl.convert_layout(ot, LO).to(p_o.dtype.element_ty), mask=m_o)
         return S
 
     @gluon.jit
@@ -100,15 +98,16 @@ if HAVE_GLUON:
         # layouts: Sᵀ [BV, BK] and the step's [BV, 16] products on wgmma (one warpgroup); their bf16 left operands
         # in registers; the step tiles in 128-byte-swizzled shared memory
         LS: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BK, 16])
-        L16: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BC, 16])
+        L16: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 2 * BC, 16])
         A16: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=L16, k_width=2)
+        LO: gl.constexpr = gl.BlockedLayout([2, 2], [8, 4], [4, 1], [1, 0])  # Oᵀ [BV, 16] for its stores
         AS: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=LS, k_width=2)
         LD: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
         LG: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
         DT: gl.constexpr = KG.dtype.element_ty
         SH_K: gl.constexpr = gl.NVMMASharedLayout.get_default_for([2 * BC, BK], DT)
         SH_V: gl.constexpr = gl.NVMMASharedLayout.get_default_for([2 * BC, BV], DT)
-        SH_I: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BC, BC], DT)
+        SH_I: gl.constexpr = gl.NVMMASharedLayout.get_default_for([2 * BC, 2 * BC], DT)
         SH_G: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
 
         i_nh = gl.program_id(0)
@@ -133,9 +132,9 @@ if HAVE_GLUON:
             s_u0 = gl.allocate_shared_memory(DT, [STAGES, 2 * BC, BV], SH_V)
             s_u1 = gl.allocate_shared_memory(DT, [STAGES, 2 * BC, BV], SH_V)
             # the identity that transposes Uᵀ and (A_qk U)ᵀ into the accumulators
-            o_i = gl.arange(0, BC, layout=gl.SliceLayout(1, LD))
-            o_j = gl.arange(0, BC, layout=gl.SliceLayout(0, LD))
-            s_eye = gl.allocate_shared_memory(DT, [BC, BC], SH_I,
+            o_i = gl.arange(0, 2 * BC, layout=gl.SliceLayout(1, LD))
+            o_j = gl.arange(0, 2 * BC, layout=gl.SliceLayout(0, LD))
+            s_eye = gl.allocate_shared_memory(DT, [2 * BC, 2 * BC], SH_I,
                                               gl.where(o_i[:, None] == o_j[None, :], 1.0, 0.0).to(DT))
 
             b0 = (i_h * NCw - c0).to(gl.int64) * NB + lo * NB  # first block of the window buffers
@@ -152,24 +151,18 @@ if HAVE_GLUON:
             S0 = warpgroup_mma_init(gl.load(p_s))  # as accumulators: the loop carries them in flight
             S1 = warpgroup_mma_init(gl.load(p_s + BV))
             # output addresses: Oᵀ [BV, 16] — row = value column, column = token
-            o_vo = gl.arange(0, BV, layout=gl.SliceLayout(1, L16))
-            o_t = gl.arange(0, BC, layout=gl.SliceLayout(0, L16))
+            o_vo = gl.arange(0, BV, layout=gl.SliceLayout(1, LO))
+            o_t = gl.arange(0, BC, layout=gl.SliceLayout(0, LO))
             t0 = bos - cs.to(gl.int64) * BT + lo.to(gl.int64) * BT
-            zero16 = gl.zeros([BV, BC], gl.float32, L16)
+            zero16 = gl.zeros([BV, 2 * BC], gl.float32, L16)
             for j in range(n_steps):
                 slot = j % STAGES
                 async_copy.wait_group(STAGES - 2)
                 fence_async_shared()
                 gl.thread_barrier()
-                nxt = j + STAGES - 1
-                if nxt < n_steps:
-                    _issue_step(X, KG, GAM, U, b0 + nxt, nxt % STAGES, s_wq, s_kg, s_gam, s_u0, s_u1,
-                                BC, BK, BVP, LD, LG)
-                async_copy.commit_group()
 
                 wq = s_wq.index(slot)
-                w_t = wq.slice(0, BC, dim=0).permute((1, 0))  # (−W)ᵀ [BK, 16]
-                q_t = wq.slice(BC, BC, dim=0).permute((1, 0))  # qwᵀ [BK, 16]
+                wq_t = wq.permute((1, 0))  # [−W; qw]ᵀ [BK, 32]
                 kg = s_kg.index(slot)
                 gam = s_gam.index(slot)
                 t = t0 + j * BC + o_t
@@ -177,10 +170,17 @@ if HAVE_GLUON:
                 m_o = (t < eos)[None, :]
                 # the chains run half a step apart: chain 0's products while chain 1's update is in flight (issued
                 # at the end of the previous step), then chain 1's products while chain 0's update is in flight
-                S0 = _chain_products(S0, s_u0.index(slot), w_t, q_t, gam, kg, s_eye, zero16, p_o, m_o,
-                                     BC, A16, AS, LS, DT)
-                S1 = _chain_products(S1, s_u1.index(slot), w_t, q_t, gam, kg, s_eye, zero16, p_o + BV, m_o,
-                                     BC, A16, AS, LS, DT)
+                S0 = _chain_products(S0, s_u0.index(slot), wq_t, gam, kg, s_eye, zero16, p_o, m_o,
+                                     BC, A16, AS, LS, LO, DT)
+                # the ring slot of step j − 1 is free only now: chain 1's update of that step (reading its kg) was
+                # still in flight until chain 0's wait above (wgmma completes for the whole warpgroup at once)
+                nxt = j + STAGES - 1
+                if nxt < n_steps:
+                    _issue_step(X, KG, GAM, U, b0 + nxt, nxt % STAGES, s_wq, s_kg, s_gam, s_u0, s_u1,
+                                BC, BK, BVP, LD, LG)
+                async_copy.commit_group()
+                S1 = _chain_products(S1, s_u1.index(slot), wq_t, gam, kg, s_eye, zero16, p_o + BV, m_o,
+                                     BC, A16, AS, LS, LO, DT)
             S0, S1 = warpgroup_mma_wait(0, deps=[S0, S1])
             async_copy.wait_group(0)
             gl.store(p_s, S0)
