@@ -4,14 +4,15 @@ Why: the Triton state pass (``chunk16._c16_state``, mode 2) holds one V-block pe
 products one after another, waiting on each: its step is a serial chain (Sᵀ → bf16 → wgmma → V' → bf16 → wgmma →
 Sᵀ), latency-bound at ~0.4 instructions per cycle per scheduler, and beside the prep's programs it slows from 28 to
 ~40 ms per 1M tokens at H = 32. Here one program holds the two V-blocks of a head (two independent chains, the
-K-side tiles −W, qw, kg, γ read once for both) and issues the products asynchronously, so that one chain's products
-run while the other's conversions and decay are issued; V' and the output get separate products, so the update of
-Sᵀ waits on V' alone and the output's product runs beside it.
+K-side tiles −W, qw, kg, γ copied once for both) and runs them half a step apart: one chain's update of Sᵀ is in
+flight while the other chain converts its state and runs its products.
 
-The step, for each chain c (its V-block's columns of U and A_qk U):
-    V'ᵀ = Uᵀ − Sᵀ Wᵀ,  Oᵀ = (A_qk U)ᵀ + Sᵀ qwᵀ,  Sᵀ ← Sᵀ Diag(γ) + V'ᵀ kg
-with Uᵀ and (A_qk U)ᵀ entering the accumulators by exact products with the identity (the tiles are row-major in
-shared memory; the tensor cores transpose them), every other operand of the chain in registers.
+The step, for each chain c (its V-block's columns of U and A_qk U), as in mode 2:
+    [V'ᵀ | Oᵀ] = [Uᵀ | (A_qk U)ᵀ] + Sᵀ [−W; qw]ᵀ,  Sᵀ ← Sᵀ Diag(γ) + V'ᵀ kg
+with [U; A_qk U]ᵀ entering the accumulator by an exact product with the identity (the tile is row-major in shared
+memory; the tensor cores transpose it), every other operand of the chain in registers. The wait counts matter
+beyond correctness: where a non-wgmma instruction might read an accumulator still in flight, ptxas serialises
+every product of the kernel (its message C7514), which the CPU test checks for.
 
 Gluon does not run in Triton's interpreter: CPU tests compile it to sm_90 code, GPU tests compare it with the
 Triton state pass and the fp64 recurrence.
