@@ -3,12 +3,15 @@
 (``chunk16._c16_state``) against the Gluon one (``state_gluon``) at each ring depth, from the same prep buffers —
 outputs and final states compared with the Triton kernel's, then ``do_bench`` medians in interleaved rounds.
 
-    python bench/state_gluon_quick.py [--H 32 8] [--stages 8 10] [--rounds 2]
+    python bench/state_gluon_quick.py [--H 32 8] [--variants s8:stages=8 c1:chains=1,stages=10] [--rounds 2]
+
+Each variant is a name and ``GluonStateConfig`` knobs (Python literals) on top of ``enabled=True``.
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
 import os
 import sys
 
@@ -30,7 +33,7 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--H", type=int, nargs="+", default=[32])
-    ap.add_argument("--stages", type=int, nargs="+", default=[8, 10])
+    ap.add_argument("--variants", nargs="+", default=["s8:stages=8", "s10:stages=10"])
     ap.add_argument("--rounds", type=int, default=2)
     a = ap.parse_args()
     rows = ["| H | state pass | max rel. error o / state vs Triton | ms per 128K (rounds) | ms per 1M |", "|---|---|---|---|---|"]
@@ -40,8 +43,14 @@ def main() -> int:
         c16.launch_c16_prep(x["q"], x["k"], x["v"], x["g"], x["beta"], x["A"], x["dt"], bufs, tab, 0, tab.NC,
                             128 ** -0.5, -5.0, flags)
         h0 = ht.clone()
-        variants = [("triton", dict(enabled=False))] + [(f"gluon s{s}", dict(enabled=True, stages=s))
-                                                        for s in a.stages]
+        variants = [("triton", dict(enabled=False))]
+        for spec in a.variants:
+            name, _, knobs = spec.partition(":")
+            kw = dict(enabled=True)
+            for kv in filter(None, knobs.split(",")):
+                k, v = kv.split("=")
+                kw[k] = ast.literal_eval(v)
+            variants.append((f"gluon {name}", kw))
 
         def state() -> None:
             c16.launch_c16_state(bufs, x["v"], o, ht, tab, 0, tab.NC, H, 128, 128)

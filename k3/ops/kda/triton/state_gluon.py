@@ -41,10 +41,13 @@ class GluonStateConfig:
 
     - ``enabled``: run the 16-token flow's state pass (mode 2, K = V = 128) with this kernel on CUDA.
     - ``stages``: depth of the shared-memory ring of step tiles (20.5 KiB each).
+    - ``chains``: V-blocks per program (2: both of a head, interleaved; 1: one, two programs per head — the
+      measurement of what the interleave buys).
     """
 
     enabled = False
     stages = 8
+    chains = 2
 
 
 if HAVE_GLUON:
@@ -57,24 +60,26 @@ if HAVE_GLUON:
         async_copy.async_copy_global_to_shared(smem, base + o_r[:, None] * stride + o_c[None, :])
 
     @gluon.jit
-    def _issue_step(X, KG, GAM, U, b, slot, s_wq, s_kg, s_gam, s_u0, s_u1,
-                    BC: gl.constexpr, BK: gl.constexpr, BVP: gl.constexpr, LD: gl.constexpr, LG: gl.constexpr):
+    def _issue_step(X, KG, GAM, U, b, slot, s_wq, s_kg, s_gam, s_u0, s_u1, v0,
+                    BC: gl.constexpr, BK: gl.constexpr, BVP: gl.constexpr, LD: gl.constexpr, LG: gl.constexpr,
+                    CHAINS: gl.constexpr):
         """Copies of block b's tiles into ring slot ``slot``: [−W; qw] [32, BK], kg [16, BK], γ [BK] (fp32), and
         [U; A_qk U] [32, BVP] as its two 64-column halves."""
         _copy_tile(s_wq.index(slot), X + b * (2 * BC * BK), 2 * BC, BK, BK, LD)
         _copy_tile(s_kg.index(slot), KG + b * (BC * BK), BC, BK, BK, LD)
         o_k = gl.arange(0, BK, layout=LG)
         async_copy.async_copy_global_to_shared(s_gam.index(slot), GAM + b * BK + o_k)
-        pu = U + b * (2 * BC * BVP)
+        pu = U + b * (2 * BC * BVP) + v0
         _copy_tile(s_u0.index(slot), pu, 2 * BC, BVP // 2, BVP, LD)
-        _copy_tile(s_u1.index(slot), pu + BVP // 2, 2 * BC, BVP // 2, BVP, LD)
+        if CHAINS == 2:
+            _copy_tile(s_u1.index(slot), pu + BVP // 2, 2 * BC, BVP // 2, BVP, LD)
 
     @gluon.jit
     def _chain_products(S, u, wq_t, gam, kg, s_eye, zero16, p_o, m_o, BC: gl.constexpr, A16: gl.constexpr,
-                        AS: gl.constexpr, LS: gl.constexpr, LO: gl.constexpr, DT: gl.constexpr):
+                        AS: gl.constexpr, LS: gl.constexpr, LO: gl.constexpr, DT: gl.constexpr, CHAINS: gl.constexpr):
         """One chain's step. On entry at most this chain's update of the previous step is still in flight (plus the
         other chain's, issued after it); returns the accumulator of this step's update, in flight."""
-        S = warpgroup_mma_wait(1, deps=[S])  # this chain's previous update (the other chain's may still run)
+        S = warpgroup_mma_wait(CHAINS - 1, deps=[S])  # this chain's previous update (the other chain's may run on)
         a = gl.convert_layout(S.to(DT), A16)
         # [V'ᵀ | Oᵀ] = [Uᵀ | (A_qk U)ᵀ] + Sᵀ [−W; qw]ᵀ: [U; A_qk U]ᵀ enters the accumulator by the identity product
         acc = warpgroup_mma(u.permute((1, 0)), s_eye, zero16, use_acc=False, is_async=True)
@@ -90,7 +95,7 @@ if HAVE_GLUON:
     def _c16_state_gluon(
         X, KG, GAM, U, o, ht, cu, chunk_off, c0, c1, NCw, T, NT, H,
         K: gl.constexpr, V: gl.constexpr, BT: gl.constexpr, BC: gl.constexpr, BK: gl.constexpr,
-        BVP: gl.constexpr, IS_VARLEN: gl.constexpr, STAGES: gl.constexpr,
+        BVP: gl.constexpr, IS_VARLEN: gl.constexpr, STAGES: gl.constexpr, CHAINS: gl.constexpr = 2,
     ):
         """Grid (N·H,): sequence i_n, head i_h; the window of chunks [c0, c1). Same buffers and contract as
         ``_c16_state`` in mode 2 with [U; A_qk U] row-major (``u_rowmajor``) and the pointer loop."""
@@ -111,7 +116,9 @@ if HAVE_GLUON:
         SH_I: gl.constexpr = gl.NVMMASharedLayout.get_default_for([2 * BC, 2 * BC], DT)
         SH_G: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
 
-        i_nh = gl.program_id(0)
+        # CHAINS = 1 (a measurement of the interleave): one V-block per program, two programs per head
+        i_nh = gl.program_id(0) // (3 - CHAINS)
+        v0 = (gl.program_id(0) % (3 - CHAINS)) * BV  # the program's first value column
         i_n = i_nh // H
         i_h = i_nh % H
         if IS_VARLEN:
@@ -131,7 +138,7 @@ if HAVE_GLUON:
             s_kg = gl.allocate_shared_memory(DT, [STAGES, BC, BK], SH_K)
             s_gam = gl.allocate_shared_memory(gl.float32, [STAGES, BK], SH_G)
             s_u0 = gl.allocate_shared_memory(DT, [STAGES, 2 * BC, BV], SH_V)
-            s_u1 = gl.allocate_shared_memory(DT, [STAGES, 2 * BC, BV], SH_V)
+            s_u1 = gl.allocate_shared_memory(DT, [STAGES if CHAINS == 2 else 1, 2 * BC, BV], SH_V)
             # the identity that transposes Uᵀ and (A_qk U)ᵀ into the accumulators
             o_i = gl.arange(0, 2 * BC, layout=gl.SliceLayout(1, LD))
             o_j = gl.arange(0, 2 * BC, layout=gl.SliceLayout(0, LD))
@@ -142,15 +149,16 @@ if HAVE_GLUON:
             n_steps = (hi - lo) * NB
             for i in gl.static_range(STAGES - 1):
                 if i < n_steps:
-                    _issue_step(X, KG, GAM, U, b0 + i, i, s_wq, s_kg, s_gam, s_u0, s_u1, BC, BK, BVP, LD, LG)
+                    _issue_step(X, KG, GAM, U, b0 + i, i, s_wq, s_kg, s_gam, s_u0, s_u1, v0, BC, BK, BVP, LD, LG,
+                                CHAINS)
                 async_copy.commit_group()
 
             # Sᵀ of both chains: row = value column, column = key dimension
             o_vs = gl.arange(0, BV, layout=gl.SliceLayout(1, LS))
             o_ks = gl.arange(0, BK, layout=gl.SliceLayout(0, LS))
-            p_s = ht + ((i_n * H + i_h).to(gl.int64) * K + o_ks[None, :]) * V + o_vs[:, None]
+            p_s = ht + ((i_n * H + i_h).to(gl.int64) * K + o_ks[None, :]) * V + v0 + o_vs[:, None]
             S0 = warpgroup_mma_init(gl.load(p_s))  # as accumulators: the loop carries them in flight
-            S1 = warpgroup_mma_init(gl.load(p_s + BV))
+            S1 = warpgroup_mma_init(gl.load(p_s + BV, mask=CHAINS == 2, other=0.))
             # output addresses: Oᵀ [BV, 16] — row = value column, column = token
             o_vo = gl.arange(0, BV, layout=gl.SliceLayout(1, LO))
             o_t = gl.arange(0, BC, layout=gl.SliceLayout(0, LO))
@@ -167,25 +175,27 @@ if HAVE_GLUON:
                 kg = s_kg.index(slot)
                 gam = s_gam.index(slot)
                 t = t0 + j * BC + o_t
-                p_o = o + (t[None, :] * H + i_h) * V + o_vo[:, None]
+                p_o = o + (t[None, :] * H + i_h) * V + v0 + o_vo[:, None]
                 m_o = (t < eos)[None, :]
                 # the chains run half a step apart: chain 0's products while chain 1's update is in flight (issued
                 # at the end of the previous step), then chain 1's products while chain 0's update is in flight
                 S0 = _chain_products(S0, s_u0.index(slot), wq_t, gam, kg, s_eye, zero16, p_o, m_o,
-                                     BC, A16, AS, LS, LO, DT)
+                                     BC, A16, AS, LS, LO, DT, CHAINS)
                 # the ring slot of step j − 1 is free only now: chain 1's update of that step (reading its kg) was
                 # still in flight until chain 0's wait above (wgmma completes for the whole warpgroup at once)
                 nxt = j + STAGES - 1
                 if nxt < n_steps:
-                    _issue_step(X, KG, GAM, U, b0 + nxt, nxt % STAGES, s_wq, s_kg, s_gam, s_u0, s_u1,
-                                BC, BK, BVP, LD, LG)
+                    _issue_step(X, KG, GAM, U, b0 + nxt, nxt % STAGES, s_wq, s_kg, s_gam, s_u0, s_u1, v0,
+                                BC, BK, BVP, LD, LG, CHAINS)
                 async_copy.commit_group()
-                S1 = _chain_products(S1, s_u1.index(slot), wq_t, gam, kg, s_eye, zero16, p_o + BV, m_o,
-                                     BC, A16, AS, LS, LO, DT)
+                if CHAINS == 2:
+                    S1 = _chain_products(S1, s_u1.index(slot), wq_t, gam, kg, s_eye, zero16, p_o + BV, m_o,
+                                         BC, A16, AS, LS, LO, DT, CHAINS)
             S0, S1 = warpgroup_mma_wait(0, deps=[S0, S1])
             async_copy.wait_group(0)
             gl.store(p_s, S0)
-            gl.store(p_s + BV, S1)
+            if CHAINS == 2:
+                gl.store(p_s + BV, S1)
 
 
 def usable(bufs: dict, v, H: int, K: int, V: int, mode: int, ptr_inc: bool, u_rowmajor: bool, ring: int) -> bool:
@@ -203,8 +213,11 @@ def launch(bufs: dict, o, ht, tab, c0: int, c1: int, H: int, K: int, V: int, BT:
     stages = GluonStateConfig.stages
     if not isinstance(stages, int) or not 2 <= stages <= 10:
         raise ValueError(f"GluonStateConfig.stages: expected an int in [2, 10], got {stages!r}")
-    _c16_state_gluon[(tab.N * H,)](
+    chains = GluonStateConfig.chains
+    if chains not in (1, 2):
+        raise ValueError(f"GluonStateConfig.chains: expected 1 or 2, got {chains!r}")
+    _c16_state_gluon[(tab.N * H * (3 - chains),)](
         bufs["X"], bufs["KG"], bufs["GAM"], bufs["U"], o, ht, tab.cu, tab.chunk_off, c0, c1, bufs["X"].shape[1],
         tab.T, tab.NT, H, K=K, V=V, BT=BT, BC=BC, BK=128, BVP=128, IS_VARLEN=tab.varlen, STAGES=stages,
-        num_warps=4,
+        CHAINS=chains, num_warps=4,
     )
