@@ -47,11 +47,12 @@ def gluon_state(monkeypatch, nan_empty):
 
 @gpu
 @needs_gluon
-@pytest.mark.parametrize("stages,chains", [(2, 2), (8, 2), (10, 2), (8, 1)])
+@pytest.mark.parametrize("stages,chains,warps", [(2, 2, 4), (8, 2, 4), (10, 2, 4), (8, 1, 4), (8, 1, 8), (3, 1, 8)])
 @pytest.mark.parametrize("T,cu", [(1, None), (63, None), (1000, None), (1000, [0, 1, 100, 100, 613, 1000])])
-def test_gpu_gluon_state_matches_recurrence(monkeypatch, gluon_state, stages, chains, T, cu):
+def test_gpu_gluon_state_matches_recurrence(monkeypatch, gluon_state, stages, chains, warps, T, cu):
     monkeypatch.setattr(sg.GluonStateConfig, "stages", stages)
     monkeypatch.setattr(sg.GluonStateConfig, "chains", chains)
+    monkeypatch.setattr(sg.GluonStateConfig, "warps", warps)
     check(make_inputs(T, 4, 128, 128, N=len(cu) - 1 if cu else 1, seed=T), 2e-2, dtype=torch.bfloat16, cu=cu)
     assert gluon_state, "the Gluon state pass did not run"
 
@@ -121,6 +122,10 @@ def test_gluon_state_dispatch_and_knob(monkeypatch):
     monkeypatch.setattr(sg.GluonStateConfig, "chains", 3)
     with pytest.raises(ValueError, match="GluonStateConfig.chains"):
         sg.launch(bufs, None, None, None, 0, 1, 1, 128, 128, 64, 16)
+    monkeypatch.setattr(sg.GluonStateConfig, "chains", 2)
+    monkeypatch.setattr(sg.GluonStateConfig, "warps", 8)  # two warpgroups hold one chain each
+    with pytest.raises(ValueError, match="GluonStateConfig.warps"):
+        sg.launch(bufs, None, None, None, 0, 1, 1, 128, 128, 64, 16)
 
 
 _COMPILE = r"""
@@ -134,13 +139,13 @@ t = dict(X="*bf16", KG="*bf16", GAM="*fp32", U="*bf16", o="*bf16", ht="*fp32", c
 sig = {n: t.get(n, "constexpr") for n in fn.arg_names}
 ptrs = [n for n in fn.arg_names if t.get(n, "").startswith("*")]
 ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
-for varlen, chains in ((False, 2), (True, 2), (False, 1)):
-    const = dict(K=128, V=128, BT=64, BC=16, BK=128, BVP=128, IS_VARLEN=varlen, STAGES=8, CHAINS=chains)
+for varlen, chains, w in ((False, 2, 4), (True, 2, 4), (False, 1, 4), (True, 1, 8)):
+    const = dict(K=128, V=128, BT=64, BC=16, BK=128, BVP=128, IS_VARLEN=varlen, STAGES=8, CHAINS=chains, W=w)
     src = GluonASTSource(fn, sig, constexprs={(fn.arg_names.index(n),): v for n, v in const.items()},
                          attrs={(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in ptrs})
-    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4)).asm["ptx"]
+    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=w)).asm["ptx"]
     # both chains' products on wgmma, a wait that leaves the other chain's update in flight, tiles by cp.async
-    assert ptx.count("wgmma.mma_async") >= 10 * chains, varlen
+    assert ptx.count("wgmma.mma_async") >= 10 * chains, (varlen, w)
     assert chains == 1 or "wgmma.wait_group.sync.aligned 1" in ptx, varlen
     assert "cp.async.cg.shared.global" in ptx, varlen
     # ptxas keeps the products asynchronous: it serialises every wgmma (C7514) when a non-wgmma instruction may read

@@ -41,13 +41,15 @@ class GluonStateConfig:
 
     - ``enabled``: run the 16-token flow's state pass (mode 2, K = V = 128) with this kernel on CUDA.
     - ``stages``: depth of the shared-memory ring of step tiles (20.5 KiB each).
-    - ``chains``: V-blocks per program (2: both of a head, interleaved; 1: one, two programs per head — the
-      measurement of what the interleave buys).
+    - ``chains``: V-blocks per warpgroup (2: both of a head, interleaved in one warpgroup; 1: one).
+    - ``warps``: 4 (one warpgroup per program, 64 value columns per chain) or 8 (two warpgroups, each the chain of
+      one 64-column half: one program per head whose warpgroups' steps interleave on the schedulers; chains = 1).
     """
 
     enabled = False
     stages = 8
     chains = 2
+    warps = 4
 
 
 if HAVE_GLUON:
@@ -61,30 +63,31 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _issue_step(X, KG, GAM, U, b, slot, s_wq, s_kg, s_gam, s_u0, s_u1, v0,
-                    BC: gl.constexpr, BK: gl.constexpr, BVP: gl.constexpr, LD: gl.constexpr, LG: gl.constexpr,
-                    CHAINS: gl.constexpr):
+                    BC: gl.constexpr, BK: gl.constexpr, BVP: gl.constexpr, BVC: gl.constexpr, LD: gl.constexpr,
+                    LDU: gl.constexpr, LG: gl.constexpr, CHAINS: gl.constexpr):
         """Copies of block b's tiles into ring slot ``slot``: [−W; qw] [32, BK], kg [16, BK], γ [BK] (fp32), and
-        [U; A_qk U] [32, BVP] as its two 64-column halves."""
+        the program's columns of [U; A_qk U] ([32, BVC] per chain, from value column v0)."""
         _copy_tile(s_wq.index(slot), X + b * (2 * BC * BK), 2 * BC, BK, BK, LD)
         _copy_tile(s_kg.index(slot), KG + b * (BC * BK), BC, BK, BK, LD)
         o_k = gl.arange(0, BK, layout=LG)
         async_copy.async_copy_global_to_shared(s_gam.index(slot), GAM + b * BK + o_k)
         pu = U + b * (2 * BC * BVP) + v0
-        _copy_tile(s_u0.index(slot), pu, 2 * BC, BVP // 2, BVP, LD)
+        _copy_tile(s_u0.index(slot), pu, 2 * BC, BVC, BVP, LDU)
         if CHAINS == 2:
-            _copy_tile(s_u1.index(slot), pu + BVP // 2, 2 * BC, BVP // 2, BVP, LD)
+            _copy_tile(s_u1.index(slot), pu + BVC, 2 * BC, BVC, BVP, LDU)
 
     @gluon.jit
     def _chain_products(S, u, wq_t, gam, kg, s_eye, zero16, p_o, m_o, BC: gl.constexpr, A16: gl.constexpr,
                         AS: gl.constexpr, LS: gl.constexpr, LO: gl.constexpr, DT: gl.constexpr, CHAINS: gl.constexpr):
         """One chain's step. On entry at most this chain's update of the previous step is still in flight (plus the
         other chain's, issued after it); returns the accumulator of this step's update, in flight."""
+        g = gam.load(gl.SliceLayout(0, LS))  # issued first: its latency under the conversion and the products
         S = warpgroup_mma_wait(CHAINS - 1, deps=[S])  # this chain's previous update (the other chain's may run on)
         a = gl.convert_layout(S.to(DT), A16)
         # [V'ᵀ | Oᵀ] = [Uᵀ | (A_qk U)ᵀ] + Sᵀ [−W; qw]ᵀ: [U; A_qk U]ᵀ enters the accumulator by the identity product
         acc = warpgroup_mma(u.permute((1, 0)), s_eye, zero16, use_acc=False, is_async=True)
         acc = warpgroup_mma(a, wq_t, acc, is_async=True)
-        S = S * gam.load(gl.SliceLayout(0, LS))[None, :]  # the decay, under the products
+        S = S * g[None, :]  # the decay, under the products
         acc = warpgroup_mma_wait(0, deps=[acc])  # (also the other chain's update)
         vn, ot = gl.split(gl.permute(gl.reshape(acc, [acc.shape[0], 2, BC]), (0, 2, 1)))
         S = warpgroup_mma(gl.convert_layout(vn.to(DT), AS), kg, S, is_async=True)
@@ -96,20 +99,24 @@ if HAVE_GLUON:
         X, KG, GAM, U, o, ht, cu, chunk_off, c0, c1, NCw, T, NT, H,
         K: gl.constexpr, V: gl.constexpr, BT: gl.constexpr, BC: gl.constexpr, BK: gl.constexpr,
         BVP: gl.constexpr, IS_VARLEN: gl.constexpr, STAGES: gl.constexpr, CHAINS: gl.constexpr = 2,
+        W: gl.constexpr = 4,
     ):
         """Grid (N·H,): sequence i_n, head i_h; the window of chunks [c0, c1). Same buffers and contract as
         ``_c16_state`` in mode 2 with [U; A_qk U] row-major (``u_rowmajor``) and the pointer loop."""
-        BV: gl.constexpr = BVP // 2
+        BV: gl.constexpr = 16 * W  # value columns per chain: 64 rows of Sᵀ per warpgroup
+        NPH: gl.constexpr = BVP // (BV * CHAINS)  # programs per head
         NB: gl.constexpr = BT // BC
         # layouts: Sᵀ [BV, BK] and the step's [BV, 16] products on wgmma (one warpgroup); their bf16 left operands
         # in registers; the step tiles in 128-byte-swizzled shared memory
-        LS: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BK, 16])
-        L16: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 2 * BC, 16])
+        LS: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[W, 1], instr_shape=[16, BK, 16])
+        L16: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[W, 1], instr_shape=[16, 2 * BC, 16])
         A16: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=L16, k_width=2)
-        LO: gl.constexpr = gl.BlockedLayout([2, 2], [8, 4], [4, 1], [1, 0])  # Oᵀ [BV, 16] for its stores
+        LO: gl.constexpr = gl.BlockedLayout([2, 2], [8, 4], [W, 1], [1, 0])  # Oᵀ [BV, 16] for its stores
         AS: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=LS, k_width=2)
-        LD: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
-        LG: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+        # copies of 16-byte pieces: K-side tiles [·, 128] (16 threads per row), U tiles [32, BV]
+        LD: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [W, 1], [1, 0])
+        LDU: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (BV // 8), BV // 8], [W, 1], [1, 0])
+        LG: gl.constexpr = gl.BlockedLayout([1], [32], [W], [0])
         DT: gl.constexpr = KG.dtype.element_ty
         SH_K: gl.constexpr = gl.NVMMASharedLayout.get_default_for([2 * BC, BK], DT)
         SH_V: gl.constexpr = gl.NVMMASharedLayout.get_default_for([2 * BC, BV], DT)
@@ -117,8 +124,8 @@ if HAVE_GLUON:
         SH_G: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
 
         # CHAINS = 1 (a measurement of the interleave): one V-block per program, two programs per head
-        i_nh = gl.program_id(0) // (3 - CHAINS)
-        v0 = (gl.program_id(0) % (3 - CHAINS)) * BV  # the program's first value column
+        i_nh = gl.program_id(0) // NPH
+        v0 = (gl.program_id(0) % NPH) * (BV * CHAINS)  # the program's first value column
         i_n = i_nh // H
         i_h = i_nh % H
         if IS_VARLEN:
@@ -149,8 +156,8 @@ if HAVE_GLUON:
             n_steps = (hi - lo) * NB
             for i in gl.static_range(STAGES - 1):
                 if i < n_steps:
-                    _issue_step(X, KG, GAM, U, b0 + i, i, s_wq, s_kg, s_gam, s_u0, s_u1, v0, BC, BK, BVP, LD, LG,
-                                CHAINS)
+                    _issue_step(X, KG, GAM, U, b0 + i, i, s_wq, s_kg, s_gam, s_u0, s_u1, v0, BC, BK, BVP, BV, LD,
+                                LDU, LG, CHAINS)
                 async_copy.commit_group()
 
             # Sᵀ of both chains: row = value column, column = key dimension
@@ -186,7 +193,7 @@ if HAVE_GLUON:
                 nxt = j + STAGES - 1
                 if nxt < n_steps:
                     _issue_step(X, KG, GAM, U, b0 + nxt, nxt % STAGES, s_wq, s_kg, s_gam, s_u0, s_u1, v0,
-                                BC, BK, BVP, LD, LG, CHAINS)
+                                BC, BK, BVP, BV, LD, LDU, LG, CHAINS)
                 async_copy.commit_group()
                 if CHAINS == 2:
                     S1 = _chain_products(S1, s_u1.index(slot), wq_t, gam, kg, s_eye, zero16, p_o + BV, m_o,
@@ -216,8 +223,12 @@ def launch(bufs: dict, o, ht, tab, c0: int, c1: int, H: int, K: int, V: int, BT:
     chains = GluonStateConfig.chains
     if chains not in (1, 2):
         raise ValueError(f"GluonStateConfig.chains: expected 1 or 2, got {chains!r}")
-    _c16_state_gluon[(tab.N * H * (3 - chains),)](
+    warps = GluonStateConfig.warps
+    if warps not in (4, 8) or (warps == 8 and chains != 1):
+        raise ValueError(f"GluonStateConfig.warps: expected 4, or 8 with chains = 1, got {warps!r}")
+    per_head = 128 // (16 * warps * chains)
+    _c16_state_gluon[(tab.N * H * per_head,)](
         bufs["X"], bufs["KG"], bufs["GAM"], bufs["U"], o, ht, tab.cu, tab.chunk_off, c0, c1, bufs["X"].shape[1],
         tab.T, tab.NT, H, K=K, V=V, BT=BT, BC=BC, BK=128, BVP=128, IS_VARLEN=tab.varlen, STAGES=stages,
-        CHAINS=chains, num_warps=4,
+        CHAINS=chains, W=warps, num_warps=warps,
     )
