@@ -47,7 +47,6 @@ from k3.ops.kda.triton._common import (
     dot_precision,
     next_pow2,
 )
-from k3.ops.kda.triton import state_gluon
 from k3.ops.kda.triton.chunk_fwd import _inv16, state_stages
 from k3.ops.kda.triton.chunk_prep import _inv_pow, _op, _rows_beta
 
@@ -520,9 +519,6 @@ def launch_c16_state(bufs: dict, v, o, ht, tab: ChunkTable, c0: int, c1: int, H:
     if ring and not (ptr_inc and _mode() == 2):
         raise ValueError("C16Config.probe_ring: the state pass wraps its reads only in mode 2's pointer loop "
                          "(C16Config.mode = 2, state_ptr_inc = True)")
-    if state_gluon.usable(bufs, v, H, K, V, _mode(), ptr_inc, _u_form()[1], ring):
-        state_gluon.launch(bufs, o, ht, tab, c0, c1, H, K, V, BT, BC)
-        return
     _c16_state[(state_blocks(BVP), tab.N * H)](
         bufs["X"], _or(bufs, "QG"), bufs["KG"], bufs["GAM"], _or(bufs, "TB"), _or(bufs, "AQ"), _or(bufs, "U"),
         v, o, ht, tab.cu, tab.chunk_off, c0, c1, bufs["X"].shape[1], tab.T, tab.NT, H, K, V,
