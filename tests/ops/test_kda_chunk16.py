@@ -48,10 +48,7 @@ VARIANTS = {"m0": dict(mode=0, prep_inv_pow=False), "m1": dict(mode=1), "m2": di
             # the inverse's products at tf32x3 (the default: fp16 hi + lo splits)
             "m2_inv_tf32x3": dict(mode=2, prep_inv_prec="tf32x3"),
             # A_qk U formed by the state pass: Uᵀ [I | A_qkᵀ], one product from the loaded U and [I | A_qkᵀ] tiles
-            "m3": dict(mode=3),
-            # the state pass's bf16 operand Sᵀ by truncation (GPU only: bf16, which the interpreter cannot load)
-            "m2_s_trunc": dict(mode=2, state_s_trunc=True)}
-CPU_VARIANTS = [v for v in VARIANTS if v != "m2_s_trunc"]
+            "m3": dict(mode=3)}
 
 
 @pytest.fixture(autouse=True)
@@ -81,7 +78,7 @@ def run(x: dict, dtype: torch.dtype, cu: list[int] | None) -> tuple[torch.Tensor
 
 
 @cpu_only
-@pytest.mark.parametrize("variant", CPU_VARIANTS)
+@pytest.mark.parametrize("variant", list(VARIANTS))
 @pytest.mark.parametrize("T,H,K,V,h0", [(1, 1, 16, 16, True), (63, 2, 16, 32, False), (100, 2, 24, 40, True),
                                         (37, 2, 40, 20, True), (20, 1, 8, 8, True)])
 def test_c16_matches_recurrence(monkeypatch, variant, T, H, K, V, h0):
@@ -246,7 +243,7 @@ def test_gpu_c16_bf16_matches_recurrence(monkeypatch, variant, T, cu):
 
 
 @gpu
-@pytest.mark.parametrize("variant", ["m0", "m1", "m2", "m2_inv_tf32x3", "m2_u_eye", "m3", "m2_s_trunc"])
+@pytest.mark.parametrize("variant", ["m0", "m1", "m2", "m2_inv_tf32x3", "m2_u_eye", "m3"])
 @pytest.mark.parametrize("kw", list(EXTREMES.values()), ids=list(EXTREMES))
 def test_gpu_c16_extremes(monkeypatch, variant, kw):
     use(monkeypatch, variant)
@@ -261,7 +258,7 @@ def test_gpu_c16_other_dtypes(monkeypatch, dtype, tol):
 
 
 @gpu
-@pytest.mark.parametrize("variant", ["m1", "m2", "m2_s_trunc"])
+@pytest.mark.parametrize("variant", ["m1", "m2"])
 def test_gpu_c16_windows_and_causality(monkeypatch, variant):
     """Several windows with the prep overlapped on its own stream (and the state pass on a high-priority one):
     bitwise the single-window result; then bitwise causality."""
@@ -313,12 +310,6 @@ for mode in eval(sys.argv[1]):
             K=128, V=128, BT=64, BC=16, BK=128, BV=64, BVP=128, IS_VARLEN=False, PREC="tf32", STAGES=8, MODE=2,
             PTR_INC=True, U_EYE=True, U_RM=True, RING=8), 4)
         assert ringed.asm["ptx"].count("cp.async") == state.asm["ptx"].count("cp.async")
-        # ``C16Config.state_s_trunc``: Sᵀ's 32 conversions per step become byte moves (prmt), the rest unchanged
-        trunc = compile_sm90(c16._c16_state, t, dict(
-            K=128, V=128, BT=64, BC=16, BK=128, BV=64, BVP=128, IS_VARLEN=False, PREC="tf32", STAGES=8, MODE=2,
-            PTR_INC=True, U_EYE=True, U_RM=True, RING=0, S_TRUNC=True), 4)
-        n_cvt = state.asm["ptx"].count("cvt.rn.bf16x2.f32")
-        assert trunc.asm["ptx"].count("cvt.rn.bf16x2.f32") == n_cvt - 32 and "prmt" in trunc.asm["ptx"]
         # the split prefill's span pass on mode 2's buffers: wgmma, its tiles copied asynchronously
         span = compile_sm90(c16._c16_span_rows, dict(t, SE="*fp32", M="*fp32", row_cs="*i32", row_ce="*i32",
                                                          row_m="*i32"),

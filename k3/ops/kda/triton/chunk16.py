@@ -184,17 +184,6 @@ def _u_acc(b_ua, PREC: tl.constexpr, BC: tl.constexpr, U_RM: tl.constexpr):
 
 
 @triton.jit
-def _state_operand(St, DT: tl.constexpr, TRUNC: tl.constexpr):
-    """Sᵀ as the products' bf16 / fp16 operand. ``TRUNC`` (bf16 only, ``C16Config.state_s_trunc``): the upper 16 bits
-    of each fp32 word, rounded toward zero — byte moves (PRMT) on the integer pipe instead of 32 conversions
-    (F2FP) per step and thread on the narrower conversion pipe, which the prep's programs beside also use."""
-    if TRUNC:
-        return (St.to(tl.uint32, bitcast=True) >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
-    else:
-        return St.to(DT)
-
-
-@triton.jit
 def _folded_step(s_dt, b_wq, b_ua, PREC: tl.constexpr, BV: tl.constexpr, BC: tl.constexpr):
     """Mode 2's product: [V'ᵀ | Oᵀ] = [Uᵀ | (A_qk U)ᵀ] + Sᵀ [−W; qw]ᵀ, one product whose accumulator starts from
     [U; A_qk U]ᵀ (fp32, ``b_ua``); returns V'ᵀ in the operand dtype and Oᵀ in fp32."""
@@ -210,7 +199,7 @@ def _c16_state(
     BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BVP: tl.constexpr,
     IS_VARLEN: tl.constexpr, PREC: tl.constexpr, STAGES: tl.constexpr, MODE: tl.constexpr,
     PTR_INC: tl.constexpr = False, U_EYE: tl.constexpr = False, U_RM: tl.constexpr = False,
-    RING: tl.constexpr = 0, S_TRUNC: tl.constexpr = False,
+    RING: tl.constexpr = 0,
 ):
     i_v, i_n, i_h, cs, bos, eos, lo, hi = _state_program(cu, chunk_off, c0, c1, T, NT, H, IS_VARLEN)
     if lo < hi:
@@ -252,7 +241,7 @@ def _c16_state(
                     b_ua = _u_acc(tl.load(q_ua), PREC, BC, U_RM)
                 else:
                     b_ua = tl.load(q_ua).to(tl.float32)
-                vn_dt, b_ot = _folded_step(_state_operand(St, DT, S_TRUNC), tl.load(q_wq), b_ua, PREC, BV, BC)
+                vn_dt, b_ot = _folded_step(St.to(DT), tl.load(q_wq), b_ua, PREC, BV, BC)
                 tl.store(o + (t[None, :] * H + i_h) * V + o_v[:, None], b_ot.to(o.dtype.element_ty),
                          mask=m_v[:, None] & (t < eos)[None, :])
                 St = St * b_gam[None, :] + tl.dot(vn_dt, b_kg, input_precision=PREC)
@@ -310,7 +299,7 @@ def _c16_span_rows(
     row_cs, row_ce, row_m, c0, NCw,
     H, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BVP: tl.constexpr,
-    PREC: tl.constexpr, STAGES: tl.constexpr, U_RM: tl.constexpr, S_TRUNC: tl.constexpr = False,
+    PREC: tl.constexpr, STAGES: tl.constexpr, U_RM: tl.constexpr,
 ):
     """The split prefill's span pass on mode 2's window buffers: row r's extended state [S_ext | M] through the
     chunks [row_cs[r], row_ce[r]) (global numbers, inside the window that starts at chunk c0), in 16-token steps
@@ -354,8 +343,7 @@ def _c16_span_rows(
                 acc = b_u
             else:
                 acc = tl.dot(b_u, eye, input_precision=PREC)
-            vn = tl.dot(_state_operand(St, DT, S_TRUNC), tl.trans(tl.load(q_w)), acc=acc,
-                        input_precision=PREC).to(DT)
+            vn = tl.dot(St.to(DT), tl.trans(tl.load(q_w)), acc=acc, input_precision=PREC).to(DT)
             St = St * tl.load(q_gam)[None, :] + tl.dot(vn, tl.load(q_kg), input_precision=PREC)
             q_kg += BC * BK
             q_gam += BK
@@ -419,9 +407,6 @@ class C16Config:
     # as the accumulator as is (no identity product on the chain; 512 more bytes per token and head) measured
     # 46.6–47.9 against 40.7–42.0 (session 15, same process): removed
     u_rowmajor = True
-    # bf16 state-pass and span-pass operand Sᵀ by truncation (the upper half of each fp32 word: PRMT byte moves)
-    # instead of round-to-nearest conversions (F2FP, 32 per step and thread); untimed
-    state_s_trunc = False
 
 
 def _mode() -> int:
@@ -484,11 +469,6 @@ def c16_window_chunks(NC: int, budget: int, H: int, BK: int, BVP: int, dt: torch
     return max(1, min(NC, 16383, budget // c16_chunk_bytes(H, BK, BVP, dt)))
 
 
-def _s_trunc(bufs: dict) -> bool:
-    """``C16Config.state_s_trunc`` where it applies: bf16 buffers in mode 2's pointer loop (and the span pass)."""
-    return bool(C16Config.state_s_trunc) and bufs["X"].dtype == torch.bfloat16 and _mode() == 2
-
-
 def _probe_ring() -> int:
     """``C16Config.probe_ring`` checked: 0 (off) or the ring's chunk count."""
     ring = C16Config.probe_ring
@@ -544,8 +524,8 @@ def launch_c16_state(bufs: dict, v, o, ht, tab: ChunkTable, c0: int, c1: int, H:
         v, o, ht, tab.cu, tab.chunk_off, c0, c1, bufs["X"].shape[1], tab.T, tab.NT, H, K, V,
         BT=BT, BC=BC, BK=BK, BV=BV, BVP=BVP, IS_VARLEN=tab.varlen, PREC=dot_precision(bufs["X"].dtype),
         STAGES=state_stages(C16Config.state_stages, bufs["X"].dtype), MODE=_mode(),
-        PTR_INC=ptr_inc, U_EYE=_u_form()[0], U_RM=_u_form()[1], RING=ring, S_TRUNC=_s_trunc(bufs),
-        num_warps=C16Config.state_warps, num_stages=1,
+        PTR_INC=ptr_inc, U_EYE=_u_form()[0], U_RM=_u_form()[1], RING=ring, num_warps=C16Config.state_warps,
+        num_stages=1,
     )
 
 
@@ -561,5 +541,5 @@ def launch_c16_span(bufs: dict, SE: torch.Tensor, Mt: torch.Tensor, rows: dict, 
         bufs["X"], bufs["KG"], bufs["GAM"], bufs["U"], SE, Mt, rows["row_cs"], rows["row_ce"], rows["row_m"],
         c0, bufs["X"].shape[1], H, K, V, BT=BT, BC=BC, BK=BK, BV=bv, BVP=BVP,
         PREC=dot_precision(bufs["X"].dtype), STAGES=state_stages(C16Config.state_stages, bufs["X"].dtype),
-        U_RM=_u_form()[1], S_TRUNC=_s_trunc(bufs), num_warps=C16Config.state_warps, num_stages=1,
+        U_RM=_u_form()[1], num_warps=C16Config.state_warps, num_stages=1,
     )
