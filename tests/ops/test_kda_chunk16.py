@@ -48,7 +48,9 @@ VARIANTS = {"m0": dict(mode=0, prep_inv_pow=False), "m1": dict(mode=1), "m2": di
             # the inverse's products at tf32x3 (the default: fp16 hi + lo splits)
             "m2_inv_tf32x3": dict(mode=2, prep_inv_prec="tf32x3"),
             # A_qk U formed by the state pass: Uᵀ [I | A_qkᵀ], one product from the loaded U and [I | A_qkᵀ] tiles
-            "m3": dict(mode=3)}
+            "m3": dict(mode=3),
+            # 32-token steps: the prep's blocks as two 16-row sub-blocks, the state pass's products twice as wide
+            "m2_step32": dict(mode=2, step=32)}
 
 
 @pytest.fixture(autouse=True)
@@ -89,7 +91,7 @@ def test_c16_matches_recurrence(monkeypatch, variant, T, H, K, V, h0):
 
 
 @cpu_only
-@pytest.mark.parametrize("variant", ["m0", "m1", "m2", "m2_inv_tf32x3", "m3"])
+@pytest.mark.parametrize("variant", ["m0", "m1", "m2", "m2_inv_tf32x3", "m3", "m2_step32"])
 @pytest.mark.parametrize("kw", list(EXTREMES.values()), ids=list(EXTREMES))
 def test_c16_extremes(monkeypatch, variant, kw):
     use(monkeypatch, variant)
@@ -97,7 +99,7 @@ def test_c16_extremes(monkeypatch, variant, kw):
 
 
 @cpu_only
-@pytest.mark.parametrize("variant", ["m0", "m1", "m2", "m3"])
+@pytest.mark.parametrize("variant", ["m0", "m1", "m2", "m3", "m2_step32"])
 def test_c16_varlen_with_empty_and_tiny_sequences(monkeypatch, variant):
     use(monkeypatch, variant)
     cu = [0, 1, 64, 64, 130, 200]
@@ -105,7 +107,7 @@ def test_c16_varlen_with_empty_and_tiny_sequences(monkeypatch, variant):
 
 
 @cpu_only
-@pytest.mark.parametrize("variant", ["m1", "m2", "m2_u_transposed"])
+@pytest.mark.parametrize("variant", ["m1", "m2", "m2_u_transposed", "m2_step32"])
 def test_c16_fp16(monkeypatch, variant):
     """fp16 storage (the interpreter's half dtype): the buffers in fp16, [U; A_qk U] row-major or transposed."""
     use(monkeypatch, variant)
@@ -113,7 +115,7 @@ def test_c16_fp16(monkeypatch, variant):
 
 
 @cpu_only
-@pytest.mark.parametrize("variant", ["m1", "m2"])
+@pytest.mark.parametrize("variant", ["m1", "m2", "m2_step32"])
 def test_c16_windows_bitwise(monkeypatch, variant):
     """One chunk per window (the state carried between windows, a sequence across windows): bitwise the result of
     one window — the same kernels on the same blocks."""
@@ -127,7 +129,7 @@ def test_c16_windows_bitwise(monkeypatch, variant):
 
 
 @cpu_only
-@pytest.mark.parametrize("variant", ["m0", "m1", "m2", "m3"])
+@pytest.mark.parametrize("variant", ["m0", "m1", "m2", "m3", "m2_step32"])
 def test_c16_causality_bitwise(monkeypatch, variant):
     use(monkeypatch, variant)
     causality(70, 1, 16, torch.float32, (1, 17, 37, 64))
@@ -243,7 +245,7 @@ def test_gpu_c16_bf16_matches_recurrence(monkeypatch, variant, T, cu):
 
 
 @gpu
-@pytest.mark.parametrize("variant", ["m0", "m1", "m2", "m2_inv_tf32x3", "m2_u_eye", "m3"])
+@pytest.mark.parametrize("variant", ["m0", "m1", "m2", "m2_inv_tf32x3", "m2_u_eye", "m3", "m2_step32"])
 @pytest.mark.parametrize("kw", list(EXTREMES.values()), ids=list(EXTREMES))
 def test_gpu_c16_extremes(monkeypatch, variant, kw):
     use(monkeypatch, variant)
@@ -258,7 +260,7 @@ def test_gpu_c16_other_dtypes(monkeypatch, dtype, tol):
 
 
 @gpu
-@pytest.mark.parametrize("variant", ["m1", "m2"])
+@pytest.mark.parametrize("variant", ["m1", "m2", "m2_step32"])
 def test_gpu_c16_windows_and_causality(monkeypatch, variant):
     """Several windows with the prep overlapped on its own stream (and the state pass on a high-priority one):
     bitwise the single-window result; then bitwise causality."""

@@ -48,7 +48,40 @@ from k3.ops.kda.triton._common import (
     next_pow2,
 )
 from k3.ops.kda.triton.chunk_fwd import _inv16, state_stages
-from k3.ops.kda.triton.chunk_prep import _inv_pow, _op, _rows_beta
+from k3.ops.kda.triton.chunk_prep import _inv_pow, _mm_acc, _op, _rows_beta
+
+
+@triton.jit
+def _sub2_products(G, gsum, b_k, r_q, b_b, KG, p, scale, DT: tl.constexpr, BC: tl.constexpr, PREC: tl.constexpr,
+                   AB_BF16: tl.constexpr, L2NORM: tl.constexpr, INV_PREC: tl.constexpr):
+    """The prep's products for a 32-token block (two 16-row sub-blocks), where e^{−G} over the whole block could
+    reach e^{5·32} (beyond fp32): A[i, j] = (a_i e^{G_i − R_i}) · (k_j e^{R_i − G_j}) with R_i the log decay at the
+    row before row i's sub-block — 0 for rows 0–15, G_15 for rows 16–31 — so the left factor is ≤ |a| and the right
+    one ≤ e^{5·16}, as in a 16-token block; rows 0–15 take the right factor of reference 0 (its columns 16–31, which
+    they never use, zeroed), rows 16–31 the one of reference G_15 (≤ 1 in columns 0–15). (I + L)^{-1} = T_b − T_b E T_b
+    exactly, with T_b the inverse of L's two diagonal 16×16 blocks (``_inv_pow``: L^16 = 0 there) and E its
+    off-diagonal block (E T_b E = 0). Stores kg = k̂ e^{G_C − G} (≤ 1, formed directly: e^{−G} may overflow); returns
+    X = k̂ e^G, qg = scale·q̂ e^G (from the block start) in the store dtype, scale·A_qk (masked) and T."""
+    o_s = tl.arange(0, BC)
+    half = (o_s < BC // 2)[:, None]
+    gm = tl.sum(tl.where((o_s == BC // 2 - 1)[:, None], G, 0.), axis=0)  # G_15
+    tl.store(KG + p, (b_k * tl.exp2(gsum[None, :] - G)).to(DT))
+    e = tl.exp2(G)
+    er = tl.exp2(G - tl.where(half, 0., gm[None, :]))  # from the row's reference: ≤ 1
+    kd0 = _op(tl.trans(b_k * tl.exp2(tl.where(half, -G, float("-inf")))), AB_BF16)  # reference 0, columns 0–15
+    kd1 = _op(tl.trans(b_k * tl.exp2(gm[None, :] - G)), AB_BF16)  # reference G_15
+    xl = _op(b_k * er, AB_BF16)
+    ak = tl.where(half, tl.dot(xl, kd0, input_precision=PREC), tl.dot(xl, kd1, input_precision=PREC))
+    qn = _l2norm(r_q.to(tl.float32), L2NORM)[0]
+    ql = _op(qn * er, AB_BF16)
+    aq = tl.where(half, tl.dot(ql, kd0, input_precision=PREC), tl.dot(ql, kd1, input_precision=PREC))
+    aq = tl.where(o_s[:, None] >= o_s[None, :], aq, 0.) * scale
+    lk = tl.where(o_s[:, None] > o_s[None, :], ak * b_b[:, None], 0.)
+    same = half == (o_s < BC // 2)[None, :]
+    tb = _inv_pow(tl.where(same, lk, 0.), INV_PREC)
+    corr: tl.constexpr = "tf32x3" if INV_PREC == "fp16x3" else INV_PREC  # T_b E T_b's terms: fp32 range
+    tm = tb - _mm_acc(_mm_acc(tb, tl.where(same, 0., lk), corr), tb, corr)
+    return (b_k * e).to(DT), (qn * e * scale).to(DT), aq, tm
 
 
 @triton.jit(do_not_specialize=['c0', 'NCw', 'T', 'NT', 'H'])
@@ -101,33 +134,38 @@ def _c16_prep(
         b_b = _rows_beta(beta, i_h, t0, eos, H, BC, BETA_SIGMOID)
     b_g = _gate_of(r_g, A_log, dt_bias, i_h, t0, eos, K, lb, BC, BK, USE_GATE, HAS_LB, HAS_A, HAS_DT, FAST_GATE)
     G = tl.cumsum(b_g, axis=0)  # log2 decay from the block start through row i (padding rows add 0)
-    gam = tl.exp2(tl.sum(b_g, axis=0))  # ... through the block's last row: γ = e^{G_C}
+    gsum = tl.sum(b_g, axis=0)
+    gam = tl.exp2(gsum)  # ... through the block's last row: γ = e^{G_C}
     tl.store(GAM + bidx * BK + o_k, gam)
     if not EARLY_LOADS:
         r_k = _chunk_tile(k, i_h, t0, eos, H, K, BC, BK)
     b_k, _ = _l2norm(r_k.to(tl.float32), L2NORM)
-    # A[i, j] = Σ_d a_id k_jd e^{G_id − G_jd} = (a_i e^{G_i}) · (k_j e^{−G_j}): the left factor ≤ |a|, the right
-    # ≤ e^{5·16} under the bound (finite in fp32 and bf16; fp16 inputs keep fp32 operands here)
-    en = tl.exp2(-G)
-    kd = _op(tl.trans(b_k * en), AB_BF16)
-    tl.store(KG + p, (b_k * (gam[None, :] * en)).to(DT))  # e^{G_C − G} ≤ 1 as e^{G_C} · e^{−G}: one MUFU op less
-    e = tl.exp2(G)
-    x = b_k * e
-    ak = tl.dot(_op(x, AB_BF16), kd, input_precision=PREC)
-    x_dt = x.to(DT)
-    if not EARLY_LOADS:
-        r_q = _chunk_tile(q, i_h, t0, eos, H, K, BC, BK)
-    qe = _l2norm(r_q.to(tl.float32), L2NORM)[0] * e
-    aq = tl.dot(_op(qe, AB_BF16), kd, input_precision=PREC)
-    aq = tl.where(o_s[:, None] >= o_s[None, :], aq, 0.) * scale
-    qg_dt = (qe * scale).to(DT)
-    if not EARLY_LOADS:
-        b_b = _rows_beta(beta, i_h, t0, eos, H, BC, BETA_SIGMOID)
-    lk = tl.where(o_s[:, None] > o_s[None, :], ak * b_b[:, None], 0.)
-    if INV_POW:
-        tm = _inv_pow(lk, INV_PREC)
+    if BC == 32:  # 32-token blocks (``C16Config.step``; early loads only): two 16-row sub-blocks
+        x_dt, qg_dt, aq, tm = _sub2_products(G, gsum, b_k, r_q, b_b, KG, p, scale, DT, BC, PREC, AB_BF16, L2NORM,
+                                             INV_PREC)
     else:
-        tm = _inv16(lk)
+        # A[i, j] = Σ_d a_id k_jd e^{G_id − G_jd} = (a_i e^{G_i}) · (k_j e^{−G_j}): the left factor ≤ |a|, the right
+        # ≤ e^{5·16} under the bound (finite in fp32 and bf16; fp16 inputs keep fp32 operands here)
+        en = tl.exp2(-G)
+        kd = _op(tl.trans(b_k * en), AB_BF16)
+        tl.store(KG + p, (b_k * (gam[None, :] * en)).to(DT))  # e^{G_C − G} ≤ 1 as e^{G_C} · e^{−G}: one MUFU op less
+        e = tl.exp2(G)
+        x = b_k * e
+        ak = tl.dot(_op(x, AB_BF16), kd, input_precision=PREC)
+        x_dt = x.to(DT)
+        if not EARLY_LOADS:
+            r_q = _chunk_tile(q, i_h, t0, eos, H, K, BC, BK)
+        qe = _l2norm(r_q.to(tl.float32), L2NORM)[0] * e
+        aq = tl.dot(_op(qe, AB_BF16), kd, input_precision=PREC)
+        aq = tl.where(o_s[:, None] >= o_s[None, :], aq, 0.) * scale
+        qg_dt = (qe * scale).to(DT)
+        if not EARLY_LOADS:
+            b_b = _rows_beta(beta, i_h, t0, eos, H, BC, BETA_SIGMOID)
+        lk = tl.where(o_s[:, None] > o_s[None, :], ak * b_b[:, None], 0.)
+        if INV_POW:
+            tm = _inv_pow(lk, INV_PREC)
+        else:
+            tm = _inv16(lk)
     tb = tm * b_b[None, :]
     if MODE == 0:
         tl.store(TB + row[:, None] * BC + o_s[None, :], tb.to(DT))
@@ -407,6 +445,23 @@ class C16Config:
     # as the accumulator as is (no identity product on the chain; 512 more bytes per token and head) measured
     # 46.6–47.9 against 40.7–42.0 (session 15, same process): removed
     u_rowmajor = True
+    # tokens per step of the prep's blocks, the state pass and the span pass: 16, or 32 (mode 2, the inverse by
+    # products, early loads; ``_sub2_products``): half the steps, each with twice-wide products. H200, the state pass
+    # alone on random operands (bench/step_size_probe.py): 22.3 ms per 1M at H = 32 against 28.1 at 16
+    step = 16
+    step32_prep_warps = 4  # the prep at 32-token blocks: [32, K] tiles
+    step32_state_stages = 5  # 32.5 KiB of tiles per stage
+    step32_span_stages = 4  # two span programs per SM
+
+
+def _step() -> int:
+    """``C16Config.step`` checked: 16, or 32 with mode 2, the inverse by products and early loads."""
+    st = C16Config.step
+    if st not in (16, 32):
+        raise ValueError(f"C16Config.step: expected 16 or 32, got {st!r}")
+    if st == 32 and not (C16Config.mode == 2 and C16Config.prep_inv_pow and C16Config.prep_early_loads):
+        raise ValueError("C16Config.step = 32 needs C16Config.mode = 2, prep_inv_pow = True and prep_early_loads = True")
+    return int(st)
 
 
 def _mode() -> int:
@@ -441,7 +496,7 @@ def alloc_c16_buffers(H: int, NC: int, BK: int, BVP: int, dt: torch.dtype, devic
     bufs = {
         "X": torch.empty(H, NC, rows, BK, **e),
         "KG": torch.empty(H, NC, BT, BK, **e),
-        "GAM": torch.empty(H, NC, BT // BC, BK, dtype=torch.float32, device=device),
+        "GAM": torch.empty(H, NC, BT // _step(), BK, dtype=torch.float32, device=device),
     }
     if mode in (0, 1):
         bufs["QG"] = torch.empty(H, NC, BT, BK, **e)
@@ -460,7 +515,7 @@ def c16_chunk_bytes(H: int, BK: int, BVP: int, dt: torch.dtype) -> int:
     """Bytes of window buffers per 64-token chunk (all heads)."""
     es = torch.finfo(dt).bits // 8
     per = {0: 3 * BK + 2 * BC, 1: 3 * BK + BVP + BC, 2: 3 * BK + 2 * BVP, 3: 3 * BK + BVP + 2 * BC}[_mode()]
-    return H * (BT * per * es + (BT // BC) * BK * 4)
+    return H * (BT * per * es + (BT // _step()) * BK * 4)
 
 
 def c16_window_chunks(NC: int, budget: int, H: int, BK: int, BVP: int, dt: torch.dtype) -> int:
@@ -487,20 +542,21 @@ def launch_c16_prep(q, k, v, g, beta, A_log, dt_bias, bufs: dict, tab: ChunkTabl
     V = v.shape[-1]
     BK = bufs["X"].shape[-1]
     dummy = bufs["GAM"]
-    grid = (H, n * (BT // BC)) if C16Config.prep_head_major else (n * (BT // BC), H)
+    bc = _step()
+    grid = (H, n * (BT // bc)) if C16Config.prep_head_major else (n * (BT // bc), H)
     _c16_prep[grid](
         q, k, v, g, beta, A_log if A_log is not None else dummy, dt_bias if dt_bias is not None else dummy,
         bufs["X"], _or(bufs, "QG"), bufs["KG"], bufs["GAM"], _or(bufs, "TB"), _or(bufs, "AQ"), _or(bufs, "U"),
         tab.cu, tab.chunk_seq, tab.chunk_off, c0, bufs["X"].shape[1], tab.T, tab.NT, H, K, V, scale,
         float(lower_bound) if lower_bound is not None else 0.0,
-        BT=BT, BC=BC, BK=BK, BVP=next_pow2(V), USE_GATE=flags["use_gate"], HAS_LB=lower_bound is not None,
+        BT=BT, BC=bc, BK=BK, BVP=next_pow2(V), USE_GATE=flags["use_gate"], HAS_LB=lower_bound is not None,
         HAS_A=A_log is not None, HAS_DT=dt_bias is not None, L2NORM=flags["l2norm"],
         BETA_SIGMOID=flags["beta_sigmoid"], IS_VARLEN=tab.varlen,
         FAST_GATE=bool(C16Config.prep_fast_gate) and lower_bound is not None, PREC=dot_precision(q.dtype),
         AB_BF16=q.dtype == torch.bfloat16, MODE=_mode(), INV_POW=bool(C16Config.prep_inv_pow),
         INV_PREC=_inv_prec(flags, lower_bound), HEAD_MAJOR=bool(C16Config.prep_head_major),
         EARLY_LOADS=bool(C16Config.prep_early_loads), U_RM=_u_form()[1], RING=_probe_ring(),
-        num_warps=C16Config.prep_warps, num_stages=1,
+        num_warps=C16Config.prep_warps if bc == 16 else C16Config.step32_prep_warps, num_stages=1,
         **({"maxnreg": int(C16Config.prep_maxnreg)} if C16Config.prep_maxnreg else {}),
     )
 
@@ -522,8 +578,9 @@ def launch_c16_state(bufs: dict, v, o, ht, tab: ChunkTable, c0: int, c1: int, H:
     _c16_state[(state_blocks(BVP), tab.N * H)](
         bufs["X"], _or(bufs, "QG"), bufs["KG"], bufs["GAM"], _or(bufs, "TB"), _or(bufs, "AQ"), _or(bufs, "U"),
         v, o, ht, tab.cu, tab.chunk_off, c0, c1, bufs["X"].shape[1], tab.T, tab.NT, H, K, V,
-        BT=BT, BC=BC, BK=BK, BV=BV, BVP=BVP, IS_VARLEN=tab.varlen, PREC=dot_precision(bufs["X"].dtype),
-        STAGES=state_stages(C16Config.state_stages, bufs["X"].dtype), MODE=_mode(),
+        BT=BT, BC=_step(), BK=BK, BV=BV, BVP=BVP, IS_VARLEN=tab.varlen, PREC=dot_precision(bufs["X"].dtype),
+        STAGES=state_stages(C16Config.state_stages if _step() == 16 else C16Config.step32_state_stages,
+                            bufs["X"].dtype), MODE=_mode(),
         PTR_INC=ptr_inc, U_EYE=_u_form()[0], U_RM=_u_form()[1], RING=ring, num_warps=C16Config.state_warps,
         num_stages=1,
     )
@@ -539,7 +596,9 @@ def launch_c16_span(bufs: dict, SE: torch.Tensor, Mt: torch.Tensor, rows: dict, 
     bv = min(C16Config.span_bv, BVP, BK)
     _c16_span_rows[((BVP + BK) // bv, rows["row_cs"].numel() * H)](
         bufs["X"], bufs["KG"], bufs["GAM"], bufs["U"], SE, Mt, rows["row_cs"], rows["row_ce"], rows["row_m"],
-        c0, bufs["X"].shape[1], H, K, V, BT=BT, BC=BC, BK=BK, BV=bv, BVP=BVP,
-        PREC=dot_precision(bufs["X"].dtype), STAGES=state_stages(C16Config.state_stages, bufs["X"].dtype),
+        c0, bufs["X"].shape[1], H, K, V, BT=BT, BC=_step(), BK=BK, BV=bv, BVP=BVP,
+        PREC=dot_precision(bufs["X"].dtype),
+        STAGES=state_stages(C16Config.state_stages if _step() == 16 else C16Config.step32_span_stages,
+                            bufs["X"].dtype),
         U_RM=_u_form()[1], num_warps=C16Config.state_warps, num_stages=1,
     )
