@@ -156,6 +156,14 @@ def test_c16_dispatch(monkeypatch):
     monkeypatch.setattr(c16.C16Config, "mode", 4)
     with pytest.raises(ValueError, match="C16Config.mode"):
         c16.alloc_c16_buffers(1, 1, 16, 16, torch.float32, "cpu")
+    monkeypatch.setattr(c16.C16Config, "mode", 2)
+    monkeypatch.setattr(c16.C16Config, "step", 24)
+    with pytest.raises(ValueError, match="C16Config.step"):
+        c16.alloc_c16_buffers(1, 1, 16, 16, torch.float32, "cpu")
+    monkeypatch.setattr(c16.C16Config, "step", 32)  # 32-token steps: mode 2 with the inverse by products only
+    monkeypatch.setattr(c16.C16Config, "prep_inv_pow", False)
+    with pytest.raises(ValueError, match="C16Config.step"):
+        c16.alloc_c16_buffers(1, 1, 16, 16, torch.float32, "cpu")
 
 
 @cpu_only
@@ -318,6 +326,21 @@ for mode in eval(sys.argv[1]):
                             dict(K=128, V=128, BT=64, BC=16, BK=128, BV=64, BVP=128, PREC="tf32", STAGES=8,
                                  U_RM=True), 4)
         assert "wgmma.mma_async" in span.asm["ptx"] and span.asm["ptx"].count("cp.async.cg") >= 3
+        # 32-token steps (``C16Config.step = 32``): the merging prep, the state and span passes at BC = 32
+        t32 = {n: t[n] for n in c16._c32_prep.arg_names if n in t}
+        t32.update(K="i32", V="i32")
+        prep32 = compile_sm90(c16._c32_prep, t32, dict(
+            BT=64, BK=128, BVP=128, USE_GATE=True, HAS_LB=True, HAS_A=True, HAS_DT=True, L2NORM=True,
+            BETA_SIGMOID=True, IS_VARLEN=True, FAST_GATE=True, PREC="tf32", AB_BF16=True, INV_PREC="fp16x3",
+            HEAD_MAJOR=False, U_RM=True), 4)
+        assert "st.global" in prep32.asm["ptx"]
+        for fn, extra, st in ((c16._c16_state, dict(MODE=2, PTR_INC=True, U_EYE=True, U_RM=True, RING=0,
+                                                      IS_VARLEN=True), 5),
+                              (c16._c16_span_rows, dict(U_RM=True), 4)):
+            types = dict(t, SE="*fp32", M="*fp32", row_cs="*i32", row_ce="*i32", row_m="*i32")
+            k32 = compile_sm90(fn, types, dict(K=128, V=128, BT=64, BC=32, BK=128, BV=64, BVP=128, PREC="tf32",
+                                               STAGES=st, **extra), 4)
+            assert "wgmma.mma_async" in k32.asm["ptx"] and "cp.async.cg" in k32.asm["ptx"], fn
     assert "st.global" in prep.asm["ptx"], mode
 print("compiled", flush=True)
 """

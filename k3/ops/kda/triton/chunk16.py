@@ -48,40 +48,7 @@ from k3.ops.kda.triton._common import (
     next_pow2,
 )
 from k3.ops.kda.triton.chunk_fwd import _inv16, state_stages
-from k3.ops.kda.triton.chunk_prep import _inv_pow, _mm_acc, _op, _rows_beta
-
-
-@triton.jit
-def _sub2_products(G, gsum, b_k, r_q, b_b, KG, p, scale, DT: tl.constexpr, BC: tl.constexpr, PREC: tl.constexpr,
-                   AB_BF16: tl.constexpr, L2NORM: tl.constexpr, INV_PREC: tl.constexpr):
-    """The prep's products for a 32-token block (two 16-row sub-blocks), where e^{−G} over the whole block could
-    reach e^{5·32} (beyond fp32): A[i, j] = (a_i e^{G_i − R_i}) · (k_j e^{R_i − G_j}) with R_i the log decay at the
-    row before row i's sub-block — 0 for rows 0–15, G_15 for rows 16–31 — so the left factor is ≤ |a| and the right
-    one ≤ e^{5·16}, as in a 16-token block; rows 0–15 take the right factor of reference 0 (its columns 16–31, which
-    they never use, zeroed), rows 16–31 the one of reference G_15 (≤ 1 in columns 0–15). (I + L)^{-1} = T_b − T_b E T_b
-    exactly, with T_b the inverse of L's two diagonal 16×16 blocks (``_inv_pow``: L^16 = 0 there) and E its
-    off-diagonal block (E T_b E = 0). Stores kg = k̂ e^{G_C − G} (≤ 1, formed directly: e^{−G} may overflow); returns
-    X = k̂ e^G, qg = scale·q̂ e^G (from the block start) in the store dtype, scale·A_qk (masked) and T."""
-    o_s = tl.arange(0, BC)
-    half = (o_s < BC // 2)[:, None]
-    gm = tl.sum(tl.where((o_s == BC // 2 - 1)[:, None], G, 0.), axis=0)  # G_15
-    tl.store(KG + p, (b_k * tl.exp2(gsum[None, :] - G)).to(DT))
-    e = tl.exp2(G)
-    er = tl.exp2(G - tl.where(half, 0., gm[None, :]))  # from the row's reference: ≤ 1
-    kd0 = _op(tl.trans(b_k * tl.exp2(tl.where(half, -G, float("-inf")))), AB_BF16)  # reference 0, columns 0–15
-    kd1 = _op(tl.trans(b_k * tl.exp2(gm[None, :] - G)), AB_BF16)  # reference G_15
-    xl = _op(b_k * er, AB_BF16)
-    ak = tl.where(half, tl.dot(xl, kd0, input_precision=PREC), tl.dot(xl, kd1, input_precision=PREC))
-    qn = _l2norm(r_q.to(tl.float32), L2NORM)[0]
-    ql = _op(qn * er, AB_BF16)
-    aq = tl.where(half, tl.dot(ql, kd0, input_precision=PREC), tl.dot(ql, kd1, input_precision=PREC))
-    aq = tl.where(o_s[:, None] >= o_s[None, :], aq, 0.) * scale
-    lk = tl.where(o_s[:, None] > o_s[None, :], ak * b_b[:, None], 0.)
-    same = half == (o_s < BC // 2)[None, :]
-    tb = _inv_pow(tl.where(same, lk, 0.), INV_PREC)
-    corr: tl.constexpr = "tf32x3" if INV_PREC == "fp16x3" else INV_PREC  # T_b E T_b's terms: fp32 range
-    tm = tb - _mm_acc(_mm_acc(tb, tl.where(same, 0., lk), corr), tb, corr)
-    return (b_k * e).to(DT), (qn * e * scale).to(DT), aq, tm
+from k3.ops.kda.triton.chunk_prep import _inv_pow, _op, _rows_beta
 
 
 @triton.jit(do_not_specialize=['c0', 'NCw', 'T', 'NT', 'H'])
@@ -134,38 +101,33 @@ def _c16_prep(
         b_b = _rows_beta(beta, i_h, t0, eos, H, BC, BETA_SIGMOID)
     b_g = _gate_of(r_g, A_log, dt_bias, i_h, t0, eos, K, lb, BC, BK, USE_GATE, HAS_LB, HAS_A, HAS_DT, FAST_GATE)
     G = tl.cumsum(b_g, axis=0)  # log2 decay from the block start through row i (padding rows add 0)
-    gsum = tl.sum(b_g, axis=0)
-    gam = tl.exp2(gsum)  # ... through the block's last row: γ = e^{G_C}
+    gam = tl.exp2(tl.sum(b_g, axis=0))  # ... through the block's last row: γ = e^{G_C}
     tl.store(GAM + bidx * BK + o_k, gam)
     if not EARLY_LOADS:
         r_k = _chunk_tile(k, i_h, t0, eos, H, K, BC, BK)
     b_k, _ = _l2norm(r_k.to(tl.float32), L2NORM)
-    if BC == 32:  # 32-token blocks (``C16Config.step``; early loads only): two 16-row sub-blocks
-        x_dt, qg_dt, aq, tm = _sub2_products(G, gsum, b_k, r_q, b_b, KG, p, scale, DT, BC, PREC, AB_BF16, L2NORM,
-                                             INV_PREC)
+    # A[i, j] = Σ_d a_id k_jd e^{G_id − G_jd} = (a_i e^{G_i}) · (k_j e^{−G_j}): the left factor ≤ |a|, the right
+    # ≤ e^{5·16} under the bound (finite in fp32 and bf16; fp16 inputs keep fp32 operands here)
+    en = tl.exp2(-G)
+    kd = _op(tl.trans(b_k * en), AB_BF16)
+    tl.store(KG + p, (b_k * (gam[None, :] * en)).to(DT))  # e^{G_C − G} ≤ 1 as e^{G_C} · e^{−G}: one MUFU op less
+    e = tl.exp2(G)
+    x = b_k * e
+    ak = tl.dot(_op(x, AB_BF16), kd, input_precision=PREC)
+    x_dt = x.to(DT)
+    if not EARLY_LOADS:
+        r_q = _chunk_tile(q, i_h, t0, eos, H, K, BC, BK)
+    qe = _l2norm(r_q.to(tl.float32), L2NORM)[0] * e
+    aq = tl.dot(_op(qe, AB_BF16), kd, input_precision=PREC)
+    aq = tl.where(o_s[:, None] >= o_s[None, :], aq, 0.) * scale
+    qg_dt = (qe * scale).to(DT)
+    if not EARLY_LOADS:
+        b_b = _rows_beta(beta, i_h, t0, eos, H, BC, BETA_SIGMOID)
+    lk = tl.where(o_s[:, None] > o_s[None, :], ak * b_b[:, None], 0.)
+    if INV_POW:
+        tm = _inv_pow(lk, INV_PREC)
     else:
-        # A[i, j] = Σ_d a_id k_jd e^{G_id − G_jd} = (a_i e^{G_i}) · (k_j e^{−G_j}): the left factor ≤ |a|, the right
-        # ≤ e^{5·16} under the bound (finite in fp32 and bf16; fp16 inputs keep fp32 operands here)
-        en = tl.exp2(-G)
-        kd = _op(tl.trans(b_k * en), AB_BF16)
-        tl.store(KG + p, (b_k * (gam[None, :] * en)).to(DT))  # e^{G_C − G} ≤ 1 as e^{G_C} · e^{−G}: one MUFU op less
-        e = tl.exp2(G)
-        x = b_k * e
-        ak = tl.dot(_op(x, AB_BF16), kd, input_precision=PREC)
-        x_dt = x.to(DT)
-        if not EARLY_LOADS:
-            r_q = _chunk_tile(q, i_h, t0, eos, H, K, BC, BK)
-        qe = _l2norm(r_q.to(tl.float32), L2NORM)[0] * e
-        aq = tl.dot(_op(qe, AB_BF16), kd, input_precision=PREC)
-        aq = tl.where(o_s[:, None] >= o_s[None, :], aq, 0.) * scale
-        qg_dt = (qe * scale).to(DT)
-        if not EARLY_LOADS:
-            b_b = _rows_beta(beta, i_h, t0, eos, H, BC, BETA_SIGMOID)
-        lk = tl.where(o_s[:, None] > o_s[None, :], ak * b_b[:, None], 0.)
-        if INV_POW:
-            tm = _inv_pow(lk, INV_PREC)
-        else:
-            tm = _inv16(lk)
+        tm = _inv16(lk)
     tb = tm * b_b[None, :]
     if MODE == 0:
         tl.store(TB + row[:, None] * BC + o_s[None, :], tb.to(DT))
@@ -208,6 +170,110 @@ def _c16_prep(
                 p_u = U + bidx * (BVP * 2 * BC) + o_v[None, :] * (2 * BC) + o_s[:, None]
                 tl.store(p_u, u)
                 tl.store(p_u + BC, tl.dot(aqo, u, input_precision=PREC).to(DT))
+
+
+@triton.jit
+def _sub16(q, k, v, g, beta, A_log, dt_bias, i_h, t0, eos, H, K, V, scale, lb, DT: tl.constexpr, BK: tl.constexpr,
+           BVP: tl.constexpr, USE_GATE: tl.constexpr, HAS_LB: tl.constexpr, HAS_A: tl.constexpr, HAS_DT: tl.constexpr,
+           L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr, FAST_GATE: tl.constexpr, PREC: tl.constexpr,
+           AB_BF16: tl.constexpr, INV_PREC: tl.constexpr):
+    """Mode 2's operands of the 16-token block at t0, as ``_c16_prep`` forms them (its loads issued first):
+    (log2 γ [BK], kg fp32, W, qw fp32, U, A_qk U fp32)."""
+    BC: tl.constexpr = 16
+    o_s = tl.arange(0, BC)
+    r_g = _chunk_tile(g, i_h, t0, eos, H, K, BC, BK)
+    r_k = _chunk_tile(k, i_h, t0, eos, H, K, BC, BK)
+    r_q = _chunk_tile(q, i_h, t0, eos, H, K, BC, BK)
+    r_v = _chunk_tile(v, i_h, t0, eos, H, V, BC, BVP)
+    b_b = _rows_beta(beta, i_h, t0, eos, H, BC, BETA_SIGMOID)
+    b_g = _gate_of(r_g, A_log, dt_bias, i_h, t0, eos, K, lb, BC, BK, USE_GATE, HAS_LB, HAS_A, HAS_DT, FAST_GATE)
+    G = tl.cumsum(b_g, axis=0)
+    gsum = tl.sum(b_g, axis=0)
+    b_k, _ = _l2norm(r_k.to(tl.float32), L2NORM)
+    en = tl.exp2(-G)
+    kd = _op(tl.trans(b_k * en), AB_BF16)
+    kg = b_k * (tl.exp2(gsum)[None, :] * en)
+    e = tl.exp2(G)
+    x = b_k * e
+    ak = tl.dot(_op(x, AB_BF16), kd, input_precision=PREC)
+    x_dt = x.to(DT)
+    qe = _l2norm(r_q.to(tl.float32), L2NORM)[0] * e
+    aq = tl.where(o_s[:, None] >= o_s[None, :], tl.dot(_op(qe, AB_BF16), kd, input_precision=PREC), 0.) * scale
+    qg = (qe * scale).to(DT).to(tl.float32)
+    lk = tl.where(o_s[:, None] > o_s[None, :], ak * b_b[:, None], 0.)
+    tbo = (_inv_pow(lk, INV_PREC) * b_b[None, :]).to(DT)
+    w_dt = tl.dot(tbo, x_dt, input_precision=PREC).to(DT)
+    u = tl.dot(tbo, r_v.to(DT), input_precision=PREC).to(DT)
+    aqo = aq.to(DT)
+    qw = qg - tl.dot(aqo, w_dt, input_precision=PREC)
+    return gsum, kg, w_dt, qw, u, tl.dot(aqo, u, input_precision=PREC)
+
+
+@triton.jit
+def _store_u_rows(U, bidx, r0, t, BVP: tl.constexpr, U_RM: tl.constexpr):
+    """Rows r0 … r0 + 15 of the 32-token block's [U; A_qk U] (64 rows): row-major [64, BVP], or transposed."""
+    o_s = tl.arange(0, 16)
+    o_v = tl.arange(0, BVP)
+    if U_RM:
+        tl.store(U + (bidx * 64 + r0 + o_s)[:, None] * BVP + o_v[None, :], t)
+    else:
+        tl.store(U + bidx * (BVP * 64) + o_v[None, :] * 64 + (r0 + o_s)[:, None], t)
+
+
+@triton.jit(do_not_specialize=['c0', 'NCw', 'T', 'NT', 'H'])
+def _c32_prep(
+    q, k, v, g, beta, A_log, dt_bias, X, KG, GAM, U,
+    cu, chunk_seq, chunk_off, c0, NCw, T, NT, H, K, V, scale, lb,
+    BT: tl.constexpr, BK: tl.constexpr, BVP: tl.constexpr,
+    USE_GATE: tl.constexpr, HAS_LB: tl.constexpr, HAS_A: tl.constexpr, HAS_DT: tl.constexpr,
+    L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr, IS_VARLEN: tl.constexpr, FAST_GATE: tl.constexpr,
+    PREC: tl.constexpr, AB_BF16: tl.constexpr, INV_PREC: tl.constexpr, HEAD_MAJOR: tl.constexpr, U_RM: tl.constexpr,
+):
+    """Mode 2's operands of a 32-token block (``C16Config.step = 32``) from its two 16-token blocks, each formed as
+    ``_c16_prep`` forms it (``_sub16``), then merged: with X₂ = W₂ kg₁ᵀ and Y₂ = qw₂ kg₁ᵀ ([16, 16]),
+        W₂' = W₂ Γ₁ − X₂ W₁,  U₂' = U₂ − X₂ U₁,  qw₂' = qw₂ Γ₁ − Y₂ W₁,  (A_qk U)₂' = (A_qk U)₂ + Y₂ U₁,
+        kg = [kg₁ Γ₂; kg₂],  γ = γ₁ γ₂
+    — exactly the 16-token step twice (V'₂ = U₂ − W₂ S₁ with S₁ = Γ₁ S₀ + kg₁ᵀ V'₁, likewise the second block's
+    outputs), so the state pass takes 32 tokens per step with the same 16-row algebra and the same numerics."""
+    if HEAD_MAJOR:
+        i_h = tl.program_id(0)
+        i_b = tl.program_id(1)
+    else:
+        i_b = tl.program_id(0)
+        i_h = tl.program_id(1)
+    NB: tl.constexpr = BT // 32
+    i_c = i_b // NB
+    bos, eos = _chunk_pos(c0 + i_c, cu, chunk_seq, chunk_off, T, NT, BT, IS_VARLEN)
+    t0 = bos + (i_b % NB) * 32
+    bidx = (i_h * NCw + i_c).to(tl.int64) * NB + i_b % NB  # the 32-token block's index in the window buffers
+    DT = X.dtype.element_ty
+    o_s = tl.arange(0, 16)
+    o_k = tl.arange(0, BK)
+    px = (bidx * 64 + o_s)[:, None] * BK + o_k[None, :]  # rows of [−W₁; −W₂'; qw₁; qw₂']
+    g1, kg1, w1, qw1, u1, aqu1 = _sub16(q, k, v, g, beta, A_log, dt_bias, i_h, t0, eos, H, K, V, scale, lb, DT, BK,
+                                        BVP, USE_GATE, HAS_LB, HAS_A, HAS_DT, L2NORM, BETA_SIGMOID, FAST_GATE, PREC,
+                                        AB_BF16, INV_PREC)
+    tl.store(X + px, -w1)
+    tl.store(X + px + 32 * BK, qw1.to(DT))
+    _store_u_rows(U, bidx, 0, u1, BVP, U_RM)
+    _store_u_rows(U, bidx, 32, aqu1.to(DT), BVP, U_RM)
+    kg1 = kg1.to(DT)  # (fewer registers live through the second block)
+    g2, kg2, w2, qw2, u2, aqu2 = _sub16(q, k, v, g, beta, A_log, dt_bias, i_h, t0 + 16, eos, H, K, V, scale, lb, DT,
+                                        BK, BVP, USE_GATE, HAS_LB, HAS_A, HAS_DT, L2NORM, BETA_SIGMOID, FAST_GATE,
+                                        PREC, AB_BF16, INV_PREC)
+    gam1 = tl.exp2(g1)
+    gam2 = tl.exp2(g2)
+    kg1t = tl.trans(kg1)
+    x2 = tl.dot(w2, kg1t, input_precision=PREC).to(DT)
+    y2 = tl.dot(qw2.to(DT), kg1t, input_precision=PREC).to(DT)
+    tl.store(X + px + 16 * BK, (tl.dot(x2, w1, input_precision=PREC) - w2.to(tl.float32) * gam1[None, :]).to(DT))
+    tl.store(X + px + 48 * BK, (qw2 * gam1[None, :] - tl.dot(y2, w1, input_precision=PREC)).to(DT))
+    _store_u_rows(U, bidx, 16, (u2.to(tl.float32) - tl.dot(x2, u1, input_precision=PREC)).to(DT), BVP, U_RM)
+    _store_u_rows(U, bidx, 48, (aqu2 + tl.dot(y2, u1, input_precision=PREC)).to(DT), BVP, U_RM)
+    pk = (bidx * 32 + o_s)[:, None] * BK + o_k[None, :]
+    tl.store(KG + pk, (kg1.to(tl.float32) * gam2[None, :]).to(DT))
+    tl.store(KG + pk + 16 * BK, kg2.to(DT))
+    tl.store(GAM + bidx * BK + o_k, gam1 * gam2)
 
 
 @triton.jit
@@ -445,11 +511,12 @@ class C16Config:
     # as the accumulator as is (no identity product on the chain; 512 more bytes per token and head) measured
     # 46.6–47.9 against 40.7–42.0 (session 15, same process): removed
     u_rowmajor = True
-    # tokens per step of the prep's blocks, the state pass and the span pass: 16, or 32 (mode 2, the inverse by
-    # products, early loads; ``_sub2_products``): half the steps, each with twice-wide products. H200, the state pass
-    # alone on random operands (bench/step_size_probe.py): 22.3 ms per 1M at H = 32 against 28.1 at 16
+    # tokens per step of the state pass and the span pass: 16, or 32 (mode 2, the inverse by products, early loads:
+    # ``_c32_prep`` merges two 16-token blocks' operands into one 32-token step's) — half the steps, each with
+    # twice-wide products. H200, the state pass alone on random operands (bench/step_size_probe.py): 22.3 ms per 1M
+    # at H = 32 against 28.1 at 16
     step = 16
-    step32_prep_warps = 4  # the prep at 32-token blocks: [32, K] tiles
+    step32_prep_warps = 4  # ``_c32_prep`` (two 16-token blocks in turn): sm_90 235 registers at 4 warps, 2 spill
     step32_state_stages = 5  # 32.5 KiB of tiles per stage
     step32_span_stages = 4  # two span programs per SM
 
@@ -544,19 +611,32 @@ def launch_c16_prep(q, k, v, g, beta, A_log, dt_bias, bufs: dict, tab: ChunkTabl
     dummy = bufs["GAM"]
     bc = _step()
     grid = (H, n * (BT // bc)) if C16Config.prep_head_major else (n * (BT // bc), H)
+    if bc == 32:
+        _c32_prep[grid](
+            q, k, v, g, beta, A_log if A_log is not None else dummy, dt_bias if dt_bias is not None else dummy,
+            bufs["X"], bufs["KG"], bufs["GAM"], bufs["U"], tab.cu, tab.chunk_seq, tab.chunk_off, c0,
+            bufs["X"].shape[1], tab.T, tab.NT, H, K, V, scale, float(lower_bound) if lower_bound is not None else 0.0,
+            BT=BT, BK=BK, BVP=next_pow2(V), USE_GATE=flags["use_gate"], HAS_LB=lower_bound is not None,
+            HAS_A=A_log is not None, HAS_DT=dt_bias is not None, L2NORM=flags["l2norm"],
+            BETA_SIGMOID=flags["beta_sigmoid"], IS_VARLEN=tab.varlen,
+            FAST_GATE=bool(C16Config.prep_fast_gate) and lower_bound is not None, PREC=dot_precision(q.dtype),
+            AB_BF16=q.dtype == torch.bfloat16, INV_PREC=_inv_prec(flags, lower_bound),
+            HEAD_MAJOR=bool(C16Config.prep_head_major), U_RM=_u_form()[1], num_warps=C16Config.step32_prep_warps,
+            num_stages=1)
+        return
     _c16_prep[grid](
         q, k, v, g, beta, A_log if A_log is not None else dummy, dt_bias if dt_bias is not None else dummy,
         bufs["X"], _or(bufs, "QG"), bufs["KG"], bufs["GAM"], _or(bufs, "TB"), _or(bufs, "AQ"), _or(bufs, "U"),
         tab.cu, tab.chunk_seq, tab.chunk_off, c0, bufs["X"].shape[1], tab.T, tab.NT, H, K, V, scale,
         float(lower_bound) if lower_bound is not None else 0.0,
-        BT=BT, BC=bc, BK=BK, BVP=next_pow2(V), USE_GATE=flags["use_gate"], HAS_LB=lower_bound is not None,
+        BT=BT, BC=BC, BK=BK, BVP=next_pow2(V), USE_GATE=flags["use_gate"], HAS_LB=lower_bound is not None,
         HAS_A=A_log is not None, HAS_DT=dt_bias is not None, L2NORM=flags["l2norm"],
         BETA_SIGMOID=flags["beta_sigmoid"], IS_VARLEN=tab.varlen,
         FAST_GATE=bool(C16Config.prep_fast_gate) and lower_bound is not None, PREC=dot_precision(q.dtype),
         AB_BF16=q.dtype == torch.bfloat16, MODE=_mode(), INV_POW=bool(C16Config.prep_inv_pow),
         INV_PREC=_inv_prec(flags, lower_bound), HEAD_MAJOR=bool(C16Config.prep_head_major),
         EARLY_LOADS=bool(C16Config.prep_early_loads), U_RM=_u_form()[1], RING=_probe_ring(),
-        num_warps=C16Config.prep_warps if bc == 16 else C16Config.step32_prep_warps, num_stages=1,
+        num_warps=C16Config.prep_warps, num_stages=1,
         **({"maxnreg": int(C16Config.prep_maxnreg)} if C16Config.prep_maxnreg else {}),
     )
 
