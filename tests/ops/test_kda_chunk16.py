@@ -48,9 +48,7 @@ VARIANTS = {"m0": dict(mode=0, prep_inv_pow=False), "m1": dict(mode=1), "m2": di
             # the inverse's products at tf32x3 (the default: fp16 hi + lo splits)
             "m2_inv_tf32x3": dict(mode=2, prep_inv_prec="tf32x3"),
             # A_qk U formed by the state pass: Uᵀ [I | A_qkᵀ], one product from the loaded U and [I | A_qkᵀ] tiles
-            "m3": dict(mode=3),
-            # 32-token steps: the prep's blocks as two 16-row sub-blocks, the state pass's products twice as wide
-            "m2_step32": dict(mode=2, step=32)}
+            "m3": dict(mode=3)}
 
 
 @pytest.fixture(autouse=True)
@@ -91,7 +89,7 @@ def test_c16_matches_recurrence(monkeypatch, variant, T, H, K, V, h0):
 
 
 @cpu_only
-@pytest.mark.parametrize("variant", ["m0", "m1", "m2", "m2_inv_tf32x3", "m3", "m2_step32"])
+@pytest.mark.parametrize("variant", ["m0", "m1", "m2", "m2_inv_tf32x3", "m3"])
 @pytest.mark.parametrize("kw", list(EXTREMES.values()), ids=list(EXTREMES))
 def test_c16_extremes(monkeypatch, variant, kw):
     use(monkeypatch, variant)
@@ -99,7 +97,7 @@ def test_c16_extremes(monkeypatch, variant, kw):
 
 
 @cpu_only
-@pytest.mark.parametrize("variant", ["m0", "m1", "m2", "m3", "m2_step32"])
+@pytest.mark.parametrize("variant", ["m0", "m1", "m2", "m3"])
 def test_c16_varlen_with_empty_and_tiny_sequences(monkeypatch, variant):
     use(monkeypatch, variant)
     cu = [0, 1, 64, 64, 130, 200]
@@ -107,7 +105,7 @@ def test_c16_varlen_with_empty_and_tiny_sequences(monkeypatch, variant):
 
 
 @cpu_only
-@pytest.mark.parametrize("variant", ["m1", "m2", "m2_u_transposed", "m2_step32"])
+@pytest.mark.parametrize("variant", ["m1", "m2", "m2_u_transposed"])
 def test_c16_fp16(monkeypatch, variant):
     """fp16 storage (the interpreter's half dtype): the buffers in fp16, [U; A_qk U] row-major or transposed."""
     use(monkeypatch, variant)
@@ -115,7 +113,7 @@ def test_c16_fp16(monkeypatch, variant):
 
 
 @cpu_only
-@pytest.mark.parametrize("variant", ["m1", "m2", "m2_step32"])
+@pytest.mark.parametrize("variant", ["m1", "m2"])
 def test_c16_windows_bitwise(monkeypatch, variant):
     """One chunk per window (the state carried between windows, a sequence across windows): bitwise the result of
     one window — the same kernels on the same blocks."""
@@ -129,7 +127,7 @@ def test_c16_windows_bitwise(monkeypatch, variant):
 
 
 @cpu_only
-@pytest.mark.parametrize("variant", ["m0", "m1", "m2", "m3", "m2_step32"])
+@pytest.mark.parametrize("variant", ["m0", "m1", "m2", "m3"])
 def test_c16_causality_bitwise(monkeypatch, variant):
     use(monkeypatch, variant)
     causality(70, 1, 16, torch.float32, (1, 17, 37, 64))
@@ -155,14 +153,6 @@ def test_c16_dispatch(monkeypatch):
         cf.use_c16(-5.0, bounded, n, bv)
     monkeypatch.setattr(c16.C16Config, "mode", 4)
     with pytest.raises(ValueError, match="C16Config.mode"):
-        c16.alloc_c16_buffers(1, 1, 16, 16, torch.float32, "cpu")
-    monkeypatch.setattr(c16.C16Config, "mode", 2)
-    monkeypatch.setattr(c16.C16Config, "step", 24)
-    with pytest.raises(ValueError, match="C16Config.step"):
-        c16.alloc_c16_buffers(1, 1, 16, 16, torch.float32, "cpu")
-    monkeypatch.setattr(c16.C16Config, "step", 32)  # 32-token steps: mode 2 with the inverse by products only
-    monkeypatch.setattr(c16.C16Config, "prep_inv_pow", False)
-    with pytest.raises(ValueError, match="C16Config.step"):
         c16.alloc_c16_buffers(1, 1, 16, 16, torch.float32, "cpu")
 
 
@@ -253,7 +243,7 @@ def test_gpu_c16_bf16_matches_recurrence(monkeypatch, variant, T, cu):
 
 
 @gpu
-@pytest.mark.parametrize("variant", ["m0", "m1", "m2", "m2_inv_tf32x3", "m2_u_eye", "m3", "m2_step32"])
+@pytest.mark.parametrize("variant", ["m0", "m1", "m2", "m2_inv_tf32x3", "m2_u_eye", "m3"])
 @pytest.mark.parametrize("kw", list(EXTREMES.values()), ids=list(EXTREMES))
 def test_gpu_c16_extremes(monkeypatch, variant, kw):
     use(monkeypatch, variant)
@@ -268,7 +258,7 @@ def test_gpu_c16_other_dtypes(monkeypatch, dtype, tol):
 
 
 @gpu
-@pytest.mark.parametrize("variant", ["m1", "m2", "m2_step32"])
+@pytest.mark.parametrize("variant", ["m1", "m2"])
 def test_gpu_c16_windows_and_causality(monkeypatch, variant):
     """Several windows with the prep overlapped on its own stream (and the state pass on a high-priority one):
     bitwise the single-window result; then bitwise causality."""
@@ -326,21 +316,6 @@ for mode in eval(sys.argv[1]):
                             dict(K=128, V=128, BT=64, BC=16, BK=128, BV=64, BVP=128, PREC="tf32", STAGES=8,
                                  U_RM=True), 4)
         assert "wgmma.mma_async" in span.asm["ptx"] and span.asm["ptx"].count("cp.async.cg") >= 3
-        # 32-token steps (``C16Config.step = 32``): the merging prep, the state and span passes at BC = 32
-        t32 = {n: t[n] for n in c16._c32_prep.arg_names if n in t}
-        t32.update(K="i32", V="i32")
-        prep32 = compile_sm90(c16._c32_prep, t32, dict(
-            BT=64, BK=128, BVP=128, USE_GATE=True, HAS_LB=True, HAS_A=True, HAS_DT=True, L2NORM=True,
-            BETA_SIGMOID=True, IS_VARLEN=True, FAST_GATE=True, PREC="tf32", AB_BF16=True, INV_PREC="fp16x3",
-            HEAD_MAJOR=False, U_RM=True), 4)
-        assert "st.global" in prep32.asm["ptx"]
-        for fn, extra, st in ((c16._c16_state, dict(MODE=2, PTR_INC=True, U_EYE=True, U_RM=True, RING=0,
-                                                      IS_VARLEN=True), 5),
-                              (c16._c16_span_rows, dict(U_RM=True), 4)):
-            types = dict(t, SE="*fp32", M="*fp32", row_cs="*i32", row_ce="*i32", row_m="*i32")
-            k32 = compile_sm90(fn, types, dict(K=128, V=128, BT=64, BC=32, BK=128, BV=64, BVP=128, PREC="tf32",
-                                               STAGES=st, **extra), 4)
-            assert "wgmma.mma_async" in k32.asm["ptx"] and "cp.async.cg" in k32.asm["ptx"], fn
     assert "st.global" in prep.asm["ptx"], mode
 print("compiled", flush=True)
 """

@@ -393,19 +393,16 @@ def _k3_call_case(lens: list[int], seed: int = 0):
 
 
 @triton_only
-@pytest.mark.parametrize("P,u_rowmajor,step", [(2, True, 16), (3, True, 16), (7, True, 16), (2, False, 16),
-                                                (3, False, 16), (7, False, 16), (2, True, 32), (7, True, 32),
-                                                (3, False, 32)])
-def test_split_c16_matches_unsplit(P, u_rowmajor, step, monkeypatch, nan_empty):
+@pytest.mark.parametrize("P,u_rowmajor", [(2, True), (3, True), (7, True), (2, False), (3, False), (7, False)])
+def test_split_c16_matches_unsplit(P, u_rowmajor, monkeypatch, nan_empty):
     """``SplitConfig.flow = "c16"``: the 16-token prep, span pass (``_c16_span_rows``, [S_ext | M] held transposed)
     and segmented state pass. Forced splits over small windows (a sequence crossing several, one shorter than a
     segment, one empty) equal the unsplit path to fp32 rounding and the fp64 recurrence to 1e-4; a spy checks that
-    the 16-token span pass ran. Both storages of U (row-major, transposed); steps of 16 and 32 tokens."""
+    the 16-token span pass ran. Both storages of U (row-major, transposed)."""
     from k3.ops.kda.triton import chunk16, span
 
     monkeypatch.setenv("K3_KDA_BACKEND", "triton")
     monkeypatch.setattr(chunk16.C16Config, "u_rowmajor", u_rowmajor)
-    monkeypatch.setattr(chunk16.C16Config, "step", step)
     monkeypatch.setattr(span.SplitConfig, "window_bytes", 5 * chunk16.c16_chunk_bytes(2, 16, 16, torch.float32))
     (q, k, v, g, b), kw = _k3_call_case([400, 20, 0, 150])
     with torch.no_grad():
@@ -508,17 +505,14 @@ def test_split_triton_dense_batch_model_cut(monkeypatch, nan_empty):
 @pytest.mark.gpu_quick
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("flow", ["c64", "c16", "c16_step32"])
+@pytest.mark.parametrize("flow", ["c64", "c16"])
 def test_split_gpu_matches_unsplit(dtype, flow, monkeypatch):
     """GPU, K = V = 128, the K3 activations, varlen with initial states and long memory: forced 2, 3, 7, the
     automatic rule (made to consider these short sequences) and forced 3 over many windows with the prep
     overlapped equal unsplit (fp32: 1e-5; bf16 storage: 2e-2), with the split's 64-token or 16-token kernels."""
-    from k3.ops.kda.triton import chunk16, span
+    from k3.ops.kda.triton import span
 
     monkeypatch.delenv("K3_KDA_BACKEND", raising=False)
-    if flow == "c16_step32":  # 32-token steps (the prep's blocks, the span and state passes)
-        monkeypatch.setattr(chunk16.C16Config, "step", 32)
-        flow = "c16"
     monkeypatch.setattr(span.SplitConfig, "flow", flow)
     lens = [20000, 3, 9000, 777]
     cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), device="cuda")

@@ -173,110 +173,6 @@ def _c16_prep(
 
 
 @triton.jit
-def _sub16(q, k, v, g, beta, A_log, dt_bias, i_h, t0, eos, H, K, V, scale, lb, DT: tl.constexpr, BK: tl.constexpr,
-           BVP: tl.constexpr, USE_GATE: tl.constexpr, HAS_LB: tl.constexpr, HAS_A: tl.constexpr, HAS_DT: tl.constexpr,
-           L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr, FAST_GATE: tl.constexpr, PREC: tl.constexpr,
-           AB_BF16: tl.constexpr, INV_PREC: tl.constexpr):
-    """Mode 2's operands of the 16-token block at t0, as ``_c16_prep`` forms them (its loads issued first):
-    (log2 γ [BK], kg fp32, W, qw fp32, U, A_qk U fp32)."""
-    BC: tl.constexpr = 16
-    o_s = tl.arange(0, BC)
-    r_g = _chunk_tile(g, i_h, t0, eos, H, K, BC, BK)
-    r_k = _chunk_tile(k, i_h, t0, eos, H, K, BC, BK)
-    r_q = _chunk_tile(q, i_h, t0, eos, H, K, BC, BK)
-    r_v = _chunk_tile(v, i_h, t0, eos, H, V, BC, BVP)
-    b_b = _rows_beta(beta, i_h, t0, eos, H, BC, BETA_SIGMOID)
-    b_g = _gate_of(r_g, A_log, dt_bias, i_h, t0, eos, K, lb, BC, BK, USE_GATE, HAS_LB, HAS_A, HAS_DT, FAST_GATE)
-    G = tl.cumsum(b_g, axis=0)
-    gsum = tl.sum(b_g, axis=0)
-    b_k, _ = _l2norm(r_k.to(tl.float32), L2NORM)
-    en = tl.exp2(-G)
-    kd = _op(tl.trans(b_k * en), AB_BF16)
-    kg = b_k * (tl.exp2(gsum)[None, :] * en)
-    e = tl.exp2(G)
-    x = b_k * e
-    ak = tl.dot(_op(x, AB_BF16), kd, input_precision=PREC)
-    x_dt = x.to(DT)
-    qe = _l2norm(r_q.to(tl.float32), L2NORM)[0] * e
-    aq = tl.where(o_s[:, None] >= o_s[None, :], tl.dot(_op(qe, AB_BF16), kd, input_precision=PREC), 0.) * scale
-    qg = (qe * scale).to(DT).to(tl.float32)
-    lk = tl.where(o_s[:, None] > o_s[None, :], ak * b_b[:, None], 0.)
-    tbo = (_inv_pow(lk, INV_PREC) * b_b[None, :]).to(DT)
-    w_dt = tl.dot(tbo, x_dt, input_precision=PREC).to(DT)
-    u = tl.dot(tbo, r_v.to(DT), input_precision=PREC).to(DT)
-    aqo = aq.to(DT)
-    qw = qg - tl.dot(aqo, w_dt, input_precision=PREC)
-    return gsum, kg, w_dt, qw, u, tl.dot(aqo, u, input_precision=PREC)
-
-
-@triton.jit
-def _store_u_rows(U, bidx, r0, t, BVP: tl.constexpr, U_RM: tl.constexpr):
-    """Rows r0 … r0 + 15 of the 32-token block's [U; A_qk U] (64 rows): row-major [64, BVP], or transposed."""
-    o_s = tl.arange(0, 16)
-    o_v = tl.arange(0, BVP)
-    if U_RM:
-        tl.store(U + (bidx * 64 + r0 + o_s)[:, None] * BVP + o_v[None, :], t)
-    else:
-        tl.store(U + bidx * (BVP * 64) + o_v[None, :] * 64 + (r0 + o_s)[:, None], t)
-
-
-@triton.jit(do_not_specialize=['c0', 'NCw', 'T', 'NT', 'H'])
-def _c32_prep(
-    q, k, v, g, beta, A_log, dt_bias, X, KG, GAM, U,
-    cu, chunk_seq, chunk_off, c0, NCw, T, NT, H, K, V, scale, lb,
-    BT: tl.constexpr, BK: tl.constexpr, BVP: tl.constexpr,
-    USE_GATE: tl.constexpr, HAS_LB: tl.constexpr, HAS_A: tl.constexpr, HAS_DT: tl.constexpr,
-    L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr, IS_VARLEN: tl.constexpr, FAST_GATE: tl.constexpr,
-    PREC: tl.constexpr, AB_BF16: tl.constexpr, INV_PREC: tl.constexpr, HEAD_MAJOR: tl.constexpr, U_RM: tl.constexpr,
-):
-    """Mode 2's operands of a 32-token block (``C16Config.step = 32``) from its two 16-token blocks, each formed as
-    ``_c16_prep`` forms it (``_sub16``), then merged: with X₂ = W₂ kg₁ᵀ and Y₂ = qw₂ kg₁ᵀ ([16, 16]),
-        W₂' = W₂ Γ₁ − X₂ W₁,  U₂' = U₂ − X₂ U₁,  qw₂' = qw₂ Γ₁ − Y₂ W₁,  (A_qk U)₂' = (A_qk U)₂ + Y₂ U₁,
-        kg = [kg₁ Γ₂; kg₂],  γ = γ₁ γ₂
-    — exactly the 16-token step twice (V'₂ = U₂ − W₂ S₁ with S₁ = Γ₁ S₀ + kg₁ᵀ V'₁, likewise the second block's
-    outputs), so the state pass takes 32 tokens per step with the same 16-row algebra and the same numerics."""
-    if HEAD_MAJOR:
-        i_h = tl.program_id(0)
-        i_b = tl.program_id(1)
-    else:
-        i_b = tl.program_id(0)
-        i_h = tl.program_id(1)
-    NB: tl.constexpr = BT // 32
-    i_c = i_b // NB
-    bos, eos = _chunk_pos(c0 + i_c, cu, chunk_seq, chunk_off, T, NT, BT, IS_VARLEN)
-    t0 = bos + (i_b % NB) * 32
-    bidx = (i_h * NCw + i_c).to(tl.int64) * NB + i_b % NB  # the 32-token block's index in the window buffers
-    DT = X.dtype.element_ty
-    o_s = tl.arange(0, 16)
-    o_k = tl.arange(0, BK)
-    px = (bidx * 64 + o_s)[:, None] * BK + o_k[None, :]  # rows of [−W₁; −W₂'; qw₁; qw₂']
-    g1, kg1, w1, qw1, u1, aqu1 = _sub16(q, k, v, g, beta, A_log, dt_bias, i_h, t0, eos, H, K, V, scale, lb, DT, BK,
-                                        BVP, USE_GATE, HAS_LB, HAS_A, HAS_DT, L2NORM, BETA_SIGMOID, FAST_GATE, PREC,
-                                        AB_BF16, INV_PREC)
-    tl.store(X + px, -w1)
-    tl.store(X + px + 32 * BK, qw1.to(DT))
-    _store_u_rows(U, bidx, 0, u1, BVP, U_RM)
-    _store_u_rows(U, bidx, 32, aqu1.to(DT), BVP, U_RM)
-    kg1 = kg1.to(DT)  # (fewer registers live through the second block)
-    g2, kg2, w2, qw2, u2, aqu2 = _sub16(q, k, v, g, beta, A_log, dt_bias, i_h, t0 + 16, eos, H, K, V, scale, lb, DT,
-                                        BK, BVP, USE_GATE, HAS_LB, HAS_A, HAS_DT, L2NORM, BETA_SIGMOID, FAST_GATE,
-                                        PREC, AB_BF16, INV_PREC)
-    gam1 = tl.exp2(g1)
-    gam2 = tl.exp2(g2)
-    kg1t = tl.trans(kg1)
-    x2 = tl.dot(w2, kg1t, input_precision=PREC).to(DT)
-    y2 = tl.dot(qw2.to(DT), kg1t, input_precision=PREC).to(DT)
-    tl.store(X + px + 16 * BK, (tl.dot(x2, w1, input_precision=PREC) - w2.to(tl.float32) * gam1[None, :]).to(DT))
-    tl.store(X + px + 48 * BK, (qw2 * gam1[None, :] - tl.dot(y2, w1, input_precision=PREC)).to(DT))
-    _store_u_rows(U, bidx, 16, (u2.to(tl.float32) - tl.dot(x2, u1, input_precision=PREC)).to(DT), BVP, U_RM)
-    _store_u_rows(U, bidx, 48, (aqu2 + tl.dot(y2, u1, input_precision=PREC)).to(DT), BVP, U_RM)
-    pk = (bidx * 32 + o_s)[:, None] * BK + o_k[None, :]
-    tl.store(KG + pk, (kg1.to(tl.float32) * gam2[None, :]).to(DT))
-    tl.store(KG + pk + 16 * BK, kg2.to(DT))
-    tl.store(GAM + bidx * BK + o_k, gam1 * gam2)
-
-
-@triton.jit
 def _u_acc(b_ua, PREC: tl.constexpr, BC: tl.constexpr, U_RM: tl.constexpr):
     """[U; A_qk U]ᵀ in fp32 as the exact product [U; A_qk U]ᵀ·I (one nonzero term per entry) from its tile in the load
     dtype: the tensor cores read it from shared memory instead of a conversion element by element in registers.
@@ -511,24 +407,6 @@ class C16Config:
     # as the accumulator as is (no identity product on the chain; 512 more bytes per token and head) measured
     # 46.6–47.9 against 40.7–42.0 (session 15, same process): removed
     u_rowmajor = True
-    # tokens per step of the state pass and the span pass: 16, or 32 (mode 2, the inverse by products, early loads:
-    # ``_c32_prep`` merges two 16-token blocks' operands into one 32-token step's) — half the steps, each with
-    # twice-wide products. H200, the state pass alone on random operands (bench/step_size_probe.py): 22.3 ms per 1M
-    # at H = 32 against 28.1 at 16
-    step = 16
-    step32_prep_warps = 4  # ``_c32_prep`` (two 16-token blocks in turn): sm_90 235 registers at 4 warps, 2 spill
-    step32_state_stages = 5  # 32.5 KiB of tiles per stage
-    step32_span_stages = 4  # two span programs per SM
-
-
-def _step() -> int:
-    """``C16Config.step`` checked: 16, or 32 with mode 2, the inverse by products and early loads."""
-    st = C16Config.step
-    if st not in (16, 32):
-        raise ValueError(f"C16Config.step: expected 16 or 32, got {st!r}")
-    if st == 32 and not (C16Config.mode == 2 and C16Config.prep_inv_pow and C16Config.prep_early_loads):
-        raise ValueError("C16Config.step = 32 needs C16Config.mode = 2, prep_inv_pow = True and prep_early_loads = True")
-    return int(st)
 
 
 def _mode() -> int:
@@ -563,7 +441,7 @@ def alloc_c16_buffers(H: int, NC: int, BK: int, BVP: int, dt: torch.dtype, devic
     bufs = {
         "X": torch.empty(H, NC, rows, BK, **e),
         "KG": torch.empty(H, NC, BT, BK, **e),
-        "GAM": torch.empty(H, NC, BT // _step(), BK, dtype=torch.float32, device=device),
+        "GAM": torch.empty(H, NC, BT // BC, BK, dtype=torch.float32, device=device),
     }
     if mode in (0, 1):
         bufs["QG"] = torch.empty(H, NC, BT, BK, **e)
@@ -582,7 +460,7 @@ def c16_chunk_bytes(H: int, BK: int, BVP: int, dt: torch.dtype) -> int:
     """Bytes of window buffers per 64-token chunk (all heads)."""
     es = torch.finfo(dt).bits // 8
     per = {0: 3 * BK + 2 * BC, 1: 3 * BK + BVP + BC, 2: 3 * BK + 2 * BVP, 3: 3 * BK + BVP + 2 * BC}[_mode()]
-    return H * (BT * per * es + (BT // _step()) * BK * 4)
+    return H * (BT * per * es + (BT // BC) * BK * 4)
 
 
 def c16_window_chunks(NC: int, budget: int, H: int, BK: int, BVP: int, dt: torch.dtype) -> int:
@@ -609,21 +487,7 @@ def launch_c16_prep(q, k, v, g, beta, A_log, dt_bias, bufs: dict, tab: ChunkTabl
     V = v.shape[-1]
     BK = bufs["X"].shape[-1]
     dummy = bufs["GAM"]
-    bc = _step()
-    grid = (H, n * (BT // bc)) if C16Config.prep_head_major else (n * (BT // bc), H)
-    if bc == 32:
-        _c32_prep[grid](
-            q, k, v, g, beta, A_log if A_log is not None else dummy, dt_bias if dt_bias is not None else dummy,
-            bufs["X"], bufs["KG"], bufs["GAM"], bufs["U"], tab.cu, tab.chunk_seq, tab.chunk_off, c0,
-            bufs["X"].shape[1], tab.T, tab.NT, H, K, V, scale, float(lower_bound) if lower_bound is not None else 0.0,
-            BT=BT, BK=BK, BVP=next_pow2(V), USE_GATE=flags["use_gate"], HAS_LB=lower_bound is not None,
-            HAS_A=A_log is not None, HAS_DT=dt_bias is not None, L2NORM=flags["l2norm"],
-            BETA_SIGMOID=flags["beta_sigmoid"], IS_VARLEN=tab.varlen,
-            FAST_GATE=bool(C16Config.prep_fast_gate) and lower_bound is not None, PREC=dot_precision(q.dtype),
-            AB_BF16=q.dtype == torch.bfloat16, INV_PREC=_inv_prec(flags, lower_bound),
-            HEAD_MAJOR=bool(C16Config.prep_head_major), U_RM=_u_form()[1], num_warps=C16Config.step32_prep_warps,
-            num_stages=1)
-        return
+    grid = (H, n * (BT // BC)) if C16Config.prep_head_major else (n * (BT // BC), H)
     _c16_prep[grid](
         q, k, v, g, beta, A_log if A_log is not None else dummy, dt_bias if dt_bias is not None else dummy,
         bufs["X"], _or(bufs, "QG"), bufs["KG"], bufs["GAM"], _or(bufs, "TB"), _or(bufs, "AQ"), _or(bufs, "U"),
@@ -658,9 +522,8 @@ def launch_c16_state(bufs: dict, v, o, ht, tab: ChunkTable, c0: int, c1: int, H:
     _c16_state[(state_blocks(BVP), tab.N * H)](
         bufs["X"], _or(bufs, "QG"), bufs["KG"], bufs["GAM"], _or(bufs, "TB"), _or(bufs, "AQ"), _or(bufs, "U"),
         v, o, ht, tab.cu, tab.chunk_off, c0, c1, bufs["X"].shape[1], tab.T, tab.NT, H, K, V,
-        BT=BT, BC=_step(), BK=BK, BV=BV, BVP=BVP, IS_VARLEN=tab.varlen, PREC=dot_precision(bufs["X"].dtype),
-        STAGES=state_stages(C16Config.state_stages if _step() == 16 else C16Config.step32_state_stages,
-                            bufs["X"].dtype), MODE=_mode(),
+        BT=BT, BC=BC, BK=BK, BV=BV, BVP=BVP, IS_VARLEN=tab.varlen, PREC=dot_precision(bufs["X"].dtype),
+        STAGES=state_stages(C16Config.state_stages, bufs["X"].dtype), MODE=_mode(),
         PTR_INC=ptr_inc, U_EYE=_u_form()[0], U_RM=_u_form()[1], RING=ring, num_warps=C16Config.state_warps,
         num_stages=1,
     )
@@ -676,9 +539,7 @@ def launch_c16_span(bufs: dict, SE: torch.Tensor, Mt: torch.Tensor, rows: dict, 
     bv = min(C16Config.span_bv, BVP, BK)
     _c16_span_rows[((BVP + BK) // bv, rows["row_cs"].numel() * H)](
         bufs["X"], bufs["KG"], bufs["GAM"], bufs["U"], SE, Mt, rows["row_cs"], rows["row_ce"], rows["row_m"],
-        c0, bufs["X"].shape[1], H, K, V, BT=BT, BC=_step(), BK=BK, BV=bv, BVP=BVP,
-        PREC=dot_precision(bufs["X"].dtype),
-        STAGES=state_stages(C16Config.state_stages if _step() == 16 else C16Config.step32_span_stages,
-                            bufs["X"].dtype),
+        c0, bufs["X"].shape[1], H, K, V, BT=BT, BC=BC, BK=BK, BV=bv, BVP=BVP,
+        PREC=dot_precision(bufs["X"].dtype), STAGES=state_stages(C16Config.state_stages, bufs["X"].dtype),
         U_RM=_u_form()[1], num_warps=C16Config.state_warps, num_stages=1,
     )
