@@ -43,10 +43,6 @@ class GluonDecodeConfig:
     enabled = True
     bv = 32
     maxnreg: int | None = 128
-    # the V-block's offset in the tile's scalar base and no masks where the tile cannot run past K or V (as the
-    # probe's kernel, bench/decode_gluon_probe.py): at the 128-register cap the sm_90 code then keeps every value in
-    # registers (8 bytes spilled otherwise); untimed
-    tile_base = False
 
 
 if HAVE_GLUON:
@@ -84,7 +80,7 @@ if HAVE_GLUON:
         K: gl.constexpr, V: gl.constexpr, BK: gl.constexpr, BV: gl.constexpr, NV: gl.constexpr,
         USE_GATE: gl.constexpr, HAS_LB: gl.constexpr, HAS_A: gl.constexpr, HAS_DT: gl.constexpr,
         L2NORM: gl.constexpr, BETA_SIGMOID: gl.constexpr, USE_IDX: gl.constexpr, USE_S0: gl.constexpr,
-        STORE_S: gl.constexpr, TILE_BASE: gl.constexpr = False,
+        STORE_S: gl.constexpr,
     ):
         """Grid (N·H·NV,): program i updates V-block i % NV of sequence-head i // NV (sequence n's token is row n;
         adjacent programs share a head, so the state is read in address order)."""
@@ -108,18 +104,9 @@ if HAVE_GLUON:
             m_s = m_s & (slot >= 0)
         else:
             slot = i_n.to(gl.int64)
-        # TILE_BASE (``GluonDecodeConfig.tile_base``): the V-block's offset in the scalar base and, for a tile that
-        # cannot run past K or V, no masks — the tile's offsets are then the same in every program
-        UNMASKED: gl.constexpr = TILE_BASE and K == BK and V % BV == 0 and not USE_IDX
-        if TILE_BASE:
-            off = o_k[:, None] * V + gl.arange(0, BV, layout=LV)[None, :]
-            base = (slot * H + i_h) * (K * V) + i_v * BV
-        else:
-            off = o_k[:, None] * V + o_v[None, :]  # int32 within one (slot, head) state
-            base = (slot * H + i_h) * (K * V)
-        if USE_S0 and UNMASKED:
-            S = gl.load(s_in + base + off).to(gl.float32)
-        elif USE_S0:
+        off = o_k[:, None] * V + o_v[None, :]  # int32 within one (slot, head) state
+        base = (slot * H + i_h) * (K * V)
+        if USE_S0:
             S = gl.load(s_in + base + off, mask=m_s, other=0.).to(gl.float32)
         else:
             S = gl.zeros([BK, BV], gl.float32, layout=L)
@@ -127,10 +114,7 @@ if HAVE_GLUON:
         b_k = gl.load(k + p, mask=m_k, other=0.).to(gl.float32)
         b_q = gl.load(q + p, mask=m_k, other=0.).to(gl.float32)
         b_f = gl.load(g + p, mask=m_k, other=0.).to(gl.float32)
-        if UNMASKED:
-            b_v = gl.load(v + i_nh.to(gl.int64) * V + o_v).to(gl.float32)
-        else:
-            b_v = gl.load(v + i_nh.to(gl.int64) * V + o_v, mask=m_v, other=0.).to(gl.float32)
+        b_v = gl.load(v + i_nh.to(gl.int64) * V + o_v, mask=m_v, other=0.).to(gl.float32)
         b_b = gl.load(beta + i_nh).to(gl.float32)
         if L2NORM:
             b_k = b_k / gl.sqrt(gl.sum(b_k * b_k, axis=0) + 1e-6)
@@ -144,13 +128,8 @@ if HAVE_GLUON:
         w = gl.sum(S * (b_q * b_a)[:, None], axis=0)
         r = (b_v - u) * b_b
         b_o = (w + r * gl.sum(b_k * b_q, axis=0)) * scale
-        if UNMASKED:
-            gl.store(o + i_nh.to(gl.int64) * V + o_v, b_o.to(o.dtype.element_ty))
-        else:
-            gl.store(o + i_nh.to(gl.int64) * V + o_v, b_o.to(o.dtype.element_ty), mask=m_v)
-        if STORE_S and UNMASKED:
-            gl.store(s_out + base + off, S * b_a[:, None] + b_k[:, None] * r[None, :])
-        elif STORE_S:
+        gl.store(o + i_nh.to(gl.int64) * V + o_v, b_o.to(o.dtype.element_ty), mask=m_v)
+        if STORE_S:
             gl.store(s_out + base + off, S * b_a[:, None] + b_k[:, None] * r[None, :], mask=m_s)
 
 
@@ -173,5 +152,4 @@ def decode_step_gluon(ptrs: tuple, flags: dict, N: int, H: int, K: int, V: int, 
         kw["maxnreg"] = int(cfg.maxnreg)
     f = {n: flags[n] for n in ("USE_GATE", "HAS_LB", "HAS_A", "HAS_DT", "L2NORM", "BETA_SIGMOID", "USE_IDX",
                                "USE_S0", "STORE_S")}
-    f["TILE_BASE"] = bool(cfg.tile_base)
     _kda_decode_gluon[(N * H * NV,)](*ptrs, H, scale, lb, K=K, V=V, BK=BK, BV=BV, NV=NV, **f, **kw)
