@@ -3,9 +3,11 @@
 question behind the serial passes' step (``chunk16._c16_state``: per 16 tokens and 64 value columns a [64, 128] ×
 [128, 32] product, a [64, 32] × [32, 32] identity product and a [64, 16] × [16, 128] update, each waited on).
 
-One program per SM (grid = SM count), ``ITERS`` products each followed by a wait (a dependent chain: the latency of
-one product), or ``INDEP`` independent products per wait (their throughput); W = 4 warps (one warpgroup) or 8 (two
-warpgroups, each its own chain on the same SM). A from registers (bf16), B from shared memory, fp32 accumulators.
+One program per SM (grid = SM count), ``ITERS`` times: ``INDEP`` products issued back to back into the accumulator,
+then a wait — with INDEP = 1 the latency of one waited product (the serial passes' case), with 4 the pipe's
+throughput (the hardware pipelines products into the same accumulator). W = 4 warps (one warpgroup) or 8 (two
+warpgroups, each its own chain on the same SM). A from registers (bf16), B from shared memory, fp32 accumulators;
+MAC per cycle assumes the 1.98 GHz maximum SM clock.
 
     python bench/wgmma_probe.py [--iters 4000]
 """
