@@ -154,6 +154,7 @@ def main() -> int:
     ap.add_argument("--B", type=int, default=64)
     ap.add_argument("--H", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--no-tma", action="store_true", help="time only the public call, the bare kernel and copy_")
     a = ap.parse_args()
     x = _inputs(a.B, 1, a.H)
     h0 = torch.randn(a.B, a.H, 128, 128, device="cuda")
@@ -171,7 +172,7 @@ def main() -> int:
     fns = {"fused_recurrent_kda (public)": public, "A bare (one tile per program)":
            lambda: launch(x, h0, hn, o, *A, None, False, cap=128), "copy_": lambda: hn.copy_(h0)}
     info = {n: "" for n in fns}
-    for name, (per_sm, st, comp, fence) in VARIANTS.items():
+    for name, (per_sm, st, comp, fence) in ({} if a.no_tma else VARIANTS).items():
         fn = (lambda p_=per_sm, s_=st, c_=comp, f_=fence: launch_tma(x, h0, hn, o, p_, s_, c_, f_))
         try:
             hn.fill_(float("nan"))

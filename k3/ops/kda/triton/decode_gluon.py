@@ -102,10 +102,10 @@ if HAVE_GLUON:
         if USE_IDX:  # a pool slot per sequence; a negative slot starts from zero and writes nothing
             slot = gl.load(idx + i_n).to(gl.int64)
             m_s = m_s & (slot >= 0)
-        else:
-            slot = i_n.to(gl.int64)
+            base = (slot * H + i_h) * (K * V)
+        else:  # state row i_nh of [N·H, K, V]
+            base = i_nh.to(gl.int64) * (K * V)
         off = o_k[:, None] * V + o_v[None, :]  # int32 within one (slot, head) state
-        base = (slot * H + i_h) * (K * V)
         if USE_S0:
             S = gl.load(s_in + base + off, mask=m_s, other=0.).to(gl.float32)
         else:
@@ -116,21 +116,22 @@ if HAVE_GLUON:
         b_f = gl.load(g + p, mask=m_k, other=0.).to(gl.float32)
         b_v = gl.load(v + i_nh.to(gl.int64) * V + o_v, mask=m_v, other=0.).to(gl.float32)
         b_b = gl.load(beta + i_nh).to(gl.float32)
-        if L2NORM:
-            b_k = b_k / gl.sqrt(gl.sum(b_k * b_k, axis=0) + 1e-6)
-            b_q = b_q / gl.sqrt(gl.sum(b_q * b_q, axis=0) + 1e-6)
         if BETA_SIGMOID:
             b_b = _sigmoid(b_b)
         b_g = _log_decay(b_f, i_h, A_log, dt_bias, lb, o_k, m_k, K, USE_GATE, HAS_LB, HAS_A, HAS_DT)
+        if L2NORM:
+            b_k = b_k / gl.sqrt(gl.sum(b_k * b_k, axis=0) + 1e-6)
+            b_q = b_q / gl.sqrt(gl.sum(b_q * b_q, axis=0) + 1e-6)
         b_a = gl.exp(gl.where(m_k, b_g, 0.))
         # S' = D S + k (β r)ᵀ with r = v − (D S)ᵀk  ⇒  S'ᵀq = (D S)ᵀq + β r (k·q): both sums read the loaded S
         u = gl.sum(S * (b_k * b_a)[:, None], axis=0)
         w = gl.sum(S * (b_q * b_a)[:, None], axis=0)
         r = (b_v - u) * b_b
+        S = S * b_a[:, None] + b_k[:, None] * r[None, :]
         b_o = (w + r * gl.sum(b_k * b_q, axis=0)) * scale
         gl.store(o + i_nh.to(gl.int64) * V + o_v, b_o.to(o.dtype.element_ty), mask=m_v)
         if STORE_S:
-            gl.store(s_out + base + off, S * b_a[:, None] + b_k[:, None] * r[None, :], mask=m_s)
+            gl.store(s_out + base + off, S, mask=m_s)
 
 
 def usable(q: torch.Tensor, T: int, varlen: bool, N: int) -> bool:
