@@ -6,7 +6,7 @@ warps, so the two K reductions per tile cross warps through shared memory and ba
 the warps of a program split the tile's V columns, each thread holds 4 adjacent columns (16-byte loads) of a
 contiguous run of K rows, and 8 threads of a warp share a column, so both reductions finish inside a warp
 (in-thread adds, then 3 shuffles). One tile per program, no persistence: 8 programs of 2 warps per SM at the
-128-register cap. Measured on one H200 (B=64, H=32, K=V=128): through ``fused_recurrent_kda`` 0.075 ms against
+128-register cap. Measured on one H200 (B=64, H=32, K=V=128): through ``fused_recurrent_kda`` 0.074 ms against
 0.079 for the persistent Triton kernel (``bench/decode_host_check.py``), launched bare 0.0733 ms against 0.0678
 for ``copy_`` of the same bytes (``bench/decode_gluon_probe.py``, with every layout it was chosen from).
 
