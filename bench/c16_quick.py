@@ -22,7 +22,7 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 
 from k3.ops.kda.triton import chunk16 as c16  # noqa: E402
-from k3.ops.kda.triton import chunk_kda_triton  # noqa: E402
+from k3.ops.kda.triton import chunk_kda_triton, prep_gluon  # noqa: E402
 from k3.ops.kda.triton._common import make_chunk_table  # noqa: E402
 from k3.ops.kda.triton.chunk_fwd import FwdConfig, alloc_output_state  # noqa: E402
 from k3.utils import overridden_attrs  # noqa: E402
@@ -138,7 +138,9 @@ def knob_sets(sets: list[tuple[str, dict]], rounds: int) -> list[str]:
     times: dict[str, tuple[list[float], list[float]]] = {n: ([], []) for n, _ in sets}
     for _ in range(rounds):
         for name, knobs in sets:
-            with overridden_attrs(c16.C16Config, **knobs):
+            c16_knobs = {n: v for n, v in knobs.items() if n != "gluon_prep"}  # gluon_prep: GluonPrepConfig.enabled
+            with overridden_attrs(c16.C16Config, **c16_knobs), \
+                    overridden_attrs(prep_gluon.GluonPrepConfig, enabled=bool(knobs.get("gluon_prep", False))):
                 bufs = c16.alloc_c16_buffers(H, tab.NC, 128, 128, torch.bfloat16, x["q"].device)  # per mode
                 def prep():
                     c16.launch_c16_prep(x["q"], x["k"], x["v"], x["g"], x["beta"], x["A"], x["dt"], bufs, tab, 0,

@@ -5,7 +5,8 @@
         --variant st2 FwdConfig.state_stages=2 --variant win2g FwdConfig.window_bytes=2147483648
 
 Knobs are ``Class.attr=value`` for FwdConfig, C16Config, BwdConfig (``chunk_fwd`` / ``chunk16`` / ``chunk_bwd``),
-SplitConfig (``span``), DecodeConfig (``fused_recurrent``), GluonDecodeConfig (``decode_gluon``) and CPConfig
+SplitConfig (``span``), DecodeConfig (``fused_recurrent``), GluonDecodeConfig (``decode_gluon``), GluonPrepConfig
+(``prep_gluon``) and CPConfig
 (``k3.ops.kda.cp``); values are Python literals; ``ENV.NAME=value`` sets an environment variable for the variant
 (e.g. ``ENV.K3_KDA_SPLITS=8``). Cases (bf16,
 K = V = 128, the K3 call): ``prefill32`` / ``prefill8`` = B=1 T=1M at H=32 / 8 without grad, ``train`` = fwd+bwd
@@ -36,12 +37,13 @@ from k3.ops.kda.triton.chunk_bwd import BwdConfig  # noqa: E402
 from k3.ops.kda.triton.chunk16 import C16Config  # noqa: E402
 from k3.ops.kda.triton.chunk_fwd import FwdConfig  # noqa: E402
 from k3.ops.kda.triton.decode_gluon import GluonDecodeConfig  # noqa: E402
+from k3.ops.kda.triton.prep_gluon import GluonPrepConfig  # noqa: E402
 from k3.ops.kda.triton.fused_recurrent import DecodeConfig  # noqa: E402
 from k3.ops.kda.triton.span import SplitConfig  # noqa: E402
 from k3.utils import overridden_attrs  # noqa: E402
 
 CLASSES = {c.__name__: c for c in (FwdConfig, C16Config, BwdConfig, SplitConfig, DecodeConfig, GluonDecodeConfig,
-                                    CPConfig)}
+                                    GluonPrepConfig, CPConfig)}
 CASES = {"prefill32": (1, 1 << 20, 32, False), "prefill8": (1, 1 << 20, 8, False),
          "train": (8, 4096, 32, True), "train32k": (1, 32768, 32, True), "decode": (64, 1, 32, False)}
 

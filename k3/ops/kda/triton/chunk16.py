@@ -47,6 +47,7 @@ from k3.ops.kda.triton._common import (
     dot_precision,
     next_pow2,
 )
+from k3.ops.kda.triton import prep_gluon
 from k3.ops.kda.triton.chunk_fwd import _inv16, state_stages
 from k3.ops.kda.triton.chunk_prep import _inv_pow, _op, _rows_beta
 
@@ -485,6 +486,11 @@ def launch_c16_prep(q, k, v, g, beta, A_log, dt_bias, bufs: dict, tab: ChunkTabl
                     lower_bound, flags: dict) -> None:
     _, _, H, K = q.shape
     V = v.shape[-1]
+    fast = bool(C16Config.prep_fast_gate) and lower_bound is not None
+    if prep_gluon.usable(q, K, V, flags, lower_bound, _inv_prec(flags, lower_bound), _mode(), _u_form()[1],
+                         _probe_ring(), bool(C16Config.prep_head_major), fast):
+        prep_gluon.launch_prep_gluon(q, k, v, g, beta, A_log, dt_bias, bufs, tab, c0, n, scale, lower_bound, BT, BC)
+        return
     BK = bufs["X"].shape[-1]
     dummy = bufs["GAM"]
     grid = (H, n * (BT // BC)) if C16Config.prep_head_major else (n * (BT // BC), H)
@@ -496,7 +502,7 @@ def launch_c16_prep(q, k, v, g, beta, A_log, dt_bias, bufs: dict, tab: ChunkTabl
         BT=BT, BC=BC, BK=BK, BVP=next_pow2(V), USE_GATE=flags["use_gate"], HAS_LB=lower_bound is not None,
         HAS_A=A_log is not None, HAS_DT=dt_bias is not None, L2NORM=flags["l2norm"],
         BETA_SIGMOID=flags["beta_sigmoid"], IS_VARLEN=tab.varlen,
-        FAST_GATE=bool(C16Config.prep_fast_gate) and lower_bound is not None, PREC=dot_precision(q.dtype),
+        FAST_GATE=fast, PREC=dot_precision(q.dtype),
         AB_BF16=q.dtype == torch.bfloat16, MODE=_mode(), INV_POW=bool(C16Config.prep_inv_pow),
         INV_PREC=_inv_prec(flags, lower_bound), HEAD_MAJOR=bool(C16Config.prep_head_major),
         EARLY_LOADS=bool(C16Config.prep_early_loads), U_RM=_u_form()[1], RING=_probe_ring(),
