@@ -41,32 +41,45 @@ if HAVE_GLUON:
         return a + b
 
     @gluon.jit
-    def _mm16(a, b, MMA: gl.constexpr):
-        """[16, 16] · [16, 16] fp32 at ~fp32 accuracy on fp16 tensor cores: hi·lo + lo·hi + hi·hi (``_mm_acc``'s
-        'fp16x3'; the inverse's partial products stay inside fp16's range for the K3 flags)."""
-        DA: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
-        DB: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
-        a_hi = a.to(gl.float16)
-        a_lo = (a - a_hi.to(gl.float32)).to(gl.float16)
-        b_hi = b.to(gl.float16)
-        b_lo = (b - b_hi.to(gl.float32)).to(gl.float16)
-        a_hi = gl.convert_layout(a_hi, DA)
-        b_hi = gl.convert_layout(b_hi, DB)
-        acc = mma_v2(a_hi, gl.convert_layout(b_lo, DB), gl.zeros([16, 16], gl.float32, layout=MMA))
-        acc = mma_v2(gl.convert_layout(a_lo, DA), b_hi, acc)
+    def _split(a, L: gl.constexpr):
+        """fp32 → (hi, lo) fp16 operands in dot-operand layout L (22 significant bits together)."""
+        hi = a.to(gl.float16)
+        lo = (a - hi.to(gl.float32)).to(gl.float16)
+        return gl.convert_layout(hi, L), gl.convert_layout(lo, L)
+
+    @gluon.jit
+    def _mm16(a_hi, a_lo, b_hi, b_lo, MMA: gl.constexpr):
+        """[16, 16] · [16, 16] at ~fp32 accuracy from split operands: hi·lo + lo·hi + hi·hi on fp16 tensor cores
+        (``_mm_acc``'s 'fp16x3'; the inverse's partial products stay inside fp16's range for the K3 flags)."""
+        acc = mma_v2(a_hi, b_lo, gl.zeros([16, 16], gl.float32, layout=MMA))
+        acc = mma_v2(a_lo, b_hi, acc)
         return mma_v2(a_hi, b_hi, acc)
 
     @gluon.jit
     def _inv16(L, o_i, o_j, MMA: gl.constexpr):
-        """(I + L)^{-1} of a strictly lower-triangular [16, 16] block as (I − L)(I + L²)(I + L⁴)(I + L⁸)."""
+        """(I + L)^{-1} of a strictly lower-triangular [16, 16] block as (I − L)(I + L²)(I + L⁴)(I + L⁸), ordered so
+        the chain is four products deep (N⁴ beside D·N², N⁸ beside D·N⁴) and each factor is split and converted
+        into its operand layouts once."""
+        DA: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
+        DB: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
         N = -L
-        N2 = _mm16(N, N, MMA)
-        N4 = _mm16(N2, N2, MMA)
-        N8 = _mm16(N4, N4, MMA)
+        na_h, na_l = _split(N, DA)
+        nb_h, nb_l = _split(N, DB)
+        N2 = _mm16(na_h, na_l, nb_h, nb_l, MMA)
         D = gl.where(o_i[:, None] == o_j[None, :], 1.0, 0.0) + N
-        D = D + _mm16(D, N2, MMA)
-        D = D + _mm16(D, N4, MMA)
-        return D + _mm16(D, N8, MMA)
+        n2a_h, n2a_l = _split(N2, DA)
+        n2b_h, n2b_l = _split(N2, DB)
+        N4 = _mm16(n2a_h, n2a_l, n2b_h, n2b_l, MMA)
+        da_h, da_l = _split(D, DA)
+        D = D + _mm16(da_h, da_l, n2b_h, n2b_l, MMA)
+        n4a_h, n4a_l = _split(N4, DA)
+        n4b_h, n4b_l = _split(N4, DB)
+        N8 = _mm16(n4a_h, n4a_l, n4b_h, n4b_l, MMA)
+        da_h, da_l = _split(D, DA)
+        D = D + _mm16(da_h, da_l, n4b_h, n4b_l, MMA)
+        n8b_h, n8b_l = _split(N8, DB)
+        da_h, da_l = _split(D, DA)
+        return D + _mm16(da_h, da_l, n8b_h, n8b_l, MMA)
 
     @gluon.jit
     def _rnorm(r, o_i, o_j, BC: gl.constexpr, K: gl.constexpr, SH: gl.constexpr, MMA: gl.constexpr,
@@ -121,12 +134,14 @@ if HAVE_GLUON:
         o_s = gl.arange(0, BC, layout=LRr)
         o_k = gl.arange(0, K, layout=LRc)
         m_t = (t0 + o_s) < eos
-        p_in = (t0 + o_s)[:, None] * (H * K) + i_h * K + o_k[None, :]
+        # one int64 scalar base and int32 in-tile offsets shared by the four tensors (same [T, H, K] strides)
+        row0 = t0 * (H * K) + i_h * K
+        p_in = (o_s * (H * K))[:, None] + o_k[None, :]
         m_in = m_t[:, None] & (o_k < K)[None, :]
-        r_g = gl.load(g + p_in, mask=m_in, other=0.)
-        r_k = gl.load(k + p_in, mask=m_in, other=0.)
-        r_q = gl.load(q + p_in, mask=m_in, other=0.)
-        r_v = gl.load(v + p_in, mask=m_in, other=0.)
+        r_g = gl.load(g + row0 + p_in, mask=m_in, other=0.)
+        r_k = gl.load(k + row0 + p_in, mask=m_in, other=0.)
+        r_q = gl.load(q + row0 + p_in, mask=m_in, other=0.)
+        r_v = gl.load(v + row0 + p_in, mask=m_in, other=0.)
         o_i = gl.arange(0, BC, layout=Mr)
         o_j = gl.arange(0, BC, layout=Mc)
         t_i = t0 + o_i
@@ -153,12 +168,12 @@ if HAVE_GLUON:
         # accumulator), not as 16 row sums across all 64 threads (80 shuffles per tile)
         b_k = r_k.to(gl.float32) * _rnorm(r_k, o_i, o_j, BC, K, SH, MMA, LRr)[:, None]
         b_q = r_q.to(gl.float32) * _rnorm(r_q, o_i, o_j, BC, K, SH, MMA, LRr)[:, None]
-        en = gl.exp2(-G)
-        p_kg = (base * BT + blk * BC + o_s)[:, None] * K + o_k[None, :]
-        gl.store(KG + p_kg, (b_k * (gam[None, :] * en)).to(gl.bfloat16))
+        kd = b_k * gl.exp2(-G)
+        p_kg = (o_s * K)[:, None] + o_k[None, :]
+        gl.store(KG + (base * BT + blk * BC) * K + p_kg, (kd * gam[None, :]).to(gl.bfloat16))
         e = gl.exp2(G)
         s_x = gl.allocate_shared_memory(gl.bfloat16, [BC, K], SH, (b_k * e).to(gl.bfloat16))
-        s_kd = gl.allocate_shared_memory(gl.bfloat16, [BC, K], SH, (b_k * en).to(gl.bfloat16))
+        s_kd = gl.allocate_shared_memory(gl.bfloat16, [BC, K], SH, kd.to(gl.bfloat16))
         s_q = gl.allocate_shared_memory(gl.bfloat16, [BC, K], SH, (b_q * e).to(gl.bfloat16))
         s_v = gl.allocate_shared_memory(gl.bfloat16, [BC, K], SH, r_v.to(gl.bfloat16))
 
@@ -185,11 +200,12 @@ if HAVE_GLUON:
         # ---- stores: rows [32 b, 32 b + 16) −W / U, rows [32 b + 16, 32 b + 32) qw / A_qk U
         r_o = gl.arange(0, BC, layout=gl.SliceLayout(1, LS))
         c_o = gl.arange(0, K, layout=gl.SliceLayout(0, LS))
-        p_o = (bidx * (2 * BC) + r_o)[:, None] * K + c_o[None, :]
-        gl.store(X + p_o, s_w.load(LS))
-        gl.store(X + p_o + BC * K, gl.convert_layout(qw.to(gl.bfloat16), LS))
-        gl.store(U + p_o, s_u.load(LS))
-        gl.store(U + p_o + BC * K, gl.convert_layout(au.to(gl.bfloat16), LS))
+        p_o = (r_o * K)[:, None] + c_o[None, :]
+        o0 = bidx * (2 * BC * K)
+        gl.store(X + o0 + p_o, s_w.load(LS))
+        gl.store(X + o0 + BC * K + p_o, gl.convert_layout(qw.to(gl.bfloat16), LS))
+        gl.store(U + o0 + p_o, s_u.load(LS))
+        gl.store(U + o0 + BC * K + p_o, gl.convert_layout(au.to(gl.bfloat16), LS))
 
 
 def usable(q: torch.Tensor, K: int, V: int, flags: dict, lower_bound, inv_prec: str, mode: int, u_rm: bool,
