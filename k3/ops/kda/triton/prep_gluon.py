@@ -28,9 +28,11 @@ if HAVE_GLUON:
 
 
 class GluonPrepConfig:
-    """``enabled``: run the Gluon prep where it applies (see ``usable``)."""
+    """``enabled``: run the Gluon prep where it applies (see ``usable``). ``maxnreg``: register cap (None: the
+    compiler's 168, 6 programs per SM and 3 beside a state-pass program; sm_90 compiles without spills down to 128)."""
 
     enabled = False
+    maxnreg: int | None = None
 
 
 
@@ -227,5 +229,5 @@ def launch_prep_gluon(q, k, v, g, beta, A_log, dt_bias, bufs: dict, tab, c0: int
         bufs["X"], bufs["KG"], bufs["GAM"], bufs["U"], tab.cu, tab.chunk_seq, tab.chunk_off, c0,
         bufs["X"].shape[1], tab.T, tab.NT, H, scale, float(lower_bound),
         K=K, BT=BT, BC=BC, HAS_A=A_log is not None, HAS_DT=dt_bias is not None, IS_VARLEN=tab.varlen,
-        num_warps=2,
+        num_warps=2, **({"maxnreg": int(GluonPrepConfig.maxnreg)} if GluonPrepConfig.maxnreg else {}),
     )
