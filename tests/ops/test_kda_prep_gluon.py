@@ -199,3 +199,19 @@ def test_gluon_prep_compiles_for_sm90_without_spills():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     r = subprocess.run([sys.executable, "-c", _COMPILE], env=env, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0 and "compiled" in r.stdout, r.stderr[-3000:]
+
+
+@gpu
+@pytest.mark.parametrize("case", ["dense", "varlen"])
+def test_gpu_wide_loads(gluon_prep, monkeypatch, case):
+    """``GluonPrepConfig.wide_loads`` (16-byte loads converted into the column layout): the same buffers and the
+    recurrence."""
+    cu = [0, 1, 100, 100, 613, 1000] if case == "varlen" else None
+    x = make_inputs(1000, 3, 128, 128, N=5 if cu else 1, seed=5)
+    ref = _buffers(x, cu, True, monkeypatch)
+    monkeypatch.setattr(pg.GluonPrepConfig, "wide_loads", True)
+    got = _buffers(x, cu, True, monkeypatch)
+    for name in ("X", "U", "KG", "GAM"):
+        assert torch.equal(got[name], ref[name]), name
+    check_rows(x, 2e-2, torch.bfloat16, cu=cu, grad=False)
+    assert gluon_prep
