@@ -138,7 +138,7 @@ def knob_sets(sets: list[tuple[str, dict]], rounds: int) -> list[str]:
     times: dict[str, tuple[list[float], list[float]]] = {n: ([], []) for n, _ in sets}
     for _ in range(rounds):
         for name, knobs in sets:
-            # knobs named gluon_*: GluonPrepConfig's (gluon_prep = its ``enabled``, gluon_wide_loads = ``wide_loads``)
+            # knobs named gluon_*: GluonPrepConfig's (gluon_prep = its ``enabled``, gluon_late_norm = ``late_norm``)
             c16_knobs = {n: v for n, v in knobs.items() if not n.startswith("gluon_")}
             gl_knobs = {("enabled" if n == "gluon_prep" else n[len("gluon_"):]): v for n, v in knobs.items()
                         if n.startswith("gluon_")}

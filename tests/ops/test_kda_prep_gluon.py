@@ -108,6 +108,23 @@ def test_gpu_matches_recurrence(gluon_prep, T, cu, h0):
 
 
 @gpu
+@pytest.mark.parametrize("T,cu", [(1000, None), (1000, [0, 1, 100, 100, 613, 1000])])
+def test_gpu_late_norm(gluon_prep, monkeypatch, T, cu):
+    """``GluonPrepConfig.late_norm`` (the norms through the [16, 16] products and Tβ): the Triton prep's buffers and
+    the recurrence, extremes included."""
+    x = make_inputs(T, 3, 128, 128, N=len(cu) - 1 if cu else 1, seed=11)
+    ref = _buffers(x, cu, False, monkeypatch)
+    monkeypatch.setattr(pg.GluonPrepConfig, "late_norm", True)
+    got = _buffers(x, cu, True, monkeypatch)
+    for name in ("X", "U", "KG", "GAM"):
+        assert not torch.isnan(got[name]).any() and rel(got[name], ref[name]) <= 1e-2, name
+    check_rows(x, 2e-2, torch.bfloat16, cu=cu, grad=False)
+    for kw in EXTREMES.values():
+        check_rows(make_inputs(300, 2, 128, 128, **kw), 2e-2, torch.bfloat16, grad=False)
+    assert gluon_prep
+
+
+@gpu
 @pytest.mark.parametrize("kw", list(EXTREMES.values()), ids=list(EXTREMES))
 def test_gpu_extremes(gluon_prep, kw):
     check_rows(make_inputs(300, 2, 128, 128, **kw), 2e-2, torch.bfloat16, grad=False)
@@ -171,9 +188,9 @@ types.update(A_log="*fp32", dt_bias="*fp32", GAM="*fp32", cu="*i32", chunk_seq="
              NCw="i32", T="i32", NT="i32", H="i32", scale="fp32", lb="fp32")
 sig = {n: types.get(n, "constexpr") for n in fn.arg_names}
 ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
-for varlen in (False, True):
+for varlen, late in ((False, False), (True, False), (False, True)):
     for has_a, has_dt in ((True, True), (False, False)):
-        const = dict(K=128, BT=64, BC=16, HAS_A=has_a, HAS_DT=has_dt, IS_VARLEN=varlen)
+        const = dict(K=128, BT=64, BC=16, HAS_A=has_a, HAS_DT=has_dt, IS_VARLEN=varlen, LATE_NORM=late)
         ptrs = [n for n, t in types.items() if t.startswith("*")]
         src = GluonASTSource(fn, sig, constexprs={(fn.arg_names.index(n),): v for n, v in const.items()},
                              attrs={(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in ptrs})
@@ -200,18 +217,3 @@ def test_gluon_prep_compiles_for_sm90_without_spills():
     r = subprocess.run([sys.executable, "-c", _COMPILE], env=env, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0 and "compiled" in r.stdout, r.stderr[-3000:]
 
-
-@gpu
-@pytest.mark.parametrize("case", ["dense", "varlen"])
-def test_gpu_wide_loads(gluon_prep, monkeypatch, case):
-    """``GluonPrepConfig.wide_loads`` (16-byte loads converted into the column layout): the same buffers and the
-    recurrence."""
-    cu = [0, 1, 100, 100, 613, 1000] if case == "varlen" else None
-    x = make_inputs(1000, 3, 128, 128, N=5 if cu else 1, seed=5)
-    ref = _buffers(x, cu, True, monkeypatch)
-    monkeypatch.setattr(pg.GluonPrepConfig, "wide_loads", True)
-    got = _buffers(x, cu, True, monkeypatch)
-    for name in ("X", "U", "KG", "GAM"):
-        assert torch.equal(got[name], ref[name]), name
-    check_rows(x, 2e-2, torch.bfloat16, cu=cu, grad=False)
-    assert gluon_prep

@@ -33,7 +33,9 @@ class GluonPrepConfig:
 
     enabled = False
     maxnreg: int | None = None
-    wide_loads = False  # g, k, q by 16-byte loads converted into the column layout (else 4-byte loads straight in)
+    # the L2 norms applied through the [16, 16] products and Tβ instead of to the [16, 128] tiles, so the norm's
+    # product runs beside A_kk rather than before it
+    late_norm = False
 
 
 
@@ -85,10 +87,19 @@ if HAVE_GLUON:
         return D + _mm16(da_h, da_l, n8b_h, n8b_l, MMA)
 
     @gluon.jit
-    def _rnorm(r, o_i, o_j, BC: gl.constexpr, K: gl.constexpr, SH: gl.constexpr, MMA: gl.constexpr):
-        """1 / sqrt(Σ_d r_d² + 1e-6) per row of a bf16 [BC, K] tile from the diagonal of r rᵀ on the tensor cores
-        (bf16 products are exact in the fp32 accumulator; no row sums across all 64 threads): as rows (the MMA
-        layout's row slice) and as columns (its column slice)."""
+    def _rnorm(r, o_i, o_j, BC: gl.constexpr, K: gl.constexpr, SH: gl.constexpr, MMA: gl.constexpr,
+               LRr: gl.constexpr):
+        """1 / sqrt(Σ_d r_d² + 1e-6) per row of a bf16 [BC, K] tile, in the rows' slice of LR."""
+        DA: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
+        DB: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
+        s = gl.allocate_shared_memory(gl.bfloat16, [BC, K], SH, r.to(gl.bfloat16))
+        P = mma_v2(s.load(DA), s.permute((1, 0)).load(DB), gl.zeros([BC, BC], gl.float32, layout=MMA))
+        ss = gl.sum(gl.where(o_i[:, None] == o_j[None, :], P, 0.), axis=1)
+        return gl.convert_layout(gl.rsqrt(ss + 1e-6), LRr)
+
+    @gluon.jit
+    def _rnorm2(r, o_i, o_j, BC: gl.constexpr, K: gl.constexpr, SH: gl.constexpr, MMA: gl.constexpr):
+        """``_rnorm`` in the MMA layout's slices: as rows and as columns (for scaling [16, 16] products)."""
         DA: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
         DB: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
         s = gl.allocate_shared_memory(gl.bfloat16, [BC, K], SH, r.to(gl.bfloat16))
@@ -101,7 +112,7 @@ if HAVE_GLUON:
         q, k, v, g, beta, A_log, dt_bias, X, KG, GAM, U,
         cu, chunk_seq, chunk_off, c0, NCw, T, NT, H, scale, lb,
         K: gl.constexpr, BT: gl.constexpr, BC: gl.constexpr, HAS_A: gl.constexpr, HAS_DT: gl.constexpr,
-        IS_VARLEN: gl.constexpr, WIDE_LOADS: gl.constexpr = False,
+        IS_VARLEN: gl.constexpr, LATE_NORM: gl.constexpr = False,
     ):
         """Grid (blocks of the window, H): one 16-token block of one head per program, 2 warps."""
         # a thread holds all 16 rows of 2 adjacent columns: the gate's cumsum and γ never leave it
@@ -142,20 +153,10 @@ if HAVE_GLUON:
         row0 = t0 * (H * K) + i_h * K
         p_in = (o_s * (H * K))[:, None] + o_k[None, :]
         m_in = m_t[:, None] & (o_k < K)[None, :]
-        # v only goes to shared memory: 16-byte loads in the store layout LS
-        s_ro = gl.arange(0, BC, layout=gl.SliceLayout(1, LS))
-        s_co = gl.arange(0, K, layout=gl.SliceLayout(0, LS))
-        p_w = (s_ro * (H * K))[:, None] + s_co[None, :]
-        m_w = ((t0 + s_ro) < eos)[:, None] & (s_co < K)[None, :]
-        r_v = gl.load(v + row0 + p_w, mask=m_w, other=0.)
-        if WIDE_LOADS:  # 16-byte loads, then into LR through shared memory
-            r_g = gl.convert_layout(gl.load(g + row0 + p_w, mask=m_w, other=0.), LR)
-            r_k = gl.convert_layout(gl.load(k + row0 + p_w, mask=m_w, other=0.), LR)
-            r_q = gl.convert_layout(gl.load(q + row0 + p_w, mask=m_w, other=0.), LR)
-        else:  # 4-byte loads straight into LR (each warp instruction still reads a row's 128 contiguous bytes)
-            r_g = gl.load(g + row0 + p_in, mask=m_in, other=0.)
-            r_k = gl.load(k + row0 + p_in, mask=m_in, other=0.)
-            r_q = gl.load(q + row0 + p_in, mask=m_in, other=0.)
+        r_g = gl.load(g + row0 + p_in, mask=m_in, other=0.)
+        r_k = gl.load(k + row0 + p_in, mask=m_in, other=0.)
+        r_q = gl.load(q + row0 + p_in, mask=m_in, other=0.)
+        r_v = gl.load(v + row0 + p_in, mask=m_in, other=0.)
         o_i = gl.arange(0, BC, layout=Mr)
         o_j = gl.arange(0, BC, layout=Mc)
         t_i = t0 + o_i
@@ -178,44 +179,70 @@ if HAVE_GLUON:
         gam = gl.exp2(gl.sum(b_g, axis=0))
         gl.store(GAM + bidx * K + o_k, gam)
 
-        # ---- the operands before the L2 norms (bf16 rounding is relative: normalising later changes nothing);
-        # the norms (``_rnorm``) scale the [16, 16] products and Tβ instead, off the A_kk → inverse chain
-        kd = r_k.to(gl.float32) * gl.exp2(-G)
-        e = gl.exp2(G)
-        s_x = gl.allocate_shared_memory(gl.bfloat16, [BC, K], SH, (r_k.to(gl.float32) * e).to(gl.bfloat16))
-        s_kd = gl.allocate_shared_memory(gl.bfloat16, [BC, K], SH, kd.to(gl.bfloat16))
-        s_q = gl.allocate_shared_memory(gl.bfloat16, [BC, K], SH, (r_q.to(gl.float32) * e).to(gl.bfloat16))
-        s_v = gl.allocate_shared_memory(gl.bfloat16, [BC, K], SH, r_v.to(gl.bfloat16))
-        rk_i, rk_j = _rnorm(r_k, o_i, o_j, BC, K, SH, MMA)
-        rq_i, _ = _rnorm(r_q, o_i, o_j, BC, K, SH, MMA)
+        if LATE_NORM:
+            # ---- the operands before the L2 norms (bf16 rounding is relative: normalising later changes nothing);
+            # the norms scale the [16, 16] products and Tβ instead, off the A_kk → inverse chain
+            kd = r_k.to(gl.float32) * gl.exp2(-G)
+            e = gl.exp2(G)
+            s_x = gl.allocate_shared_memory(gl.bfloat16, [BC, K], SH, (r_k.to(gl.float32) * e).to(gl.bfloat16))
+            s_kd = gl.allocate_shared_memory(gl.bfloat16, [BC, K], SH, kd.to(gl.bfloat16))
+            s_q = gl.allocate_shared_memory(gl.bfloat16, [BC, K], SH, (r_q.to(gl.float32) * e).to(gl.bfloat16))
+            s_v = gl.allocate_shared_memory(gl.bfloat16, [BC, K], SH, r_v.to(gl.bfloat16))
+            rk_i, rk_j = _rnorm2(r_k, o_i, o_j, BC, K, SH, MMA)
+            rq_i, _ = _rnorm2(r_q, o_i, o_j, BC, K, SH, MMA)
+            kdt = s_kd.permute((1, 0)).load(DB)
+            z16 = gl.zeros([BC, BC], gl.float32, layout=MMA)
+            ak = mma_v2(s_x.load(DA), kdt, z16) * (rk_i[:, None] * rk_j[None, :])
+            aq = mma_v2(s_q.load(DA), kdt, z16) * ((rq_i * scale)[:, None] * rk_j[None, :])
+            aq = gl.where(o_i[:, None] >= o_j[None, :], aq, 0.)
+            lk = gl.where(o_i[:, None] > o_j[None, :], ak * b_bi[:, None], 0.)
+            tm = _inv16(lk, o_i, o_j, MMA)
+            tbx = gl.convert_layout((tm * (b_bj * rk_j)[None, :]).to(gl.bfloat16), DA)
+            tba = gl.convert_layout((tm * b_bj[None, :]).to(gl.bfloat16), DA)
+            p_kg = (o_s * K)[:, None] + o_k[None, :]
+            rk_r = gl.convert_layout(rk_i, LRr)
+            gl.store(KG + (base * BT + blk * BC) * K + p_kg, (kd * (rk_r[:, None] * gam[None, :])).to(gl.bfloat16))
+            qs = (rq_i * scale)[:, None]
+        else:
+            # ---- L2 norms: Σ_d k_d² as the diagonal of k kᵀ on the tensor cores (bf16 products are exact in the fp32
+            # accumulator), not as 16 row sums across all 64 threads (80 shuffles per tile)
+            b_k = r_k.to(gl.float32) * _rnorm(r_k, o_i, o_j, BC, K, SH, MMA, LRr)[:, None]
+            b_q = r_q.to(gl.float32) * _rnorm(r_q, o_i, o_j, BC, K, SH, MMA, LRr)[:, None]
+            kd = b_k * gl.exp2(-G)
+            p_kg = (o_s * K)[:, None] + o_k[None, :]
+            gl.store(KG + (base * BT + blk * BC) * K + p_kg, (kd * gam[None, :]).to(gl.bfloat16))
+            e = gl.exp2(G)
+            s_x = gl.allocate_shared_memory(gl.bfloat16, [BC, K], SH, (b_k * e).to(gl.bfloat16))
+            s_kd = gl.allocate_shared_memory(gl.bfloat16, [BC, K], SH, kd.to(gl.bfloat16))
+            s_q = gl.allocate_shared_memory(gl.bfloat16, [BC, K], SH, (b_q * e).to(gl.bfloat16))
+            s_v = gl.allocate_shared_memory(gl.bfloat16, [BC, K], SH, r_v.to(gl.bfloat16))
 
-        # ---- A_kk, A_qk (scale·, causal), T = (I + β A_kk)^{-1}; Tβ for U, Tβ·Diag(1/|k|) for W
-        kdt = s_kd.permute((1, 0)).load(DB)
-        z16 = gl.zeros([BC, BC], gl.float32, layout=MMA)
-        ak = mma_v2(s_x.load(DA), kdt, z16) * (rk_i[:, None] * rk_j[None, :])
-        aq = mma_v2(s_q.load(DA), kdt, z16) * ((rq_i * scale)[:, None] * rk_j[None, :])
-        aq = gl.where(o_i[:, None] >= o_j[None, :], aq, 0.)
-        lk = gl.where(o_i[:, None] > o_j[None, :], ak * b_bi[:, None], 0.)
-        tm = _inv16(lk, o_i, o_j, MMA)
-        tbx = gl.convert_layout((tm * (b_bj * rk_j)[None, :]).to(gl.bfloat16), DA)
-        tbv = gl.convert_layout((tm * b_bj[None, :]).to(gl.bfloat16), DA)
-        # kg = k̂ e^{G_C − G}: off the chain, stored once the norms are known
-        p_kg = (o_s * K)[:, None] + o_k[None, :]
-        rk_r = gl.convert_layout(rk_i, LRr)
-        gl.store(KG + (base * BT + blk * BC) * K + p_kg, (kd * (rk_r[:, None] * gam[None, :])).to(gl.bfloat16))
+            # ---- A_kk, A_qk (scale·, causal), T = (I + β A_kk)^{-1}, Tβ
+            kdt = s_kd.permute((1, 0)).load(DB)
+            z16 = gl.zeros([BC, BC], gl.float32, layout=MMA)
+            ak = mma_v2(s_x.load(DA), kdt, z16)
+            aq = mma_v2(s_q.load(DA), kdt, z16)
+            aq = gl.where(o_i[:, None] >= o_j[None, :], aq, 0.) * scale
+            lk = gl.where(o_i[:, None] > o_j[None, :], ak * b_bi[:, None], 0.)
+            tb = _inv16(lk, o_i, o_j, MMA) * b_bj[None, :]
+            tba = gl.convert_layout(tb.to(gl.bfloat16), DA)
 
+            tbx = tba
+            qs = scale
         # ---- W = Tβ X, U = Tβ v; qw = qg − A_qk W, A_qk U
         zk = gl.zeros([BC, K], gl.float32, layout=MMA)
         w = mma_v2(tbx, s_x.load(DB), zk)
-        u = mma_v2(tbv, s_v.load(DB), zk).to(gl.bfloat16)
+        u = mma_v2(tba, s_v.load(DB), zk).to(gl.bfloat16)
         s_w = gl.allocate_shared_memory(gl.bfloat16, [BC, K], SH, (-(w.to(gl.bfloat16))))
         s_u = gl.allocate_shared_memory(gl.bfloat16, [BC, K], SH, u)
         aqa = gl.convert_layout(aq.to(gl.bfloat16), DA)
-        qw = mma_v2(aqa, s_w.load(DB), s_q.load(MMA).to(gl.float32) * (rq_i * scale)[:, None])
+        qw = mma_v2(aqa, s_w.load(DB), s_q.load(MMA).to(gl.float32) * qs)
         au = mma_v2(aqa, s_u.load(DB), zk)
 
         # ---- stores: rows [32 b, 32 b + 16) −W / U, rows [32 b + 16, 32 b + 32) qw / A_qk U
-        p_o = (s_ro * K)[:, None] + s_co[None, :]
+        r_o = gl.arange(0, BC, layout=gl.SliceLayout(1, LS))
+        c_o = gl.arange(0, K, layout=gl.SliceLayout(0, LS))
+        p_o = (r_o * K)[:, None] + c_o[None, :]
         o0 = bidx * (2 * BC * K)
         gl.store(X + o0 + p_o, s_w.load(LS))
         gl.store(X + o0 + BC * K + p_o, gl.convert_layout(qw.to(gl.bfloat16), LS))
@@ -242,6 +269,6 @@ def launch_prep_gluon(q, k, v, g, beta, A_log, dt_bias, bufs: dict, tab, c0: int
         bufs["X"], bufs["KG"], bufs["GAM"], bufs["U"], tab.cu, tab.chunk_seq, tab.chunk_off, c0,
         bufs["X"].shape[1], tab.T, tab.NT, H, scale, float(lower_bound),
         K=K, BT=BT, BC=BC, HAS_A=A_log is not None, HAS_DT=dt_bias is not None, IS_VARLEN=tab.varlen,
-        WIDE_LOADS=bool(GluonPrepConfig.wide_loads),
+        LATE_NORM=bool(GluonPrepConfig.late_norm),
         num_warps=2, **({"maxnreg": int(GluonPrepConfig.maxnreg)} if GluonPrepConfig.maxnreg else {}),
     )
