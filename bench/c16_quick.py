@@ -138,12 +138,12 @@ def knob_sets(sets: list[tuple[str, dict]], rounds: int) -> list[str]:
     times: dict[str, tuple[list[float], list[float]]] = {n: ([], []) for n, _ in sets}
     for _ in range(rounds):
         for name, knobs in sets:
-            # knobs named gluon_*: GluonPrepConfig's (gluon_prep = its ``enabled``, gluon_late_norm = ``late_norm``)
+            # knobs named gluon_*: GluonPrepConfig's (gluon_prep = its ``enabled``, gluon_maxnreg = ``maxnreg``)
             c16_knobs = {n: v for n, v in knobs.items() if not n.startswith("gluon_")}
             gl_knobs = {("enabled" if n == "gluon_prep" else n[len("gluon_"):]): v for n, v in knobs.items()
                         if n.startswith("gluon_")}
             with overridden_attrs(c16.C16Config, **c16_knobs), \
-                    overridden_attrs(prep_gluon.GluonPrepConfig, **{"enabled": False, **gl_knobs}):
+                    overridden_attrs(prep_gluon.GluonPrepConfig, **{"enabled": False, **gl_knobs}):  # off unless named
                 bufs = c16.alloc_c16_buffers(H, tab.NC, 128, 128, torch.bfloat16, x["q"].device)  # per mode
                 def prep():
                     c16.launch_c16_prep(x["q"], x["k"], x["v"], x["g"], x["beta"], x["A"], x["dt"], bufs, tab, 0,

@@ -1,4 +1,5 @@
-"""The Gluon prep of the 16-token flow (``k3/ops/kda/triton/prep_gluon.py``, ``GluonPrepConfig.enabled``).
+"""The Gluon prep of the 16-token flow (``k3/ops/kda/triton/prep_gluon.py``, ``GluonPrepConfig.enabled``, on by
+default for the K3 setting on CUDA).
 
 GPU (skipped without CUDA): its window buffers against the Triton prep's on the same inputs (dense, varlen with
 empty and one-token sequences, extreme gates and β), and ``chunk_kda`` through it against the fp64 recurrence (odd
@@ -108,20 +109,13 @@ def test_gpu_matches_recurrence(gluon_prep, T, cu, h0):
 
 
 @gpu
-@pytest.mark.parametrize("T,cu", [(1000, None), (1000, [0, 1, 100, 100, 613, 1000])])
-def test_gpu_late_norm(gluon_prep, monkeypatch, T, cu):
-    """``GluonPrepConfig.late_norm`` (the norms through the [16, 16] products and Tβ): the Triton prep's buffers and
-    the recurrence, extremes included."""
-    x = make_inputs(T, 3, 128, 128, N=len(cu) - 1 if cu else 1, seed=11)
-    ref = _buffers(x, cu, False, monkeypatch)
-    monkeypatch.setattr(pg.GluonPrepConfig, "late_norm", True)
-    got = _buffers(x, cu, True, monkeypatch)
-    for name in ("X", "U", "KG", "GAM"):
-        assert not torch.isnan(got[name]).any() and rel(got[name], ref[name]) <= 1e-2, name
-    check_rows(x, 2e-2, torch.bfloat16, cu=cu, grad=False)
-    for kw in EXTREMES.values():
-        check_rows(make_inputs(300, 2, 128, 128, **kw), 2e-2, torch.bfloat16, grad=False)
-    assert gluon_prep
+@pytest.mark.parametrize("cu", [None, [0, 1, 100, 100, 613, 1000]])
+def test_gpu_triton_prep_still_matches_recurrence(gluon_prep, monkeypatch, cu):
+    """With the Gluon prep off, the K3 calls take the Triton prep again (the fallback for every other setting)."""
+    monkeypatch.setattr(pg.GluonPrepConfig, "enabled", False)
+    check_rows(make_inputs(1000, 3, 128, 128, N=len(cu) - 1 if cu else 1, seed=13), 2e-2, torch.bfloat16, cu=cu,
+               grad=False)
+    assert not gluon_prep
 
 
 @gpu
@@ -188,9 +182,9 @@ types.update(A_log="*fp32", dt_bias="*fp32", GAM="*fp32", cu="*i32", chunk_seq="
              NCw="i32", T="i32", NT="i32", H="i32", scale="fp32", lb="fp32")
 sig = {n: types.get(n, "constexpr") for n in fn.arg_names}
 ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
-for varlen, late in ((False, False), (True, False), (False, True)):
+for varlen in (False, True):
     for has_a, has_dt in ((True, True), (False, False)):
-        const = dict(K=128, BT=64, BC=16, HAS_A=has_a, HAS_DT=has_dt, IS_VARLEN=varlen, LATE_NORM=late)
+        const = dict(K=128, BT=64, BC=16, HAS_A=has_a, HAS_DT=has_dt, IS_VARLEN=varlen)
         ptrs = [n for n, t in types.items() if t.startswith("*")]
         src = GluonASTSource(fn, sig, constexprs={(fn.arg_names.index(n),): v for n, v in const.items()},
                              attrs={(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in ptrs})

@@ -28,15 +28,18 @@ if HAVE_GLUON:
 
 
 class GluonPrepConfig:
-    """``enabled``: run the Gluon prep where it applies (see ``usable``). ``maxnreg``: register cap (None: the
-    compiler's 168, 6 programs per SM and 3 beside a state-pass program; sm_90 compiles without spills down to 128)."""
+    """Knobs of the Gluon prep.
 
-    enabled = False
+    - ``enabled``: run it where it applies (see ``usable``). H200, B=1 T=1M per 1M tokens at H=32 (same process,
+      ``bench/c16_quick.py``): 22.5–22.7 ms against the Triton prep's 24.8; the prefill (``bench/knob_ab.py``)
+      38.3–39.7 against 40.6–44.2 (NOTES_kda.md v20).
+    - ``maxnreg``: register cap (None: the compiler's 168, 6 programs per SM and 3 beside a state-pass program;
+      sm_90 compiles without spills down to 128, but caps of 128 / 144 measured 41.7–43.0 / 39.8–42.1 against
+      37.7–40.7 for the prefill).
+    """
+
+    enabled = True
     maxnreg: int | None = None
-    # the L2 norms applied through the [16, 16] products and Tβ instead of to the [16, 128] tiles, so the norm's
-    # product runs beside A_kk rather than before it
-    late_norm = False
-
 
 
 if HAVE_GLUON:
@@ -98,21 +101,11 @@ if HAVE_GLUON:
         return gl.convert_layout(gl.rsqrt(ss + 1e-6), LRr)
 
     @gluon.jit
-    def _rnorm2(r, o_i, o_j, BC: gl.constexpr, K: gl.constexpr, SH: gl.constexpr, MMA: gl.constexpr):
-        """``_rnorm`` in the MMA layout's slices: as rows and as columns (for scaling [16, 16] products)."""
-        DA: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
-        DB: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
-        s = gl.allocate_shared_memory(gl.bfloat16, [BC, K], SH, r.to(gl.bfloat16))
-        P = mma_v2(s.load(DA), s.permute((1, 0)).load(DB), gl.zeros([BC, BC], gl.float32, layout=MMA))
-        P = gl.where(o_i[:, None] == o_j[None, :], P, 0.)
-        return gl.rsqrt(gl.sum(P, axis=1) + 1e-6), gl.rsqrt(gl.sum(P, axis=0) + 1e-6)
-
-    @gluon.jit
     def _c16_prep_gluon(
         q, k, v, g, beta, A_log, dt_bias, X, KG, GAM, U,
         cu, chunk_seq, chunk_off, c0, NCw, T, NT, H, scale, lb,
         K: gl.constexpr, BT: gl.constexpr, BC: gl.constexpr, HAS_A: gl.constexpr, HAS_DT: gl.constexpr,
-        IS_VARLEN: gl.constexpr, LATE_NORM: gl.constexpr = False,
+        IS_VARLEN: gl.constexpr,
     ):
         """Grid (blocks of the window, H): one 16-token block of one head per program, 2 warps."""
         # a thread holds all 16 rows of 2 adjacent columns: the gate's cumsum and γ never leave it
@@ -179,64 +172,37 @@ if HAVE_GLUON:
         gam = gl.exp2(gl.sum(b_g, axis=0))
         gl.store(GAM + bidx * K + o_k, gam)
 
-        if LATE_NORM:
-            # ---- the operands before the L2 norms (bf16 rounding is relative: normalising later changes nothing);
-            # the norms scale the [16, 16] products and Tβ instead, off the A_kk → inverse chain
-            kd = r_k.to(gl.float32) * gl.exp2(-G)
-            e = gl.exp2(G)
-            s_x = gl.allocate_shared_memory(gl.bfloat16, [BC, K], SH, (r_k.to(gl.float32) * e).to(gl.bfloat16))
-            s_kd = gl.allocate_shared_memory(gl.bfloat16, [BC, K], SH, kd.to(gl.bfloat16))
-            s_q = gl.allocate_shared_memory(gl.bfloat16, [BC, K], SH, (r_q.to(gl.float32) * e).to(gl.bfloat16))
-            s_v = gl.allocate_shared_memory(gl.bfloat16, [BC, K], SH, r_v.to(gl.bfloat16))
-            rk_i, rk_j = _rnorm2(r_k, o_i, o_j, BC, K, SH, MMA)
-            rq_i, _ = _rnorm2(r_q, o_i, o_j, BC, K, SH, MMA)
-            kdt = s_kd.permute((1, 0)).load(DB)
-            z16 = gl.zeros([BC, BC], gl.float32, layout=MMA)
-            ak = mma_v2(s_x.load(DA), kdt, z16) * (rk_i[:, None] * rk_j[None, :])
-            aq = mma_v2(s_q.load(DA), kdt, z16) * ((rq_i * scale)[:, None] * rk_j[None, :])
-            aq = gl.where(o_i[:, None] >= o_j[None, :], aq, 0.)
-            lk = gl.where(o_i[:, None] > o_j[None, :], ak * b_bi[:, None], 0.)
-            tm = _inv16(lk, o_i, o_j, MMA)
-            tbx = gl.convert_layout((tm * (b_bj * rk_j)[None, :]).to(gl.bfloat16), DA)
-            tba = gl.convert_layout((tm * b_bj[None, :]).to(gl.bfloat16), DA)
-            p_kg = (o_s * K)[:, None] + o_k[None, :]
-            rk_r = gl.convert_layout(rk_i, LRr)
-            gl.store(KG + (base * BT + blk * BC) * K + p_kg, (kd * (rk_r[:, None] * gam[None, :])).to(gl.bfloat16))
-            qs = (rq_i * scale)[:, None]
-        else:
-            # ---- L2 norms: Σ_d k_d² as the diagonal of k kᵀ on the tensor cores (bf16 products are exact in the fp32
-            # accumulator), not as 16 row sums across all 64 threads (80 shuffles per tile)
-            b_k = r_k.to(gl.float32) * _rnorm(r_k, o_i, o_j, BC, K, SH, MMA, LRr)[:, None]
-            b_q = r_q.to(gl.float32) * _rnorm(r_q, o_i, o_j, BC, K, SH, MMA, LRr)[:, None]
-            kd = b_k * gl.exp2(-G)
-            p_kg = (o_s * K)[:, None] + o_k[None, :]
-            gl.store(KG + (base * BT + blk * BC) * K + p_kg, (kd * gam[None, :]).to(gl.bfloat16))
-            e = gl.exp2(G)
-            s_x = gl.allocate_shared_memory(gl.bfloat16, [BC, K], SH, (b_k * e).to(gl.bfloat16))
-            s_kd = gl.allocate_shared_memory(gl.bfloat16, [BC, K], SH, kd.to(gl.bfloat16))
-            s_q = gl.allocate_shared_memory(gl.bfloat16, [BC, K], SH, (b_q * e).to(gl.bfloat16))
-            s_v = gl.allocate_shared_memory(gl.bfloat16, [BC, K], SH, r_v.to(gl.bfloat16))
+        # ---- L2 norms: Σ_d k_d² as the diagonal of k kᵀ on the tensor cores (bf16 products are exact in the fp32
+        # accumulator), not as 16 row sums across all 64 threads (80 shuffles per tile)
+        b_k = r_k.to(gl.float32) * _rnorm(r_k, o_i, o_j, BC, K, SH, MMA, LRr)[:, None]
+        b_q = r_q.to(gl.float32) * _rnorm(r_q, o_i, o_j, BC, K, SH, MMA, LRr)[:, None]
+        kd = b_k * gl.exp2(-G)
+        p_kg = (o_s * K)[:, None] + o_k[None, :]
+        gl.store(KG + (base * BT + blk * BC) * K + p_kg, (kd * gam[None, :]).to(gl.bfloat16))
+        e = gl.exp2(G)
+        s_x = gl.allocate_shared_memory(gl.bfloat16, [BC, K], SH, (b_k * e).to(gl.bfloat16))
+        s_kd = gl.allocate_shared_memory(gl.bfloat16, [BC, K], SH, kd.to(gl.bfloat16))
+        s_q = gl.allocate_shared_memory(gl.bfloat16, [BC, K], SH, (b_q * e).to(gl.bfloat16))
+        s_v = gl.allocate_shared_memory(gl.bfloat16, [BC, K], SH, r_v.to(gl.bfloat16))
 
-            # ---- A_kk, A_qk (scale·, causal), T = (I + β A_kk)^{-1}, Tβ
-            kdt = s_kd.permute((1, 0)).load(DB)
-            z16 = gl.zeros([BC, BC], gl.float32, layout=MMA)
-            ak = mma_v2(s_x.load(DA), kdt, z16)
-            aq = mma_v2(s_q.load(DA), kdt, z16)
-            aq = gl.where(o_i[:, None] >= o_j[None, :], aq, 0.) * scale
-            lk = gl.where(o_i[:, None] > o_j[None, :], ak * b_bi[:, None], 0.)
-            tb = _inv16(lk, o_i, o_j, MMA) * b_bj[None, :]
-            tba = gl.convert_layout(tb.to(gl.bfloat16), DA)
+        # ---- A_kk, A_qk (scale·, causal), T = (I + β A_kk)^{-1}, Tβ
+        kdt = s_kd.permute((1, 0)).load(DB)
+        z16 = gl.zeros([BC, BC], gl.float32, layout=MMA)
+        ak = mma_v2(s_x.load(DA), kdt, z16)
+        aq = mma_v2(s_q.load(DA), kdt, z16)
+        aq = gl.where(o_i[:, None] >= o_j[None, :], aq, 0.) * scale
+        lk = gl.where(o_i[:, None] > o_j[None, :], ak * b_bi[:, None], 0.)
+        tb = _inv16(lk, o_i, o_j, MMA) * b_bj[None, :]
+        tba = gl.convert_layout(tb.to(gl.bfloat16), DA)
 
-            tbx = tba
-            qs = scale
         # ---- W = Tβ X, U = Tβ v; qw = qg − A_qk W, A_qk U
         zk = gl.zeros([BC, K], gl.float32, layout=MMA)
-        w = mma_v2(tbx, s_x.load(DB), zk)
+        w = mma_v2(tba, s_x.load(DB), zk)
         u = mma_v2(tba, s_v.load(DB), zk).to(gl.bfloat16)
         s_w = gl.allocate_shared_memory(gl.bfloat16, [BC, K], SH, (-(w.to(gl.bfloat16))))
         s_u = gl.allocate_shared_memory(gl.bfloat16, [BC, K], SH, u)
         aqa = gl.convert_layout(aq.to(gl.bfloat16), DA)
-        qw = mma_v2(aqa, s_w.load(DB), s_q.load(MMA).to(gl.float32) * qs)
+        qw = mma_v2(aqa, s_w.load(DB), s_q.load(MMA).to(gl.float32) * scale)
         au = mma_v2(aqa, s_u.load(DB), zk)
 
         # ---- stores: rows [32 b, 32 b + 16) −W / U, rows [32 b + 16, 32 b + 32) qw / A_qk U
@@ -269,6 +235,5 @@ def launch_prep_gluon(q, k, v, g, beta, A_log, dt_bias, bufs: dict, tab, c0: int
         bufs["X"], bufs["KG"], bufs["GAM"], bufs["U"], tab.cu, tab.chunk_seq, tab.chunk_off, c0,
         bufs["X"].shape[1], tab.T, tab.NT, H, scale, float(lower_bound),
         K=K, BT=BT, BC=BC, HAS_A=A_log is not None, HAS_DT=dt_bias is not None, IS_VARLEN=tab.varlen,
-        LATE_NORM=bool(GluonPrepConfig.late_norm),
         num_warps=2, **({"maxnreg": int(GluonPrepConfig.maxnreg)} if GluonPrepConfig.maxnreg else {}),
     )
