@@ -119,23 +119,6 @@ def test_gpu_triton_prep_still_matches_recurrence(gluon_prep, monkeypatch, cu):
 
 
 @gpu
-@pytest.mark.parametrize("cu", [None, [0, 1, 100, 100, 613, 1000]])
-def test_gpu_qw_from_x(gluon_prep, monkeypatch, cu):
-    """``GluonPrepConfig.qw_from_x`` (qw, A_qk U from A_qk Tβ and the staged X, v): the Triton prep's buffers, the
-    recurrence, the extremes."""
-    x = make_inputs(1000, 3, 128, 128, N=len(cu) - 1 if cu else 1, seed=17)
-    ref = _buffers(x, cu, False, monkeypatch)
-    monkeypatch.setattr(pg.GluonPrepConfig, "qw_from_x", True)
-    got = _buffers(x, cu, True, monkeypatch)
-    for name in ("X", "U", "KG", "GAM"):
-        assert not torch.isnan(got[name]).any() and rel(got[name], ref[name]) <= 1e-2, name
-    check_rows(x, 2e-2, torch.bfloat16, cu=cu, grad=False)
-    for kw in EXTREMES.values():
-        check_rows(make_inputs(300, 2, 128, 128, **kw), 2e-2, torch.bfloat16, grad=False)
-    assert gluon_prep
-
-
-@gpu
 @pytest.mark.parametrize("kw", list(EXTREMES.values()), ids=list(EXTREMES))
 def test_gpu_extremes(gluon_prep, kw):
     check_rows(make_inputs(300, 2, 128, 128, **kw), 2e-2, torch.bfloat16, grad=False)
@@ -199,9 +182,9 @@ types.update(A_log="*fp32", dt_bias="*fp32", GAM="*fp32", cu="*i32", chunk_seq="
              NCw="i32", T="i32", NT="i32", H="i32", scale="fp32", lb="fp32")
 sig = {n: types.get(n, "constexpr") for n in fn.arg_names}
 ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
-for varlen, qx in ((False, False), (True, False), (True, True)):
+for varlen in (False, True):
     for has_a, has_dt in ((True, True), (False, False)):
-        const = dict(K=128, BT=64, BC=16, HAS_A=has_a, HAS_DT=has_dt, IS_VARLEN=varlen, QW_FROM_X=qx)
+        const = dict(K=128, BT=64, BC=16, HAS_A=has_a, HAS_DT=has_dt, IS_VARLEN=varlen)
         ptrs = [n for n, t in types.items() if t.startswith("*")]
         src = GluonASTSource(fn, sig, constexprs={(fn.arg_names.index(n),): v for n, v in const.items()},
                              attrs={(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in ptrs})

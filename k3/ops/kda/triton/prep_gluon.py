@@ -40,7 +40,6 @@ class GluonPrepConfig:
 
     enabled = True
     maxnreg: int | None = None
-    qw_from_x = False  # qw and A_qk U from (A_qk Tβ) and the staged X, v instead of from W and U (a shorter chain)
 
 
 if HAVE_GLUON:
@@ -106,7 +105,7 @@ if HAVE_GLUON:
         q, k, v, g, beta, A_log, dt_bias, X, KG, GAM, U,
         cu, chunk_seq, chunk_off, c0, NCw, T, NT, H, scale, lb,
         K: gl.constexpr, BT: gl.constexpr, BC: gl.constexpr, HAS_A: gl.constexpr, HAS_DT: gl.constexpr,
-        IS_VARLEN: gl.constexpr, QW_FROM_X: gl.constexpr = False,
+        IS_VARLEN: gl.constexpr,
     ):
         """Grid (blocks of the window, H): one 16-token block of one head per program, 2 warps."""
         # a thread holds all 16 rows of 2 adjacent columns: the gate's cumsum and γ never leave it
@@ -203,14 +202,8 @@ if HAVE_GLUON:
         s_w = gl.allocate_shared_memory(gl.bfloat16, [BC, K], SH, (-(w.to(gl.bfloat16))))
         s_u = gl.allocate_shared_memory(gl.bfloat16, [BC, K], SH, u)
         aqa = gl.convert_layout(aq.to(gl.bfloat16), DA)
-        if QW_FROM_X:  # A_qk W = (A_qk Tβ) X and A_qk U = (A_qk Tβ) v: beside W and U, not after them
-            m1 = mma_v2(aqa, gl.convert_layout(tb.to(gl.bfloat16), DB), gl.zeros([BC, BC], gl.float32, layout=MMA))
-            qw = mma_v2(gl.convert_layout((-m1).to(gl.bfloat16), DA), s_x.load(DB),
-                        s_q.load(MMA).to(gl.float32) * scale)
-            au = mma_v2(gl.convert_layout(m1.to(gl.bfloat16), DA), s_v.load(DB), zk)
-        else:
-            qw = mma_v2(aqa, s_w.load(DB), s_q.load(MMA).to(gl.float32) * scale)
-            au = mma_v2(aqa, s_u.load(DB), zk)
+        qw = mma_v2(aqa, s_w.load(DB), s_q.load(MMA).to(gl.float32) * scale)
+        au = mma_v2(aqa, s_u.load(DB), zk)
 
         # ---- stores: rows [32 b, 32 b + 16) −W / U, rows [32 b + 16, 32 b + 32) qw / A_qk U
         r_o = gl.arange(0, BC, layout=gl.SliceLayout(1, LS))
@@ -242,6 +235,5 @@ def launch_prep_gluon(q, k, v, g, beta, A_log, dt_bias, bufs: dict, tab, c0: int
         bufs["X"], bufs["KG"], bufs["GAM"], bufs["U"], tab.cu, tab.chunk_seq, tab.chunk_off, c0,
         bufs["X"].shape[1], tab.T, tab.NT, H, scale, float(lower_bound),
         K=K, BT=BT, BC=BC, HAS_A=A_log is not None, HAS_DT=dt_bias is not None, IS_VARLEN=tab.varlen,
-        QW_FROM_X=bool(GluonPrepConfig.qw_from_x),
         num_warps=2, **({"maxnreg": int(GluonPrepConfig.maxnreg)} if GluonPrepConfig.maxnreg else {}),
     )
