@@ -260,6 +260,36 @@ ASYNC = {
 }
 
 
+def decode_case(B: int, H: int):
+    """The K3 decode step's inputs (bf16, K = V = 128), an fp32 state, output buffers, and the public call on them
+    → (x, h0, hn, o, public)."""
+    from k3.bench.kda import K3_FLAGS, _inputs
+    from k3.ops.kda import fused_recurrent_kda
+
+    x = _inputs(B, 1, H)
+    h0 = torch.randn(B, H, 128, 128, device="cuda")
+
+    def public():
+        return fused_recurrent_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], A_log=x["A_log"],
+                                   dt_bias=x["dt_bias"], initial_state=h0, output_final_state=True, **K3_FLAGS)
+
+    return x, h0, torch.empty_like(h0), torch.empty_like(x["v"]), public
+
+
+def timed_table(fns: dict, info: dict, rounds: int, nbytes: int) -> None:
+    """Each function timed in ``rounds`` interleaved rounds (clock drift hits every variant alike; best of the
+    ``do_bench`` medians) and printed as a table with the state's rate."""
+    bench = lambda f: triton.testing.do_bench(f, warmup=25, rep=200, return_mode="median")  # noqa: E731
+    times: dict[str, list[float]] = {n: [] for n in fns}
+    for _ in range(rounds):
+        for n, f in fns.items():
+            times[n].append(bench(f))
+    print("| variant | ms (best of medians) | worst | state TB/s | rel err o | rel err S | regs / spills |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    for n, ts in times.items():
+        print(f"| {n} | {min(ts):.4f} | {max(ts):.4f} | {nbytes / min(ts) / 1e9:.2f} | {info.get(n) or ' | | '} |")
+
+
 def main() -> int:
     from k3.bench.kda import K3_FLAGS, _inputs, warm_clocks
     from k3.ops.kda import fused_recurrent_kda
@@ -273,15 +303,8 @@ def main() -> int:
                     help="comma list of: " + ",".join([*GROUPS, "async", "placement", "scaling"]))
     a = ap.parse_args()
     groups = a.groups.split(",")
-    x = _inputs(a.B, 1, a.H)
-    h0 = torch.randn(a.B, a.H, 128, 128, device="cuda")
-    hn = torch.empty_like(h0)
-    o = torch.empty_like(x["v"])
+    x, h0, hn, o, public = decode_case(a.B, a.H)
     nbytes = 2 * h0.numel() * 4
-
-    def public():
-        return fused_recurrent_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], A_log=x["A_log"],
-                                   dt_bias=x["dt_bias"], initial_state=h0, output_final_state=True, **K3_FLAGS)
 
     def triton_kernel():
         with overridden_attrs(GluonDecodeConfig, enabled=False):
@@ -328,14 +351,7 @@ def main() -> int:
             fns[name] = (lambda o_=opt: launch(x, s_place, s_place, o, *A, None, False, cap=128, **o_))
         for name in fns:
             info.setdefault(name, "")
-    times: dict[str, list[float]] = {n: [] for n in fns}
-    for _ in range(3):  # interleaved rounds: clock drift hits every variant alike
-        for n, f in fns.items():
-            times[n].append(bench(f))
-    print("| variant | ms (best of 3 medians) | worst | state TB/s | rel err o | rel err S | regs / spills |")
-    print("|---|---:|---:|---:|---:|---:|---:|")
-    for n, ts in times.items():
-        print(f"| {n} | {min(ts):.4f} | {max(ts):.4f} | {nbytes / min(ts) / 1e9:.2f} | {info[n]} |")
+    timed_table(fns, info, 3, nbytes)
     if "scaling" in groups:  # fixed cost vs steady bandwidth: the same three at several batch sizes
         print("\n| B | copy_ ms | Triton persistent ms | Gluon (A) ms |\n|---:|---:|---:|---:|")
         for Bs in (16, 32, 64, 128, 256):

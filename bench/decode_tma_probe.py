@@ -19,7 +19,6 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
-import triton  # noqa: E402
 from triton.experimental import gluon  # noqa: E402
 from triton.experimental.gluon import language as gl  # noqa: E402
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma  # noqa: E402
@@ -145,10 +144,9 @@ VARIANTS = {
 
 
 def main() -> int:
-    from decode_gluon_probe import A, launch
+    from decode_gluon_probe import A, decode_case, launch, timed_table
 
-    from k3.bench.kda import K3_FLAGS, _inputs, warm_clocks
-    from k3.ops.kda import fused_recurrent_kda
+    from k3.bench.kda import warm_clocks
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--B", type=int, default=64)
@@ -156,18 +154,10 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--no-tma", action="store_true", help="time only the public call, the bare kernel and copy_")
     a = ap.parse_args()
-    x = _inputs(a.B, 1, a.H)
-    h0 = torch.randn(a.B, a.H, 128, 128, device="cuda")
-    hn = torch.empty_like(h0)
-    o = torch.empty_like(x["v"])
+    x, h0, hn, o, public = decode_case(a.B, a.H)
     nbytes = 2 * h0.numel() * 4
 
-    def public():
-        return fused_recurrent_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], A_log=x["A_log"],
-                                   dt_bias=x["dt_bias"], initial_state=h0, output_final_state=True, **K3_FLAGS)
-
     o_ref, s_ref = public()
-    bench = lambda f: triton.testing.do_bench(f, warmup=25, rep=200, return_mode="median")  # noqa: E731
     warm_clocks(5.0)
     fns = {"fused_recurrent_kda (public)": public, "A bare (one tile per program)":
            lambda: launch(x, h0, hn, o, *A, None, False, cap=128), "copy_": lambda: hn.copy_(h0)}
@@ -187,14 +177,7 @@ def main() -> int:
             info[name] = f"{eo:.1e} | {es:.1e} | {ck.n_regs} / {ck.n_spills}"
         except Exception as e:  # noqa: BLE001 — a probe: report and go on
             print(f"{name}: {type(e).__name__}: {str(e)[:400]}", flush=True)
-    times: dict[str, list[float]] = {n: [] for n in fns}
-    for _ in range(a.rounds):  # interleaved rounds: clock drift hits every variant alike
-        for n, f in fns.items():
-            times[n].append(bench(f))
-    print("| variant | ms (best of medians) | worst | state TB/s | rel err o | rel err S | regs / spills |")
-    print("|---|---:|---:|---:|---:|---:|---:|")
-    for n, ts in times.items():
-        print(f"| {n} | {min(ts):.4f} | {max(ts):.4f} | {nbytes / min(ts) / 1e9:.2f} | {info[n] or ' | | '} |")
+    timed_table(fns, info, a.rounds, nbytes)
     return 0
 
 
