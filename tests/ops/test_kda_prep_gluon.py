@@ -157,13 +157,18 @@ def test_dispatch_takes_only_the_k3_setting(monkeypatch):
     class FakeCuda:
         is_cuda = True
         dtype = torch.bfloat16
+        device = "cuda:0"
 
     cuda_q = FakeCuda()
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     assert pg.usable(cuda_q, **args) == pg.HAVE_GLUON
     for change in (dict(K=64), dict(V=96), dict(flags=dict(K3, l2norm=False)), dict(flags=dict(K3, use_gate=False)),
                    dict(flags=dict(K3, beta_sigmoid=False)), dict(lower_bound=None), dict(inv_prec="tf32x3"),
                    dict(mode=1), dict(u_rm=False), dict(ring=8), dict(head_major=True), dict(fast_gate=False)):
         assert not pg.usable(cuda_q, **{**args, **change}), change
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 5))  # no bf16 mma.sync
+    assert not pg.usable(cuda_q, **args)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     cuda_q.dtype = torch.float16
     assert not pg.usable(cuda_q, **args)
     monkeypatch.setattr(pg.GluonPrepConfig, "enabled", False)

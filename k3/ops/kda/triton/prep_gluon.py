@@ -218,12 +218,12 @@ if HAVE_GLUON:
 
 def usable(q: torch.Tensor, K: int, V: int, flags: dict, lower_bound, inv_prec: str, mode: int, u_rm: bool,
            ring: int, head_major: bool, fast_gate: bool) -> bool:
-    """Whether the Gluon prep takes this window: the knob on, CUDA bf16, K = V = 128, the K3 flags, mode 2 with U
-    row-major, the inverse at fp16x3, no probe ring, the block-major grid."""
+    """Whether the Gluon prep takes this window: the knob on, CUDA bf16 on an sm_80+ device (mma.sync with bf16),
+    K = V = 128, the K3 flags, mode 2 with U row-major, the inverse at fp16x3, no probe ring, the block-major grid."""
     return (HAVE_GLUON and bool(GluonPrepConfig.enabled) and q.is_cuda and q.dtype == torch.bfloat16
             and K == 128 and V == 128 and mode == 2 and u_rm and ring == 0 and not head_major and fast_gate
             and inv_prec == "fp16x3" and lower_bound is not None and flags["use_gate"] and flags["l2norm"]
-            and flags["beta_sigmoid"])
+            and flags["beta_sigmoid"] and torch.cuda.get_device_capability(q.device)[0] >= 8)
 
 
 def launch_prep_gluon(q, k, v, g, beta, A_log, dt_bias, bufs: dict, tab, c0: int, n: int, scale: float,
