@@ -27,7 +27,7 @@ from k3.ops.kda.triton._common import make_chunk_table  # noqa: E402
 from tests.ops.test_kda_chunk16 import EXTREMES  # noqa: E402
 from tests.ops.test_kda_prep_variants import _causality as causality  # noqa: E402
 from tests.ops.test_kda_prep_variants import check as check_rows  # noqa: E402
-from tests.ops.test_kda_prep_variants import make_inputs  # noqa: E402
+from tests.ops.test_kda_prep_variants import make_inputs, rel  # noqa: E402
 from tests.ops.test_kda_prep_variants import run as run_rows  # noqa: E402
 
 CUDA = torch.cuda.is_available()
@@ -52,11 +52,6 @@ def gluon_prep(monkeypatch, nan_empty):
 
     monkeypatch.setattr(pg, "launch_prep_gluon", spy)
     return calls
-
-
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double(), b.double()
-    return ((a - b).pow(2).mean() / b.pow(2).mean().clamp_min(1e-30)).sqrt().item()
 
 
 def _buffers(x: dict, cu: list[int] | None, gluon: bool, monkeypatch) -> dict:

@@ -491,8 +491,9 @@ def launch_c16_prep(q, k, v, g, beta, A_log, dt_bias, bufs: dict, tab: ChunkTabl
     _, _, H, K = q.shape
     V = v.shape[-1]
     fast = bool(C16Config.prep_fast_gate) and lower_bound is not None
-    if prep_gluon.usable(q, K, V, flags, lower_bound, _inv_prec(flags, lower_bound), _mode(), _u_form()[1],
-                         _probe_ring(), bool(C16Config.prep_head_major), fast):
+    inv_prec, u_rm, ring = _inv_prec(flags, lower_bound), _u_form()[1], _probe_ring()
+    if prep_gluon.usable(q, K, V, flags, lower_bound, inv_prec, _mode(), u_rm, ring,
+                         bool(C16Config.prep_head_major), fast):
         prep_gluon.launch_prep_gluon(q, k, v, g, beta, A_log, dt_bias, bufs, tab, c0, n, scale, lower_bound, BT, BC)
         return
     BK = bufs["X"].shape[-1]
@@ -508,8 +509,8 @@ def launch_c16_prep(q, k, v, g, beta, A_log, dt_bias, bufs: dict, tab: ChunkTabl
         BETA_SIGMOID=flags["beta_sigmoid"], IS_VARLEN=tab.varlen,
         FAST_GATE=fast, PREC=dot_precision(q.dtype),
         AB_BF16=q.dtype == torch.bfloat16, MODE=_mode(), INV_POW=bool(C16Config.prep_inv_pow),
-        INV_PREC=_inv_prec(flags, lower_bound), HEAD_MAJOR=bool(C16Config.prep_head_major),
-        EARLY_LOADS=bool(C16Config.prep_early_loads), U_RM=_u_form()[1], RING=_probe_ring(),
+        INV_PREC=inv_prec, HEAD_MAJOR=bool(C16Config.prep_head_major),
+        EARLY_LOADS=bool(C16Config.prep_early_loads), U_RM=u_rm, RING=ring,
         num_warps=C16Config.prep_warps, num_stages=1,
         **({"maxnreg": int(C16Config.prep_maxnreg)} if C16Config.prep_maxnreg else {}),
     )

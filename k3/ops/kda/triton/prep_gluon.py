@@ -64,10 +64,10 @@ if HAVE_GLUON:
         return mma_v2(a_hi, b_hi, acc)
 
     @gluon.jit
-    def _inv16(L, o_i, o_j, MMA: gl.constexpr):
-        """(I + L)^{-1} of a strictly lower-triangular [16, 16] block as (I − L)(I + L²)(I + L⁴)(I + L⁸), ordered so
-        the chain is four products deep (N⁴ beside D·N², N⁸ beside D·N⁴) and each factor is split and converted
-        into its operand layouts once."""
+    def _inv_pow16(L, o_i, o_j, MMA: gl.constexpr):
+        """``chunk_prep._inv_pow`` at fp16x3: (I + L)^{-1} of a strictly lower-triangular [16, 16] block as
+        (I − L)(I + L²)(I + L⁴)(I + L⁸), ordered so the chain is four products deep (N⁴ beside D·N², N⁸ beside
+        D·N⁴) and each factor is split and converted into its operand layouts once."""
         DA: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
         DB: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
         N = -L
@@ -192,7 +192,7 @@ if HAVE_GLUON:
         aq = mma_v2(s_q.load(DA), kdt, z16)
         aq = gl.where(o_i[:, None] >= o_j[None, :], aq, 0.) * scale
         lk = gl.where(o_i[:, None] > o_j[None, :], ak * b_bi[:, None], 0.)
-        tb = _inv16(lk, o_i, o_j, MMA) * b_bj[None, :]
+        tb = _inv_pow16(lk, o_i, o_j, MMA) * b_bj[None, :]
         tba = gl.convert_layout(tb.to(gl.bfloat16), DA)
 
         # ---- W = Tβ X, U = Tβ v; qw = qg − A_qk W, A_qk U
