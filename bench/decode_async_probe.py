@@ -11,6 +11,10 @@ the same register layout. The shared layout's swizzle phase follows row // 16, t
 both the copy and the read are free of bank conflicts. Beside it: the public kernel, the bare one-tile kernel of
 ``decode_gluon_probe.py`` (A) and ``copy_``; K3's flags, B=64 H=32 K=V=128, fp32 state.
 
+Result (H200, session 19): the state by cp.async 0.0746–0.0755 ms, everything by cp.async (one wait, one memory
+latency per program) 0.0733 — the bare register kernel's own time; the late issue does not cost. The same call
+found the public kernel 1 % faster once the L2 norms scale the reduced vectors (0.0726).
+
     python bench/decode_async_probe.py [--B 64] [--H 32] [--rounds 5]
 """
 

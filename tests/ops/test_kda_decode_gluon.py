@@ -32,7 +32,6 @@ VARIANTS = {
     "bv16": dict(bv=16),
     "bv64 no cap": dict(bv=64, maxnreg=None),
     "bv128": dict(bv=128, maxnreg=None),
-    "exact gate": dict(fast_gate=False),
 }
 # (use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel, lower_bound, A_log, dt_bias)
 FLAGS = {
@@ -134,9 +133,8 @@ def test_gpu_gluon_flags(gluon_variant, nan_empty, flags):
 @gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_gpu_gluon_extremes(gluon_variant, nan_empty, dtype):
-    """Every log-decay at the bound with β ≈ 1 and identical keys, and β ≈ 0; every gate at σ → 0 (no decay, where
-    the fast gate's 2^z overflows to ∞): three steps, each feeding the next its state, against the fp64 recurrence
-    over the same three tokens."""
+    """Every log-decay at the bound with β ≈ 1 and identical keys, and β ≈ 0; every gate at σ → 0 (no decay): three
+    steps, each feeding the next its state, against the fp64 recurrence over the same three tokens."""
     for g_raw, beta_logit, rep in ((60.0, 12.0, True), (60.0, -12.0, False), (-200.0, 0.0, False)):
         xs = [on_gpu(make(3, 2, 128, 128, seed=20 + t, flags=FLAGS["k3"], g_raw=g_raw, beta_logit=beta_logit,
                           repeat_keys=rep), dtype) for t in range(3)]
@@ -217,15 +215,11 @@ fn = dg._kda_decode_gluon
 types = dict(q="*bf16", k="*bf16", v="*bf16", g="*bf16", beta="*bf16", A_log="*fp32", dt_bias="*fp32", o="*bf16",
              s_in="*fp32", s_out="*fp32", idx="*i64", H="i32", scale="fp32", lb="fp32")
 sig = {n: types.get(n, "constexpr") for n in fn.arg_names}
-# (pool slots, initial state): dense with and without a state, and a pool; the bounded gate fast and exact
-for flags, (pool, s0), fast in itertools.product(eval(sys.argv[1]), ((False, True), (False, False), (True, True)),
-                                                 (True, False)):
+# (pool slots, initial state): dense with and without a state, and a pool
+for flags, (pool, s0) in itertools.product(eval(sys.argv[1]), ((False, True), (False, False), (True, True))):
     l2, gate, bsig, lb, use_a, use_dt = flags
-    if not fast and lb is None:
-        continue  # FAST_GATE only changes the bounded gate
     const = dict(K=100, V=72, BK=128, BV=32, NV=3, USE_GATE=gate, HAS_LB=lb is not None, HAS_A=gate and use_a,
-                 HAS_DT=gate and use_dt, L2NORM=l2, BETA_SIGMOID=bsig, USE_IDX=pool, USE_S0=s0, STORE_S=True,
-                 FAST_GATE=fast)
+                 HAS_DT=gate and use_dt, L2NORM=l2, BETA_SIGMOID=bsig, USE_IDX=pool, USE_S0=s0, STORE_S=True)
     src = GluonASTSource(fn, sig, constexprs={(fn.arg_names.index(n),): v for n, v in const.items()})
     c = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=2, maxnreg=128))
     assert "st.global" in c.asm["ptx"], flags
@@ -257,7 +251,7 @@ types = dict(q="*bf16", k="*bf16", v="*bf16", g="*bf16", beta="*bf16", A_log="*f
              s_in="*fp32", s_out="*fp32", idx="*i64", H="i32", scale="fp32", lb="fp32")
 sig = {n: types.get(n, "constexpr") for n in fn.arg_names}
 const = dict(K=128, V=128, BK=128, BV=32, NV=4, USE_GATE=True, HAS_LB=True, HAS_A=True, HAS_DT=True, L2NORM=True,
-             BETA_SIGMOID=True, USE_IDX=False, USE_S0=True, STORE_S=True, FAST_GATE=dg.GluonDecodeConfig.fast_gate)
+             BETA_SIGMOID=True, USE_IDX=False, USE_S0=True, STORE_S=True)
 # as the launcher specialises them: pointers and H = 32 divisible by 16
 aligned = [n for n, t in types.items() if t.startswith("*")] + ["H"]
 src = GluonASTSource(fn, sig, constexprs={(fn.arg_names.index(n),): v for n, v in const.items()},

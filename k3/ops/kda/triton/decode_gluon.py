@@ -6,9 +6,10 @@ warps, so the two K reductions per tile cross warps through shared memory and ba
 the warps of a program split the tile's V columns, each thread holds 4 adjacent columns (16-byte loads) of a
 contiguous run of K rows, and 8 threads of a warp share a column, so both reductions finish inside a warp
 (in-thread adds, then 3 shuffles). One tile per program, no persistence: 8 programs of 2 warps per SM at the
-128-register cap. Measured on one H200 (B=64, H=32, K=V=128): through ``fused_recurrent_kda`` 0.074 ms against
-0.079 for the persistent Triton kernel (``bench/decode_host_check.py``), launched bare 0.0733 ms against 0.0678
-for ``copy_`` of the same bytes (``bench/decode_gluon_probe.py``, with every layout it was chosen from).
+128-register cap. Measured on one H200 (B=64, H=32, K=V=128): through ``fused_recurrent_kda`` 0.073 ms (CUDA-graph
+replay; fla 0.092) against 0.079 for the persistent Triton kernel, 0.0678 for ``copy_`` of the same bytes
+(``bench/decode_gluon_probe.py`` has every layout it was chosen from, ``bench/decode_async_probe.py`` the state by
+cp.async; NOTES_kda.md v13, v20, v21).
 
 Gluon does not run in Triton's interpreter: on CPU (and with a Triton other than 3.6) the Triton kernels serve, and
 the GPU tests check this kernel against the fp64 recurrence.
@@ -38,15 +39,11 @@ class GluonDecodeConfig:
     - ``bv``: V columns per program (16 per warp: 32 → 2 warps).
     - ``maxnreg``: register cap (128: 8 programs of 2 warps per SM without spills on sm_90; the compiler alone
       takes 149 registers, 6 programs, 0.0739 ms; 120 and below spill).
-    - ``fast_gate``: the bounded gate (``lower_bound`` set) by ``ex2.approx.ftz`` and ``rcp.approx.ftz``, log2 e
-      folded into the per-head constants: 7 instructions per K row instead of ~20 (the exact-rounding division and
-      the non-ftz ex2's denormal fix-ups); within a few ulp of the plain σ and exp.
     """
 
     enabled = True
     bv = 32
     maxnreg: int | None = 128
-    fast_gate = True
 
 
 if HAVE_GLUON:
@@ -54,32 +51,6 @@ if HAVE_GLUON:
     @gluon.jit
     def _sigmoid(x):
         return 1.0 / (1.0 + gl.exp(-x))
-
-    @gluon.jit
-    def _ex2(x):
-        """2^x in one MUFU: the ftz form skips the denormal fix-up ptxas wraps around ``gl.exp2``."""
-        return gl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=f,f", [x], dtype=gl.float32, is_pure=True,
-                                         pack=1)
-
-    @gluon.jit
-    def _rcp(x):
-        """1/x in one MUFU (``/`` lowers to a range-checked division)."""
-        return gl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=f,f", [x], dtype=gl.float32, is_pure=True,
-                                         pack=1)
-
-    @gluon.jit
-    def _bounded_decay_fast(b_f, i_h, A_log, dt_bias, lb, o_k, m_k, K: gl.constexpr, HAS_A: gl.constexpr,
-                            HAS_DT: gl.constexpr):
-        """exp(lb·σ(e^A (f + dt))) as 2^(lb·log2e · 1/(1 + 2^(−c (f + dt)))) with c = e^A·log2 e once per head.
-        Limits as σ's: 2^(−z) → ∞ gives 1/∞ = 0, → 0 gives 1."""
-        LOG2E: gl.constexpr = 1.4426950408889634
-        x = b_f
-        if HAS_DT:
-            x = x + gl.load(dt_bias + i_h * K + o_k, mask=m_k, other=0.).to(gl.float32)
-        c = LOG2E
-        if HAS_A:
-            c = gl.exp(gl.load(A_log + i_h).to(gl.float32)) * LOG2E
-        return _ex2(_rcp(1.0 + _ex2(x * -c)) * (lb * LOG2E))
 
     @gluon.jit
     def _log_decay(b_f, i_h, A_log, dt_bias, lb, o_k, m_k, K: gl.constexpr, USE_GATE: gl.constexpr,
@@ -110,7 +81,7 @@ if HAVE_GLUON:
         K: gl.constexpr, V: gl.constexpr, BK: gl.constexpr, BV: gl.constexpr, NV: gl.constexpr,
         USE_GATE: gl.constexpr, HAS_LB: gl.constexpr, HAS_A: gl.constexpr, HAS_DT: gl.constexpr,
         L2NORM: gl.constexpr, BETA_SIGMOID: gl.constexpr, USE_IDX: gl.constexpr, USE_S0: gl.constexpr,
-        STORE_S: gl.constexpr, FAST_GATE: gl.constexpr = False,
+        STORE_S: gl.constexpr,
     ):
         """Grid (N·H·NV,): program i updates V-block i % NV of sequence-head i // NV (sequence n's token is row n;
         adjacent programs share a head, so the state is read in address order)."""
@@ -150,11 +121,8 @@ if HAVE_GLUON:
         # kernel at the 128-register cap without spills (an 8-byte spill cost 1.5 %: NOTES_kda.md v20)
         if BETA_SIGMOID:
             b_b = _sigmoid(b_b)
-        if FAST_GATE and USE_GATE and HAS_LB:
-            b_a = _bounded_decay_fast(b_f, i_h, A_log, dt_bias, lb, o_k, m_k, K, HAS_A, HAS_DT)
-        else:
-            b_g = _log_decay(b_f, i_h, A_log, dt_bias, lb, o_k, m_k, K, USE_GATE, HAS_LB, HAS_A, HAS_DT)
-            b_a = gl.exp(gl.where(m_k, b_g, 0.))
+        b_g = _log_decay(b_f, i_h, A_log, dt_bias, lb, o_k, m_k, K, USE_GATE, HAS_LB, HAS_A, HAS_DT)
+        b_a = gl.exp(gl.where(m_k, b_g, 0.))
         # the norms scale the reduced vectors, not the K-long k and q: the S products need only the raw loads
         if L2NORM:
             rk = 1.0 / gl.sqrt(gl.sum(b_k * b_k, axis=0) + 1e-6)
@@ -192,5 +160,4 @@ def decode_step_gluon(ptrs: tuple, flags: dict, N: int, H: int, K: int, V: int, 
         kw["maxnreg"] = int(cfg.maxnreg)
     f = {n: flags[n] for n in ("USE_GATE", "HAS_LB", "HAS_A", "HAS_DT", "L2NORM", "BETA_SIGMOID", "USE_IDX",
                                "USE_S0", "STORE_S")}
-    f["FAST_GATE"] = bool(cfg.fast_gate)
     _kda_decode_gluon[(N * H * NV,)](*ptrs, H, scale, lb, K=K, V=V, BK=BK, BV=BV, NV=NV, **f, **kw)
