@@ -36,6 +36,24 @@ from k3.ops.kda.triton.decode_gluon import _sigmoid  # noqa: E402
 
 
 @gluon.jit
+def _tile(H, K: gl.constexpr, V: gl.constexpr, BV: gl.constexpr, NV: gl.constexpr, L: gl.constexpr):
+    """This program's tile: sequence-head, V-block, head, row and column offsets in layout L, state offsets."""
+    i = gl.program_id(0)
+    i_nh = i // NV
+    i_v = i % NV
+    o_k = gl.arange(0, K, layout=gl.SliceLayout(1, L))
+    o_b = gl.arange(0, BV, layout=gl.SliceLayout(0, L))
+    return (i_nh, i_v, i_nh % H, o_k, o_b, o_k[:, None] * V + o_b[None, :],
+            i_nh.to(gl.int64) * (K * V) + i_v * BV)
+
+
+@gluon.jit
+def _decay(b_f, dt, a_log, lb):
+    """K3's bounded gate as a decay: exp(lb·σ(e^A (f + dt)))."""
+    return gl.exp(lb * _sigmoid((b_f + dt) * gl.exp(a_log)))
+
+
+@gluon.jit
 def _prologue(i_nh, i_h, q, k, g, beta, A_log, dt_bias, lb, o_k, K: gl.constexpr):
     """K3 flags: raw k and q, the decay a = exp(lb·σ(e^A (g + dt))), β = σ(b), and the two inverse L2 norms."""
     p = i_nh.to(gl.int64) * K + o_k
@@ -43,11 +61,23 @@ def _prologue(i_nh, i_h, q, k, g, beta, A_log, dt_bias, lb, o_k, K: gl.constexpr
     b_q = gl.load(q + p).to(gl.float32)
     b_f = gl.load(g + p).to(gl.float32)
     b_b = _sigmoid(gl.load(beta + i_nh).to(gl.float32))
-    x = (b_f + gl.load(dt_bias + i_h * K + o_k)) * gl.exp(gl.load(A_log + i_h))
-    b_a = gl.exp(lb * _sigmoid(x))
+    b_a = _decay(b_f, gl.load(dt_bias + i_h * K + o_k), gl.load(A_log + i_h), lb)
     rk = 1.0 / gl.sqrt(gl.sum(b_k * b_k, axis=0) + 1e-6)
     rq = 1.0 / gl.sqrt(gl.sum(b_q * b_q, axis=0) + 1e-6)
     return b_k, b_q, b_a, b_b, rk, rq
+
+
+@gluon.jit
+def _update_store(S, b_k, b_q, b_a, b_b, b_v, rk, rq, scale, o, s_out, base, off, i_nh, i_v, o_b,
+                  V: gl.constexpr, BV: gl.constexpr):
+    """The public kernel's step on a loaded tile (norms on the reduced vectors), then o and S' stored."""
+    u = gl.sum(S * (b_k * b_a)[:, None], axis=0) * rk
+    w = gl.sum(S * (b_q * b_a)[:, None], axis=0) * rq
+    r = (b_v - u) * b_b
+    S = S * b_a[:, None] + b_k[:, None] * (r * rk)[None, :]
+    b_o = (w + r * (gl.sum(b_k * b_q, axis=0) * (rk * rq))) * scale
+    gl.store(o + i_nh.to(gl.int64) * V + i_v * BV + o_b, b_o.to(o.dtype.element_ty))
+    gl.store(s_out + base + off, S)
 
 
 @gluon.jit
@@ -56,17 +86,8 @@ def _gl_decode_cp(q, k, v, g, beta, A_log, dt_bias, o, s_in, s_out, H, scale, lb
                   CM: gl.constexpr, V_FIRST: gl.constexpr):
     """One tile per program; the state tile global → shared by cp.async before anything else."""
     L: gl.constexpr = gl.BlockedLayout([K // 8, 4], [8, 4], [1, BV // 16], [1, 0])
-    LK: gl.constexpr = gl.SliceLayout(1, L)
-    LV: gl.constexpr = gl.SliceLayout(0, L)
     SL: gl.constexpr = gl.SwizzledSharedLayout(4, PER_PHASE, 8, [1, 0])
-    i = gl.program_id(0)
-    i_nh = i // NV
-    i_v = i % NV
-    i_h = i_nh % H
-    o_k = gl.arange(0, K, layout=LK)
-    o_b = gl.arange(0, BV, layout=LV)
-    off = o_k[:, None] * V + o_b[None, :]
-    base = i_nh.to(gl.int64) * (K * V) + i_v * BV
+    i_nh, i_v, i_h, o_k, o_b, off, base = _tile(H, K, V, BV, NV, L)
     buf = gl.allocate_shared_memory(gl.float32, [K, BV], SL)
     async_copy.async_copy_global_to_shared(buf, s_in + base + off, cache_modifier=CM)
     async_copy.commit_group()
@@ -77,13 +98,7 @@ def _gl_decode_cp(q, k, v, g, beta, A_log, dt_bias, o, s_in, s_out, H, scale, lb
         b_v = gl.load(v + i_nh.to(gl.int64) * V + i_v * BV + o_b).to(gl.float32)
     async_copy.wait_group(0)
     S = buf.load(L)  # each thread reads back exactly the chunks it copied: no barrier needed
-    u = gl.sum(S * (b_k * b_a)[:, None], axis=0) * rk
-    w = gl.sum(S * (b_q * b_a)[:, None], axis=0) * rq
-    r = (b_v - u) * b_b
-    S = S * b_a[:, None] + b_k[:, None] * (r * rk)[None, :]
-    b_o = (w + r * (gl.sum(b_k * b_q, axis=0) * (rk * rq))) * scale
-    gl.store(o + i_nh.to(gl.int64) * V + i_v * BV + o_b, b_o.to(o.dtype.element_ty))
-    gl.store(s_out + base + off, S)
+    _update_store(S, b_k, b_q, b_a, b_b, b_v, rk, rq, scale, o, s_out, base, off, i_nh, i_v, o_b, V, BV)
 
 
 @gluon.jit
@@ -95,19 +110,11 @@ def _gl_decode_cp_all(q, k, v, g, beta, A_log, dt_bias, o, s_in, s_out, H, scale
     NW: gl.constexpr = BV // 16
     L: gl.constexpr = gl.BlockedLayout([K // 8, 4], [8, 4], [1, NW], [1, 0])
     LK: gl.constexpr = gl.SliceLayout(1, L)
-    LV: gl.constexpr = gl.SliceLayout(0, L)
     L1: gl.constexpr = gl.BlockedLayout([2], [32], [NW], [0])
     SL: gl.constexpr = gl.SwizzledSharedLayout(4, PER_PHASE, 8, [1, 0])
     S1: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
-    i = gl.program_id(0)
-    i_nh = i // NV
-    i_v = i % NV
-    i_h = i_nh % H
-    o_k = gl.arange(0, K, layout=LK)
-    o_b = gl.arange(0, BV, layout=LV)
+    i_nh, i_v, i_h, o_k, o_b, off, base = _tile(H, K, V, BV, NV, L)
     o_1 = gl.arange(0, K, layout=L1)
-    off = o_k[:, None] * V + o_b[None, :]
-    base = i_nh.to(gl.int64) * (K * V) + i_v * BV
     # the small register loads first: ptxas keeps them above the barrier, so the wait covers their latency too
     b_v = gl.load(v + i_nh.to(gl.int64) * V + i_v * BV + o_b).to(gl.float32)
     b_b = gl.load(beta + i_nh).to(gl.float32)
@@ -130,18 +137,11 @@ def _gl_decode_cp_all(q, k, v, g, beta, A_log, dt_bias, o, s_in, s_out, H, scale
     b_q = qb.load(LK).to(gl.float32)
     b_f = gb.load(LK).to(gl.float32)
     b_b = _sigmoid(b_b)
-    x = (b_f + db.load(LK)) * gl.exp(e_a)
-    b_a = gl.exp(lb * _sigmoid(x))
+    b_a = _decay(b_f, db.load(LK), e_a, lb)
     rk = 1.0 / gl.sqrt(gl.sum(b_k * b_k, axis=0) + 1e-6)
     rq = 1.0 / gl.sqrt(gl.sum(b_q * b_q, axis=0) + 1e-6)
     S = buf.load(L)
-    u = gl.sum(S * (b_k * b_a)[:, None], axis=0) * rk
-    w = gl.sum(S * (b_q * b_a)[:, None], axis=0) * rq
-    r = (b_v - u) * b_b
-    S = S * b_a[:, None] + b_k[:, None] * (r * rk)[None, :]
-    b_o = (w + r * (gl.sum(b_k * b_q, axis=0) * (rk * rq))) * scale
-    gl.store(o + i_nh.to(gl.int64) * V + i_v * BV + o_b, b_o.to(o.dtype.element_ty))
-    gl.store(s_out + base + off, S)
+    _update_store(S, b_k, b_q, b_a, b_b, b_v, rk, rq, scale, o, s_out, base, off, i_nh, i_v, o_b, V, BV)
 
 
 def launch_cp(x: dict, h0: torch.Tensor, hn: torch.Tensor, o: torch.Tensor, per_phase: int = 16, cm: str = ".cg",
