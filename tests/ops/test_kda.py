@@ -232,6 +232,15 @@ def test_state_pool_in_place():
         fused_recurrent_kda_pool(q, k, v, g, b, pool, torch.tensor([0, 6, 1]))
     with pytest.raises(ValueError, match="state_pool"):
         fused_recurrent_kda_pool(q, k, v, g, b, pool.double(), idx)
+    # negative slots (padding rows, as on the GPU kernels): start from zero, write nothing; several may repeat
+    pad = torch.tensor([-1, 3, -1])
+    before = pool.clone()
+    o_pad = fused_recurrent_kda_pool(q, k, v, g, b, pool, pad)
+    o0_ref, S0_ref = naive_recurrent_kda(q, k, v, g, b, initial_state=torch.zeros_like(pool[:3]),
+                                         output_final_state=True)
+    o1_ref, S1_ref = naive_recurrent_kda(q, k, v, g, b, initial_state=before[[0, 3, 0]], output_final_state=True)
+    assert rel(o_pad[[0, 2]], o0_ref[[0, 2]]) < 1e-6 and rel(o_pad[1], o1_ref[1]) < 1e-6
+    assert rel(pool[3], S1_ref[1]) < 1e-6 and torch.equal(pool[[0, 1, 2, 4, 5]], before[[0, 1, 2, 4, 5]])
     with pytest.raises(ValueError, match="initial_state"):  # slots without a pool
         fused_recurrent_kda(q, k, v, g, b, initial_state=None, ssm_state_indices=idx)
 

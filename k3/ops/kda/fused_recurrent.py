@@ -28,9 +28,11 @@ def _check_pool(pool: torch.Tensor, idx: torch.Tensor, N: int, H: int, K: int, V
         raise ValueError(f"ssm_state_indices must be an integer tensor [N] = [{N}], got "
                          f"{getattr(idx, 'dtype', type(idx))} {tuple(getattr(idx, 'shape', ()))}")
     if idx.device.type == "cpu" and N > 0:
-        if int(idx.min()) < 0 or int(idx.max()) >= pool.shape[0]:
-            raise ValueError(f"ssm_state_indices must lie in [0, {pool.shape[0]}), got {idx.tolist()}")
-        if idx.unique().numel() != N:
+        if int(idx.max()) >= pool.shape[0]:
+            raise ValueError(f"ssm_state_indices must be < {pool.shape[0]} (the pool's slots; negative = none), "
+                             f"got {idx.tolist()}")
+        live = idx[idx >= 0]
+        if live.unique().numel() != live.numel():
             raise ValueError(f"ssm_state_indices must be distinct (one slot per sequence), got {idx.tolist()}")
 
 
@@ -59,8 +61,10 @@ def _fused_recurrent_kda_torch(
                                  use_beta_sigmoid_in_kernel, lower_bound, A_log, dt_bias)
     vp = v.to(qp.dtype)
     S0 = initial_state
-    if ssm_state_indices is not None:
-        S0 = initial_state[ssm_state_indices.to(initial_state.device).long()]
+    if ssm_state_indices is not None:  # a negative slot: start from zero, write nothing (as the GPU kernels)
+        slots = ssm_state_indices.to(initial_state.device).long()
+        live = slots >= 0
+        S0 = initial_state[slots.clamp(min=0)] * live[:, None, None, None]
     if cu_seqlens is not None:  # tail padding (k = v = β = g = 0) leaves the state unchanged: exact
         src, dst, _ = varlen_pad_index(cu_seqlens, 1)
         qp, kp, vp, gp, bp = (_to_padded(x, src) for x in (qp, kp, vp, gp, bp))
@@ -68,7 +72,7 @@ def _fused_recurrent_kda_torch(
     if cu_seqlens is not None:
         o = _from_padded(o, dst)
     if ssm_state_indices is not None:
-        initial_state[ssm_state_indices.to(initial_state.device).long()] = S.to(initial_state.dtype)
+        initial_state[slots[live]] = S[live].to(initial_state.dtype)
         return o.to(q.dtype), initial_state
     return o.to(q.dtype), (S if output_final_state else None)
 
@@ -98,8 +102,9 @@ def fused_recurrent_kda(
     initial_state, …``), so positional fla calls work unchanged.
 
     ``ssm_state_indices [N]`` (int): ``initial_state`` is then a state pool ``[P, H, K, V]`` fp32; sequence n starts
-    from ``initial_state[ssm_state_indices[n]]`` and its final state is written back there IN PLACE; the pool is
-    returned as the second element (``output_final_state`` is ignored). Returns ``(o [B, T, H, V] in q.dtype,
+    from ``initial_state[ssm_state_indices[n]]`` and its final state is written back there IN PLACE; a negative
+    index (a padding row, vLLM's ``PAD_SLOT_ID``) starts from zero and writes nothing; the pool is returned as the
+    second element (``output_final_state`` is ignored). Returns ``(o [B, T, H, V] in q.dtype,
     final_state [N, H, K, V] fp32 or None)``.
     """
     if cp_context is not None:
