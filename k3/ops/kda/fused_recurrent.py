@@ -64,7 +64,8 @@ def _fused_recurrent_kda_torch(
     if ssm_state_indices is not None:  # a negative slot: start from zero, write nothing (as the GPU kernels)
         slots = ssm_state_indices.to(initial_state.device).long()
         live = slots >= 0
-        S0 = initial_state[slots.clamp(min=0)] * live[:, None, None, None]
+        S0 = initial_state.new_zeros(slots.numel(), *initial_state.shape[1:])
+        S0[live] = initial_state[slots[live]]
     if cu_seqlens is not None:  # tail padding (k = v = β = g = 0) leaves the state unchanged: exact
         src, dst, _ = varlen_pad_index(cu_seqlens, 1)
         qp, kp, vp, gp, bp = (_to_padded(x, src) for x in (qp, kp, vp, gp, bp))
