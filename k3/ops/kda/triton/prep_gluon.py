@@ -36,13 +36,10 @@ class GluonPrepConfig:
     - ``maxnreg``: register cap (None: the compiler's 168, 6 programs per SM and 3 beside a state-pass program;
       sm_90 compiles without spills down to 128, but caps of 128 / 144 measured 41.7–43.0 / 39.8–42.1 against
       37.7–40.7 for the prefill).
-    - ``warps``: 2 (each thread holds 2 of the 128 columns) or 4 (one column; the [16, 16] products then run
-      replicated on both warp pairs).
     """
 
     enabled = True
     maxnreg: int | None = None
-    warps = 2
 
 
 if HAVE_GLUON:
@@ -108,20 +105,20 @@ if HAVE_GLUON:
         q, k, v, g, beta, A_log, dt_bias, X, KG, GAM, U,
         cu, chunk_seq, chunk_off, c0, NCw, T, NT, H, scale, lb,
         K: gl.constexpr, BT: gl.constexpr, BC: gl.constexpr, HAS_A: gl.constexpr, HAS_DT: gl.constexpr,
-        IS_VARLEN: gl.constexpr, NW: gl.constexpr,
+        IS_VARLEN: gl.constexpr,
     ):
-        """Grid (blocks of the window, H): one 16-token block of one head per program, NW warps."""
-        # a thread holds all 16 rows of K / (32 NW) adjacent columns: the gate's cumsum and γ never leave it
-        LR: gl.constexpr = gl.BlockedLayout([BC, K // (32 * NW)], [1, 32], [1, NW], [1, 0])
+        """Grid (blocks of the window, H): one 16-token block of one head per program, 2 warps."""
+        # a thread holds all 16 rows of 2 adjacent columns: the gate's cumsum and γ never leave it
+        LR: gl.constexpr = gl.BlockedLayout([BC, 2], [1, 32], [1, 2], [1, 0])
         LRr: gl.constexpr = gl.SliceLayout(1, LR)
         LRc: gl.constexpr = gl.SliceLayout(0, LR)
-        MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, NW], instr_shape=[16, 8])
+        MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 2], instr_shape=[16, 8])
         Mr: gl.constexpr = gl.SliceLayout(1, MMA)
         Mc: gl.constexpr = gl.SliceLayout(0, MMA)
         DA: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
         DB: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
         # coalesced 16-byte rows for the outputs that leave through shared memory
-        LS: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [NW, 1], [1, 0])
+        LS: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [2, 1], [1, 0])
         SH: gl.constexpr = gl.SwizzledSharedLayout(8, 1, 8, [1, 0])
         NB: gl.constexpr = BT // BC
 
@@ -231,9 +228,6 @@ def usable(q: torch.Tensor, K: int, V: int, flags: dict, lower_bound, inv_prec: 
 
 def launch_prep_gluon(q, k, v, g, beta, A_log, dt_bias, bufs: dict, tab, c0: int, n: int, scale: float,
                       lower_bound: float, BT: int, BC: int) -> None:
-    nw = GluonPrepConfig.warps
-    if nw not in (2, 4):
-        raise ValueError(f"GluonPrepConfig.warps: expected 2 or 4, got {nw!r}")
     H, K = q.shape[2], q.shape[3]
     dummy = bufs["GAM"]
     _c16_prep_gluon[(n * (BT // BC), H)](
@@ -241,5 +235,5 @@ def launch_prep_gluon(q, k, v, g, beta, A_log, dt_bias, bufs: dict, tab, c0: int
         bufs["X"], bufs["KG"], bufs["GAM"], bufs["U"], tab.cu, tab.chunk_seq, tab.chunk_off, c0,
         bufs["X"].shape[1], tab.T, tab.NT, H, scale, float(lower_bound),
         K=K, BT=BT, BC=BC, HAS_A=A_log is not None, HAS_DT=dt_bias is not None, IS_VARLEN=tab.varlen,
-        NW=nw, num_warps=nw, **({"maxnreg": int(GluonPrepConfig.maxnreg)} if GluonPrepConfig.maxnreg else {}),
+        num_warps=2, **({"maxnreg": int(GluonPrepConfig.maxnreg)} if GluonPrepConfig.maxnreg else {}),
     )
