@@ -14,7 +14,8 @@ B=8 T=4096 H=32, ``train32k`` = fwd+bwd B=1 T=32768 H=32, ``decode`` = one step 
 Check: the variant's output of each prefill case at T=128K (every gradient of the train cases, output and state of
 the decode) against the default's, relative RMS (bf16: ≤ 2e-2 passes). Times are ``do_bench`` medians (ms); one
 table at the end. Training steps reset the inputs' ``.grad`` (~0.7 ms below the bench's B=8 T=4096 row, whose steps
-add into it); ``--accumulate`` times them as the bench does. A variant that faults poisons the process: run doubtful ones in a process of their own.
+add into it); ``--accumulate`` times them as the bench does; ``--graph`` replays the cases without grad from a CUDA
+graph (the decode step's host cost hides its GPU time on a slow host). A variant that faults poisons the process: run doubtful ones in a process of their own.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 import triton  # noqa: E402
 
-from k3.bench.kda import K3_FLAGS, _inputs, _ours  # noqa: E402
+from k3.bench.kda import K3_FLAGS, _cuda_graph, _inputs, _ours  # noqa: E402
 from k3.ops.kda.cp import CPConfig  # noqa: E402
 from k3.ops.kda.triton.chunk_bwd import BwdConfig  # noqa: E402
 from k3.ops.kda.triton.chunk16 import C16Config  # noqa: E402
@@ -143,6 +144,9 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=1,
                     help="time every variant this many times, interleaved (A B A B …): machine and clock drift "
                          "then shows as the spread within a variant instead of a difference between variants")
+    ap.add_argument("--graph", action="store_true",
+                    help="time the cases without grad as CUDA-graph replays (GPU time alone: the decode step's host "
+                         "cost otherwise dominates on a slow host)")
     ap.add_argument("--accumulate", action="store_true",
                     help="time training steps that add into existing .grad, as the bench and the fla anchor do")
     a = ap.parse_args()
@@ -164,8 +168,10 @@ def main() -> int:
                 with applied(knobs):
                     if name not in errs:
                         errs[name] = max(rel(u, r) for u, r in zip(run(case, xc, doc), ref))
-                    t = triton.testing.do_bench(lambda: run(case, x, do, a.accumulate), warmup=3, rep=a.rep,
-                                                return_mode="median")
+                    fn = lambda: run(case, x, do, a.accumulate)  # noqa: E731
+                    if a.graph and not grad:
+                        fn = _cuda_graph(fn)
+                    t = triton.testing.do_bench(fn, warmup=3, rep=a.rep, return_mode="median")
                 times[name].append(t)
                 print(f"{case} {name}: {t:.3f} ms, check {errs[name]:.1e}", flush=True)
         for name, _ in variants:

@@ -412,6 +412,14 @@ class C16Config:
     # as the accumulator as is (no identity product on the chain; 512 more bytes per token and head) measured
     # 46.6–47.9 against 40.7–42.0 (session 15, same process): removed
     u_rowmajor = True
+    # extra ptxas flags for the state and span passes (a compile option: variants coexist in one process), e.g.
+    # "--register-usage-level=0" (NOTES_kda.md v21)
+    ptxas_options: str | None = None
+
+
+def _ptxas_kw() -> dict:
+    """``C16Config.ptxas_options`` as the launch's compile option (the state and span passes)."""
+    return {"ptx_options": str(C16Config.ptxas_options)} if C16Config.ptxas_options else {}
 
 
 def _mode() -> int:
@@ -536,7 +544,7 @@ def launch_c16_state(bufs: dict, v, o, ht, tab: ChunkTable, c0: int, c1: int, H:
         BT=BT, BC=BC, BK=BK, BV=BV, BVP=BVP, IS_VARLEN=tab.varlen, PREC=dot_precision(bufs["X"].dtype),
         STAGES=state_stages(C16Config.state_stages, bufs["X"].dtype), MODE=_mode(),
         PTR_INC=ptr_inc, U_EYE=_u_form()[0], U_RM=_u_form()[1], RING=ring, num_warps=C16Config.state_warps,
-        num_stages=1,
+        num_stages=1, **_ptxas_kw(),
     )
 
 
@@ -552,5 +560,5 @@ def launch_c16_span(bufs: dict, SE: torch.Tensor, Mt: torch.Tensor, rows: dict, 
         bufs["X"], bufs["KG"], bufs["GAM"], bufs["U"], SE, Mt, rows["row_cs"], rows["row_ce"], rows["row_m"],
         c0, bufs["X"].shape[1], H, K, V, BT=BT, BC=BC, BK=BK, BV=bv, BVP=BVP,
         PREC=dot_precision(bufs["X"].dtype), STAGES=state_stages(C16Config.state_stages, bufs["X"].dtype),
-        U_RM=_u_form()[1], num_warps=C16Config.state_warps, num_stages=1,
+        U_RM=_u_form()[1], num_warps=C16Config.state_warps, num_stages=1, **_ptxas_kw(),
     )

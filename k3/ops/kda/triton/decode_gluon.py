@@ -44,6 +44,9 @@ class GluonDecodeConfig:
     enabled = True
     bv = 32
     maxnreg: int | None = 128
+    # extra ptxas flags for this kernel (a compile option, so variants coexist in one process): e.g.
+    # "--register-usage-level=0" changes where ptxas places the state loads (NOTES_kda.md v21)
+    ptxas_options: str | None = None
 
 
 if HAVE_GLUON:
@@ -158,6 +161,8 @@ def decode_step_gluon(ptrs: tuple, flags: dict, N: int, H: int, K: int, V: int, 
     kw = dict(num_warps=BV // 16)
     if cfg.maxnreg is not None:
         kw["maxnreg"] = int(cfg.maxnreg)
+    if cfg.ptxas_options:
+        kw["ptx_options"] = str(cfg.ptxas_options)
     f = {n: flags[n] for n in ("USE_GATE", "HAS_LB", "HAS_A", "HAS_DT", "L2NORM", "BETA_SIGMOID", "USE_IDX",
                                "USE_S0", "STORE_S")}
     _kda_decode_gluon[(N * H * NV,)](*ptrs, H, scale, lb, K=K, V=V, BK=BK, BV=BV, NV=NV, **f, **kw)
