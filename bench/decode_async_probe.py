@@ -6,10 +6,12 @@ the k / q / g loads first, then waits on them (the L2 norms and the gate) before
 each program pays about two memory latencies instead of one, and the first wave starts the DRAM late. ptxas sinks
 the state loads whatever we write (PTX order, volatile loads, a 160-register cap: the state's 64 registers cannot be
 live across the prologue at the 128 cap). Here the state tile goes global → shared memory by ``cp.async`` (no
-registers held while in flight) as the program's first instructions, the prologue runs, then the tile is read into
-the same register layout. The shared layout's swizzle phase follows row // 16, the row block of each thread, so
-both the copy and the read are free of bank conflicts. Beside it: the public kernel, the bare one-tile kernel of
-``decode_gluon_probe.py`` (A) and ``copy_``; K3's flags, B=64 H=32 K=V=128, fp32 state.
+registers held while in flight), the prologue runs, then the tile is read into the same register layout; the
+shared layout's swizzle phase follows row // 16, the row block of each thread, so both the copy and the read are
+free of bank conflicts. ptxas sinks those copies below the prologue too, so a second kernel also copies k, q, g
+and dt_bias by ``cp.async`` (v, β and A_log as register loads above the wait): its SASS issues every copy before
+one wait. Beside them: the public kernel, the bare one-tile kernel of ``decode_gluon_probe.py`` (A) and ``copy_``;
+K3's flags, B=64 H=32 K=V=128, fp32 state.
 
 Result (H200, session 19): the state by cp.async 0.0746–0.0755 ms, everything by cp.async (one wait, one memory
 latency per program) 0.0733 — the bare register kernel's own time; the late issue does not cost. The same call
