@@ -17,6 +17,8 @@ the GPU tests check this kernel against the fp64 recurrence.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 # Gluon's API is experimental and changes between Triton releases: the kernel is used only with the release it is
@@ -47,6 +49,11 @@ class GluonDecodeConfig:
     # extra ptxas flags for this kernel (a compile option, so variants coexist in one process): e.g.
     # "--register-usage-level=0" changes where ptxas places the state loads (NOTES_kda.md v21)
     ptxas_options: str | None = None
+    # dense steps with a state in: program i also asks L2 for the state tile of program i + prefetch_per_sm × SMs
+    # (0: off), so later programs find their tile in L2. H200, B=64 H=32 (graph replays, same process): distance
+    # 66 / 132 / 198–330 / 396 / 528 / 1056: 0.0725 / 0.0722 / 0.0720 / 0.0723 / 0.0736 / 0.093 against 0.0733 off
+    # (at 8 resident programs per SM, 1056 ahead evicts tiles before use)
+    prefetch_per_sm = 2
 
 
 if HAVE_GLUON:
@@ -54,6 +61,12 @@ if HAVE_GLUON:
     @gluon.jit
     def _sigmoid(x):
         return 1.0 / (1.0 + gl.exp(-x))
+
+    @gluon.jit
+    def _prefetch_l2(ptrs):
+        """``prefetch.global.L2`` of the line at each pointer (the dummy result only carries the side effect)."""
+        return gl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs],
+                                         dtype=gl.int32, is_pure=False, pack=1)
 
     @gluon.jit
     def _log_decay(b_f, i_h, A_log, dt_bias, lb, o_k, m_k, K: gl.constexpr, USE_GATE: gl.constexpr,
@@ -84,7 +97,7 @@ if HAVE_GLUON:
         K: gl.constexpr, V: gl.constexpr, BK: gl.constexpr, BV: gl.constexpr, NV: gl.constexpr,
         USE_GATE: gl.constexpr, HAS_LB: gl.constexpr, HAS_A: gl.constexpr, HAS_DT: gl.constexpr,
         L2NORM: gl.constexpr, BETA_SIGMOID: gl.constexpr, USE_IDX: gl.constexpr, USE_S0: gl.constexpr,
-        STORE_S: gl.constexpr,
+        STORE_S: gl.constexpr, PF: gl.constexpr = 0,
     ):
         """Grid (N·H·NV,): program i updates V-block i % NV of sequence-head i // NV (sequence n's token is row n;
         adjacent programs share a head, so the state is read in address order)."""
@@ -114,6 +127,12 @@ if HAVE_GLUON:
             S = gl.load(s_in + base + off, mask=m_s, other=0.).to(gl.float32)
         else:
             S = gl.zeros([BK, BV], gl.float32, layout=L)
+        if PF > 0 and USE_S0 and not USE_IDX:
+            j = i + PF
+            if j < gl.num_programs(0):  # one prefetch per row of tile j (its BV columns: one 128-byte line at BV 32)
+                LP: gl.constexpr = gl.BlockedLayout([1], [32], [BV // 16], [0])
+                r = gl.minimum(gl.arange(0, BK, layout=LP), K - 1)
+                _prefetch_l2(s_in + ((j // NV).to(gl.int64) * (K * V) + (j % NV) * BV) + r * V)
         p = i_nh.to(gl.int64) * K + o_k  # token row n of [N, 1, H, K]
         b_k = gl.load(k + p, mask=m_k, other=0.).to(gl.float32)
         b_q = gl.load(q + p, mask=m_k, other=0.).to(gl.float32)
@@ -144,6 +163,11 @@ if HAVE_GLUON:
             gl.store(s_out + base + off, S, mask=m_s)
 
 
+@functools.lru_cache(maxsize=8)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
 def usable(q: torch.Tensor, T: int, varlen: bool, N: int) -> bool:
     """Whether the Gluon kernel takes this call: CUDA tensors, a dense one-token step, the knob on."""
     return HAVE_GLUON and GluonDecodeConfig.enabled and q.is_cuda and T == 1 and not varlen and N > 0
@@ -165,4 +189,5 @@ def decode_step_gluon(ptrs: tuple, flags: dict, N: int, H: int, K: int, V: int, 
         kw["ptx_options"] = str(cfg.ptxas_options)
     f = {n: flags[n] for n in ("USE_GATE", "HAS_LB", "HAS_A", "HAS_DT", "L2NORM", "BETA_SIGMOID", "USE_IDX",
                                "USE_S0", "STORE_S")}
+    f["PF"] = int(cfg.prefetch_per_sm) * _sm_count(torch.cuda.current_device()) if cfg.prefetch_per_sm else 0
     _kda_decode_gluon[(N * H * NV,)](*ptrs, H, scale, lb, K=K, V=V, BK=BK, BV=BV, NV=NV, **f, **kw)
