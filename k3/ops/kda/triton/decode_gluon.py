@@ -54,6 +54,7 @@ class GluonDecodeConfig:
     # 66 / 132 / 198–330 / 396 / 528 / 1056: 0.0725 / 0.0722 / 0.0720 / 0.0723 / 0.0736 / 0.093 against 0.0733 off
     # (at 8 resident programs per SM, 1056 ahead evicts tiles before use)
     prefetch_per_sm = 2
+    prefetch_mode = 0  # 0: plain L2 prefetch per line; 1: with evict_last; 2: one 64 KiB bulk prefetch per head
 
 
 if HAVE_GLUON:
@@ -63,10 +64,16 @@ if HAVE_GLUON:
         return 1.0 / (1.0 + gl.exp(-x))
 
     @gluon.jit
-    def _prefetch_l2(ptrs):
-        """``prefetch.global.L2`` of the line at each pointer (the dummy result only carries the side effect)."""
-        return gl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs],
-                                         dtype=gl.int32, is_pure=False, pack=1)
+    def _prefetch_l2(ptrs, MODE: gl.constexpr = 0):
+        """``prefetch.global.L2`` of the line at each pointer (MODE 1: with the evict_last priority; 2: a bulk
+        prefetch of 64 KiB from each pointer); the dummy result only carries the side effect."""
+        if MODE == 1:
+            asm: gl.constexpr = "prefetch.global.L2::evict_last [$1];\n\tmov.u32 $0, 0;"
+        elif MODE == 2:
+            asm: gl.constexpr = "cp.async.bulk.prefetch.L2.global [$1], 65536;\n\tmov.u32 $0, 0;"
+        else:
+            asm: gl.constexpr = "prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;"
+        return gl.inline_asm_elementwise(asm, "=r,l", [ptrs], dtype=gl.int32, is_pure=False, pack=1)
 
     @gluon.jit
     def _log_decay(b_f, i_h, A_log, dt_bias, lb, o_k, m_k, K: gl.constexpr, USE_GATE: gl.constexpr,
@@ -97,7 +104,7 @@ if HAVE_GLUON:
         K: gl.constexpr, V: gl.constexpr, BK: gl.constexpr, BV: gl.constexpr, NV: gl.constexpr,
         USE_GATE: gl.constexpr, HAS_LB: gl.constexpr, HAS_A: gl.constexpr, HAS_DT: gl.constexpr,
         L2NORM: gl.constexpr, BETA_SIGMOID: gl.constexpr, USE_IDX: gl.constexpr, USE_S0: gl.constexpr,
-        STORE_S: gl.constexpr, PF: gl.constexpr = 0,
+        STORE_S: gl.constexpr, PF: gl.constexpr = 0, PF_MODE: gl.constexpr = 0,
     ):
         """Grid (N·H·NV,): program i updates V-block i % NV of sequence-head i // NV (sequence n's token is row n;
         adjacent programs share a head, so the state is read in address order)."""
@@ -129,10 +136,15 @@ if HAVE_GLUON:
             S = gl.zeros([BK, BV], gl.float32, layout=L)
         if PF > 0 and USE_S0 and not USE_IDX:
             j = i + PF
-            if j < gl.num_programs(0):  # one prefetch per row of tile j (its BV columns: one 128-byte line at BV 32)
+            if PF_MODE == 2:  # the first V-block's program fetches the whole K·V state of head j // NV
+                if (j < gl.num_programs(0)) & (j % NV == 0) & (K * V * 4 == 65536):
+                    LB: gl.constexpr = gl.BlockedLayout([1], [32], [BV // 16], [0])
+                    z = gl.arange(0, 1, layout=LB)
+                    _prefetch_l2(s_in + (j // NV).to(gl.int64) * (K * V) + z, 2)
+            elif j < gl.num_programs(0):  # one prefetch per row of tile j (its BV columns: a 128-byte line at BV 32)
                 LP: gl.constexpr = gl.BlockedLayout([1], [32], [BV // 16], [0])
                 r = gl.minimum(gl.arange(0, BK, layout=LP), K - 1)
-                _prefetch_l2(s_in + ((j // NV).to(gl.int64) * (K * V) + (j % NV) * BV) + r * V)
+                _prefetch_l2(s_in + ((j // NV).to(gl.int64) * (K * V) + (j % NV) * BV) + r * V, PF_MODE)
         p = i_nh.to(gl.int64) * K + o_k  # token row n of [N, 1, H, K]
         b_k = gl.load(k + p, mask=m_k, other=0.).to(gl.float32)
         b_q = gl.load(q + p, mask=m_k, other=0.).to(gl.float32)
@@ -190,4 +202,5 @@ def decode_step_gluon(ptrs: tuple, flags: dict, N: int, H: int, K: int, V: int, 
     f = {n: flags[n] for n in ("USE_GATE", "HAS_LB", "HAS_A", "HAS_DT", "L2NORM", "BETA_SIGMOID", "USE_IDX",
                                "USE_S0", "STORE_S")}
     f["PF"] = int(cfg.prefetch_per_sm) * _sm_count(torch.cuda.current_device()) if cfg.prefetch_per_sm else 0
+    f["PF_MODE"] = int(cfg.prefetch_mode)
     _kda_decode_gluon[(N * H * NV,)](*ptrs, H, scale, lb, K=K, V=V, BK=BK, BV=BV, NV=NV, **f, **kw)
