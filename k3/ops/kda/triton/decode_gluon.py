@@ -54,7 +54,9 @@ class GluonDecodeConfig:
     # 66 / 132 / 198–330 / 396 / 528 / 1056: 0.0725 / 0.0722 / 0.0720 / 0.0723 / 0.0736 / 0.093 against 0.0733 off
     # (at 8 resident programs per SM, 1056 ahead evicts tiles before use)
     prefetch_per_sm = 2
-    prefetch_mode = 0  # 0: plain L2 prefetch per line; 1: with evict_last; 2: one 64 KiB bulk prefetch per head
+    # 0: a plain L2 prefetch per 128-byte line; 1: the same with the evict_last priority (0.0710–0.0716 against
+    # 0.0718–0.0721 for 0); 2: one 64 KiB bulk prefetch per head by its first V-block's program (0.080: slower)
+    prefetch_mode = 1
 
 
 if HAVE_GLUON:
