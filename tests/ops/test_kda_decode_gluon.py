@@ -220,7 +220,8 @@ for flags, (pool, s0) in itertools.product(eval(sys.argv[1]), ((False, True), (F
     l2, gate, bsig, lb, use_a, use_dt = flags
     const = dict(K=100, V=72, BK=128, BV=32, NV=3, USE_GATE=gate, HAS_LB=lb is not None, HAS_A=gate and use_a,
                  HAS_DT=gate and use_dt, L2NORM=l2, BETA_SIGMOID=bsig, USE_IDX=pool, USE_S0=s0, STORE_S=True,
-                 PF=264 if s0 and not pool else 0)  # the L2 prefetch where it applies (2 per SM on an H200)
+                 PF=264 if s0 and not pool else 0,  # the L2 prefetch where it applies (2 per SM on an H200)
+                 PF_MODE=dg.GluonDecodeConfig.prefetch_mode)
     src = GluonASTSource(fn, sig, constexprs={(fn.arg_names.index(n),): v for n, v in const.items()})
     c = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=2, maxnreg=128))
     assert "st.global" in c.asm["ptx"], flags
@@ -253,7 +254,8 @@ types = dict(q="*bf16", k="*bf16", v="*bf16", g="*bf16", beta="*bf16", A_log="*f
 sig = {n: types.get(n, "constexpr") for n in fn.arg_names}
 const = dict(K=128, V=128, BK=128, BV=32, NV=4, USE_GATE=True, HAS_LB=True, HAS_A=True, HAS_DT=True, L2NORM=True,
              BETA_SIGMOID=True, USE_IDX=False, USE_S0=True, STORE_S=True,
-             PF=dg.GluonDecodeConfig.prefetch_per_sm * 132)  # an H200's 132 SMs
+             PF=dg.GluonDecodeConfig.prefetch_per_sm * 132,  # an H200's 132 SMs
+             PF_MODE=dg.GluonDecodeConfig.prefetch_mode)
 # as the launcher specialises them: pointers and H = 32 divisible by 16
 aligned = [n for n, t in types.items() if t.startswith("*")] + ["H"]
 src = GluonASTSource(fn, sig, constexprs={(fn.arg_names.index(n),): v for n, v in const.items()},
