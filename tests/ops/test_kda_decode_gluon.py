@@ -200,9 +200,13 @@ def test_dispatch_off_cuda():
     assert not dg.usable(q, 1, False, 2)
 
 
-def test_bad_block_width_names_the_knob(monkeypatch):
+def test_bad_knobs_are_named(monkeypatch):
     monkeypatch.setattr(dg.GluonDecodeConfig, "bv", 48)
     with pytest.raises(ValueError, match="GluonDecodeConfig.bv"):
+        dg.decode_step_gluon((), {}, 1, 1, 16, 16, 16, 1.0, 0.0)
+    monkeypatch.setattr(dg.GluonDecodeConfig, "bv", 32)
+    monkeypatch.setattr(dg.GluonDecodeConfig, "prefetch_mode", 2)
+    with pytest.raises(ValueError, match="GluonDecodeConfig.prefetch_mode"):
         dg.decode_step_gluon((), {}, 1, 1, 16, 16, 16, 1.0, 0.0)
 
 

@@ -55,7 +55,7 @@ class GluonDecodeConfig:
     # (at 8 resident programs per SM, 1056 ahead evicts tiles before use)
     prefetch_per_sm = 2
     # 0: a plain L2 prefetch per 128-byte line; 1: the same with the evict_last priority (0.0710–0.0716 against
-    # 0.0718–0.0721 for 0); 2: one 64 KiB bulk prefetch per head by its first V-block's program (0.080: slower)
+    # 0.0718–0.0721 for 0; one 64 KiB bulk prefetch per head measured 0.080 and was removed)
     prefetch_mode = 1
 
 
@@ -66,13 +66,10 @@ if HAVE_GLUON:
         return 1.0 / (1.0 + gl.exp(-x))
 
     @gluon.jit
-    def _prefetch_l2(ptrs, MODE: gl.constexpr = 0):
-        """``prefetch.global.L2`` of the line at each pointer (MODE 1: with the evict_last priority; 2: a bulk
-        prefetch of 64 KiB from each pointer); the dummy result only carries the side effect."""
-        if MODE == 1:
+    def _prefetch_l2(ptrs, EVICT_LAST: gl.constexpr):
+        """``prefetch.global.L2`` of the line at each pointer (the dummy result only carries the side effect)."""
+        if EVICT_LAST:
             asm: gl.constexpr = "prefetch.global.L2::evict_last [$1];\n\tmov.u32 $0, 0;"
-        elif MODE == 2:
-            asm: gl.constexpr = "cp.async.bulk.prefetch.L2.global [$1], 65536;\n\tmov.u32 $0, 0;"
         else:
             asm: gl.constexpr = "prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;"
         return gl.inline_asm_elementwise(asm, "=r,l", [ptrs], dtype=gl.int32, is_pure=False, pack=1)
@@ -138,15 +135,10 @@ if HAVE_GLUON:
             S = gl.zeros([BK, BV], gl.float32, layout=L)
         if PF > 0 and USE_S0 and not USE_IDX:
             j = i + PF
-            if PF_MODE == 2:  # the first V-block's program fetches the whole K·V state of head j // NV
-                if (j < gl.num_programs(0)) & (j % NV == 0) & (K * V * 4 == 65536):
-                    LB: gl.constexpr = gl.BlockedLayout([1], [32], [BV // 16], [0])
-                    z = gl.arange(0, 1, layout=LB)
-                    _prefetch_l2(s_in + (j // NV).to(gl.int64) * (K * V) + z, 2)
-            elif j < gl.num_programs(0):  # one prefetch per row of tile j (its BV columns: a 128-byte line at BV 32)
+            if j < gl.num_programs(0):  # one prefetch per row of tile j (its BV columns: a 128-byte line at BV 32)
                 LP: gl.constexpr = gl.BlockedLayout([1], [32], [BV // 16], [0])
                 r = gl.minimum(gl.arange(0, BK, layout=LP), K - 1)
-                _prefetch_l2(s_in + ((j // NV).to(gl.int64) * (K * V) + (j % NV) * BV) + r * V, PF_MODE)
+                _prefetch_l2(s_in + ((j // NV).to(gl.int64) * (K * V) + (j % NV) * BV) + r * V, PF_MODE == 1)
         p = i_nh.to(gl.int64) * K + o_k  # token row n of [N, 1, H, K]
         b_k = gl.load(k + p, mask=m_k, other=0.).to(gl.float32)
         b_q = gl.load(q + p, mask=m_k, other=0.).to(gl.float32)
@@ -194,6 +186,8 @@ def decode_step_gluon(ptrs: tuple, flags: dict, N: int, H: int, K: int, V: int, 
     cfg = GluonDecodeConfig
     if cfg.bv not in (16, 32, 64, 128):
         raise ValueError(f"GluonDecodeConfig.bv: expected 16, 32, 64 or 128, got {cfg.bv!r}")
+    if cfg.prefetch_mode not in (0, 1):
+        raise ValueError(f"GluonDecodeConfig.prefetch_mode: expected 0 or 1, got {cfg.prefetch_mode!r}")
     BV = max(16, min(int(cfg.bv), 1 << (max(V, 16) - 1).bit_length()))
     NV = -(-V // BV)
     kw = dict(num_warps=BV // 16)
