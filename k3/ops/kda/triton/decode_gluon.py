@@ -6,10 +6,11 @@ warps, so the two K reductions per tile cross warps through shared memory and ba
 the warps of a program split the tile's V columns, each thread holds 4 adjacent columns (16-byte loads) of a
 contiguous run of K rows, and 8 threads of a warp share a column, so both reductions finish inside a warp
 (in-thread adds, then 3 shuffles). One tile per program, no persistence: 8 programs of 2 warps per SM at the
-128-register cap. Measured on one H200 (B=64, H=32, K=V=128): through ``fused_recurrent_kda`` 0.073 ms (CUDA-graph
-replay; fla 0.092) against 0.079 for the persistent Triton kernel, 0.0678 for ``copy_`` of the same bytes
-(``bench/decode_gluon_probe.py`` has every layout it was chosen from, ``bench/decode_async_probe.py`` the state by
-cp.async; NOTES_kda.md v13, v20, v21).
+128-register cap; each program also prefetches into L2 the state tile of the program 2 × SMs ahead, so the later
+programs (the grid's last wave above all) find it there. Measured on one H200 (B=64, H=32, K=V=128): through
+``fused_recurrent_kda`` 0.0714 ms (CUDA-graph replay; fla 0.0934; 0.0733 without the prefetch) against 0.079 for the
+persistent Triton kernel, 0.0678 for ``copy_`` of the same bytes (``bench/decode_gluon_probe.py`` has every layout
+it was chosen from, ``bench/decode_async_probe.py`` the state by cp.async; NOTES_kda.md v13, v20, v21).
 
 Gluon does not run in Triton's interpreter: on CPU (and with a Triton other than 3.6) the Triton kernels serve, and
 the GPU tests check this kernel against the fp64 recurrence.
