@@ -33,7 +33,7 @@ from triton.experimental import gluon  # noqa: E402
 from triton.experimental.gluon import language as gl  # noqa: E402
 from triton.experimental.gluon.language.nvidia.ampere import async_copy  # noqa: E402
 
-from decode_gluon_probe import A, decode_case, launch, timed_table  # noqa: E402
+from decode_gluon_probe import A, _tile_offsets, decode_case, launch, timed_table  # noqa: E402
 from k3.ops.kda.triton.decode_gluon import _sigmoid  # noqa: E402
 
 
@@ -43,10 +43,8 @@ def _tile(H, K: gl.constexpr, V: gl.constexpr, BV: gl.constexpr, NV: gl.constexp
     i = gl.program_id(0)
     i_nh = i // NV
     i_v = i % NV
-    o_k = gl.arange(0, K, layout=gl.SliceLayout(1, L))
-    o_b = gl.arange(0, BV, layout=gl.SliceLayout(0, L))
-    return (i_nh, i_v, i_nh % H, o_k, o_b, o_k[:, None] * V + o_b[None, :],
-            i_nh.to(gl.int64) * (K * V) + i_v * BV)
+    o_k, o_b, off = _tile_offsets(K, V, BV, L)
+    return i_nh, i_v, i_nh % H, o_k, o_b, off, i_nh.to(gl.int64) * (K * V) + i_v * BV
 
 
 @gluon.jit

@@ -55,6 +55,14 @@ def _pad(A: gl.constexpr, B: gl.constexpr, C: gl.constexpr, WARPS: gl.constexpr,
 
 
 @gluon.jit
+def _tile_offsets(K: gl.constexpr, V: gl.constexpr, BV: gl.constexpr, L: gl.constexpr):
+    """Row and column offsets of a [K, BV] state tile in layout L, and the tile's offsets in a [K, V] state."""
+    o_k = gl.arange(0, K, layout=gl.SliceLayout(1, L))
+    o_b = gl.arange(0, BV, layout=gl.SliceLayout(0, L))
+    return o_k, o_b, o_k[:, None] * V + o_b[None, :]
+
+
+@gluon.jit
 def _gl_tile_update(S, i, q, k, v, g, beta, A_log, dt_bias, o, H, scale, lb, o_k, o_b,
                     K: gl.constexpr, V: gl.constexpr, BV: gl.constexpr, NV: gl.constexpr, FAST: gl.constexpr = False):
     """K3 flags: one token on the state tile of tile index i; returns the new tile (o is stored here). FAST: one
@@ -96,11 +104,7 @@ def _gl_decode(q, k, v, g, beta, A_log, dt_bias, o, s_in, s_out, n_tiles, NP, H,
                VMAJOR: gl.constexpr = False, PAD_A: gl.constexpr = 0, PAD_B: gl.constexpr = 0,
                PAD_C: gl.constexpr = 0, FAST: gl.constexpr = False):
     L: gl.constexpr = gl.BlockedLayout([SPT_K, SPT_V], [TPW_K, 32 // TPW_K], [W_K, W_V], [1, 0])
-    LK: gl.constexpr = gl.SliceLayout(1, L)
-    LV: gl.constexpr = gl.SliceLayout(0, L)
-    o_k = gl.arange(0, K, layout=LK)
-    o_b = gl.arange(0, BV, layout=LV)
-    off = o_k[:, None] * V + o_b[None, :]
+    o_k, o_b, off = _tile_offsets(K, V, BV, L)
     pid = gl.program_id(0)
     # shared memory held (never written) only to lower the programs per SM: KiB, powers of 2
     _pad(PAD_A, PAD_B, PAD_C, W_K * W_V, n_tiles < 0)
@@ -140,15 +144,11 @@ def _gl_decode_async(q, k, v, g, beta, A_log, dt_bias, o, s_in, s_out, n_tiles, 
     """Persistent: the next STAGES − 1 tiles of this program move global → shared by cp.async while one is
     computed from registers (no register double buffer)."""
     L: gl.constexpr = gl.BlockedLayout([SPT_K, SPT_V], [TPW_K, 32 // TPW_K], [W_K, W_V], [1, 0])
-    LK: gl.constexpr = gl.SliceLayout(1, L)
-    LV: gl.constexpr = gl.SliceLayout(0, L)
     if SWZ:
         SL: gl.constexpr = gl.SwizzledSharedLayout(SPT_V, 1, 8, [1, 0])
     else:
         SL: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
-    o_k = gl.arange(0, K, layout=LK)
-    o_b = gl.arange(0, BV, layout=LV)
-    off = o_k[:, None] * V + o_b[None, :]
+    o_k, o_b, off = _tile_offsets(K, V, BV, L)
     pid = gl.program_id(0)
     n_my = (n_tiles - pid + NP - 1) // NP
     buf = gl.allocate_shared_memory(gl.float32, [STAGES, K, BV], SL)

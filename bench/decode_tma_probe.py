@@ -23,6 +23,7 @@ from triton.experimental import gluon  # noqa: E402
 from triton.experimental.gluon import language as gl  # noqa: E402
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma  # noqa: E402
 
+from decode_gluon_probe import _tile_offsets  # noqa: E402
 from k3.ops.kda.triton.decode_gluon import _sigmoid as _gl_sigmoid  # noqa: E402 — the kernel's own σ
 
 
@@ -76,11 +77,7 @@ def _tma_decode(q, k, v, g, beta, A_log, dt_bias, o, s_desc, s_out, n_tiles, NP,
     """Persistent: program pid takes tiles pid, pid + NP, … (adjacent programs on adjacent tiles, so the grid reads
     the state in address order); STAGES tiles in flight per program."""
     L: gl.constexpr = gl.BlockedLayout([K // 8, 4], [8, 4], [1, BV // 16], [1, 0])
-    LK: gl.constexpr = gl.SliceLayout(1, L)
-    LV: gl.constexpr = gl.SliceLayout(0, L)
-    o_k = gl.arange(0, K, layout=LK)
-    o_b = gl.arange(0, BV, layout=LV)
-    off = o_k[:, None] * V + o_b[None, :]
+    o_k, o_b, off = _tile_offsets(K, V, BV, L)
     pid = gl.program_id(0)
     n_my = (n_tiles - pid + NP - 1) // NP
     smem = gl.allocate_shared_memory(gl.float32, [STAGES, K, BV], s_desc.layout)
