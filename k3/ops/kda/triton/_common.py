@@ -15,6 +15,20 @@ import torch
 import triton
 import triton.language as tl
 
+_SM_COUNT: dict[int, int] = {}
+
+
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device (cached: the query costs microseconds per decode step); 2 for
+    the interpreter, so that its programs still loop over several tiles."""
+    if device.type != "cuda":
+        return 2
+    i = device.index if device.index is not None else torch.cuda.current_device()
+    if i not in _SM_COUNT:
+        _SM_COUNT[i] = torch.cuda.get_device_properties(i).multi_processor_count
+    return _SM_COUNT[i]
+
+
 def _fix_interpreter_scalar_index() -> None:
     """Triton 3.6's interpreter keeps scalars as 1-element arrays and converts them with ``int(array)``, which
     numpy ≥ 2.x rejects; loops with run-time bounds (``for c in range(lo, hi)``) then fail under

@@ -18,9 +18,9 @@ the GPU tests check this kernel against the fp64 recurrence.
 
 from __future__ import annotations
 
-import functools
-
 import torch
+
+from k3.ops.kda.triton._common import sm_count
 
 # Gluon's API is experimental and changes between Triton releases: the kernel is used only with the release it is
 # tested on (3.6.x); any other Triton, or a failed import, leaves decoding to the Triton kernels
@@ -170,11 +170,6 @@ if HAVE_GLUON:
             gl.store(s_out + base + off, S, mask=m_s)
 
 
-@functools.lru_cache(maxsize=8)
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
 def usable(q: torch.Tensor, T: int, varlen: bool, N: int) -> bool:
     """Whether the Gluon kernel takes this call: CUDA tensors, a dense one-token step, the knob on."""
     return HAVE_GLUON and GluonDecodeConfig.enabled and q.is_cuda and T == 1 and not varlen and N > 0
@@ -198,6 +193,6 @@ def decode_step_gluon(ptrs: tuple, flags: dict, N: int, H: int, K: int, V: int, 
         kw["ptx_options"] = str(cfg.ptxas_options)
     f = {n: flags[n] for n in ("USE_GATE", "HAS_LB", "HAS_A", "HAS_DT", "L2NORM", "BETA_SIGMOID", "USE_IDX",
                                "USE_S0", "STORE_S")}
-    f["PF"] = int(cfg.prefetch_per_sm) * _sm_count(torch.cuda.current_device()) if cfg.prefetch_per_sm else 0
+    f["PF"] = int(cfg.prefetch_per_sm) * sm_count(ptrs[0].device) if cfg.prefetch_per_sm else 0
     f["PF_MODE"] = int(cfg.prefetch_mode)
     _kda_decode_gluon[(N * H * NV,)](*ptrs, H, scale, lb, K=K, V=V, BK=BK, BV=BV, NV=NV, **f, **kw)

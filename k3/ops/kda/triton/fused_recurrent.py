@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from k3.ops.kda.triton._common import _gate_fwd, _seq_bounds, _sigmoid
+from k3.ops.kda.triton._common import _gate_fwd, _seq_bounds, _sigmoid, sm_count
 from k3.ops.kda.triton.decode_gluon import decode_step_gluon, usable
 
 
@@ -50,20 +50,6 @@ class DecodeConfig:
     persist_stages = 3
     maxnreg: int | None = None
     programs: int | None = None  # persistent grid size (None: programs per SM × SMs); must all be resident
-
-
-_SM_COUNT: dict[int, int] = {}
-
-
-def _sm_count(device: torch.device) -> int:
-    """Streaming multiprocessors of a CUDA device (cached: the query costs microseconds per decode step); 2 for
-    the interpreter, so that its programs still loop over several tiles."""
-    if device.type != "cuda":
-        return 2
-    i = device.index if device.index is not None else torch.cuda.current_device()
-    if i not in _SM_COUNT:
-        _SM_COUNT[i] = torch.cuda.get_device_properties(i).multi_processor_count
-    return _SM_COUNT[i]
 
 
 # sm_90 per-SM limits: 64 K registers (allocated per warp in units of 256, i.e. 8 per thread), 228 KiB of shared
@@ -303,7 +289,7 @@ def fused_recurrent_kda_triton(
         per_sm, maxnreg = _persistent_fit(cfg.persist, cfg.warps, cfg.persist_stages, BK, BV, cfg.maxnreg)
         if cfg.programs is not None and int(cfg.programs) < 1:
             raise ValueError(f"DecodeConfig.programs: expected None or a positive int, got {cfg.programs!r}")
-        NP = min(n_tiles, int(cfg.programs or per_sm * _sm_count(q.device)))
+        NP = min(n_tiles, int(cfg.programs or per_sm * sm_count(q.device)))
         _kda_decode_persistent[(NP,)](*ptrs, n_tiles, NP, H, K, V, scale, lb, BK=BK, BV=BV, NV=NV,
                                       STAGES=cfg.persist_stages, **flags, num_warps=cfg.warps, maxnreg=maxnreg,
                                       num_stages=cfg.persist_stages)
