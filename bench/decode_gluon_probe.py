@@ -172,15 +172,22 @@ def _gl_decode_async(q, k, v, g, beta, A_log, dt_bias, o, s_in, s_out, n_tiles, 
         gl.store(s_out + ((i // NV).to(gl.int64) * (K * V) + (i % NV) * BV) + off, S)
 
 
-def launch_async(x: dict, h0: torch.Tensor, hn: torch.Tensor, o: torch.Tensor, BV: int, tpw_k: int, wv: int,
-                 per_sm: int, stages: int, cap: int | None = None, swz: bool = True):
+def grid(x: dict, BV: int, per_sm: int | None, warps: int, cap: int | None = None) -> tuple[int, ...]:
+    """A decode grid over [K, BV] state tiles → (H, K, V, NV, tiles, programs, register cap): one tile per program
+    (per_sm None; the cap as given), or per_sm persistent programs per SM with the cap that fits them."""
     B, T, H, K = x["q"].shape
     V = x["v"].shape[-1]
     NV = V // BV
     n_tiles = B * H * NV
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    NP = min(n_tiles, per_sm * sms)
-    cap = cap or min(255, 65536 // (per_sm * wv * 32) // 8 * 8)
+    if per_sm is None:
+        return H, K, V, NV, n_tiles, n_tiles, cap
+    NP = min(n_tiles, per_sm * torch.cuda.get_device_properties(0).multi_processor_count)
+    return H, K, V, NV, n_tiles, NP, cap or min(255, 65536 // (per_sm * warps * 32) // 8 * 8)
+
+
+def launch_async(x: dict, h0: torch.Tensor, hn: torch.Tensor, o: torch.Tensor, BV: int, tpw_k: int, wv: int,
+                 per_sm: int, stages: int, cap: int | None = None, swz: bool = True):
+    H, K, V, NV, n_tiles, NP, cap = grid(x, BV, per_sm, wv, cap)
     return _gl_decode_async[(NP,)](x["q"], x["k"], x["v"], x["g"], x["beta"], x["A_log"], x["dt_bias"], o, h0, hn,
                                    n_tiles, NP, H, K ** -0.5, -5.0, K=K, V=V, BV=BV, NV=NV, SPT_K=K // tpw_k,
                                    SPT_V=4, TPW_K=tpw_k, W_K=1, W_V=wv, STAGES=stages, SWZ=swz, num_warps=wv,
@@ -190,17 +197,8 @@ def launch_async(x: dict, h0: torch.Tensor, hn: torch.Tensor, o: torch.Tensor, B
 def launch(x: dict, h0: torch.Tensor, hn: torch.Tensor, o: torch.Tensor, BV: int, spt: int, tpw_k: int, wk: int,
            wv: int, per_sm: int | None, prefetch: bool, compute: bool = True, contig_k: bool = True,
            cap: int | None = None, **mods: str):
-    B, T, H, K = x["q"].shape
-    V = x["v"].shape[-1]
-    NV = V // BV
-    n_tiles = B * H * NV
     warps = wk * wv
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    if per_sm is None:
-        NP = n_tiles
-    else:
-        NP = min(n_tiles, per_sm * sms)
-        cap = cap or min(255, 65536 // (per_sm * warps * 32) // 8 * 8)
+    H, K, V, NV, n_tiles, NP, cap = grid(x, BV, per_sm, warps, cap)
     kw = dict(num_warps=warps) if cap is None else dict(num_warps=warps, maxnreg=cap)
     return _gl_decode[(NP,)](x["q"], x["k"], x["v"], x["g"], x["beta"], x["A_log"], x["dt_bias"], o, h0, hn,
                              n_tiles, NP, H, K ** -0.5, -5.0, K=K, V=V, BV=BV, NV=NV,

@@ -23,7 +23,7 @@ from triton.experimental import gluon  # noqa: E402
 from triton.experimental.gluon import language as gl  # noqa: E402
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma  # noqa: E402
 
-from decode_gluon_probe import _tile_offsets  # noqa: E402
+from decode_gluon_probe import _tile_offsets, grid  # noqa: E402
 from k3.ops.kda.triton.decode_gluon import _sigmoid as _gl_sigmoid  # noqa: E402 — the kernel's own σ
 
 
@@ -109,14 +109,8 @@ def launch_tma(x: dict, h0: torch.Tensor, hn: torch.Tensor, o: torch.Tensor, per
                compute: bool = True, fence: bool = True, BV: int = 32):
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    B, T, H, K = x["q"].shape
-    V = x["v"].shape[-1]
-    NV = V // BV
-    n_tiles = B * H * NV
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    NP = min(n_tiles, per_sm * sms)
     warps = BV // 16
-    cap = min(255, 65536 // (per_sm * warps * 32) // 8 * 8)
+    H, K, V, NV, n_tiles, NP, cap = grid(x, BV, per_sm, warps)
     layout = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2)
     desc = TensorDescriptor.from_tensor(h0.view(-1, V), [K, BV], layout)
     return _tma_decode[(NP,)](x["q"], x["k"], x["v"], x["g"], x["beta"], x["A_log"], x["dt_bias"], o, desc, hn,
