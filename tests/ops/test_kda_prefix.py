@@ -118,7 +118,7 @@ def test_cost_model_choice():
 def test_auto_rule_on_cuda(monkeypatch):
     """``_auto_splits`` on a (pretended) CUDA device: on by default, ``K3_KDA_SPLITS=1`` and ``AUTO_SPLIT`` off
     disable it; the torch backend never splits on its own."""
-    monkeypatch.setattr(pf, "_sm_count", lambda index: 132)
+    monkeypatch.setattr("k3.ops.kda.triton._common.sm_count", lambda device: 132)
     cuda = torch.device("cuda", 0)
     P, model = pf._auto_splits([1 << 20], 8, 128, 128, cuda, "triton")
     assert P == 5 and model is not None
@@ -533,7 +533,7 @@ def test_split_gpu_matches_unsplit(dtype, flow, monkeypatch):
             monkeypatch.setenv("K3_KDA_SPLITS", P)
             if P == "auto":
                 monkeypatch.setattr(pf, "_MIN_SEG", 1024)
-                monkeypatch.setattr(pf, "_sm_count", lambda index: 132)
+                monkeypatch.setattr("k3.ops.kda.triton._common.sm_count", lambda device: 132)
                 assert pf.SplitCostModel().best([313, 1, 141, 13], H, 128, 128, 32) > 1
                 calls = _spy_split(monkeypatch)
             out = chunk_kda(**x, **kw)

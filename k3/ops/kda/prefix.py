@@ -309,11 +309,6 @@ def _unsplit_overlaps(lens: list[int], H: int, K: int, V: int, dtype: torch.dtyp
     return -(-sum(-(-n // _ALIGN) for n in lens) // ncw)
 
 
-@functools.lru_cache(maxsize=8)
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
 def _auto_splits(lens: list[int], H: int, K: int, V: int, device: torch.device, backend: str,
                  dtype: torch.dtype = torch.bfloat16, lower_bound: float | None = None
                  ) -> tuple[int, SplitCostModel | None]:
@@ -328,9 +323,10 @@ def _auto_splits(lens: list[int], H: int, K: int, V: int, device: torch.device, 
         return 1, None  # on CPU the torch path is serial anyway: splitting only adds the summary work
     if max(lens, default=0) < 2 * _MIN_SEG:
         return 1, None
-    from k3.ops.kda.triton.span import split_flow  # noqa: PLC0415 (triton is optional)
+    from k3.ops.kda.triton._common import sm_count  # noqa: PLC0415 (triton is optional)
+    from k3.ops.kda.triton.span import split_flow  # noqa: PLC0415
 
-    sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    sms = sm_count(device)
     model = SplitCostModel.c16(sms) if split_flow(lower_bound) == "c16" else SplitCostModel(sm_count=sms)
     slots = model.sm_count * model.state_per_sm
     if sum(1 for n in lens if n) * H * max(1, _pow2(V) // model.state_bv) >= slots:
