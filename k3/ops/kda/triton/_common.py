@@ -29,6 +29,12 @@ def sm_count(device: torch.device) -> int:
     return _SM_COUNT[i]
 
 
+def ptxas_kw(options: str | None) -> dict:
+    """Extra ptxas flags (a config's ``ptxas_options``) as a launch's compile option: variants of one kernel then
+    coexist in one process (``NOTES_kda.md`` v21)."""
+    return {"ptx_options": str(options)} if options else {}
+
+
 def _fix_interpreter_scalar_index() -> None:
     """Triton 3.6's interpreter keeps scalars as 1-element arrays and converts them with ``int(array)``, which
     numpy ≥ 2.x rejects; loops with run-time bounds (``for c in range(lo, hi)``) then fail under

@@ -50,6 +50,7 @@ from k3.ops.kda.triton._common import (
     _state_program,
     dot_precision,
     next_pow2,
+    ptxas_kw,
 )
 from k3.ops.kda.triton import prep_gluon
 from k3.ops.kda.triton.chunk_fwd import _inv16, state_stages
@@ -417,11 +418,6 @@ class C16Config:
     ptxas_options: str | None = None
 
 
-def _ptxas_kw() -> dict:
-    """``C16Config.ptxas_options`` as the launch's compile option (the state and span passes)."""
-    return {"ptx_options": str(C16Config.ptxas_options)} if C16Config.ptxas_options else {}
-
-
 def _mode() -> int:
     m = C16Config.mode
     if m not in (0, 1, 2, 3):
@@ -544,7 +540,7 @@ def launch_c16_state(bufs: dict, v, o, ht, tab: ChunkTable, c0: int, c1: int, H:
         BT=BT, BC=BC, BK=BK, BV=BV, BVP=BVP, IS_VARLEN=tab.varlen, PREC=dot_precision(bufs["X"].dtype),
         STAGES=state_stages(C16Config.state_stages, bufs["X"].dtype), MODE=_mode(),
         PTR_INC=ptr_inc, U_EYE=_u_form()[0], U_RM=_u_form()[1], RING=ring, num_warps=C16Config.state_warps,
-        num_stages=1, **_ptxas_kw(),
+        num_stages=1, **ptxas_kw(C16Config.ptxas_options),
     )
 
 
@@ -560,5 +556,5 @@ def launch_c16_span(bufs: dict, SE: torch.Tensor, Mt: torch.Tensor, rows: dict, 
         bufs["X"], bufs["KG"], bufs["GAM"], bufs["U"], SE, Mt, rows["row_cs"], rows["row_ce"], rows["row_m"],
         c0, bufs["X"].shape[1], H, K, V, BT=BT, BC=BC, BK=BK, BV=bv, BVP=BVP,
         PREC=dot_precision(bufs["X"].dtype), STAGES=state_stages(C16Config.state_stages, bufs["X"].dtype),
-        U_RM=_u_form()[1], num_warps=C16Config.state_warps, num_stages=1, **_ptxas_kw(),
+        U_RM=_u_form()[1], num_warps=C16Config.state_warps, num_stages=1, **ptxas_kw(C16Config.ptxas_options),
     )

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from k3.ops.kda.triton._common import sm_count
+from k3.ops.kda.triton._common import ptxas_kw, sm_count
 
 # Gluon's API is experimental and changes between Triton releases: the kernel is used only with the release it is
 # tested on (3.6.x); any other Triton, or a failed import, leaves decoding to the Triton kernels
@@ -189,8 +189,7 @@ def decode_step_gluon(ptrs: tuple, flags: dict, N: int, H: int, K: int, V: int, 
     kw = dict(num_warps=BV // 16)
     if cfg.maxnreg is not None:
         kw["maxnreg"] = int(cfg.maxnreg)
-    if cfg.ptxas_options:
-        kw["ptx_options"] = str(cfg.ptxas_options)
+    kw.update(ptxas_kw(cfg.ptxas_options))
     f = {n: flags[n] for n in ("USE_GATE", "HAS_LB", "HAS_A", "HAS_DT", "L2NORM", "BETA_SIGMOID", "USE_IDX",
                                "USE_S0", "STORE_S")}
     f["PF"] = int(cfg.prefetch_per_sm) * sm_count(ptrs[0].device) if cfg.prefetch_per_sm else 0

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import torch
 
+from k3.ops.kda.triton._common import ptxas_kw
 from k3.ops.kda.triton.decode_gluon import HAVE_GLUON
 
 if HAVE_GLUON:
@@ -237,5 +238,5 @@ def launch_prep_gluon(q, k, v, g, beta, A_log, dt_bias, bufs: dict, tab, c0: int
         bufs["X"].shape[1], tab.T, tab.NT, H, scale, float(lower_bound),
         K=K, BT=BT, BC=BC, HAS_A=A_log is not None, HAS_DT=dt_bias is not None, IS_VARLEN=tab.varlen,
         num_warps=2, **({"maxnreg": int(GluonPrepConfig.maxnreg)} if GluonPrepConfig.maxnreg else {}),
-        **({"ptx_options": str(GluonPrepConfig.ptxas_options)} if GluonPrepConfig.ptxas_options else {}),
+        **ptxas_kw(GluonPrepConfig.ptxas_options),
     )
