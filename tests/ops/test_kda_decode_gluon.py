@@ -208,6 +208,11 @@ def test_bad_knobs_are_named(monkeypatch):
     monkeypatch.setattr(dg.GluonDecodeConfig, "prefetch_mode", 2)
     with pytest.raises(ValueError, match="GluonDecodeConfig.prefetch_mode"):
         dg.decode_step_gluon((), {}, 1, 1, 16, 16, 16, 1.0, 0.0)
+    monkeypatch.setattr(dg.GluonDecodeConfig, "prefetch_mode", 1)
+    for bad in (-1, float("nan"), "2"):
+        monkeypatch.setattr(dg.GluonDecodeConfig, "prefetch_per_sm", bad)
+        with pytest.raises(ValueError, match="GluonDecodeConfig.prefetch_per_sm"):
+            dg.decode_step_gluon((), {}, 1, 1, 16, 16, 16, 1.0, 0.0)
 
 
 _COMPILE = r"""
@@ -258,7 +263,7 @@ types = dict(q="*bf16", k="*bf16", v="*bf16", g="*bf16", beta="*bf16", A_log="*f
 sig = {n: types.get(n, "constexpr") for n in fn.arg_names}
 const = dict(K=128, V=128, BK=128, BV=32, NV=4, USE_GATE=True, HAS_LB=True, HAS_A=True, HAS_DT=True, L2NORM=True,
              BETA_SIGMOID=True, USE_IDX=False, USE_S0=True, STORE_S=True,
-             PF=dg.GluonDecodeConfig.prefetch_per_sm * 132,  # an H200's 132 SMs
+             PF=int(round(dg.GluonDecodeConfig.prefetch_per_sm * 132)),  # an H200's 132 SMs
              PF_MODE=dg.GluonDecodeConfig.prefetch_mode)
 # as the launcher specialises them: pointers and H = 32 divisible by 16
 aligned = [n for n, t in types.items() if t.startswith("*")] + ["H"]

@@ -53,8 +53,9 @@ class GluonDecodeConfig:
     # dense steps with a state in: program i also asks L2 for the state tile of program i + prefetch_per_sm × SMs
     # (0: off), so later programs find their tile in L2. H200, B=64 H=32 (graph replays, same process): distance
     # 66 / 132 / 198–330 / 396 / 528 / 1056: 0.0725 / 0.0722 / 0.0720 / 0.0723 / 0.0736 / 0.093 against 0.0733 off
-    # (at 8 resident programs per SM, 1056 ahead evicts tiles before use)
-    prefetch_per_sm = 2
+    # (at 8 resident programs per SM, 1056 ahead evicts tiles before use); fractions are rounded to whole programs:
+    # with evict_last, 1.5 / 1.75 / 2.25 / 2.5 ran 0.0714–0.0720 like 2 (NOTES_kda.md v22)
+    prefetch_per_sm: float = 2
     # 0: a plain L2 prefetch per 128-byte line; 1: the same with the evict_last priority (0.0710–0.0716 against
     # 0.0718–0.0721 for 0; one 64 KiB bulk prefetch per head measured 0.080 and was removed)
     prefetch_mode = 1
@@ -184,6 +185,9 @@ def decode_step_gluon(ptrs: tuple, flags: dict, N: int, H: int, K: int, V: int, 
         raise ValueError(f"GluonDecodeConfig.bv: expected 16, 32, 64 or 128, got {cfg.bv!r}")
     if cfg.prefetch_mode not in (0, 1):
         raise ValueError(f"GluonDecodeConfig.prefetch_mode: expected 0 or 1, got {cfg.prefetch_mode!r}")
+    if not isinstance(cfg.prefetch_per_sm, (int, float)) or not cfg.prefetch_per_sm >= 0:
+        raise ValueError(f"GluonDecodeConfig.prefetch_per_sm: expected a number >= 0 (0 = off), "
+                         f"got {cfg.prefetch_per_sm!r}")
     BV = max(16, min(int(cfg.bv), 1 << (max(V, 16) - 1).bit_length()))
     NV = -(-V // BV)
     kw = dict(num_warps=BV // 16)
@@ -192,6 +196,6 @@ def decode_step_gluon(ptrs: tuple, flags: dict, N: int, H: int, K: int, V: int, 
     kw.update(ptxas_kw(cfg.ptxas_options))
     f = {n: flags[n] for n in ("USE_GATE", "HAS_LB", "HAS_A", "HAS_DT", "L2NORM", "BETA_SIGMOID", "USE_IDX",
                                "USE_S0", "STORE_S")}
-    f["PF"] = int(cfg.prefetch_per_sm) * sm_count(ptrs[0].device) if cfg.prefetch_per_sm else 0
+    f["PF"] = int(round(float(cfg.prefetch_per_sm) * sm_count(ptrs[0].device)))  # a fraction of SMs allowed
     f["PF_MODE"] = int(cfg.prefetch_mode)
     _kda_decode_gluon[(N * H * NV,)](*ptrs, H, scale, lb, K=K, V=V, BK=BK, BV=BV, NV=NV, **f, **kw)
