@@ -142,6 +142,18 @@ def _check_errors(rank, W):
     with pytest.raises(ValueError, match="cu_seqlens"):  # a context built for other cu_seqlens than the call's
         chunk_kda(*loc, cu_seqlens=torch.tensor([0, 6, T]), cp_context=ctx)
     o_glob, _ = chunk_kda(*loc, cu_seqlens=cu, cp_context=ctx)  # the global cu_seqlens themselves are accepted
+    # ... and so are this rank's local ones (what fla's context holds as its cu_seqlens); the result is the same
+    o_loc, _ = chunk_kda(*loc, cu_seqlens=ctx.local_cu_seqlens.int(), cp_context=ctx)
+    assert torch.equal(o_loc, o_glob)
+    # fla's other arguments: the host copy of cu_seqlens, the legacy precision flag, the layout
+    ctx_cpu = build_cp_context(cu, cu_seqlens_cpu=cu.clone(), use_tf32x3_affine_chain=True, layout="contiguous")
+    assert torch.equal(chunk_kda(*loc, cp_context=ctx_cpu)[0], o_glob)
+    with pytest.raises(ValueError, match="layout"):
+        build_cp_context(cu, layout="zigzag")
+    with pytest.raises(ValueError, match="use_tf32x3_affine_chain"):
+        build_cp_context(cu, use_tf32x3_affine_chain=False)
+    with pytest.raises(ValueError, match="cu_seqlens_cpu"):
+        build_cp_context(cu, cu_seqlens_cpu=cu[:-1])
     bad = [x[:, :-1] for x in loc] if rank == 0 else loc  # one rank with a wrong slice: every rank raises
     with pytest.raises(ValueError, match="slice|reported bad input"):
         chunk_kda(*bad, cp_context=ctx)

@@ -81,14 +81,34 @@ def build_cp_context(
     cu_seqlens: torch.Tensor,
     group: Any = None,
     conv1d_kernel_size: int | None = None,
+    cu_seqlens_cpu: torch.Tensor | None = None,
+    use_tf32x3_affine_chain: bool = True,
+    layout: str = "contiguous",
 ) -> KDACPContext:
     """Context for ``chunk_kda(..., cp_context=ctx)`` and :func:`cp_conv_halo`.
 
     ``cu_seqlens [N+1]`` are the GLOBAL cumulative lengths of the packed stream (the same on every rank); its total
     must divide by the group size. ``group``: a process group (default: the world).
+
+    fla's other arguments, for code written against it: ``cu_seqlens_cpu`` (the same lengths on the CPU: read
+    instead of copying ``cu_seqlens`` off the device), ``use_tf32x3_affine_chain`` (must be True, as in fla; the fold
+    here is fp32 on GPU and fp64 on CPU either way) and ``layout`` (only ``"contiguous"``: each rank holds one
+    slice).
     """
     if not dist.is_available() or not dist.is_initialized():
         raise ValueError("group: torch.distributed must be initialised before build_cp_context")
+    if layout != "contiguous":
+        raise ValueError(f"layout: only 'contiguous' is supported (each rank holds one contiguous slice), "
+                         f"got {layout!r}")
+    if use_tf32x3_affine_chain is not True:
+        raise ValueError("use_tf32x3_affine_chain must be True (fla's legacy precision flag; the fold's precision "
+                         "is fixed)")
+    if cu_seqlens_cpu is not None:  # fla's host copy of the same lengths: no device-to-host transfer
+        if not isinstance(cu_seqlens_cpu, torch.Tensor) or cu_seqlens_cpu.device.type != "cpu":
+            raise ValueError("cu_seqlens_cpu must be a CPU tensor holding the same lengths as cu_seqlens")
+        if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.shape != cu_seqlens_cpu.shape:
+            raise ValueError(f"cu_seqlens_cpu must have cu_seqlens' shape, got {tuple(cu_seqlens_cpu.shape)}")
+        cu_seqlens = cu_seqlens_cpu
     if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2 \
             or cu_seqlens.is_floating_point():
         raise ValueError("cu_seqlens must be a 1-D integer tensor [N+1] of global cumulative sequence lengths")
@@ -166,6 +186,10 @@ def _all_gather(x: torch.Tensor, ctx: KDACPContext) -> torch.Tensor:
     return _AllGather.apply(x, ctx.group, ctx.world_size, ctx.rank)
 
 
+def _same(cu: torch.Tensor, ref: torch.Tensor) -> bool:
+    return cu.numel() == ref.numel() and torch.equal(cu.detach().cpu().long().flatten(), ref)
+
+
 def _local_problem(ctx: KDACPContext, q: torch.Tensor, cu_seqlens: torch.Tensor | None,
                    initial_state: torch.Tensor | None, output_final_state: bool) -> str | None:
     """Rank-local input errors, reported through the header so that every rank raises together."""
@@ -176,9 +200,9 @@ def _local_problem(ctx: KDACPContext, q: torch.Tensor, cu_seqlens: torch.Tensor 
     if q.shape[1] != ctx.end - ctx.start:
         return (f"q has {q.shape[1]} local tokens but the cp_context slice of rank {ctx.rank} holds "
                 f"{ctx.end - ctx.start} (cu_seqlens total {int(ctx.cu_seqlens[-1])} / group size {ctx.world_size})")
-    if cu_seqlens is not None and (cu_seqlens.numel() != ctx.cu_seqlens.numel()
-                                   or not torch.equal(cu_seqlens.detach().cpu().long(), ctx.cu_seqlens)):
-        return "cu_seqlens differs from the global cu_seqlens the cp_context was built for"
+    if cu_seqlens is not None and not any(_same(cu_seqlens, c) for c in (ctx.cu_seqlens, ctx.local_cu_seqlens)):
+        return ("cu_seqlens differs from the global cu_seqlens the cp_context was built for (and from this "
+                "rank's local ones, as fla's context holds them)")
     if dist.get_world_size(ctx.group) != ctx.world_size:
         return f"group has {dist.get_world_size(ctx.group)} ranks but the cp_context was built for {ctx.world_size}"
     return None
