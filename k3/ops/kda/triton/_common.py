@@ -35,6 +35,11 @@ def ptxas_kw(options: str | None) -> dict:
     return {"ptx_options": str(options)} if options else {}
 
 
+def maxnreg_kw(cap: int | None) -> dict:
+    """A config's register cap as a launch option; None (or 0) leaves the count to the compiler."""
+    return {"maxnreg": int(cap)} if cap else {}
+
+
 def _fix_interpreter_scalar_index() -> None:
     """Triton 3.6's interpreter keeps scalars as 1-element arrays and converts them with ``int(array)``, which
     numpy ≥ 2.x rejects; loops with run-time bounds (``for c in range(lo, hi)``) then fail under

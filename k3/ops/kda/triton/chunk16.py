@@ -49,6 +49,7 @@ from k3.ops.kda.triton._common import (
     _span_row_program,
     _state_program,
     dot_precision,
+    maxnreg_kw,
     next_pow2,
     ptxas_kw,
 )
@@ -516,7 +517,7 @@ def launch_c16_prep(q, k, v, g, beta, A_log, dt_bias, bufs: dict, tab: ChunkTabl
         INV_PREC=inv_prec, HEAD_MAJOR=bool(C16Config.prep_head_major),
         EARLY_LOADS=bool(C16Config.prep_early_loads), U_RM=u_rm, RING=ring,
         num_warps=C16Config.prep_warps, num_stages=1,
-        **({"maxnreg": int(C16Config.prep_maxnreg)} if C16Config.prep_maxnreg else {}),
+        **maxnreg_kw(C16Config.prep_maxnreg),
     )
 
 

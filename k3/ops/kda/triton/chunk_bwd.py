@@ -34,6 +34,7 @@ from k3.ops.kda.triton._common import (
     _seq_bounds,
     _sigmoid,
     dot_precision,
+    maxnreg_kw,
     next_pow2,
     store_dtype,
 )
@@ -657,10 +658,8 @@ def _wy_launch(passes: int, cfg, dtype: torch.dtype) -> dict:
     fused kernel at 3 stages (147 KB at 2), so their stages are capped like the state passes'."""
     if passes == 3:
         return dict(num_warps=cfg.wy_warps, num_stages=state_stages(cfg.wy_stages, dtype))
-    opts = dict(num_warps=cfg.wy_split_warps, num_stages=state_stages(cfg.wy_split_stages, dtype))
-    if cfg.wy_split_maxnreg:
-        opts["maxnreg"] = cfg.wy_split_maxnreg
-    return opts
+    return dict(num_warps=cfg.wy_split_warps, num_stages=state_stages(cfg.wy_split_stages, dtype),
+                **maxnreg_kw(cfg.wy_split_maxnreg))
 
 
 def kda_bwd(q, k, v, g, beta, A_log, dt_bias, initial_state, scale: float, do, dht, saved: dict, tab: ChunkTable,

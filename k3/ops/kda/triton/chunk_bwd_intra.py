@@ -37,7 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
-from k3.ops.kda.triton._common import _chunk_beta, _chunk_pos, _gate_fwd, _sigmoid, _softplus
+from k3.ops.kda.triton._common import _chunk_beta, _chunk_pos, _gate_fwd, _sigmoid, _softplus, maxnreg_kw
 from k3.ops.kda.triton.chunk_fwd import state_stages
 
 
@@ -604,7 +604,7 @@ def launch_wy_kb(q, k, v, g, beta, a_log, dtb, do, RN: torch.Tensor, GS: torch.T
     nkw = BK // bkw
     DBP = torch.empty(H, NC, nkw + 1, BT, dtype=torch.float32, device=q.device)
     s = saved
-    cap = {"maxnreg": int(cfg.wy_kb_maxnreg)} if cfg.wy_kb_maxnreg else {}
+    cap = maxnreg_kw(cfg.wy_kb_maxnreg)
     two = bool(cfg.wy_kb_two_pass)
     zmaj = bool(cfg.wy_kb_z_major)
     u_or_vn, vn_saved = wy_u_operand(s)
@@ -635,7 +635,7 @@ def launch_intra_split(q: torch.Tensor, k: torch.Tensor, g: torch.Tensor, beta: 
     Returns the per-chunk partial sums ``(DAP [H, NC, NKG], DDT [H, NC, BK])`` (fp32; meaningful only with the
     fused gate). ``cfg`` is ``BwdConfig``. DQ, DK, DG are overwritten (DG becomes dG)."""
     NC = tab.NC
-    cap = {"maxnreg": int(cfg.intra_split_maxnreg)} if cfg.intra_split_maxnreg else {}
+    cap = maxnreg_kw(cfg.intra_split_maxnreg)
     _kda_bwd_intra_sub[(NC * (BT // BC), H)](
         q, k, beta, RN, GS, DQ, DK, DG, DB, DL, DAQ, dq, dk, db,
         tab.cu, tab.chunk_seq, tab.chunk_off, NC, tab.T, tab.NT, H, K, BT=BT, BC=BC, BK=BK,

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from k3.ops.kda.triton._common import ptxas_kw
+from k3.ops.kda.triton._common import maxnreg_kw, ptxas_kw
 from k3.ops.kda.triton.decode_gluon import HAVE_GLUON
 
 if HAVE_GLUON:
@@ -237,6 +237,6 @@ def launch_prep_gluon(q, k, v, g, beta, A_log, dt_bias, bufs: dict, tab, c0: int
         bufs["X"], bufs["KG"], bufs["GAM"], bufs["U"], tab.cu, tab.chunk_seq, tab.chunk_off, c0,
         bufs["X"].shape[1], tab.T, tab.NT, H, scale, float(lower_bound),
         K=K, BT=BT, BC=BC, HAS_A=A_log is not None, HAS_DT=dt_bias is not None, IS_VARLEN=tab.varlen,
-        num_warps=2, **({"maxnreg": int(GluonPrepConfig.maxnreg)} if GluonPrepConfig.maxnreg else {}),
+        num_warps=2, **maxnreg_kw(GluonPrepConfig.maxnreg),
         **ptxas_kw(GluonPrepConfig.ptxas_options),
     )
