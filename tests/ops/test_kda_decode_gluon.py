@@ -191,6 +191,43 @@ def test_gpu_gluon_not_used_off_its_path(monkeypatch):
     assert not called
 
 
+@gpu
+def test_gpu_gluon_launch_cache(monkeypatch, nan_empty):
+    """Repeated steps skip Triton's binding (``LaunchCache`` calls the compiled launcher) and stay exact on new
+    tensors each step; a new specialisation (a state not 16-byte aligned, another dtype, other flags) goes
+    through Triton once more, then it too is launched directly."""
+    monkeypatch.setenv("K3_KDA_BACKEND", "triton")
+    monkeypatch.setattr(dg.GluonDecodeConfig, "enabled", True)
+    runs = []
+    real = dg._kda_decode_gluon.run
+    monkeypatch.setattr(dg._kda_decode_gluon, "run", lambda *a, **kw: (runs.append(1), real(*a, **kw))[1])
+    monkeypatch.setattr(dg._launch, "kernels", {})
+
+    def step(seed: int, dtype: torch.dtype, flags: tuple, misaligned: bool = False) -> None:
+        x = on_gpu(make(5, 3, 64, 64, seed=seed, flags=flags), dtype)
+        s0 = x["s0"]
+        if misaligned:  # the same values one fp32 past a 16-byte boundary
+            s0 = torch.empty(s0.numel() + 1, device="cuda")[1:].view_as(s0).copy_(s0)
+            assert s0.data_ptr() % 16 != 0
+        o, s = call(x, flags, initial_state=s0, output_final_state=True)
+        ro, rs = reference(x, flags)
+        assert rel(o.cpu(), ro) <= TOL[dtype] and rel(s.cpu(), rs) <= 1e-5, (seed, dtype, misaligned)
+
+    k3f, other = FLAGS["k3"], FLAGS["unbounded gate"]
+    for seed in range(3):
+        step(seed, torch.bfloat16, k3f)
+    assert len(runs) == 1
+    step(3, torch.bfloat16, k3f, misaligned=True)
+    step(4, torch.bfloat16, k3f, misaligned=True)
+    assert len(runs) == 2
+    step(5, torch.float16, k3f)
+    step(6, torch.bfloat16, other)
+    step(7, torch.float16, k3f)
+    step(8, torch.bfloat16, other)
+    step(9, torch.bfloat16, k3f)
+    assert len(runs) == 4
+
+
 # ------------------------------------------------------------------------------------------------ CPU
 
 
@@ -203,16 +240,37 @@ def test_dispatch_off_cuda():
 def test_bad_knobs_are_named(monkeypatch):
     monkeypatch.setattr(dg.GluonDecodeConfig, "bv", 48)
     with pytest.raises(ValueError, match="GluonDecodeConfig.bv"):
-        dg.decode_step_gluon((), {}, 1, 1, 16, 16, 16, 1.0, 0.0)
+        dg.decode_step_gluon((torch.zeros(1),), {}, 1, 1, 16, 16, 16, 1.0, 0.0)
     monkeypatch.setattr(dg.GluonDecodeConfig, "bv", 32)
     monkeypatch.setattr(dg.GluonDecodeConfig, "prefetch_mode", 2)
     with pytest.raises(ValueError, match="GluonDecodeConfig.prefetch_mode"):
-        dg.decode_step_gluon((), {}, 1, 1, 16, 16, 16, 1.0, 0.0)
+        dg.decode_step_gluon((torch.zeros(1),), {}, 1, 1, 16, 16, 16, 1.0, 0.0)
     monkeypatch.setattr(dg.GluonDecodeConfig, "prefetch_mode", 1)
     for bad in (-1, float("nan"), "2"):
         monkeypatch.setattr(dg.GluonDecodeConfig, "prefetch_per_sm", bad)
         with pytest.raises(ValueError, match="GluonDecodeConfig.prefetch_per_sm"):
-            dg.decode_step_gluon((), {}, 1, 1, 16, 16, 16, 1.0, 0.0)
+            dg.decode_step_gluon((torch.zeros(1),), {}, 1, 1, 16, 16, 16, 1.0, 0.0)
+
+
+def test_spec_key_separates_what_triton_specialises():
+    """``LaunchCache`` keys a launch on ``_spec_key`` of each argument: two arguments Triton specialises
+    differently (its native specialiser) must never share a key."""
+    native = pytest.importorskip("triton._C.libtriton").native_specialize_impl
+    from triton.backends.compiler import BaseBackend
+
+    from k3.ops.kda.triton._common import _spec_key
+
+    buf = torch.zeros(64, dtype=torch.float32)
+    samples = [buf, buf[1:], buf[4:], buf.half(), buf.half()[1:], buf.half()[8:], buf.bfloat16(), buf.long(),
+               buf.to(torch.int32)[2:], True, False, 0, 1, 2, 15, 16, 17, 32, -1, -16, 2**31 - 16, 2**31 - 1, 2**31,
+               2**32, 2**40 + 1, -(2**31), -(2**31) - 1, 2**63 - 16, 2**63, 2**64 - 1, 0.5, 1.0, None]
+    seen: dict[object, object] = {}
+    for a in samples:
+        nat = native(BaseBackend, a, False, True, True)
+        key = _spec_key(a)
+        assert seen.setdefault(key, nat) == nat, (a, key, nat, seen[key])
+    with pytest.raises(TypeError):
+        _spec_key("x")
 
 
 _COMPILE = r"""

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from k3.ops.kda.triton._common import ptxas_kw, sm_count
+from k3.ops.kda.triton._common import LaunchCache, ptxas_kw, sm_count
 
 # Gluon's API is experimental and changes between Triton releases: the kernel is used only with the release it is
 # tested on (3.6.x); any other Triton, or a failed import, leaves decoding to the Triton kernels
@@ -176,11 +176,17 @@ def usable(q: torch.Tensor, T: int, varlen: bool, N: int) -> bool:
     return HAVE_GLUON and GluonDecodeConfig.enabled and q.is_cuda and T == 1 and not varlen and N > 0
 
 
-def decode_step_gluon(ptrs: tuple, flags: dict, N: int, H: int, K: int, V: int, BK: int, scale: float,
-                      lb: float) -> None:
-    """Launch over the ``(q, k, v, g, beta, A_log, dt_bias, o, s_in, s_out, idx)`` pointers of
-    ``fused_recurrent_kda_triton`` (same flag names; ``FUSED`` / ``BASE_PTR`` / ``EVICT`` do not apply)."""
+_PLANS: dict[tuple, tuple[int, dict, dict]] = {}  # (knobs, V, device) → (NV, BV/NV/PF constexprs, options)
+_FLAG_NAMES = ("USE_GATE", "HAS_LB", "HAS_A", "HAS_DT", "L2NORM", "BETA_SIGMOID", "USE_IDX", "USE_S0", "STORE_S")
+
+
+def _plan(device: torch.device, V: int) -> tuple[int, dict, dict]:
+    """The launch's knob-derived part (validated once per knob setting, V and device: host time per step)."""
     cfg = GluonDecodeConfig
+    key = (cfg.bv, cfg.maxnreg, cfg.ptxas_options, cfg.prefetch_per_sm, cfg.prefetch_mode, V, device)
+    plan = _PLANS.get(key)
+    if plan is not None:
+        return plan
     if cfg.bv not in (16, 32, 64, 128):
         raise ValueError(f"GluonDecodeConfig.bv: expected 16, 32, 64 or 128, got {cfg.bv!r}")
     if cfg.prefetch_mode not in (0, 1):
@@ -190,12 +196,25 @@ def decode_step_gluon(ptrs: tuple, flags: dict, N: int, H: int, K: int, V: int, 
                          f"got {cfg.prefetch_per_sm!r}")
     BV = max(16, min(int(cfg.bv), 1 << (max(V, 16) - 1).bit_length()))
     NV = -(-V // BV)
-    kw = dict(num_warps=BV // 16)
+    options = dict(num_warps=BV // 16)
     if cfg.maxnreg is not None:
-        kw["maxnreg"] = int(cfg.maxnreg)
-    kw.update(ptxas_kw(cfg.ptxas_options))
-    f = {n: flags[n] for n in ("USE_GATE", "HAS_LB", "HAS_A", "HAS_DT", "L2NORM", "BETA_SIGMOID", "USE_IDX",
-                               "USE_S0", "STORE_S")}
-    f["PF"] = int(round(float(cfg.prefetch_per_sm) * sm_count(ptrs[0].device)))  # a fraction of SMs allowed
-    f["PF_MODE"] = int(cfg.prefetch_mode)
-    _kda_decode_gluon[(N * H * NV,)](*ptrs, H, scale, lb, K=K, V=V, BK=BK, BV=BV, NV=NV, **f, **kw)
+        options["maxnreg"] = int(cfg.maxnreg)
+    options.update(ptxas_kw(cfg.ptxas_options))
+    # PF: a fraction of SMs allowed, rounded to whole programs
+    consts = dict(BV=BV, NV=NV, PF=int(round(float(cfg.prefetch_per_sm) * sm_count(device))),
+                  PF_MODE=int(cfg.prefetch_mode))
+    _PLANS[key] = plan = (NV, consts, options)
+    return plan
+
+
+def decode_step_gluon(ptrs: tuple, flags: dict, N: int, H: int, K: int, V: int, BK: int, scale: float,
+                      lb: float) -> None:
+    """Launch over the ``(q, k, v, g, beta, A_log, dt_bias, o, s_in, s_out, idx)`` pointers of
+    ``fused_recurrent_kda_triton`` (same flag names; ``FUSED`` / ``BASE_PTR`` / ``EVICT`` do not apply)."""
+    NV, consts, options = _plan(ptrs[0].device, V)
+    consts = dict(K=K, V=V, BK=BK, **consts, **{n: flags[n] for n in _FLAG_NAMES})
+    _launch(N * H * NV, (*ptrs, H, scale, lb), consts, options)
+
+
+if HAVE_GLUON:
+    _launch = LaunchCache(_kda_decode_gluon)
