@@ -10,7 +10,8 @@ SplitConfig (``span``), DecodeConfig (``fused_recurrent``), GluonDecodeConfig (`
 (``k3.ops.kda.cp``); values are Python literals; ``ENV.NAME=value`` sets an environment variable for the variant
 (e.g. ``ENV.K3_KDA_SPLITS=8``). Cases (bf16,
 K = V = 128, the K3 call): ``prefill32`` / ``prefill8`` = B=1 T=1M at H=32 / 8 without grad, ``train`` = fwd+bwd
-B=8 T=4096 H=32, ``train32k`` = fwd+bwd B=1 T=32768 H=32, ``decode`` = one step B=64 H=32 from an fp32 state.
+B=8 T=4096 H=32, ``train32k`` = fwd+bwd B=1 T=32768 H=32, ``decode`` = one step B=64 H=32 from an fp32 state,
+``decode_pool`` = the same step in place on a pool of 2B slots at random distinct slots.
 Check: the variant's output of each prefill case at T=128K (every gradient of the train cases, output and state of
 the decode) against the default's, relative RMS (bf16: ≤ 2e-2 passes). Times are ``do_bench`` medians (ms); one
 table at the end. Training steps reset the inputs' ``.grad`` (~0.7 ms below the bench's B=8 T=4096 row, whose steps
@@ -46,7 +47,8 @@ from k3.utils import overridden_attrs  # noqa: E402
 CLASSES = {c.__name__: c for c in (FwdConfig, C16Config, BwdConfig, SplitConfig, DecodeConfig, GluonDecodeConfig,
                                     GluonPrepConfig, CPConfig)}
 CASES = {"prefill32": (1, 1 << 20, 32, False), "prefill8": (1, 1 << 20, 8, False),
-         "train": (8, 4096, 32, True), "train32k": (1, 32768, 32, True), "decode": (64, 1, 32, False)}
+         "train": (8, 4096, 32, True), "train32k": (1, 32768, 32, True), "decode": (64, 1, 32, False),
+         "decode_pool": (64, 1, 32, False)}
 
 
 def parse(specs: list[str]) -> dict[Any, dict[str, Any]]:
@@ -126,6 +128,16 @@ def run(case: str, x: dict, do: torch.Tensor | None, accumulate: bool = False) -
             return list(fused_recurrent_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], A_log=x["A_log"],
                                             dt_bias=x["dt_bias"], initial_state=x["h0"], output_final_state=True,
                                             **K3_FLAGS))
+    if case == "decode_pool":  # one step in place on a pool of 2B slots at random distinct slots (as the bench)
+        from k3.ops.kda import fused_recurrent_kda
+
+        if "pool0" in x:  # the check's inputs: every call from the same pool
+            x["pool"].copy_(x["pool0"])
+        with torch.no_grad():
+            o, pool = fused_recurrent_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], A_log=x["A_log"],
+                                          dt_bias=x["dt_bias"], initial_state=x["pool"], ssm_state_indices=x["idx"],
+                                          **K3_FLAGS)
+            return [o, pool[x["idx"]]] if "pool0" in x else [o]  # (timed calls: no gather of the slots)
     if do is None:
         with torch.no_grad():
             return [_ours(x)[0]]
@@ -158,6 +170,11 @@ def main() -> int:
         x = _inputs(B, T, H, grad=grad)
         xc["h0"] = torch.randn(B, H, 128, 128, device="cuda")
         x["h0"] = torch.randn(B, H, 128, 128, device="cuda")
+        if case == "decode_pool":
+            for d in (x, xc):
+                d["pool"] = torch.randn(2 * B, H, 128, 128, device="cuda")
+                d["idx"] = torch.randperm(2 * B, device="cuda")[:B]
+            xc["pool0"] = xc["pool"].clone()
         doc = torch.randn_like(xc["v"]) if grad else None
         ref = [t.clone() for t in run(case, xc, doc)]
         do = torch.randn_like(x["v"]) if grad else None
