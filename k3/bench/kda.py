@@ -194,8 +194,8 @@ def decode_rows(with_fla: bool, B: int = 64, H: int = 32) -> list[dict]:
         impls.append(("fla 0.6.0 fused_recurrent_kda",
                       lambda: fk.fused_recurrent_kda(*args, initial_state=h0, output_final_state=True, **fkw)))
     # each step eagerly, then replayed from a CUDA graph: GPU time alone. A step's host cost (argument checks and
-    # the Triton launcher, ~0.08–0.12 ms on some H200 machines' CPUs) can exceed its GPU time, and then the eager
-    # rows time the launch; serving loops capture decode steps in graphs
+    # the launcher: k3 ~0.05 ms, fla ~0.09–0.10 on the H200 machines' CPUs) can exceed its GPU time, and then the
+    # eager rows time the launch; serving loops capture decode steps in graphs
     def eager(f: Callable[[], Any]) -> Callable[[], Any]:
         f()  # compile and warm; then f itself is timed
         return f
