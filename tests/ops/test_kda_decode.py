@@ -21,7 +21,7 @@ triton = pytest.importorskip("triton")
 import k3.ops.kda.triton.decode_gluon as dg  # noqa: E402
 import k3.ops.kda.triton.fused_recurrent as fr  # noqa: E402
 from k3.ops.kda import fused_recurrent_kda, naive_recurrent_kda  # noqa: E402
-from k3.ops.kda.checks import check_kda_call  # noqa: E402
+from k3.ops.kda.checks import _checked_dims, _common_call_dims, check_kda_call  # noqa: E402
 from k3.ops.kda.gate import kda_gate_fused  # noqa: E402
 from k3.ops.kda.triton import fused_recurrent_kda_triton  # noqa: E402
 
@@ -226,6 +226,10 @@ def test_checks_accept_or_raise_value_error():
     accepted = 0
     for m in mutations:
         b = dict(a, **m)
+        # the one-expression check of plainly valid calls never accepts what the detailed checks reject
+        fast = _common_call_dims(b["q"], b["k"], b["v"], b["g"], b["beta"], b["initial_state"])
+        if fast is not None:
+            assert fast == _checked_dims(b["q"], b["k"], b["v"], b["g"], b["beta"], b["initial_state"], None), m
         try:
             scale, lb = check_kda_call(**b, cu_seqlens=None)
         except ValueError as e:
