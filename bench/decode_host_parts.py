@@ -23,7 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 import triton  # noqa: E402
 
-from k3.bench.kda import K3_FLAGS, _inputs, warm_clocks  # noqa: E402
+from k3.bench.kda import K3_FLAGS, _cuda_graph, _inputs, warm_clocks  # noqa: E402
 from k3.ops.kda import fused_recurrent_kda  # noqa: E402
 from k3.ops.kda.checks import check_kda_call  # noqa: E402
 from k3.ops.kda.triton.fused_recurrent import fused_recurrent_kda_triton  # noqa: E402
@@ -44,15 +44,7 @@ def host_us(fn: Callable[[], object], calls: int = 2000) -> float:
 
 
 def graph_ms(fn: Callable[[], object]) -> float:
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    gr = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(gr):
-        fn()
-    return triton.testing.do_bench(gr.replay, warmup=25, rep=200, return_mode="median")
+    return triton.testing.do_bench(_cuda_graph(fn), warmup=25, rep=200, return_mode="median")
 
 
 def main() -> int:
