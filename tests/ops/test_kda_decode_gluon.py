@@ -226,6 +226,18 @@ def test_gpu_gluon_launch_cache(monkeypatch, nan_empty):
     step(8, torch.bfloat16, other)
     step(9, torch.bfloat16, k3f)
     assert len(runs) == 4
+    # a launch hook (a profiler's) sends every launch through Triton again, and the hook sees it
+    seen = []
+    hook = lambda meta: seen.append(meta)  # noqa: E731
+    chain = triton.knobs.runtime.launch_enter_hook
+    chain.add(hook)
+    try:
+        step(10, torch.bfloat16, k3f)
+    finally:
+        chain.remove(hook)
+    assert len(runs) == 5 and len(seen) == 1
+    step(11, torch.bfloat16, k3f)
+    assert len(runs) == 5
 
 
 # ------------------------------------------------------------------------------------------------ CPU
