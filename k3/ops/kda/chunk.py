@@ -55,6 +55,15 @@ def select_backend(device: torch.device) -> str:
     return "triton" if device.type == "cuda" and _triton_module(required=False) is not None else "torch"
 
 
+def on_device_of(x: torch.Tensor) -> contextlib.AbstractContextManager:
+    """``x``'s GPU as the current device while a call launches its kernels: Triton launches on the CURRENT device,
+    so tensors on another GPU (a model placed on ``cuda:1`` while ``cuda:0`` is current) would be handed to a kernel
+    on the wrong one. A no-op for CPU tensors and when ``x``'s GPU is already current."""
+    if x.is_cuda and x.get_device() != torch.cuda.current_device():
+        return torch.cuda.device(x.get_device())
+    return contextlib.nullcontext()
+
+
 def backend_fn(backend: str, name: str) -> Callable[..., Any] | None:
     """The backend's implementation of ``name`` (e.g. 'chunk_kda'); ``None`` if the Triton side lacks it."""
     if backend == "torch":
@@ -182,13 +191,14 @@ def chunk_kda(
     args = (q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, use_gate_in_kernel,
             use_beta_sigmoid_in_kernel, lb, cu_seqlens, A_log, dt_bias)
     backend = select_backend(q.device)
-    if cp_context is not None:
-        from k3.ops.kda.cp import cp_chunk_kda  # noqa: PLC0415
+    with on_device_of(q):
+        if cp_context is not None:
+            from k3.ops.kda.cp import cp_chunk_kda  # noqa: PLC0415
 
-        return cp_chunk_kda(backend, cp_context, *args)
-    from k3.ops.kda.prefix import maybe_split_chunk_kda  # noqa: PLC0415
+            return cp_chunk_kda(backend, cp_context, *args)
+        from k3.ops.kda.prefix import maybe_split_chunk_kda  # noqa: PLC0415
 
-    out = maybe_split_chunk_kda(backend, *args)
-    if out is not None:
-        return out
-    return backend_fn(backend, "chunk_kda")(*args)
+        out = maybe_split_chunk_kda(backend, *args)
+        if out is not None:
+            return out
+        return backend_fn(backend, "chunk_kda")(*args)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from k3.ops.kda.checks import check_kda_call
-from k3.ops.kda.chunk import _preprocess, backend_fn, select_backend
+from k3.ops.kda.chunk import _preprocess, backend_fn, on_device_of, select_backend
 from k3.ops.kda.naive import _from_padded, _to_padded, naive_recurrent_kda, varlen_pad_index
 
 __all__ = ["fused_recurrent_kda", "fused_recurrent_kda_pool"]
@@ -125,9 +125,10 @@ def fused_recurrent_kda(
         initial_state = pool
     # A Triton package without its decode kernel falls back to the torch loop (correct on any device, slow on GPU).
     fn = backend_fn(select_backend(q.device), "fused_recurrent_kda") or backend_fn("torch", "fused_recurrent_kda")
-    return fn(
-        q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, use_gate_in_kernel,
-        use_beta_sigmoid_in_kernel, lb, cu_seqlens, A_log, dt_bias, ssm_state_indices=ssm_state_indices)
+    with on_device_of(q):
+        return fn(
+            q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, use_gate_in_kernel,
+            use_beta_sigmoid_in_kernel, lb, cu_seqlens, A_log, dt_bias, ssm_state_indices=ssm_state_indices)
 
 
 def fused_recurrent_kda_pool(
