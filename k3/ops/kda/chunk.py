@@ -15,6 +15,7 @@ from typing import Any, Callable
 
 import torch
 
+from k3.ops._device import on_device_of
 from k3.ops.kda.checks import check_kda_call
 from k3.ops.kda.gate import kda_gate_fused
 from k3.ops.kda.naive import naive_chunk_kda
@@ -53,15 +54,6 @@ def select_backend(device: torch.device) -> str:
         _triton_module(required=True)
         return "triton"
     return "triton" if device.type == "cuda" and _triton_module(required=False) is not None else "torch"
-
-
-def on_device_of(x: torch.Tensor) -> contextlib.AbstractContextManager:
-    """``x``'s GPU as the current device while a call launches its kernels: Triton launches on the CURRENT device,
-    so tensors on another GPU (a model placed on ``cuda:1`` while ``cuda:0`` is current) would be handed to a kernel
-    on the wrong one. A no-op for CPU tensors and when ``x``'s GPU is already current."""
-    if x.is_cuda and x.get_device() != torch.cuda.current_device():
-        return torch.cuda.device(x.get_device())
-    return contextlib.nullcontext()
 
 
 def backend_fn(backend: str, name: str) -> Callable[..., Any] | None:

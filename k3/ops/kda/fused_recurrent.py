@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import torch
 
+from k3.ops._device import on_device_of
 from k3.ops.kda.checks import check_kda_call
-from k3.ops.kda.chunk import _preprocess, backend_fn, on_device_of, select_backend
+from k3.ops.kda.chunk import _preprocess, backend_fn, select_backend
 from k3.ops.kda.naive import _from_padded, _to_padded, naive_recurrent_kda, varlen_pad_index
 
 __all__ = ["fused_recurrent_kda", "fused_recurrent_kda_pool"]

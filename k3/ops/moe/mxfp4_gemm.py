@@ -28,6 +28,7 @@ import os
 import torch
 
 from k3.ckpt.mxfp4 import GROUP, check_mxfp4, dequantize_mxfp4
+from k3.ops._device import on_device_of
 from k3.ops.moe.situ import situ_glu
 
 __all__ = [
@@ -294,7 +295,8 @@ def mxfp4_grouped_mm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
     check_grouped_inputs(x, packed, scale, offs)
     if not use_triton(x):
         return _copy_out(mxfp4_grouped_mm_reference(x, packed, scale, offs), out)
-    return _launch(x, packed, scale, None, None, offs, 1.0, 1.0, block, out)
+    with on_device_of(x):
+        return _launch(x, packed, scale, None, None, offs, 1.0, 1.0, block, out)
 
 
 def mxfp4_grouped_glu(x: torch.Tensor, w1: tuple[torch.Tensor, torch.Tensor], w3: tuple[torch.Tensor, torch.Tensor],
@@ -307,7 +309,8 @@ def mxfp4_grouped_glu(x: torch.Tensor, w1: tuple[torch.Tensor, torch.Tensor], w3
         raise ValueError(f"beta1 and beta2 must be > 0, got {beta1}, {beta2}")
     if not use_triton(x):
         return _copy_out(mxfp4_grouped_glu_reference(x, w1, w3, offs, beta1, beta2), out)
-    return _launch(x, w1[0], w1[1], w3[0], w3[1], offs, beta1, beta2, block, out)
+    with on_device_of(x):
+        return _launch(x, w1[0], w1[1], w3[0], w3[1], offs, beta1, beta2, block, out)
 
 
 def _copy_out(y: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:

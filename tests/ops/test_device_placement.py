@@ -1,8 +1,8 @@
-"""The KDA entry points launch their kernels on the GPU that holds the tensors, not on whichever GPU is current.
+"""The ops launch their kernels on the GPU that holds the tensors, not on whichever GPU is current.
 
-Triton launches on the current device; ``chunk_kda`` and ``fused_recurrent_kda`` make the tensors' GPU current
-while they launch (``chunk.on_device_of``). Checked on a machine with two GPUs: every output and gradient of a call
-on ``cuda:1`` tensors with ``cuda:0`` current equals the same call with ``cuda:1`` current, bitwise.
+Triton launches on the current device; the KDA entry points and the MoE ops make the tensors' GPU current while
+they launch (``k3.ops._device.on_device_of``). Checked on a machine with two GPUs: every output (and gradient) of a
+call on ``cuda:1`` tensors with ``cuda:0`` current equals the same call with ``cuda:1`` current, bitwise.
 """
 
 from __future__ import annotations
@@ -12,8 +12,13 @@ import contextlib
 import pytest
 import torch
 
+from k3.ckpt.mxfp4 import quantize_mxfp4
+from k3.ops._device import on_device_of
 from k3.ops.kda import chunk_kda, fused_recurrent_kda
-from k3.ops.kda.chunk import on_device_of
+from k3.ops.moe.combine import combine_norm
+from k3.ops.moe.mxfp4_gemm import mxfp4_grouped_mm
+from k3.ops.moe.router import route
+from k3.ops.moe.situ import situ_glu
 
 two_gpus = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
                               reason="needs two GPUs")
@@ -56,11 +61,27 @@ def _decode(x: dict) -> list[torch.Tensor]:
     return [o, s, o2, pool]
 
 
+def _moe(x: dict) -> list[torch.Tensor]:
+    """The router, SiTU-GLU, the combine + norm and the MXFP4 grouped GEMM on small inputs."""
+    dev = x["q"].device
+    gen = torch.Generator().manual_seed(1)
+    r = lambda *s: torch.randn(*s, generator=gen).to(dev)  # noqa: E731
+    idx, p = route(r(9, 8), r(12, 8), torch.zeros(12, device=dev), 3)
+    h = situ_glu(r(9, 16).bfloat16(), r(9, 16).bfloat16())
+    y = combine_norm(r(12, 8), torch.randperm(12, generator=gen).to(dev), torch.rand(6, 2, generator=gen).to(dev),
+                     torch.ones(8, device=dev), 1e-5)
+    packed, scale = quantize_mxfp4(torch.randn(2, 16, 64, generator=gen))
+    z = mxfp4_grouped_mm(r(5, 64).bfloat16(), packed.to(dev), scale.to(dev),
+                         torch.tensor([2, 5], dtype=torch.int32, device=dev))
+    return [idx, p, h, y, z]
+
+
 @two_gpus
-@pytest.mark.parametrize("case", ["chunk", "decode"])
+@pytest.mark.parametrize("case", ["chunk", "decode", "moe"])
 def test_kernels_run_on_the_tensors_gpu(monkeypatch, case):
     monkeypatch.setenv("K3_KDA_BACKEND", "triton")
-    fn, (B, T, grad) = {"chunk": (_chunk, (2, 100, True)), "decode": (_decode, (3, 1, False))}[case]
+    fn, (B, T, grad) = {"chunk": (_chunk, (2, 100, True)), "decode": (_decode, (3, 1, False)),
+                        "moe": (_moe, (1, 1, False))}[case]
     with torch.cuda.device(1):
         ref = [t.clone() for t in fn(_inputs(B, T, 2, 64, "cuda:1", grad))]
     torch.cuda.set_device(0)
