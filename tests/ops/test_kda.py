@@ -245,6 +245,46 @@ def test_state_pool_in_place():
         fused_recurrent_kda(q, k, v, g, b, initial_state=None, ssm_state_indices=idx)
 
 
+@pytest.mark.parametrize("fused", [False, True])
+def test_grouped_value_attention(fused):
+    """fla's GVA: v, g, β, A_log, dt_bias and states have HV = G·H heads; value head j reads q/k head j // G. The
+    reference gathers each value head's query/key by that index (not by the entry point's repeat_interleave)."""
+    B, T, H, G, K, V = 2, 37, 2, 3, 8, 8
+    HV = G * H
+    gen = torch.Generator().manual_seed(3)
+    r = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64)  # noqa: E731
+    q, k, v, graw, braw, S0 = r(B, T, H, K), r(B, T, H, K), r(B, T, HV, V), r(B, T, HV, K), r(B, T, HV), r(B, HV, K, V)
+    A_log, dt_bias = r(HV) * 0.5, r(HV * K) * 0.5
+    kw = dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
+              safe_gate=fused, lower_bound=-5.0 if fused else None)
+    head = torch.arange(HV) // G
+
+    def ours(q, k, v, graw, braw, S0, A_log, dt_bias):
+        return chunk_kda(q, k, v, graw, braw, initial_state=S0, output_final_state=True, A_log=A_log,
+                         dt_bias=dt_bias, **kw)
+
+    def ref(q, k, v, graw, braw, S0, A_log, dt_bias):
+        qn, kn = F.normalize(q[:, :, head], dim=-1, eps=0), F.normalize(k[:, :, head], dim=-1, eps=0)
+        x = graw + dt_bias.view(HV, K)
+        if fused:
+            g = -5.0 * torch.sigmoid(A_log.exp()[:, None] * x)
+        else:
+            g = -A_log.exp()[:, None] * F.softplus(x)
+        return naive_recurrent_kda(qn, kn, v, g, braw.sigmoid(), initial_state=S0, output_final_state=True)
+
+    ins = [q, k, v, graw, braw, S0, A_log, dt_bias]
+    got, want = grads(ours, ins), grads(ref, ins)
+    assert got[0][0].shape == (B, T, HV, V) and got[0][1].shape == (B, HV, K, V)
+    assert got[1][0].shape == q.shape and got[1][1].shape == k.shape
+    assert_all_close(got, want, 1e-6)  # the in-kernel L2 norm's 1e-6 under the root differs from the exact norm
+    o, S = fused_recurrent_kda(q, k, v, graw, braw, A_log, dt_bias, initial_state=S0, output_final_state=True, **kw)
+    assert rel(o, want[0][0]) < 1e-6 and rel(S, want[0][1]) < 1e-6
+    with pytest.raises(ValueError, match="v has 5 heads"):
+        chunk_kda(q, k, v[:, :, :5], graw[:, :, :5], braw[:, :, :5])
+    with pytest.raises(ValueError, match="g must"):  # g keeps q's head count: named, not broadcast
+        chunk_kda(q, k, v, graw[:, :, :H], braw)
+
+
 def _bad_calls():
     (q, k, v, g, b), _ = make(2, 10, 2, 8, 8, dtype=torch.float32)
     S = torch.zeros(2, 2, 8, 8)

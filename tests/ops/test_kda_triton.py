@@ -297,6 +297,38 @@ def test_causality_bitwise(monkeypatch, flow):
     monkeypatch.setattr(FwdConfig, "inference_flow", flow)
     _causality(130, 1, 16, 16, torch.float32, [1, 17, 37, 64, 70, 127])
 
+def test_public_grouped_value_attention(monkeypatch):
+    """fla's GVA through the public entry points on the Triton backend (q/k with H heads, the rest with 2H):
+    outputs, final states and every gradient against the fp64 recurrence with value head j reading head j // 2."""
+    from k3.ops.kda import chunk_kda, fused_recurrent_kda  # noqa: PLC0415
+
+    monkeypatch.setenv("K3_KDA_BACKEND", "triton")
+    monkeypatch.delenv("K3_KDA_SPLITS", raising=False)
+    B, T, H, HV, K, V = 1, 37, 2, 4, 16, 16
+    gen = torch.Generator().manual_seed(5)
+    r = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64)  # noqa: E731
+    x = dict(q=r(B, T, H, K), k=r(B, T, H, K), v=r(B, T, HV, V), g=r(B, T, HV, K), beta=r(B, T, HV),
+             s0=r(B, HV, K, V), A=r(HV) * 0.5, dt=r(HV * K) * 0.5)
+    ins = {n: t.to(DEV, torch.float32).requires_grad_() for n, t in x.items()}
+    kw = dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True, safe_gate=True,
+              lower_bound=-5.0, output_final_state=True)
+    o, ht = chunk_kda(ins["q"], ins["k"], ins["v"], ins["g"], ins["beta"], initial_state=ins["s0"], A_log=ins["A"],
+                      dt_bias=ins["dt"], **kw)
+    do, dht = torch.randn(o.shape, generator=gen, dtype=torch.float64), torch.randn(ht.shape, generator=gen,
+                                                                                   dtype=torch.float64)
+    ((o.double() * do.to(DEV)).sum() + (ht.double() * dht.to(DEV)).sum()).backward()
+    xr = {n: t.clone().requires_grad_() for n, t in x.items()}
+    head = torch.arange(HV) // (HV // H)
+    xg = dict(xr, q=xr["q"][:, :, head], k=xr["k"][:, :, head])
+    ro, rh = reference(xg, K ** -0.5, True, True, True, -5.0, None)
+    ((ro * do).sum() + (rh * dht).sum()).backward()
+    errs = {"o": rel(o, ro), "ht": rel(ht, rh), **{"d" + n: rel(ins[n].grad, xr[n].grad) for n in x}}
+    assert all(e <= 1e-4 for e in errs.values()), errs
+    with torch.no_grad():
+        od, hd = fused_recurrent_kda(*(ins[n] for n in ("q", "k", "v", "g", "beta", "A", "dt")),
+                                     initial_state=ins["s0"], **kw)
+    assert rel(od, ro) <= 1e-4 and rel(hd, rh) <= 1e-4
+
 
 @cpu_only
 def test_decode_matches_recurrence_and_pool_in_place():

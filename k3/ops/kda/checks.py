@@ -84,7 +84,8 @@ def _checked_dims(
           f"type), got {k.dtype}")
     _need(v.dim() == 4 and v.shape[:2] == q.shape[:2],
           lambda: f"v must be [B, T, H, V] with q's B={B}, T={T}, got {tuple(v.shape)}")
-    _need(v.shape[2] == H, lambda: f"v has {v.shape[2]} heads but q/k have H={H}: heads must match (no GVA)")
+    _need(v.shape[2] == H, lambda: f"v has {v.shape[2]} heads but q/k have H={H}: heads must match here (the public "
+          "entry points expand q/k for grouped value attention first)")
     V = v.shape[-1]
     _need(g.shape == q.shape, lambda: f"g must have q's shape [B, T, H, K] = {tuple(q.shape)}, got {tuple(g.shape)}")
     _need(beta.shape == (B, T, H), lambda: f"beta must be [B, T, H] = [{B}, {T}, {H}], got {tuple(beta.shape)}")

@@ -20,7 +20,7 @@ from k3.ops.kda.checks import check_kda_call
 from k3.ops.kda.gate import kda_gate_fused
 from k3.ops.kda.naive import naive_chunk_kda
 
-__all__ = ["chunk_kda", "select_backend", "backend_fn"]
+__all__ = ["chunk_kda", "expand_gva", "select_backend", "backend_fn"]
 
 # The torch form materialises [.., C, C, K] decay tensors per chunk: C = 16 moves 4x fewer bytes per token than 64
 # and trains the tiny model ~3x faster on a CPU (0.085 vs 0.25 s per fwd+bwd step, measured on 2 cores).
@@ -71,6 +71,23 @@ def backend_fn(backend: str, name: str) -> Callable[..., Any] | None:
 def _l2norm(x: torch.Tensor) -> torch.Tensor:
     """x / sqrt(Σx² + 1e-6) over the last dim (fla's in-kernel L2 norm)."""
     return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + 1e-6)
+
+
+def expand_gva(q: Any, k: Any, v: Any) -> tuple[Any, Any]:
+    """fla's grouped value attention (GVA): v, g, β, A_log, dt_bias and the states have HV = G·H heads, q and k
+    have H; value head j reads query/key head j // G. The entry points expand q and k here (``repeat_interleave``,
+    whose backward sums each group's gradients), so every backend and path sees HV heads. K3 itself has HV = H, for
+    which this is one shape comparison. Anything malformed is left to the checks, which name it."""
+    if not (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)
+            and q.dim() == 4 and v.dim() == 4 and k.shape == q.shape and v.shape[:2] == q.shape[:2]):
+        return q, k
+    H, HV = q.shape[2], v.shape[2]
+    if HV == H:
+        return q, k
+    if H == 0 or HV % H:
+        raise ValueError(f"v has {HV} heads but q/k have H={H}: v's heads must equal H or be a multiple of it "
+                         "(grouped value attention)")
+    return q.repeat_interleave(HV // H, dim=2), k.repeat_interleave(HV // H, dim=2)
 
 
 def _preprocess(
@@ -145,7 +162,8 @@ def chunk_kda(
     """Chunked Kimi Delta Attention, autograd-capable; a drop-in for fla's ``chunk_kda`` on these arguments.
 
     Args:
-        q, k: ``[B, T, H, K]``.  v: ``[B, T, H, V]``.
+        q, k: ``[B, T, H, K]``.  v: ``[B, T, HV, V]``, HV = H or a multiple of it (fla's grouped value attention:
+            value head j reads query/key head j // (HV/H); g, beta, A_log, dt_bias and the states then have HV heads).
         g: ``[B, T, H, K]``: log-decay (≤ 0), or raw gate pre-activations when ``use_gate_in_kernel``.
         beta: ``[B, T, H]``: β ∈ (0, 1), or logits when ``use_beta_sigmoid_in_kernel``.
         scale: query scale, default ``K ** -0.5``.
@@ -167,6 +185,7 @@ def chunk_kda(
     """
     # With cp_context, cu_seqlens (if given at all) are the GLOBAL ones: the context checks them, on every rank;
     # an argument error on one rank is reported to the others first (they would wait in the all_gather otherwise).
+    q, k = expand_gva(q, k, v)
     reported = contextlib.nullcontext()
     if cp_context is not None:
         from k3.ops.kda.cp import cp_reported  # noqa: PLC0415

@@ -12,7 +12,7 @@ import torch
 
 from k3.ops._device import on_device_of
 from k3.ops.kda.checks import check_kda_call
-from k3.ops.kda.chunk import _preprocess, backend_fn, select_backend
+from k3.ops.kda.chunk import _preprocess, backend_fn, expand_gva, select_backend
 from k3.ops.kda.naive import _from_padded, _to_padded, naive_recurrent_kda, varlen_pad_index
 
 __all__ = ["fused_recurrent_kda", "fused_recurrent_kda_pool"]
@@ -111,6 +111,7 @@ def fused_recurrent_kda(
     """
     if cp_context is not None:
         raise ValueError("cp_context is not supported by fused_recurrent_kda (decode is not context parallel)")
+    q, k = expand_gva(q, k, v)
     pool = None
     if ssm_state_indices is not None:
         pool, initial_state = initial_state, None
