@@ -297,6 +297,42 @@ def test_causality_bitwise(monkeypatch, flow):
     monkeypatch.setattr(FwdConfig, "inference_flow", flow)
     _causality(130, 1, 16, 16, torch.float32, [1, 17, 37, 64, 70, 127])
 
+def _strided(t: torch.Tensor) -> torch.Tensor:
+    """The same values as a non-contiguous view (every other element of a buffer twice as long)."""
+    buf = torch.zeros(*t.shape[:-1], 2 * t.shape[-1], dtype=t.dtype, device=t.device)
+    buf[..., ::2] = t
+    return buf[..., ::2]
+
+
+def test_public_strided_inputs(monkeypatch):
+    """Every tensor argument as a strided view (q…beta, the initial state, A_log, dt_bias) through the public entry
+    points on the Triton backend: outputs, final states and every gradient against the fp64 recurrence. A strided
+    initial_state or gate parameter gave wrong results before the entry points made them contiguous."""
+    from k3.ops.kda import chunk_kda, fused_recurrent_kda  # noqa: PLC0415
+
+    monkeypatch.setenv("K3_KDA_BACKEND", "triton")
+    monkeypatch.delenv("K3_KDA_SPLITS", raising=False)
+    x = make_inputs(2, 21, 2, 16, 16, seed=6)
+    leaves = {n: t.to(DEV, torch.float32).requires_grad_()
+              for n, t in x.items()}
+    views = {n: _strided(t) for n, t in leaves.items()}
+    assert not any(t.is_contiguous() for t in views.values())
+    kw = dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True, safe_gate=True,
+              lower_bound=-5.0, output_final_state=True)
+    args = [views[n] for n in ("q", "k", "v", "g", "beta")]
+    o, ht = chunk_kda(*args, initial_state=views["s0"], A_log=views["A"], dt_bias=views["dt"], **kw)
+    gen = torch.Generator().manual_seed(1)
+    do, dht = (torch.randn(t.shape, generator=gen, dtype=torch.float64) for t in (o, ht))
+    ((o.double() * do.to(DEV)).sum() + (ht.double() * dht.to(DEV)).sum()).backward()
+    xr = {n: t.clone().requires_grad_() for n, t in x.items()}
+    ro, rh = reference(xr, 16 ** -0.5, True, True, True, -5.0, None)
+    ((ro * do).sum() + (rh * dht).sum()).backward()
+    errs = {"o": rel(o, ro), "ht": rel(ht, rh), **{"d" + n: rel(leaves[n].grad, xr[n].grad) for n in x}}
+    assert all(e <= 1e-4 for e in errs.values()), errs
+    with torch.no_grad():
+        od, hd = fused_recurrent_kda(*args, views["A"], views["dt"], initial_state=views["s0"], **kw)
+    assert rel(od, ro) <= 1e-4 and rel(hd, rh) <= 1e-4
+
 def test_public_grouped_value_attention(monkeypatch):
     """fla's GVA through the public entry points on the Triton backend (q/k with H heads, the rest with 2H):
     outputs, final states and every gradient against the fp64 recurrence with value head j reading head j // 2."""

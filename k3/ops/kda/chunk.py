@@ -194,6 +194,10 @@ def chunk_kda(
     with reported:
         scale, lb = check_kda_call(q, k, v, g, beta, scale, initial_state, use_gate_in_kernel, safe_gate,
                                    lower_bound, cu_seqlens if cp_context is None else None, A_log, dt_bias)
+    # The Triton kernels index states and gate parameters densely (q/k/v/g/β are made contiguous where they are
+    # read): a strided initial_state, A_log or dt_bias (e.g. a transposed view) gave wrong results before this.
+    initial_state, A_log, dt_bias = (x.contiguous() if isinstance(x, torch.Tensor) else x
+                                     for x in (initial_state, A_log, dt_bias))
     if not use_gate_in_kernel:
         # The backends read ``lower_bound`` with a precomputed g as "every log-decay is ≥ this": the Triton
         # kernels' 16-row diagonal blocks rely on it (e^{−g} over a block must stay finite). Only safe_gate makes

@@ -30,6 +30,8 @@ class ChunkKDATriton(torch.autograd.Function):
     def forward(ctx, q, k, v, g, beta, A_log, dt_bias, initial_state, scale, output_final_state, flags,
                 lower_bound, cu_seqlens):
         q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
+        A_log, dt_bias, initial_state = (x.contiguous() if x is not None else None
+                                         for x in (A_log, dt_bias, initial_state))
         tab = make_chunk_table(q.shape[0], q.shape[1], cu_seqlens, q.device)
         training = any(ctx.needs_input_grad[:8])
         o, ht, saved = kda_fwd(q, k, v, g, beta, A_log, dt_bias, scale, initial_state, tab, lower_bound, flags,
