@@ -555,6 +555,20 @@ def test_gpu_fp32_tight():
 
 
 @gpu
+@pytest.mark.parametrize("K,V", [(64, 128), (128, 64), (32, 32), (100, 72), (16, 128)])
+@pytest.mark.parametrize("kw,rkw", [({}, {}), ({"gate": False}, {"gate": False, "lb": None})])
+def test_gpu_bf16_head_dims(K, V, kw, rkw):
+    """Head dims other than K = V = 128 in bf16 (K ≠ V, not powers of two), varlen with initial states, the K3
+    flags and an unbounded precomputed gate: outputs, states and every gradient, forward with and without grad."""
+    cu = [0, 5, 70, 71, 200]
+    x = make_inputs(1, 200, 2, K, V, N=len(cu) - 1, **kw)
+    check_against_reference(x, 2e-2, dtype=torch.bfloat16, cu=cu, **rkw)
+    o, ht, _, _, _ = run_chunk(x, torch.bfloat16, cu=cu, grad=False, gate=rkw.get("gate", True),
+                               lb=rkw.get("lb", -5.0))
+    ro, rh = reference(x, K ** -0.5, True, rkw.get("gate", True), True, rkw.get("lb", -5.0), cu)
+    assert rel(o, ro) <= 2e-2 and rel(ht, rh) <= 2e-2
+
+@gpu
 @pytest.mark.parametrize("flow", ["c16", "c64"])
 def test_gpu_causality_bitwise(monkeypatch, flow):
     monkeypatch.setattr(FwdConfig, "inference_flow", flow)
