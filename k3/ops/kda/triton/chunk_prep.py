@@ -715,10 +715,15 @@ def launch_prep_rows(q, k, v, g, beta, A_log, dt_bias, bufs: dict, tab: ChunkTab
         BT=BT, BC=BC, BK=BK, EXACT_DIAG=flags["exact_diag"],
         AB_BF16=bool(cfg.prep_ab_bf16) and q.dtype == torch.bfloat16,
         **extra, **_launch(cfg.rows_warps, cfg.rows_stages, cfg.rows_maxnreg), **common)
+    # One column-slice width for U's and W's products: with T [BT, BT] multiplied by slices of two widths (e.g.
+    # V-slices of 64 and K-slices of 16 at K = 16, V = 128) Triton 3.6's 16-bit build of this kernel reads shared
+    # memory out of range (compute-sanitizer: "Out-of-range shared or local address" at the W product; an illegal
+    # address on the H200). Equal widths are what K = V = 128 (64 and 64) always had.
+    width = min(BK, BVP, cfg.solve_bkw)
     _prep_solve[(n, H)](
         k, v, g, beta, a_log, dtb, bufs["W"], bufs["U"], bufs["KG"], bufs["GAM"], bufs["TM"], LK,
         tab.cu, tab.chunk_seq, tab.chunk_off, c0, ncw, tab.T, tab.NT, H, K, V, lb,
-        BT=BT, BC=BC, BK=BK, BVP=BVP, BKW=min(BK, cfg.solve_bkw), BVW=min(BVP, cfg.solve_bkw), STORE_T=store_t,
+        BT=BT, BC=BC, BK=BK, BVP=BVP, BKW=width, BVW=width, STORE_T=store_t,
         INV_POW=_solve_inverse(cfg) == "pow",
         **(dict(TOT=bufs["TOT"], PRE=True, KG_DONE=kg_rows) if pre else {}),
         **(dict(QG=bufs["QG"], AQK=bufs["AQK"], AU=bufs["AU"], FOLD=True) if "AU" in bufs else {}),
