@@ -357,3 +357,18 @@ def test_gpu_decode_variants_bf16(variant):
     neg = idx < 0
     assert rel(o3[neg].cpu(), ro0[neg.cpu()]) <= 2e-2
     assert torch.equal(pool[1::2], before[1::2]) and torch.equal(pool[[0, B, 2 * B - 2]], before[[0, B, 2 * B - 2]])
+
+
+@gpu
+@pytest.mark.parametrize("Kd,Vd", [(16, 128), (128, 16), (100, 72), (64, 64), (128, 128)])
+def test_gpu_decode_head_dims_bf16(monkeypatch, Kd, Vd):
+    """The default dispatch (the Gluon kernel at K = V = 128, the Triton kernels otherwise) at other head dims, bf16:
+    one step (B = 5) and a varlen prefix of 7 tokens, outputs and states against the fp64 recurrence."""
+    monkeypatch.setenv("K3_KDA_BACKEND", "triton")
+    for B, T, cu in ((5, 1, None), (1, 7, [0, 3, 3, 7])):
+        x = make(B, T, N=None if cu is None else len(cu) - 1, seed=11, K=Kd, V=Vd)
+        lo = {n: t.to("cuda", torch.float32 if n in ("A", "dt", "s0") else torch.bfloat16) for n, t in x.items()}
+        hi = {n: t.double().cpu() for n, t in lo.items()}
+        ro, rs = reference(hi, cu=cu)
+        o, s = ours(lo, cu=cu)
+        assert rel(o.cpu(), ro) <= 2e-2 and rel(s.cpu(), rs) <= 2e-2, (B, T)

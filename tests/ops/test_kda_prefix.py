@@ -551,3 +551,30 @@ def test_split_gpu_matches_unsplit(dtype, flow, monkeypatch):
             monkeypatch.setattr(span.SplitConfig, "serial_priority", priority)
             out = chunk_kda(**x, **kw)
             assert rel(out[0].float(), ref[0].float()) <= tol and rel(out[1], ref[1]) <= tol, priority
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("K,V", [(16, 128), (128, 16), (100, 72), (64, 64)])
+def test_split_gpu_head_dims_bf16(K, V, monkeypatch):
+    """GPU, bf16, head dims other than K = V = 128 (the 64-token split kernels): forced 2, 3 and 7 segments of a
+    varlen batch with initial states equal the unsplit call (2e-2: bf16 storage)."""
+    monkeypatch.delenv("K3_KDA_BACKEND", raising=False)
+    lens = [3000, 5, 1700]
+    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), device="cuda")
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    r = lambda *s: torch.randn(*s, generator=gen, device="cuda")  # noqa: E731
+    T, H = sum(lens), 2
+    x = dict(q=r(1, T, H, K).bfloat16(), k=r(1, T, H, K).bfloat16(), v=r(1, T, H, V).bfloat16(),
+             g=r(1, T, H, K).bfloat16(), beta=r(1, T, H).bfloat16())
+    kw = dict(initial_state=r(len(lens), H, K, V), output_final_state=True, cu_seqlens=cu,
+              use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True, safe_gate=True,
+              lower_bound=-5.0, A_log=torch.zeros(H, device="cuda"), dt_bias=torch.full((H * K,), -6.5, device="cuda"))
+    with torch.no_grad():
+        monkeypatch.setenv("K3_KDA_SPLITS", "1")
+        ref = chunk_kda(**x, **kw)
+        for P in ("2", "3", "7"):
+            monkeypatch.setenv("K3_KDA_SPLITS", P)
+            calls = _spy_split(monkeypatch)
+            out = chunk_kda(**x, **kw)
+            assert len(calls) == 1 and torch.isfinite(out[0]).all(), P
+            assert rel(out[0].float(), ref[0].float()) <= 2e-2 and rel(out[1], ref[1]) <= 2e-2, P
