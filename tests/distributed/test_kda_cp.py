@@ -49,6 +49,18 @@ def _run(fn, xs, cu, fused, cp_context=None):
     return chunk_kda(*xs[:5], **kw)[0]
 
 
+def _check_fla_metadata(ctx, cu: torch.Tensor, W: int) -> None:
+    """fla's FLACPContext fields under their names, by fla's formulas (searchsorted over the global lengths)."""
+    L = int(cu[-1]) // W
+    start, end = ctx.rank * L, (ctx.rank + 1) * L
+    first = int(cu[torch.searchsorted(cu[1:], start, right=True)])  # start of the sequence holding token `start`
+    last = int(cu[torch.searchsorted(cu[:-1], end)])  # end of the sequence holding token end − 1
+    assert ctx.pre_num_conv_tokens == start - first
+    assert ctx.pre_num_ranks == ctx.rank - first // L and ctx.is_first_rank == (first // L == ctx.rank)
+    assert ctx.post_num_ranks == (last - 1) // L - ctx.rank and ctx.is_last_rank == ((last - 1) // L == ctx.rank)
+    assert ctx.is_first_rank != ctx.first_continues and ctx.is_last_rank != ctx.last_continues
+
+
 def _check_scenario(ctx_rank, W, T, cu_list, fused, seed):
     """Single-process reference vs this rank's CP slice: output and all gradients."""
     from k3.ops.kda import build_cp_context, chunk_kda
@@ -67,6 +79,7 @@ def _check_scenario(ctx_rank, W, T, cu_list, fused, seed):
         os.environ["K3_KDA_BACKEND"] = "triton"
 
     ctx = build_cp_context(cu, group=None)
+    _check_fla_metadata(ctx, cu, W)
     loc = [ctx.shard(x.detach()).requires_grad_() if x.dim() >= 3 else x.detach().clone().requires_grad_()
            for x in xs]
     o = _run(None, loc, None, fused, cp_context=ctx)

@@ -67,6 +67,35 @@ class KDACPContext:
     last_bwd_bytes_sent: int = field(default=0)
     last_halo_bytes: int = field(default=0)
 
+    # fla's FLACPContext metadata under fla's names and meaning (for code written against it). One difference:
+    # fla's ``cu_seqlens`` are the rank's LOCAL boundaries — here ``local_cu_seqlens``; ``cu_seqlens`` is global.
+    @property
+    def pre_num_conv_tokens(self) -> int:
+        """Tokens of this rank's first sequence held by earlier ranks (the conv halo needs min(this, kernel − 1))."""
+        return self.start - self.first_seq_start
+
+    @property
+    def pre_num_ranks(self) -> int:
+        """How many earlier ranks hold a piece of this rank's first sequence."""
+        return self.rank - self.first_seq_start // (self.end - self.start)
+
+    @property
+    def is_first_rank(self) -> bool:
+        """This rank's first sequence starts here (nothing flows in from earlier ranks)."""
+        return self.pre_num_ranks == 0
+
+    @property
+    def post_num_ranks(self) -> int:
+        """How many later ranks hold a piece of this rank's last sequence."""
+        cs = self.cu_seqlens.tolist()
+        last_end = cs[bisect.bisect_left(cs, self.end, 0, len(cs) - 1)]  # the end of the sequence holding token end−1
+        return (last_end - 1) // (self.end - self.start) - self.rank
+
+    @property
+    def is_last_rank(self) -> bool:
+        """This rank's last sequence ends here (nothing flows on to later ranks)."""
+        return self.post_num_ranks == 0
+
     def shard(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor:
         """This rank's slice ``[start, end)`` of a global ``[1, T_total, ...]`` tensor along ``dim``."""
         return x.narrow(dim, self.start, self.end - self.start)
