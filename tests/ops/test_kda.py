@@ -285,6 +285,20 @@ def test_grouped_value_attention(fused):
         chunk_kda(q, k, v, graw[:, :, :H], braw)
 
 
+@pytest.mark.parametrize("B,T", [(1, 0), (0, 5), (2, 0)])
+def test_empty_batch_or_sequence(B, T):
+    """No tokens (T = 0) or no sequences (B = 0): empty outputs, the initial state (or zeros) as the final state,
+    and a backward that runs."""
+    (q, k, v, g, b), S0 = make(B, T, 2, 8, 8, state=True, dtype=torch.float32)
+    S0.requires_grad_()
+    o, S = chunk_kda(q.requires_grad_(), k, v, g, b, initial_state=S0, output_final_state=True)
+    assert o.shape == (B, T, 2, 8) and S.shape == (B, 2, 8, 8) and torch.equal(S, S0)
+    (o.sum() + S.sum()).backward()
+    assert q.grad.shape == q.shape and torch.equal(S0.grad, torch.ones_like(S0))
+    o2, S2 = fused_recurrent_kda(q.detach(), k, v, g, b, initial_state=S0.detach(), output_final_state=True)
+    assert o2.shape == o.shape and torch.equal(S2, S0.detach())
+
+
 def _bad_calls():
     (q, k, v, g, b), _ = make(2, 10, 2, 8, 8, dtype=torch.float32)
     S = torch.zeros(2, 2, 8, 8)

@@ -169,6 +169,11 @@ def naive_chunk_kda(
         raise ValueError(f"chunk_size must be 16, 32 or 64, got {chunk_size}")
     scale = K**-0.5 if scale is None else float(scale)
     out_dtype, acc = q.dtype, _acc_dtype(q)
+    if B == 0:  # an empty batch: nothing to scan (the chunk reshapes below cannot infer sizes from 0 elements);
+        # the 0·Σ terms keep the empty outputs in the autograd graph, as for any other batch
+        S = q.new_zeros(0, H, K, V, dtype=acc) if initial_state is None else initial_state.to(acc)
+        o = v.new_zeros(0, T, H, V, dtype=out_dtype) + 0 * (q.sum() + k.sum() + v.sum() + g.sum() + beta.sum())
+        return o, (S + 0 * o.sum() if output_final_state else None)
     q, k, v, g, beta = (x.to(acc) for x in (q, k, v, g, beta))
     if cu_seqlens is not None:
         src, dst, T_pad = varlen_pad_index(cu_seqlens, chunk_size)
