@@ -3,3 +3,17 @@
 ``kda``  KDA kernels vs fla (prefill, training fwd+bwd, decode) — ``k3.bench.kda``.
 ``moe``  Latent MoE layer vs plain PyTorch — ``k3.bench.moe``.
 """
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import NoReturn
+
+
+class BenchParser(argparse.ArgumentParser):
+    """argparse whose usage errors are one line on stderr and exit 2 (argparse's own prints the usage block)."""
+
+    def error(self, message: str) -> NoReturn:
+        print(f"{self.prog}: error: {message}", file=sys.stderr)
+        sys.exit(2)

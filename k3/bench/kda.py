@@ -12,7 +12,6 @@ was resident before it (inputs), "beyond out" subtracts the output tensor too.
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import json
 import os
@@ -22,6 +21,8 @@ import time
 from typing import Any, Callable
 
 import torch
+
+from k3.bench import BenchParser
 
 from k3.utils import env_var
 
@@ -471,7 +472,7 @@ def markdown(rows: list[dict], header: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m k3.bench kda", description=__doc__.splitlines()[0])
+    ap = BenchParser(prog="python -m k3.bench kda", description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=None, help="folder for kda_bench.json / kda_bench.md")
     ap.add_argument("--no-fla", action="store_true")
     ap.add_argument("--sections", default="decode,prefill,train",
@@ -482,6 +483,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--H", type=int, nargs="+", default=[32, 8])
     ap.add_argument("--warm", type=int, default=None, help="compile one group of kernel variants and exit")
     a = ap.parse_args(argv)
+    known = ("decode", "prefill", "train", "breakdown", "sweep")
+    bad = [s for s in a.sections.split(",") if s not in known]
+    if bad or min(a.T + a.H) < 1:
+        ap.error(f"--sections must be a comma list of {', '.join(known)} and --T/--H positive; got "
+                 f"{a.sections!r}, T={a.T}, H={a.H}")
     if not torch.cuda.is_available():
         print("k3.bench kda needs a CUDA GPU", file=sys.stderr)
         return 2

@@ -13,7 +13,6 @@ default CUDA backends: fused Triton router epilogue, SiTU-GLU and combine+RMSNor
 
 from __future__ import annotations
 
-import argparse
 import gc
 import json
 import os
@@ -25,6 +24,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 import torch.nn.functional as F
+
+from k3.bench import BenchParser
 
 __all__ = ["main", "Shapes", "PlainLayer"]
 
@@ -490,7 +491,7 @@ def _md(report: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m k3.bench moe", description=__doc__.splitlines()[0])
+    ap = BenchParser(prog="python -m k3.bench moe", description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, default=16384)
     ap.add_argument("--experts", type=int, default=448)
     ap.add_argument("--rep-ms", type=float, default=1500.0, help="timing window per layer measurement")

@@ -112,3 +112,22 @@ def test_existing_run_dir_is_never_overwritten(tiny_run, tmp_path):
     _check(*k3_runs.run_cli("train", "--name", "mine", cwd=tmp_path)[::2], "already exists")
     assert (tmp_path / "runs" / "mine" / "notes.txt").read_text() == "keep me"
     assert k3_runs.tree_digest(run) == before
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["nope"], "unknown benchmark 'nope'"),
+    (["kda", "--sections", "decode,bogus"], "--sections must be a comma list"),
+    (["kda", "--T", "0"], "--T/--H positive"),
+    (["kda", "--T", "ten"], "invalid int value"),
+    (["moe", "--bogus-flag"], "unrecognized arguments"),
+])
+def test_bench_bad_input(tmp_path, argv, needle):
+    """``python -m k3.bench``: a bad name or flag is one line on stderr, exit 2, no traceback, nothing written."""
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "k3.bench", *argv, "--out", str(tmp_path / "o")] if argv[0] != "nope"
+                       else [sys.executable, "-m", "k3.bench", *argv], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.count("\n") == 1 and "Traceback" not in r.stderr and needle in r.stderr, repr(r.stderr)
+    assert not any(tmp_path.iterdir())
