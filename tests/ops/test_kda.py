@@ -183,6 +183,10 @@ def test_output_dtype_and_state_dtype():
     assert o.dtype == torch.bfloat16 and S.dtype == torch.float32 and o.shape == (1, 20, 2, 8)
     o2, S2 = fused_recurrent_kda(q, k, v, g, b, output_final_state=True)
     assert rel(o2, o) < 2e-2 and rel(S2, S) < 1e-4 and o2.dtype == torch.bfloat16
+    # mixed dtypes: the output takes v's dtype, as fla allocates it (zeros_like(v))
+    o3, _ = chunk_kda(q, k, v.float(), g, b)
+    o4, _ = fused_recurrent_kda(q, k, v.float(), g, b)
+    assert o3.dtype == o4.dtype == torch.float32 and rel(o3, o) < 2e-2 and rel(o4, o) < 2e-2
 
 
 @pytest.mark.parametrize("lower_bound", [-5.0, None])

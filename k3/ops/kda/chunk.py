@@ -181,7 +181,7 @@ def chunk_kda(
         cp_context: a context from :func:`k3.ops.kda.build_cp_context` (context parallel; B = 1, varlen stream).
 
     Returns:
-        ``(o [B, T, H, V] in q.dtype, final_state [N, H, K, V] fp32 (fp64 for fp64 inputs) or None)``.
+        ``(o [B, T, H, V] in v.dtype (as fla), final_state [N, H, K, V] fp32 (fp64 for fp64 inputs) or None)``.
     """
     # With cp_context, cu_seqlens (if given at all) are the GLOBAL ones: the context checks them, on every rank;
     # an argument error on one rank is reported to the others first (they would wait in the all_gather otherwise).
@@ -211,10 +211,18 @@ def chunk_kda(
         if cp_context is not None:
             from k3.ops.kda.cp import cp_chunk_kda  # noqa: PLC0415
 
-            return cp_chunk_kda(backend, cp_context, *args)
-        from k3.ops.kda.prefix import maybe_split_chunk_kda  # noqa: PLC0415
+            out = cp_chunk_kda(backend, cp_context, *args)
+        else:
+            from k3.ops.kda.prefix import maybe_split_chunk_kda  # noqa: PLC0415
 
-        out = maybe_split_chunk_kda(backend, *args)
-        if out is not None:
-            return out
-        return backend_fn(backend, "chunk_kda")(*args)
+            out = maybe_split_chunk_kda(backend, *args)
+            if out is None:
+                out = backend_fn(backend, "chunk_kda")(*args)
+    return in_v_dtype(out, v)
+
+
+def in_v_dtype(out: tuple[torch.Tensor, Any], v: torch.Tensor) -> tuple[torch.Tensor, Any]:
+    """The output in v's dtype, as fla allocates it (``zeros_like(v)``). The kernels write q's dtype; the two differ
+    only for mixed-dtype calls, which pay one cast here."""
+    o, rest = out
+    return (o if o.dtype == v.dtype else o.to(v.dtype)), rest
