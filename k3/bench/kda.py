@@ -23,7 +23,6 @@ from typing import Any, Callable
 import torch
 
 from k3.bench import BenchParser
-
 from k3.utils import env_var
 
 __all__ = ["main"]

@@ -31,7 +31,6 @@ from typing import Any, Callable
 import torch
 
 from k3.bench import BenchParser
-
 from k3.utils import atomic_write_text, env_var, overridden_attrs
 
 __all__ = ["split_rows", "check_rows", "format_rows", "main"]
@@ -244,7 +243,7 @@ def format_rows(rows: list[dict[str, Any]]) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     ap = BenchParser(prog="python -m k3.bench kda_split", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+                     formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--T", type=int, nargs="+", default=[131072, 1048576], help="sequence lengths (B = 1)")
     ap.add_argument("--H", type=int, nargs="+", default=[8, 32], help="head counts")
     ap.add_argument("--splits", type=int, nargs="*", default=[2, 4, 8, 16], help="forced segment counts")
