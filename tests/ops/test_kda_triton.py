@@ -297,6 +297,7 @@ def test_causality_bitwise(monkeypatch, flow):
     monkeypatch.setattr(FwdConfig, "inference_flow", flow)
     _causality(130, 1, 16, 16, torch.float32, [1, 17, 37, 64, 70, 127])
 
+
 def _strided(t: torch.Tensor) -> torch.Tensor:
     """The same values as a non-contiguous view (every other element of a buffer twice as long)."""
     buf = torch.zeros(*t.shape[:-1], 2 * t.shape[-1], dtype=t.dtype, device=t.device)
@@ -313,8 +314,7 @@ def test_public_strided_inputs(monkeypatch):
     monkeypatch.setenv("K3_KDA_BACKEND", "triton")
     monkeypatch.delenv("K3_KDA_SPLITS", raising=False)
     x = make_inputs(2, 21, 2, 16, 16, seed=6)
-    leaves = {n: t.to(DEV, torch.float32).requires_grad_()
-              for n, t in x.items()}
+    leaves = {n: t.to(DEV, torch.float32).requires_grad_() for n, t in x.items()}
     views = {n: _strided(t) for n, t in leaves.items()}
     assert not any(t.is_contiguous() for t in views.values())
     kw = dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True, safe_gate=True,
@@ -332,6 +332,7 @@ def test_public_strided_inputs(monkeypatch):
     with torch.no_grad():
         od, hd = fused_recurrent_kda(*args, views["A"], views["dt"], initial_state=views["s0"], **kw)
     assert rel(od, ro) <= 1e-4 and rel(hd, rh) <= 1e-4
+
 
 def test_public_grouped_value_attention(monkeypatch):
     """fla's GVA through the public entry points on the Triton backend (q/k with H heads, the rest with 2H):
@@ -567,6 +568,7 @@ def test_gpu_bf16_head_dims(K, V, kw, rkw):
                                lb=rkw.get("lb", -5.0))
     ro, rh = reference(x, K ** -0.5, True, rkw.get("gate", True), True, rkw.get("lb", -5.0), cu)
     assert rel(o, ro) <= 2e-2 and rel(ht, rh) <= 2e-2
+
 
 @gpu
 @pytest.mark.parametrize("flow", ["c16", "c64"])
