@@ -75,8 +75,8 @@ def _fused_recurrent_kda_torch(
         o = _from_padded(o, dst)
     if ssm_state_indices is not None:
         initial_state[slots[live]] = S[live].to(initial_state.dtype)
-        return o.to(q.dtype), initial_state
-    return o.to(q.dtype), (S if output_final_state else None)
+        return o.to(v.dtype), initial_state
+    return o.to(v.dtype), (S if output_final_state else None)
 
 
 def fused_recurrent_kda(

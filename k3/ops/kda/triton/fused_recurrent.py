@@ -251,7 +251,7 @@ def fused_recurrent_kda_triton(
     q, k, v, g, beta = q.contiguous(), k.contiguous(), v.contiguous(), g.contiguous(), beta.contiguous()
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
     use_idx = ssm_state_indices is not None
-    o = torch.empty(B, T, H, V, dtype=q.dtype, device=q.device)
+    o = torch.empty(B, T, H, V, dtype=v.dtype, device=q.device)  # v's dtype, as fla (the kernels cast on store)
     if use_idx:
         pool = initial_state
         # the kernels index the pool densely: a strided view is updated through a dense copy, written back below
