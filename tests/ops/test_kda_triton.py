@@ -616,3 +616,29 @@ def test_gpu_one_million_tokens_no_nan():
         o, ht = chunk_kda_triton(q, k, v, g, beta, K ** -0.5, None, True, True, True, True, -5.0, None, A, dt)
     assert torch.isfinite(o).all() and torch.isfinite(ht).all()
     assert o.abs().max() > 0
+
+
+@pytest.mark.parametrize("K,V", [(16, 128), (128, 16), (32, 128), (128, 128)])
+def test_prep_solve_one_slice_width(monkeypatch, K, V):
+    """The rows prep's solve multiplies its T operand by U's and W's column slices at ONE width: two widths (64 and
+    16 at K = 16, V = 128) made Triton 3.6's 16-bit build read shared memory out of range on the H200 (v24). The
+    GPU test ``test_gpu_bf16_head_dims`` covers the fault itself; this pins the launch on any machine."""
+    from k3.ops.kda.triton import chunk_prep  # noqa: PLC0415
+
+    seen = []
+
+    class Capture:
+        def __init__(self, real):
+            self.real = real
+
+        def __getitem__(self, grid):
+            def launch(*args, **kw):
+                seen.append((kw["BKW"], kw["BVW"]))
+                return self.real[grid](*args, **kw)
+            return launch
+
+    monkeypatch.setattr(chunk_prep, "_prep_solve", Capture(chunk_prep._prep_solve))
+    x = make_inputs(1, 20, 1, K, V)
+    o, *_ = run_chunk(x, torch.float32, grad=False)
+    assert seen and all(bkw == bvw for bkw, bvw in seen), seen
+    assert torch.isfinite(o).all()
