@@ -12,7 +12,7 @@ import torch
 
 from k3.ops._device import on_device_of
 from k3.ops.kda.checks import check_kda_call
-from k3.ops.kda.chunk import _preprocess, backend_fn, expand_gva, in_v_dtype, select_backend
+from k3.ops.kda.chunk import _preprocess, backend_fn, expand_gva, select_backend
 from k3.ops.kda.naive import _from_padded, _to_padded, naive_recurrent_kda, varlen_pad_index
 
 __all__ = ["fused_recurrent_kda", "fused_recurrent_kda_pool"]
@@ -127,11 +127,10 @@ def fused_recurrent_kda(
         initial_state = pool
     # A Triton package without its decode kernel falls back to the torch loop (correct on any device, slow on GPU).
     fn = backend_fn(select_backend(q.device), "fused_recurrent_kda") or backend_fn("torch", "fused_recurrent_kda")
-    with on_device_of(q):
-        out = fn(
+    with on_device_of(q):  # both backends return o in v's dtype (fla's), so nothing is cast here
+        return fn(
             q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, use_gate_in_kernel,
             use_beta_sigmoid_in_kernel, lb, cu_seqlens, A_log, dt_bias, ssm_state_indices=ssm_state_indices)
-    return in_v_dtype(out, v)
 
 
 def fused_recurrent_kda_pool(

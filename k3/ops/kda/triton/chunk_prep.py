@@ -63,6 +63,7 @@ from k3.ops.kda.triton._common import (
     _sigmoid,
     _sigmoid_fast,
     dot_precision,
+    maxnreg_kw,
 )
 
 
@@ -651,10 +652,7 @@ def _solve_inverse(cfg) -> str:
 
 def _launch(warps: int, stages: int, maxnreg: int | None) -> dict:
     """Launch options; ``maxnreg`` caps registers per thread (e.g. 128 → 4 CTAs of 4 warps per SM)."""
-    opts = dict(num_warps=warps, num_stages=stages)
-    if maxnreg is not None:
-        opts["maxnreg"] = maxnreg
-    return opts
+    return dict(num_warps=warps, num_stages=stages, **maxnreg_kw(maxnreg))
 
 
 def launch_prep_rows(q, k, v, g, beta, A_log, dt_bias, bufs: dict, tab: ChunkTable, c0: int, n: int, scale: float,

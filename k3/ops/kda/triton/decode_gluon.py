@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from k3.ops.kda.triton._common import LaunchCache, ptxas_kw, sm_count
+from k3.ops.kda.triton._common import LaunchCache, maxnreg_kw, ptxas_kw, sm_count
 
 # Gluon's API is experimental and changes between Triton releases: the kernel is used only with the release it is
 # tested on (3.6.x); any other Triton, or a failed import, leaves decoding to the Triton kernels
@@ -196,10 +196,7 @@ def _plan(device: torch.device, V: int) -> tuple[int, dict, dict]:
                          f"got {cfg.prefetch_per_sm!r}")
     BV = max(16, min(int(cfg.bv), 1 << (max(V, 16) - 1).bit_length()))
     NV = -(-V // BV)
-    options = dict(num_warps=BV // 16)
-    if cfg.maxnreg is not None:
-        options["maxnreg"] = int(cfg.maxnreg)
-    options.update(ptxas_kw(cfg.ptxas_options))
+    options = dict(num_warps=BV // 16, **maxnreg_kw(cfg.maxnreg), **ptxas_kw(cfg.ptxas_options))
     # PF: a fraction of SMs allowed, rounded to whole programs
     consts = dict(BV=BV, NV=NV, PF=int(round(float(cfg.prefetch_per_sm) * sm_count(device))),
                   PF_MODE=int(cfg.prefetch_mode))

@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from k3.ops.kda.triton._common import _gate_fwd, _seq_bounds, _sigmoid, sm_count
+from k3.ops.kda.triton._common import _gate_fwd, _seq_bounds, _sigmoid, maxnreg_kw, sm_count
 from k3.ops.kda.triton.decode_gluon import decode_step_gluon, usable
 
 
@@ -293,7 +293,7 @@ def fused_recurrent_kda_triton(
                                       STAGES=cfg.persist_stages, **flags, num_warps=cfg.warps, maxnreg=maxnreg,
                                       num_stages=cfg.persist_stages)
     else:
-        launch = dict(num_warps=cfg.warps) if cfg.maxnreg is None else dict(num_warps=cfg.warps, maxnreg=cfg.maxnreg)
+        launch = dict(num_warps=cfg.warps, **maxnreg_kw(cfg.maxnreg))
         cu = cu_seqlens.to(device=q.device, dtype=torch.int32).contiguous() if cu_seqlens is not None else dummy
         _kda_recurrent[(NV, N * H)](*ptrs, cu, T, H, K, V, scale, lb, BK=BK, BV=BV,
                                     IS_VARLEN=cu_seqlens is not None, **flags, **launch, num_stages=cfg.stages)
