@@ -393,19 +393,16 @@ def _k3_call_case(lens: list[int], seed: int = 0):
 
 
 @triton_only
-@pytest.mark.parametrize("P,u_rowmajor,seg0", [(2, True, True), (3, True, True), (7, True, True), (2, False, True),
-                                               (3, False, False), (7, False, False), (2, True, False)])
-def test_split_c16_matches_unsplit(P, u_rowmajor, seg0, monkeypatch, nan_empty):
+@pytest.mark.parametrize("P,u_rowmajor", [(2, True), (3, True), (7, True), (2, False), (3, False), (7, False)])
+def test_split_c16_matches_unsplit(P, u_rowmajor, monkeypatch, nan_empty):
     """``SplitConfig.flow = "c16"``: the 16-token prep, span pass (``_c16_span_rows``, [S_ext | M] held transposed)
     and segmented state pass. Forced splits over small windows (a sequence crossing several, one shorter than a
     segment, one empty) equal the unsplit path to fp32 rounding and the fp64 recurrence to 1e-4; a spy checks that
-    the 16-token span pass ran. Both storages of U (row-major, transposed); segment 0 in the state pass beside the
-    spans (``SplitConfig.seg0_state``) or as span row 0."""
+    the 16-token span pass ran. Both storages of U (row-major, transposed)."""
     from k3.ops.kda.triton import chunk16, span
 
     monkeypatch.setenv("K3_KDA_BACKEND", "triton")
     monkeypatch.setattr(chunk16.C16Config, "u_rowmajor", u_rowmajor)
-    monkeypatch.setattr(span.SplitConfig, "seg0_state", seg0)
     monkeypatch.setattr(span.SplitConfig, "window_bytes", 5 * chunk16.c16_chunk_bytes(2, 16, 16, torch.float32))
     (q, k, v, g, b), kw = _k3_call_case([400, 20, 0, 150])
     with torch.no_grad():
@@ -461,49 +458,6 @@ def test_split_c16_detects_a_wrong_span(monkeypatch):
         monkeypatch.setattr(chunk16, "launch_c16_span", s_only)
         out = chunk_kda(q, k, v, g, b, **kw)
     assert rel(out[0], ref[0]) > 1e-2
-
-
-@triton_only
-def test_split_c16_seg0_launches(monkeypatch):
-    """With ``SplitConfig.seg0_state`` the span pass leaves every piece's row 0 empty and the state pass runs twice
-    per window: first the pieces' first segments (single-segment pieces included), then every other segment —
-    together each segment exactly once. Running segment 0 again in the second launch (from its final state, which
-    the first launch left in its entry row) gives a large error: the comparison of the test above can fail."""
-    from k3.ops.kda.triton import chunk16, span
-
-    monkeypatch.setenv("K3_KDA_BACKEND", "triton")
-    monkeypatch.setattr(span.SplitConfig, "flow", "c16")
-    monkeypatch.setattr(span.SplitConfig, "seg0_state", True)
-    (q, k, v, g, b), kw = _k3_call_case([300, 100])
-    with torch.no_grad():
-        monkeypatch.setenv("K3_KDA_SPLITS", "1")
-        ref = chunk_kda(q, k, v, g, b, **kw)
-        monkeypatch.setenv("K3_KDA_SPLITS", "3")
-        lives, rows = [], []
-        real_state, real_span = chunk16.launch_c16_state, chunk16.launch_c16_span
-
-        def state(*a, live=None):
-            lives.append(None if live is None else live.tolist())
-            real_state(*a, live=live)
-
-        def spans(bufs, SE, Mt, r, *a):
-            rows.append((r["row_cs"].tolist(), r["row_ce"].tolist()))
-            real_span(bufs, SE, Mt, r, *a)
-
-        monkeypatch.setattr(chunk16, "launch_c16_state", state)
-        monkeypatch.setattr(chunk16, "launch_c16_span", spans)
-        out = chunk_kda(q, k, v, g, b, **kw)
-        assert rel(out[0], ref[0]) <= 1e-5 and rel(out[1], ref[1]) <= 1e-5
-        # 300 + 100 tokens = 5 + 2 chunks in one window: [2, 2, 1] and [1, 1] segments
-        assert lives == [[1, 0, 0, 1, 0], [0, 1, 1, 0, 1]]
-        assert rows == [([0, 2, 5, 0], [0, 4, 5, 0])]  # rows 0 empty (cs = ce), piece 0 row 1 = segment 1, a pad
-
-        def twice(*a, live=None):
-            real_state(*a, live=None if live is not None and live.tolist()[1] else live)
-
-        monkeypatch.setattr(chunk16, "launch_c16_state", twice)
-        bad = chunk_kda(q, k, v, g, b, **kw)
-    assert rel(bad[0], ref[0]) > 1e-2
 
 
 def test_split_flow_validated_and_falls_back(monkeypatch):

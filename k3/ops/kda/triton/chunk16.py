@@ -206,11 +206,9 @@ def _c16_state(
     BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BVP: tl.constexpr,
     IS_VARLEN: tl.constexpr, PREC: tl.constexpr, STAGES: tl.constexpr, MODE: tl.constexpr,
     PTR_INC: tl.constexpr = False, U_EYE: tl.constexpr = False, U_RM: tl.constexpr = False,
-    RING: tl.constexpr = 0, live=None, HAS_LIVE: tl.constexpr = False,
+    RING: tl.constexpr = 0,
 ):
     i_v, i_n, i_h, cs, bos, eos, lo, hi = _state_program(cu, chunk_off, c0, c1, T, NT, H, IS_VARLEN)
-    if HAS_LIVE:  # only the sequences (segments) flagged in ``live`` run; the others keep their state as it is
-        hi = tl.where(tl.load(live + i_n) != 0, hi, lo)
     if lo < hi:
         NB: tl.constexpr = BT // BC
         DT: tl.constexpr = KG.dtype.element_ty
@@ -528,10 +526,7 @@ def state_blocks(BVP: int) -> int:
     return BVP // min(C16Config.state_bv, BVP)
 
 
-def launch_c16_state(bufs: dict, v, o, ht, tab: ChunkTable, c0: int, c1: int, H: int, K: int, V: int,
-                     live: torch.Tensor | None = None) -> None:
-    """``_c16_state`` over the sequences of ``tab`` inside the window [c0, c1) (``live`` [N] int32: only the
-    sequences flagged nonzero run, the others' outputs and ``ht`` rows are left as they are)."""
+def launch_c16_state(bufs: dict, v, o, ht, tab: ChunkTable, c0: int, c1: int, H: int, K: int, V: int) -> None:
     BK = bufs["X"].shape[-1]
     BVP = next_pow2(V)
     BV = min(C16Config.state_bv, BVP)
@@ -545,8 +540,8 @@ def launch_c16_state(bufs: dict, v, o, ht, tab: ChunkTable, c0: int, c1: int, H:
         v, o, ht, tab.cu, tab.chunk_off, c0, c1, bufs["X"].shape[1], tab.T, tab.NT, H, K, V,
         BT=BT, BC=BC, BK=BK, BV=BV, BVP=BVP, IS_VARLEN=tab.varlen, PREC=dot_precision(bufs["X"].dtype),
         STAGES=state_stages(C16Config.state_stages, bufs["X"].dtype), MODE=_mode(),
-        PTR_INC=ptr_inc, U_EYE=_u_form()[0], U_RM=_u_form()[1], RING=ring, live=live,
-        HAS_LIVE=live is not None, num_warps=C16Config.state_warps, num_stages=1, **ptxas_kw(C16Config.ptxas_options),
+        PTR_INC=ptr_inc, U_EYE=_u_form()[0], U_RM=_u_form()[1], RING=ring, num_warps=C16Config.state_warps,
+        num_stages=1, **ptxas_kw(C16Config.ptxas_options),
     )
 
 

@@ -188,11 +188,6 @@ class SplitConfig:
     # H200, B=1 H=8 T=1M (session 15, same process): 14.78–14.94 ms against 15.30–15.44 with the torch fold (6
     # windows); the first version's products at 'ieee' (FMA, spilling at sm_90) took 20.6
     fold = "triton"
-    # the 16-token flow: segment 0 of each piece (its entry state known) runs the state pass with its outputs
-    # beside the span pass of segments 1 … p − 2, on a second stream, instead of a span row before the fold (the
-    # fold then starts from segment 0's final state); the later state pass runs segments 1 … p − 1 only. Saves
-    # the 2 S-column blocks of span row 0 per piece and head: 26 → 24 of the 42 block passes at P = 8
-    seg0_state = True
     fold_bv = 32  # columns of S per fold program
     fold_bkb = 32  # rows of S_j per product
     fold_warps = 8
@@ -298,12 +293,10 @@ class _Window:
     i64: dict = field(default_factory=dict)  # index tensors of the fold and the state hand-over
 
 
-def _plan_window(c0: int, n: int, pieces: list[Piece], cuts: list[list[int]], seg0: bool = False) -> _Window:
+def _plan_window(c0: int, n: int, pieces: list[Piece], cuts: list[list[int]]) -> _Window:
     """Segment table (varlen over the packed tokens, global chunk numbers: segments of a piece are contiguous and
     so are consecutive pieces, since a piece ends where its sequence ends unless it is the window's last), span
-    rows, and the indices that place piece entry states, fold results and final states. ``seg0``
-    (``SplitConfig.seg0_state``): span row 0 of every piece is left empty (segment 0 runs in the state pass
-    instead), and ``live_first`` / ``live_rest`` flag the segments of the two state-pass launches."""
+    rows, and the indices that place piece entry states, fold results and final states."""
     if [sum(x) for x in cuts] != [pc.n for pc in pieces] or min(min(x) for x in cuts) < 1:
         raise RuntimeError(f"split cut {cuts} does not partition the pieces {[pc.n for pc in pieces]}")
     w = _Window(c0, n, pieces, cuts)
@@ -325,7 +318,7 @@ def _plan_window(c0: int, n: int, pieces: list[Piece], cuts: list[list[int]], se
     for q, i in enumerate(multi):
         c = pieces[i].c
         for j, m in enumerate(cuts[i][:-1]):
-            cs[q * w.R + j], ce[q * w.R + j], has_m[q * w.R + j] = c, (c if seg0 and j == 0 else c + m), int(j > 0)
+            cs[q * w.R + j], ce[q * w.R + j], has_m[q * w.R + j] = c, c + m, int(j > 0)
             dst.append(first[i] + j + 1)
             src.append(q * w.R + j)
             c += m
@@ -333,13 +326,8 @@ def _plan_window(c0: int, n: int, pieces: list[Piece], cuts: list[list[int]], se
     for d, r in zip(dst, src):
         row_dst[r] = d
     w.i32 = dict(seg_cu=seg_cu, seg_off=seg_off, row_cs=cs, row_ce=ce, row_m=has_m, row_dst=row_dst)
-    if seg0:
-        is_first = [0] * (len(seg_cu) - 1)
-        for f in first:
-            is_first[f] = 1
-        w.i32.update(live_first=is_first, live_rest=[1 - x for x in is_first])
     w.i64 = dict(first=first, last=last, seq=[pc.seq for pc in pieces], multi_seq=[pieces[i].seq for i in multi],
-                 multi_first=[first[i] for i in multi], dst=dst, src=src)
+                 dst=dst, src=src)
     return w
 
 
@@ -394,70 +382,20 @@ def _span_and_fold(bufs: dict, ht: torch.Tensor, w: _Window, K: int, V: int, pre
             bufs["W"], bufs["U"], bufs["KG"], bufs["GAM"], SE, Mt, w.i32["row_cs"], w.i32["row_ce"],
             w.i32["row_m"], w.c0, bufs["W"].shape[1], H, K, V, BT=BT, BK=BK, BV=bv, BVP=BVP, PREC=prec,
             num_warps=SplitConfig.span_warps, num_stages=SplitConfig.span_stages)
-    _fold(SE, Mt, entries, w)
-    return entries
-
-
-def _fold(SE: torch.Tensor, Mt: torch.Tensor, entries: torch.Tensor, w: _Window) -> None:
-    """The fold S_{j+1} = M_j S_j + E_j of the window's span rows from S_1 = ``SE[:, 0]``: every later segment's
-    entry state written into ``entries`` (``SplitConfig.fold``: one ``_fold_rows`` launch, or fp64 in torch)."""
-    K, V = SE.shape[-2:]
     fold = SplitConfig.fold
     if fold == "triton":
-        BVP, BK = next_pow2(V), next_pow2(K)
         bv = min(SplitConfig.fold_bv, BVP)
-        _fold_rows[(BVP // bv, w.Q, SE.shape[2])](SE, Mt, entries, w.i32["row_dst"], w.R, SE.shape[2], K, V, BK=BK,
-                                                  BV=bv, BKB=min(SplitConfig.fold_bkb, BK),
-                                                  num_warps=SplitConfig.fold_warps)
+        _fold_rows[(BVP // bv, w.Q, H)](SE, Mt, entries, w.i32["row_dst"], w.R, H, K, V, BK=BK, BV=bv,
+                                        BKB=min(SplitConfig.fold_bkb, BK), num_warps=SplitConfig.fold_warps)
     elif fold == "torch":
         S = SE[:, 0].double()  # segment 1's entry (padded rows: M = I, E = 0 keep S; their results are not used)
         out = [S]
         for j in range(1, w.R):
             S = torch.matmul(Mt[:, j].double(), S) + SE[:, j].double()
             out.append(S)
-        entries[w.i64["dst"]] = torch.stack(out, 1).flatten(0, 1)[w.i64["src"]].float()
+        entries[ix["dst"]] = torch.stack(out, 1).flatten(0, 1)[ix["src"]].float()
     else:
         raise ValueError(f"SplitConfig.fold: expected 'triton' or 'torch', got {fold!r}")
-
-
-def _beside(first: Callable[[], None], second: Callable[[], None], aux: "torch.cuda.Stream | None") -> None:
-    """``first()`` on the stream ``aux`` beside ``second()`` on the current stream, joined back before anything
-    later on the current stream (CUDA); one after the other without ``aux``."""
-    if aux is None:
-        first()
-        second()
-        return
-    cur = torch.cuda.current_stream(aux.device)
-    aux.wait_stream(cur)
-    with torch.cuda.stream(aux):
-        first()
-    second()
-    cur.wait_stream(aux)
-
-
-def _c16_seg0_serial(b: dict, v: torch.Tensor, o: torch.Tensor, ht: torch.Tensor, w: _Window, K: int, V: int,
-                     aux: "torch.cuda.Stream | None") -> torch.Tensor:
-    """The 16-token split's serial work of one window with ``SplitConfig.seg0_state``: segment 0 of every piece
-    runs the state pass (outputs, and its final state in place of its entry) beside the span rows of segments
-    1 … p − 2; the fold starts from segment 0's final state; the state pass then runs the other segments. Returns
-    the entry states ``[n_segments, H, K, V]`` with each piece's final state at its last segment."""
-    H = ht.shape[1]
-    tab = _segment_table(w)
-    entries = torch.empty(w.i32["seg_cu"].numel() - 1, H, K, V, dtype=torch.float32, device=ht.device)
-    entries[w.i64["first"]] = ht[w.i64["seq"]]
-
-    def seg0() -> None:
-        c16_flow.launch_c16_state(b, v, o, entries, tab, w.c0, w.c0 + w.n, H, K, V, live=w.i32["live_first"])
-
-    if w.Q == 0:
-        seg0()
-        return entries
-    SE = torch.zeros(w.Q, w.R, H, K, V, dtype=torch.float32, device=ht.device)
-    Mt = torch.eye(K, dtype=torch.float32, device=ht.device).repeat(w.Q, w.R, H, 1, 1)
-    _beside(seg0, lambda: c16_flow.launch_c16_span(b, SE, Mt, w.i32, w.c0, H, K, V), aux)
-    SE[:, 0] = entries[w.i64["multi_first"]]  # S_1: segment 0's final state
-    _fold(SE, Mt, entries, w)
-    c16_flow.launch_c16_state(b, v, o, entries, tab, w.c0, w.c0 + w.n, H, K, V, live=w.i32["live_rest"])
     return entries
 
 
@@ -525,13 +463,11 @@ def split_prefill_triton(
     else:
         ncw = max(1, min(tab.NC, budget // chunk_bytes(H, BK, BVP, dt)))
     overlap = bool(SplitConfig.overlap_prep) and q.is_cuda and tab.NC > ncw
-    seg0 = c16 and bool(SplitConfig.seg0_state)
-    aux = torch.cuda.Stream(q.device, priority=-1) if seg0 and q.is_cuda else None
     windows = []
     for c0 in range(0, tab.NC, ncw):
         n = min(ncw, tab.NC - c0)
         pieces = window_pieces(tab, c0, c0 + n)
-        windows.append(_plan_window(c0, n, pieces, cut([pc.n for pc in pieces], H), seg0))
+        windows.append(_plan_window(c0, n, pieces, cut([pc.n for pc in pieces], H)))
     _upload(windows, q.device)
     if c16:
         bufs = [c16_flow.alloc_c16_buffers(H, ncw, BK, BVP, dt, q.device) for _ in range(1 + overlap)]
@@ -547,9 +483,7 @@ def split_prefill_triton(
                         False)
 
     def serial(w: _Window, b: dict) -> None:
-        if seg0:
-            hs = _c16_seg0_serial(b, v, o, ht, w, K, V, aux)
-        elif c16:
+        if c16:
             hs = _span_and_fold(b, ht, w, K, V, dot_precision(q.dtype), c16=True)
             c16_flow.launch_c16_state(b, v, o, hs, _segment_table(w), w.c0, w.c0 + w.n, H, K, V)
         else:
