@@ -258,3 +258,67 @@ def test_cp_matches_single_process(W, backend):
     if backend == "triton" and not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("Triton needs a GPU or TRITON_INTERPRET=1")
     mp.spawn(_worker, args=(W, _free_port(), backend), nprocs=W, join=True)
+
+
+# ---- GPU: the CP kernels (span summaries, fold, entry-state pass, the training path's gathered backward) on CUDA
+# tensors at head dims other than K = V = 128, 2 ranks sharing one GPU over gloo (NCCL refuses two ranks on one
+# device; the 2-GPU NCCL runs are in bench/x2_kda_cp.py)
+
+GPU_DIMS = [(16, 128), (32, 128), (128, 16), (100, 72), (64, 64), (128, 128)]
+
+
+def _gpu_case(T: int, K_: int, V_: int, dtype: torch.dtype, seed: int) -> list[torch.Tensor]:
+    """The K3 call's inputs (raw gate, β logits, A_log, dt_bias) on the GPU; mild gates so states cross ranks."""
+    gen = torch.Generator().manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=gen)  # noqa: E731
+    xs = [r(1, T, H, K_), r(1, T, H, K_), r(1, T, H, V_), r(1, T, H, K_), r(1, T, H) - 1.0]
+    return [x.to("cuda", dtype) for x in xs] + [torch.zeros(H, device="cuda"), torch.full((H * K_,), -5.0,
+                                                                                            device="cuda")]
+
+
+def _gpu_worker(rank: int, W: int, port: int) -> None:
+    from k3.ops.kda import build_cp_context
+
+    os.environ.pop("K3_KDA_BACKEND", None)  # CUDA tensors: the Triton kernels
+    torch.cuda.set_device(0)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=W,
+                            timeout=datetime.timedelta(seconds=300))
+    try:
+        L = 200  # odd chunk counts per rank; a sequence crossing the rank edge and one inside rank 1
+        T = W * L
+        cu = torch.tensor([0, 37, L + 50, T])
+        for i, (K_, V_) in enumerate(GPU_DIMS):
+            for dtype, tol in ((torch.float32, 1e-4), (torch.bfloat16, 2e-2)):
+                xs = [x.requires_grad_() for x in _gpu_case(T, K_, V_, dtype, seed=40 + i)]
+                o_ref = _run(None, xs, cu.cuda(), True)
+                do = torch.randn(o_ref.shape, generator=torch.Generator().manual_seed(i)).to(o_ref)
+                ref_grads = torch.autograd.grad((o_ref.float() * do.float()).sum(), xs)
+                ctx = build_cp_context(cu.cuda(), group=None)
+                loc = [ctx.shard(x.detach()).requires_grad_() if x.dim() >= 3 else x.detach().clone().requires_grad_()
+                       for x in xs]
+                o = _run(None, loc, None, True, cp_context=ctx)
+                where = f"rank {rank} K={K_} V={V_} {dtype}"
+                assert ctx.last_bytes_sent == H * K_ * (K_ + V_) * 4 + 16, where
+                assert torch.isfinite(o).all() and rel(o.float(), ctx.shard(o_ref).float()) <= tol, where
+                grads = torch.autograd.grad((o.float() * ctx.shard(do).float()).sum(), loc)
+                for j, (g, gr) in enumerate(zip(grads, ref_grads)):
+                    if gr.dim() >= 3:
+                        assert rel(g.float(), ctx.shard(gr).float()) <= tol, f"{where} grad #{j}"
+                    else:  # parameters: the sum over ranks is the full gradient
+                        g = g.clone()
+                        dist.all_reduce(g)
+                        assert rel(g, gr) <= max(tol, 1e-3), f"{where} param grad #{j}: {rel(g, gr)}"
+                with torch.no_grad():  # the inference path (no backward state kept)
+                    o_inf = _run(None, [x.detach() for x in loc], None, True, cp_context=ctx)
+                assert rel(o_inf.float(), o.detach().float()) <= tol, where
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cp_gpu_head_dims():
+    """GPU, 2 ranks on one device over gloo: context parallel at K×V = 16×128, 32×128, 128×16, 100×72, 64×64 and
+    128×128, fp32 and bf16, the K3 activations in the kernels, a varlen stream crossing the rank edge: output and
+    every gradient against one process (fp32 1e-4, bf16 2e-2), the inference path equal to the training one, the
+    bytes per layer."""
+    mp.spawn(_gpu_worker, args=(2, _free_port()), nprocs=2, join=True)
