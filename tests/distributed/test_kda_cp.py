@@ -320,5 +320,5 @@ def test_cp_gpu_head_dims():
     """GPU, 2 ranks on one device over gloo: context parallel at K×V = 16×128, 32×128, 128×16, 100×72, 64×64 and
     128×128, fp32 and bf16, the K3 activations in the kernels, a varlen stream crossing the rank edge: output and
     every gradient against one process (fp32 1e-4, bf16 2e-2), the inference path equal to the training one, the
-    bytes per layer."""
+    bytes per layer. ~8 minutes on one H200 (session 23), mostly Triton compiles of the 12 shape × dtype cases."""
     mp.spawn(_gpu_worker, args=(2, _free_port()), nprocs=2, join=True)
