@@ -8,7 +8,7 @@ profiled range). Run it under ncu on a GPU machine whose runtime exposes the cou
 
 Cases: ``prefill`` — the inference forward (rows prep + state pass) at B=1, H=32, T=64K (one window; the kernels'
 per-chunk behaviour is the same as at 1M); ``prefill16`` — the same call through the 16-token flow (``chunk16``,
-``bench/ncu_c16.sh``); ``train`` — forward + backward at B=8, T=4096, H=32; ``decode`` — one step at B=64, H=32.
+``bench/ncu_c16.sh``); ``split8`` — the split prefill at B=1, H=8, T=128K, 8 segments; ``train`` — forward + backward at B=8, T=4096, H=32; ``decode`` — one step at B=64, H=32.
 Without ncu it just runs them (a smoke test of the driver).
 """
 
@@ -42,6 +42,16 @@ def prefill16() -> None:
         prefill()
 
 
+def split8() -> None:
+    """The split prefill at B=1, H=8, T=128K forced into 8 segments (one window: the per-token bytes of the 1M call's
+    data flow, ``bench/split_bytes.sh``)."""
+    os.environ["K3_KDA_SPLITS"] = "8"
+    x = _inputs(1, 1 << 17, 8)
+    with torch.inference_mode():
+        chunk_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], A_log=x["A_log"], dt_bias=x["dt_bias"],
+                  output_final_state=True, **K3_FLAGS)
+
+
 def train() -> None:
     x = _inputs(8, 4096, 32, grad=True)
     o, ht = chunk_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], A_log=x["A_log"], dt_bias=x["dt_bias"],
@@ -59,15 +69,15 @@ def decode() -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--case", choices=("prefill", "prefill16", "train", "decode", "all"), default="all")
+    ap.add_argument("--case", choices=("prefill", "prefill16", "split8", "train", "decode", "all"), default="all")
     ap.add_argument("--c16-mode", type=int, default=None, help="C16Config.mode for prefill16 (default: the library's)")
     a = ap.parse_args()
     if a.c16_mode is not None:
         from k3.ops.kda.triton.chunk16 import C16Config
 
         C16Config.mode = a.c16_mode
-    cases = {"prefill": prefill, "prefill16": prefill16, "train": train, "decode": decode}
-    run = [c for c in cases if c != "prefill16"] if a.case == "all" else [a.case]
+    cases = {"prefill": prefill, "prefill16": prefill16, "split8": split8, "train": train, "decode": decode}
+    run = [c for c in cases if c not in ("prefill16", "split8")] if a.case == "all" else [a.case]
     for name in run:
         cases[name]()  # warm-up: compile and autotune outside the profiled range
     torch.cuda.synchronize()
