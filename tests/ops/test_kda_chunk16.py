@@ -300,7 +300,7 @@ for mode in eval(sys.argv[1]):
     t.pop("K"), t.pop("V")
     state = compile_sm90(c16._c16_state, t, dict(
         K=128, V=128, BT=64, BC=16, BK=128, BV=64, BVP=128, IS_VARLEN=True, PREC="tf32", STAGES=8, MODE=mode,
-        PTR_INC=mode == 2, U_EYE=mode == 2, U_RM=mode == 2, RING=0), 4)
+        PTR_INC=mode in (2, 3), U_EYE=mode == 2, U_RM=mode == 2, RING=0), 4)
     # the state pass's products run on wgmma (M = the 64-column V-block), its step loads are copied asynchronously
     assert "wgmma.mma_async" in state.asm["ptx"] and "cp.async" in state.asm["ptx"], mode
     if mode == 2:  # [U; A_qk U] reaches the accumulator through the identity product, not a register conversion
@@ -310,11 +310,11 @@ for mode in eval(sys.argv[1]):
             K=128, V=128, BT=64, BC=16, BK=128, BV=64, BVP=128, IS_VARLEN=False, PREC="tf32", STAGES=8, MODE=2,
             PTR_INC=True, U_EYE=True, U_RM=True, RING=8), 4)
         assert ringed.asm["ptx"].count("cp.async") == state.asm["ptx"].count("cp.async")
-        # the split prefill's span pass on mode 2's buffers: wgmma, its tiles copied asynchronously
+    if mode in (2, 3):  # the split prefill's span pass on mode 2's / 3's buffers: wgmma, tiles copied asynchronously
         span = compile_sm90(c16._c16_span_rows, dict(t, SE="*fp32", M="*fp32", row_cs="*i32", row_ce="*i32",
                                                          row_m="*i32"),
                             dict(K=128, V=128, BT=64, BC=16, BK=128, BV=64, BVP=128, PREC="tf32", STAGES=8,
-                                 U_RM=True), 4)
+                                 U_RM=True, U_ROWS=32 if mode == 2 else 16), 4)
         assert "wgmma.mma_async" in span.asm["ptx"] and span.asm["ptx"].count("cp.async.cg") >= 3
     assert "st.global" in prep.asm["ptx"], mode
 print("compiled", flush=True)
@@ -323,13 +323,13 @@ print("compiled", flush=True)
 
 @cpu_only
 def test_c16_kernels_compile_for_sm90():
-    """The default mode and the folded one compile to sm_90 code without a GPU (Triton's compiler and ptxas), with
+    """Modes 1, 2 (the default) and 3 (the split's option) compile to sm_90 code without a GPU (Triton's compiler), with
     the state pass on wgmma and its loads pipelined — what the interpreter cannot check. In a subprocess: the
     interpreter is on in this process."""
     import subprocess
     import sys
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    r = subprocess.run([sys.executable, "-c", _COMPILE, repr([1, 2])], env=env, capture_output=True, text=True,
+    r = subprocess.run([sys.executable, "-c", _COMPILE, repr([1, 2, 3])], env=env, capture_output=True, text=True,
                        timeout=600)
     assert r.returncode == 0 and "compiled" in r.stdout, r.stderr[-3000:]

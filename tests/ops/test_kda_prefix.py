@@ -393,16 +393,19 @@ def _k3_call_case(lens: list[int], seed: int = 0):
 
 
 @triton_only
-@pytest.mark.parametrize("P,u_rowmajor", [(2, True), (3, True), (7, True), (2, False), (3, False), (7, False)])
-def test_split_c16_matches_unsplit(P, u_rowmajor, monkeypatch, nan_empty):
+@pytest.mark.parametrize("P,u_rowmajor,mode", [(2, True, None), (3, True, None), (7, True, None), (2, False, None),
+                                              (3, False, None), (7, False, None), (2, True, 3), (7, True, 3)])
+def test_split_c16_matches_unsplit(P, u_rowmajor, mode, monkeypatch, nan_empty):
     """``SplitConfig.flow = "c16"``: the 16-token prep, span pass (``_c16_span_rows``, [S_ext | M] held transposed)
     and segmented state pass. Forced splits over small windows (a sequence crossing several, one shorter than a
     segment, one empty) equal the unsplit path to fp32 rounding and the fp64 recurrence to 1e-4; a spy checks that
-    the 16-token span pass ran. Both storages of U (row-major, transposed)."""
+    the 16-token span pass ran. Both storages of U (row-major, transposed), and the split in mode 3
+    (``SplitConfig.c16_mode``: U alone and [I | A_qkᵀ], the unsplit reference still in the library's mode)."""
     from k3.ops.kda.triton import chunk16, span
 
     monkeypatch.setenv("K3_KDA_BACKEND", "triton")
     monkeypatch.setattr(chunk16.C16Config, "u_rowmajor", u_rowmajor)
+    monkeypatch.setattr(span.SplitConfig, "c16_mode", mode)
     monkeypatch.setattr(span.SplitConfig, "window_bytes", 5 * chunk16.c16_chunk_bytes(2, 16, 16, torch.float32))
     (q, k, v, g, b), kw = _k3_call_case([400, 20, 0, 150])
     with torch.no_grad():
@@ -412,10 +415,11 @@ def test_split_c16_matches_unsplit(P, u_rowmajor, monkeypatch, nan_empty):
         monkeypatch.setattr(span.SplitConfig, "flow", "c16")
         spans = []
         real = chunk16.launch_c16_span
-        monkeypatch.setattr(chunk16, "launch_c16_span", lambda *a: spans.append(1) or real(*a))
+        monkeypatch.setattr(chunk16, "launch_c16_span", lambda *a: spans.append(chunk16._mode()) or real(*a))
         out = chunk_kda(q, k, v, g, b, **kw)
     exact = _fp64_reference(q, k, v, g, b, kw["cu_seqlens"], kw["initial_state"], **kw)
-    assert spans, "the 16-token span pass did not run"
+    assert spans and set(spans) == {mode or 2}, f"the 16-token span pass did not run (in mode {mode or 2}): {spans}"
+    assert chunk16.C16Config.mode == 2  # the split's mode was set for its call only
     assert rel(out[0], ref[0]) <= 1e-5 and rel(out[1], ref[1]) <= 1e-5
     assert rel(out[0], exact[0]) <= 1e-4 and rel(out[1], exact[1]) <= 1e-4
 
@@ -469,6 +473,12 @@ def test_split_flow_validated_and_falls_back(monkeypatch):
     assert span.split_flow(None) == "c64"
     monkeypatch.setattr(chunk16.C16Config, "mode", 1)
     assert span.split_flow(-5.0) == "c64"
+    monkeypatch.setattr(span.SplitConfig, "c16_mode", 3)  # the split's own mode overrides the library's
+    assert span.split_flow(-5.0) == "c16"
+    monkeypatch.setattr(span.SplitConfig, "c16_mode", 1)
+    with pytest.raises(ValueError, match="SplitConfig.c16_mode"):
+        span.split_flow(-5.0)
+    monkeypatch.setattr(span.SplitConfig, "c16_mode", None)
     monkeypatch.setattr(span.SplitConfig, "flow", "c64")
     assert span.split_flow(-5.0) == "c64"
     monkeypatch.setattr(span.SplitConfig, "flow", "fast")

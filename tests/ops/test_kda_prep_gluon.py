@@ -73,10 +73,13 @@ def _buffers(x: dict, cu: list[int] | None, gluon: bool, monkeypatch) -> dict:
 
 
 @gpu
+@pytest.mark.parametrize("mode", [2, 3])
 @pytest.mark.parametrize("case", ["dense_1000", "dense_63", "varlen", *EXTREMES])
-def test_gpu_buffers_match_triton_prep(monkeypatch, case):
+def test_gpu_buffers_match_triton_prep(monkeypatch, case, mode):
     """Every window buffer the state pass reads agrees with the Triton prep's (same algebra, other rounding order:
-    bf16 outputs) and is written everywhere (the buffers start as NaN)."""
+    bf16 outputs) and is written everywhere (the buffers start as NaN); mode 2's buffers and mode 3's (U alone and
+    [I | A_qkᵀ], the split's ``SplitConfig.c16_mode = 3``)."""
+    monkeypatch.setattr(c16.C16Config, "mode", mode)
     cu = None
     if case == "varlen":
         x, cu = make_inputs(1000, 3, 128, 128, N=5, seed=3), [0, 1, 100, 100, 613, 1000]
@@ -87,7 +90,8 @@ def test_gpu_buffers_match_triton_prep(monkeypatch, case):
         x = make_inputs(T, 3, 128, 128, seed=T)
     ref = _buffers(x, cu, False, monkeypatch)
     got = _buffers(x, cu, True, monkeypatch)
-    for name in ("X", "U", "KG", "GAM"):
+    assert set(ref) == set(got) == ({"X", "U", "KG", "GAM"} | ({"AQ"} if mode == 3 else set()))
+    for name in ref:
         r, o = ref[name], got[name]
         assert not torch.isnan(o).any(), f"{name}: NaN (a part left unwritten)"
         assert torch.equal(torch.isnan(r), torch.isnan(o))
@@ -121,9 +125,13 @@ def test_gpu_extremes(gluon_prep, kw):
 
 
 @gpu
-@pytest.mark.parametrize("splits", [2, 3, 7])
-def test_gpu_split_prefill(gluon_prep, monkeypatch, splits):
-    """The split prefill on the 16-token kernels runs the same prep: forced splits against the recurrence."""
+@pytest.mark.parametrize("splits,mode", [(2, None), (3, None), (7, None), (3, 3), (7, 3)])
+def test_gpu_split_prefill(gluon_prep, monkeypatch, splits, mode):
+    """The split prefill on the 16-token kernels runs the same prep: forced splits against the recurrence, with the
+    library's mode and with mode 3 for the split (``SplitConfig.c16_mode``)."""
+    from k3.ops.kda.triton import span
+
+    monkeypatch.setattr(span.SplitConfig, "c16_mode", mode)
     monkeypatch.setenv("K3_KDA_SPLITS", str(splits))
     check_rows(make_inputs(2000, 2, 128, 128, seed=splits), 2e-2, torch.bfloat16, grad=False)
     assert gluon_prep
@@ -157,6 +165,7 @@ def test_dispatch_takes_only_the_k3_setting(monkeypatch):
     cuda_q = FakeCuda()
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     assert pg.usable(cuda_q, **args) == pg.HAVE_GLUON
+    assert pg.usable(cuda_q, **{**args, "mode": 3, "u_rm": False}) == pg.HAVE_GLUON
     for change in (dict(K=64), dict(V=96), dict(flags=dict(K3, l2norm=False)), dict(flags=dict(K3, use_gate=False)),
                    dict(flags=dict(K3, beta_sigmoid=False)), dict(lower_bound=None), dict(inv_prec="tf32x3"),
                    dict(mode=1), dict(u_rm=False), dict(ring=8), dict(head_major=True), dict(fast_gate=False)):
@@ -182,9 +191,13 @@ types.update(A_log="*fp32", dt_bias="*fp32", GAM="*fp32", cu="*i32", chunk_seq="
              NCw="i32", T="i32", NT="i32", H="i32", scale="fp32", lb="fp32")
 sig = {n: types.get(n, "constexpr") for n in fn.arg_names}
 ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
-for varlen in (False, True):
+for varlen, mode3 in ((False, False), (True, False), (False, True)):
     for has_a, has_dt in ((True, True), (False, False)):
-        const = dict(K=128, BT=64, BC=16, HAS_A=has_a, HAS_DT=has_dt, IS_VARLEN=varlen)
+        const = dict(K=128, BT=64, BC=16, HAS_A=has_a, HAS_DT=has_dt, IS_VARLEN=varlen, MODE3=mode3)
+        types["AQ"] = "*bf16" if mode3 else "constexpr"
+        if not mode3:
+            const["AQ"] = None
+        sig = {n: types.get(n, "constexpr") for n in fn.arg_names}
         ptrs = [n for n, t in types.items() if t.startswith("*")]
         src = GluonASTSource(fn, sig, constexprs={(fn.arg_names.index(n),): v for n, v in const.items()},
                              attrs={(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in ptrs})
@@ -202,8 +215,8 @@ print("compiled", flush=True)
 
 @needs_gluon
 def test_gluon_prep_compiles_for_sm90_without_spills():
-    """Dense and varlen, with and without A_log / dt_bias: sm_90 code on mma.sync, no register spills (ptxas on
-    this machine). In a subprocess: the interpreter, on in this process, replaces the Gluon helpers."""
+    """Dense and varlen, with and without A_log / dt_bias, mode 2's and mode 3's stores: sm_90 code on mma.sync, no
+    register spills (ptxas on this machine). In a subprocess: the interpreter, on in this process, replaces the Gluon helpers."""
     import subprocess
     import sys
 

@@ -306,15 +306,16 @@ def _c16_span_rows(
     row_cs, row_ce, row_m, c0, NCw,
     H, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BVP: tl.constexpr,
-    PREC: tl.constexpr, STAGES: tl.constexpr, U_RM: tl.constexpr,
+    PREC: tl.constexpr, STAGES: tl.constexpr, U_RM: tl.constexpr, U_ROWS: tl.constexpr = 32,
 ):
-    """The split prefill's span pass on mode 2's window buffers: row r's extended state [S_ext | M] through the
+    """The split prefill's span pass on mode 2's (or mode 3's) window buffers: row r's extended state [S_ext | M] through the
     chunks [row_cs[r], row_ce[r]) (global numbers, inside the window that starts at chunk c0), in 16-token steps
     with each column block held TRANSPOSED ([BV, K] fp32, the state pass's form):
         V'ᵀ = [U | 0]ᵀ − [S_ext | M]ᵀ Wᵀ,  [S_ext | M]ᵀ ← [S_ext | M]ᵀ Diag(γ) + V'ᵀ kg.
     One program per (column block, row, head); blocks below BVP are S_ext (``SE [R, H, K, V]``), the others M
     (``M [R, H, K, K]``), each started from its contents and written back; rows with ``row_m[r] == 0`` skip their
-    M blocks, an empty range leaves the row as it was (``span._kda_span_rows``'s contract)."""
+    M blocks, an empty range leaves the row as it was (``span._kda_span_rows``'s contract). ``U_ROWS``: rows of U
+    per block, 2·BC in mode 2 ([U; A_qk U]; only U is read) and BC in mode 3 (U alone, row-major)."""
     i_b, i_r, i_h, cs, ce, live = _span_row_program(row_cs, row_ce, row_m, H, BV, BVP)
     is_m = i_b * BV >= BVP
     if live:
@@ -338,9 +339,9 @@ def _c16_span_rows(
         q_gam = GAM + b0 * BK + o_k
         q_w = X + (b0 * (2 * BC) + o_s)[:, None] * BK + o_k[None, :]  # −W, the first 16 rows of [−W; qw]
         if U_RM:
-            q_u = U + b0 * (BVP * 2 * BC) + o_s[:, None] * BVP + col[None, :]  # U [16, BV]
+            q_u = U + b0 * (BVP * U_ROWS) + o_s[:, None] * BVP + col[None, :]  # U [16, BV]
         else:
-            q_u = U + b0 * (BVP * 2 * BC) + col[None, :] * (2 * BC) + o_s[:, None]  # the same from Uᵀ [BVP, 32]
+            q_u = U + b0 * (BVP * U_ROWS) + col[None, :] * U_ROWS + o_s[:, None]  # the same from Uᵀ [BVP, 32]
         eye = _eye(BC).to(DT)
         for _ in tl.range(cs * NB, ce * NB, num_stages=STAGES):
             # Uᵀ (zero for M's blocks) into the accumulator by the exact product Uᵀ·I (U stored in fp32: as is),
@@ -355,7 +356,7 @@ def _c16_span_rows(
             q_kg += BC * BK
             q_gam += BK
             q_w += 2 * BC * BK
-            q_u += BVP * 2 * BC
+            q_u += BVP * U_ROWS
         if is_m:
             tl.store(M + p_s, St, mask=m_s)
         else:
@@ -547,15 +548,16 @@ def launch_c16_state(bufs: dict, v, o, ht, tab: ChunkTable, c0: int, c1: int, H:
 
 def launch_c16_span(bufs: dict, SE: torch.Tensor, Mt: torch.Tensor, rows: dict, c0: int, H: int, K: int,
                     V: int) -> None:
-    """``_c16_span_rows`` over the window of mode-2 buffers that starts at chunk c0: ``SE [Q, R, H, K, V]`` and
-    ``Mt [Q, R, H, K, K]`` (fp32, updated in place), ``rows`` the int32 tables row_cs, row_ce, row_m [Q·R]."""
-    if _mode() != 2:
-        raise ValueError(f"C16Config.mode: the 16-token span pass reads mode 2's buffers, got mode {_mode()}")
+    """``_c16_span_rows`` over the window of mode-2 or mode-3 buffers that starts at chunk c0: ``SE [Q, R, H, K,
+    V]`` and ``Mt [Q, R, H, K, K]`` (fp32, updated in place), ``rows`` the int32 tables row_cs, row_ce, row_m [Q·R]."""
+    if _mode() not in (2, 3):
+        raise ValueError(f"C16Config.mode: the 16-token span pass reads mode 2's or 3's buffers, got mode {_mode()}")
     BK, BVP = bufs["X"].shape[-1], next_pow2(V)
     bv = min(C16Config.span_bv, BVP, BK)
     _c16_span_rows[((BVP + BK) // bv, rows["row_cs"].numel() * H)](
         bufs["X"], bufs["KG"], bufs["GAM"], bufs["U"], SE, Mt, rows["row_cs"], rows["row_ce"], rows["row_m"],
         c0, bufs["X"].shape[1], H, K, V, BT=BT, BC=BC, BK=BK, BV=bv, BVP=BVP,
         PREC=dot_precision(bufs["X"].dtype), STAGES=state_stages(C16Config.state_stages, bufs["X"].dtype),
-        U_RM=_u_form()[1], num_warps=C16Config.state_warps, num_stages=1, **ptxas_kw(C16Config.ptxas_options),
+        U_RM=_u_form()[1] or _mode() == 3, U_ROWS=BC if _mode() == 3 else 2 * BC, num_warps=C16Config.state_warps,
+        num_stages=1, **ptxas_kw(C16Config.ptxas_options),
     )

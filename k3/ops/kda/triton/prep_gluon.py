@@ -1,4 +1,5 @@
-"""The 16-token flow's prep (``chunk16._c16_prep``, mode 2) in Gluon, for the K3 setting on CUDA.
+"""The 16-token flow's prep (``chunk16._c16_prep``, mode 2, or mode 3 for the split) in Gluon, for the K3 setting
+on CUDA.
 
 Why a second prep: the Triton prep spends about half its SM cycles on shared-memory traffic in layouts the compiler
 picks (NOTES_kda.md v15, v20): its [16, 128] tiles spread a column's 16 rows over lanes and warps, so the gate's
@@ -107,9 +108,11 @@ if HAVE_GLUON:
         q, k, v, g, beta, A_log, dt_bias, X, KG, GAM, U,
         cu, chunk_seq, chunk_off, c0, NCw, T, NT, H, scale, lb,
         K: gl.constexpr, BT: gl.constexpr, BC: gl.constexpr, HAS_A: gl.constexpr, HAS_DT: gl.constexpr,
-        IS_VARLEN: gl.constexpr,
+        IS_VARLEN: gl.constexpr, AQ=None, MODE3: gl.constexpr = False,
     ):
-        """Grid (blocks of the window, H): one 16-token block of one head per program, 2 warps."""
+        """Grid (blocks of the window, H): one 16-token block of one head per program, 2 warps. ``MODE3``: mode 3's
+        outputs instead of mode 2's — U alone ([16, K] row-major per block) and [I | A_qkᵀ] ([16, 32] per block,
+        in ``AQ``); the state pass forms A_qk U."""
         # a thread holds all 16 rows of 2 adjacent columns: the gate's cumsum and γ never leave it
         LR: gl.constexpr = gl.BlockedLayout([BC, 2], [1, 32], [1, 2], [1, 0])
         LRr: gl.constexpr = gl.SliceLayout(1, LR)
@@ -205,7 +208,6 @@ if HAVE_GLUON:
         s_u = gl.allocate_shared_memory(gl.bfloat16, [BC, K], SH, u)
         aqa = gl.convert_layout(aq.to(gl.bfloat16), DA)
         qw = mma_v2(aqa, s_w.load(DB), s_q.load(MMA).to(gl.float32) * scale)
-        au = mma_v2(aqa, s_u.load(DB), zk)
 
         # ---- stores: rows [32 b, 32 b + 16) −W / U, rows [32 b + 16, 32 b + 32) qw / A_qk U
         r_o = gl.arange(0, BC, layout=gl.SliceLayout(1, LS))
@@ -214,16 +216,26 @@ if HAVE_GLUON:
         o0 = bidx * (2 * BC * K)
         gl.store(X + o0 + p_o, s_w.load(LS))
         gl.store(X + o0 + BC * K + p_o, gl.convert_layout(qw.to(gl.bfloat16), LS))
-        gl.store(U + o0 + p_o, s_u.load(LS))
-        gl.store(U + o0 + BC * K + p_o, gl.convert_layout(au.to(gl.bfloat16), LS))
+        if MODE3:  # U [16, K] and [I | A_qkᵀ] [16, 32] per block (A_qkᵀ[s, j] = A_qk[j, s], scale included)
+            gl.store(U + bidx * (BC * K) + p_o, s_u.load(LS))
+            p_ia = AQ + bidx * (BC * 2 * BC)
+            gl.store(p_ia + (o_i * (2 * BC))[:, None] + o_j[None, :],
+                     gl.where(o_i[:, None] == o_j[None, :], 1.0, 0.).to(gl.bfloat16))
+            gl.store(p_ia + (o_j * (2 * BC))[None, :] + BC + o_i[:, None], aq.to(gl.bfloat16))
+        else:
+            au = mma_v2(aqa, s_u.load(DB), zk)
+            gl.store(U + o0 + p_o, s_u.load(LS))
+            gl.store(U + o0 + BC * K + p_o, gl.convert_layout(au.to(gl.bfloat16), LS))
 
 
 def usable(q: torch.Tensor, K: int, V: int, flags: dict, lower_bound, inv_prec: str, mode: int, u_rm: bool,
            ring: int, head_major: bool, fast_gate: bool) -> bool:
     """Whether the Gluon prep takes this window: the knob on, CUDA bf16 on an sm_80+ device (mma.sync with bf16),
-    K = V = 128, the K3 flags, mode 2 with U row-major, the inverse at fp16x3, no probe ring, the block-major grid."""
+    K = V = 128, the K3 flags, mode 2 with U row-major or mode 3, the inverse at fp16x3, no probe ring, the
+    block-major grid."""
     return (HAVE_GLUON and bool(GluonPrepConfig.enabled) and q.is_cuda and q.dtype == torch.bfloat16
-            and K == 128 and V == 128 and mode == 2 and u_rm and ring == 0 and not head_major and fast_gate
+            and K == 128 and V == 128 and ((mode == 2 and u_rm) or mode == 3) and ring == 0 and not head_major
+            and fast_gate
             and inv_prec == "fp16x3" and lower_bound is not None and flags["use_gate"] and flags["l2norm"]
             and flags["beta_sigmoid"] and torch.cuda.get_device_capability(q.device)[0] >= 8)
 
@@ -237,6 +249,6 @@ def launch_prep_gluon(q, k, v, g, beta, A_log, dt_bias, bufs: dict, tab, c0: int
         bufs["X"], bufs["KG"], bufs["GAM"], bufs["U"], tab.cu, tab.chunk_seq, tab.chunk_off, c0,
         bufs["X"].shape[1], tab.T, tab.NT, H, scale, float(lower_bound),
         K=K, BT=BT, BC=BC, HAS_A=A_log is not None, HAS_DT=dt_bias is not None, IS_VARLEN=tab.varlen,
-        num_warps=2, **maxnreg_kw(GluonPrepConfig.maxnreg),
+        AQ=bufs.get("AQ"), MODE3="AQ" in bufs, num_warps=2,  # (of the modes taken here, only 3 has AQ) **maxnreg_kw(GluonPrepConfig.maxnreg),
         **ptxas_kw(GluonPrepConfig.ptxas_options),
     )

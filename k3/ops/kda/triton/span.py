@@ -179,7 +179,7 @@ class SplitConfig:
     overlap_prep = True
     serial_priority = True
     # the kernels of the split: "c64" (64-token prep, span and state passes) or "c16" (the 16-token flow's prep and
-    # state pass, ``chunk16._c16_span_rows`` for the spans; bounded gates, mode 2, else "c64" runs; the cost model
+    # state pass, ``chunk16._c16_span_rows`` for the spans; bounded gates, mode 2 or 3, else "c64" runs; the cost model
     # then is ``SplitCostModel.c16``). H200 (session 14, same process), B=1 H=8 T=1M: "c64" 21.0–21.1 ms, "c16"
     # at P = 5 (the c64 model's choice) 17.9, 6 17.6, 8 15.2 (the c16 model's choice), 10 19.6, 12 18.3, 16 16.3
     flow = "c16"
@@ -188,6 +188,10 @@ class SplitConfig:
     # H200, B=1 H=8 T=1M (session 15, same process): 14.78–14.94 ms against 15.30–15.44 with the torch fold (6
     # windows); the first version's products at 'ieee' (FMA, spilling at sm_90) took 20.6
     fold = "triton"
+    # the 16-token flow's prep mode for the split (None: ``C16Config.mode``, 2 by default): 3 hands the state pass U
+    # and [I | A_qkᵀ] instead of [U; A_qk U] (the state pass forms A_qk U itself, off its chain): 192 fewer bytes
+    # written by the prep and read by the state pass per token and head, of the ~4.8 KB the split moves (NOTES v25)
+    c16_mode: int | None = None
     fold_bv = 32  # columns of S per fold program
     fold_bkb = 32  # rows of S_j per product
     fold_warps = 8
@@ -363,7 +367,7 @@ def _span_and_fold(bufs: dict, ht: torch.Tensor, w: _Window, K: int, V: int, pre
     state (S only: its final state IS segment 1's entry), rows j ≥ 1 the affine map (E_j, M_j) of segment j from
     [0 | I]. The fold S_{j+1} = M_j S_j + E_j is a left fold (the exact recurrence): one ``_fold_rows`` launch
     (fp32), or fp64 batched products (``SplitConfig.fold = "torch"``).
-    ``c16``: the buffers are the 16-token flow's (mode 2) and its span pass runs (``chunk16.launch_c16_span``)."""
+    ``c16``: the buffers are the 16-token flow's (mode 2 or 3) and its span pass runs (``chunk16.launch_c16_span``)."""
     H, dev = ht.shape[1], ht.device
     BK, BVP = next_pow2(K), next_pow2(V)
     ix = w.i64
@@ -401,12 +405,23 @@ def _span_and_fold(bufs: dict, ht: torch.Tensor, w: _Window, K: int, V: int, pre
 
 def split_flow(lower_bound) -> str:
     """``SplitConfig.flow``: "c64" (the 64-token kernels) or "c16" (the 16-token flow's prep, span pass and state
-    pass; it needs a bounded gate and ``C16Config.mode`` 2, else the split runs "c64")."""
+    pass; it needs a bounded gate and mode 2 or 3 (``SplitConfig.c16_mode``, else ``C16Config.mode``), else the
+    split runs "c64")."""
     flow = SplitConfig.flow
     if flow not in ("c16", "c64"):
         raise ValueError(f"SplitConfig.flow: expected 'c16' or 'c64', got {flow!r}")
-    ok = lower_bound is not None and c16_flow.C16Config.mode == 2
+    ok = lower_bound is not None and _c16_mode() in (2, 3)
     return "c16" if flow == "c16" and ok else "c64"
+
+
+def _c16_mode() -> int:
+    """The split's 16-token prep mode: ``SplitConfig.c16_mode``, else ``C16Config.mode``."""
+    m = SplitConfig.c16_mode
+    if m is None:
+        return c16_flow.C16Config.mode
+    if m not in (2, 3):
+        raise ValueError(f"SplitConfig.c16_mode: expected None, 2 or 3, got {m!r}")
+    return m
 
 
 def _state_knobs() -> contextlib.AbstractContextManager:
@@ -443,6 +458,11 @@ def split_prefill_triton(
     segments (a sequence longer than a window is one piece per window; its state carries between windows as in
     the unsplit path). Shapes as ``chunk_kda_triton``: returns ``(o [B, T, H, V], final_state [N, H, K, V] fp32
     or None)``."""
+    if SplitConfig.c16_mode is not None and split_flow(lower_bound) == "c16":  # the kernels read C16Config.mode
+        with overridden_attrs(c16_flow.C16Config, mode=_c16_mode()), overridden_attrs(SplitConfig, c16_mode=None):
+            return split_prefill_triton(cut, q, k, v, g, beta, scale, initial_state, output_final_state,
+                                        use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel,
+                                        lower_bound, cu_seqlens, A_log, dt_bias)
     B, Tq, H, K = q.shape
     V = v.shape[-1]
     q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
