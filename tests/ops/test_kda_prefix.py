@@ -394,18 +394,20 @@ def _k3_call_case(lens: list[int], seed: int = 0):
 
 @triton_only
 @pytest.mark.parametrize("P,u_rowmajor,mode", [(2, True, None), (3, True, None), (7, True, None), (2, False, None),
-                                              (3, False, None), (7, False, None), (2, True, 3), (7, True, 3)])
+                                              (3, False, None), (7, False, None), (2, True, 3), (7, True, 3),
+                                              (3, True, 2), (3, False, 2)])
 def test_split_c16_matches_unsplit(P, u_rowmajor, mode, monkeypatch, nan_empty):
     """``SplitConfig.flow = "c16"``: the 16-token prep, span pass (``_c16_span_rows``, [S_ext | M] held transposed)
     and segmented state pass. Forced splits over small windows (a sequence crossing several, one shorter than a
     segment, one empty) equal the unsplit path to fp32 rounding and the fp64 recurrence to 1e-4; a spy checks that
-    the 16-token span pass ran. Both storages of U (row-major, transposed), and the split in mode 3
-    (``SplitConfig.c16_mode``: U alone and [I | A_qkᵀ], the unsplit reference still in the library's mode)."""
+    the 16-token span pass ran. Both storages of U (mode 2's row-major and transposed), and the split's own mode
+    (``SplitConfig.c16_mode`` 3 or 2; the unsplit reference in the library's mode)."""
     from k3.ops.kda.triton import chunk16, span
 
     monkeypatch.setenv("K3_KDA_BACKEND", "triton")
     monkeypatch.setattr(chunk16.C16Config, "u_rowmajor", u_rowmajor)
     monkeypatch.setattr(span.SplitConfig, "c16_mode", mode)
+    default_mode = chunk16.C16Config.mode
     monkeypatch.setattr(span.SplitConfig, "window_bytes", 5 * chunk16.c16_chunk_bytes(2, 16, 16, torch.float32))
     (q, k, v, g, b), kw = _k3_call_case([400, 20, 0, 150])
     with torch.no_grad():
@@ -418,8 +420,9 @@ def test_split_c16_matches_unsplit(P, u_rowmajor, mode, monkeypatch, nan_empty):
         monkeypatch.setattr(chunk16, "launch_c16_span", lambda *a: spans.append(chunk16._mode()) or real(*a))
         out = chunk_kda(q, k, v, g, b, **kw)
     exact = _fp64_reference(q, k, v, g, b, kw["cu_seqlens"], kw["initial_state"], **kw)
-    assert spans and set(spans) == {mode or 2}, f"the 16-token span pass did not run (in mode {mode or 2}): {spans}"
-    assert chunk16.C16Config.mode == 2  # the split's mode was set for its call only
+    want = mode or chunk16.C16Config.mode
+    assert spans and set(spans) == {want}, f"the 16-token span pass did not run (in mode {want}): {spans}"
+    assert chunk16.C16Config.mode == default_mode  # the split's mode was set for its call only
     assert rel(out[0], ref[0]) <= 1e-5 and rel(out[1], ref[1]) <= 1e-5
     assert rel(out[0], exact[0]) <= 1e-4 and rel(out[1], exact[1]) <= 1e-4
 

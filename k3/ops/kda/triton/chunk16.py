@@ -368,8 +368,12 @@ class C16Config:
 
     # what the prep hands the state pass (see ``_c16_prep``). H200 (bench/c16_quick.py, B=1 H=32, per 1M tokens,
     # prep with early loads): prep 21.4 / 24.5 / 28.5 ms of the whole GPU, state pass 41.6 / 34.7 / 25.9 ms (6
-    # stages) on its 64 programs for modes 0 / 1 / 2; the prefill (knob_ab) 56.7 / 47.2–47.4 / 43.9–46.7 ms
-    mode = 2
+    # stages) on its 64 programs for modes 0 / 1 / 2; the prefill (knob_ab) 56.7 / 47.2–47.4 / 43.9–46.7 ms.
+    # Mode 3 (session 23, with the Gluon prep, which then skips its A_qk U product; 5 interleaved rounds, same
+    # process): B=1 T=1M H=8 (split) 12.96–13.13 ms against 13.12–13.60 in mode 2, H=32 37.4–40.2 against
+    # 38.6–44.1 — the prep writes and the state pass reads 192 fewer bytes per token and head (v16, with the
+    # Triton prep, had measured mode 3 1.5–2 ms slower at H=32)
+    mode = 3
     prep_warps = 2  # 4 warps: prep 28.5 → 37.0 ms (mode 2)
     prep_fast_gate = True  # bounded gate σ by rsqrt (``_rows_gate`` FAST): a few ulp off the plain σ
     # the 16×16 inverse by six fp32-accurate products instead of forward substitution; H200, mode 2, prep per 1M
