@@ -6,8 +6,9 @@ L2 norm, β; the block's A_kk / A_qk (reference = the row before the block, a pa
 an earlier row even through rounding — fla issue #1240); T = (I + β A_kk)^{-1} (four-factor products at fp32
 accuracy, or forward substitution); then the step operands of its block: per ``C16Config.mode`` W = T Diag(β) X
 with X = k̂ e^G, U = T Diag(β) v, qg = scale·q̂ e^G, kg = k̂ e^{G_C − G} ([16, K] or [16, V] each), scale·A_qk
-([16, 16]) and γ = e^{G_C} ([K] fp32) — mode 1; mode 0 hands over X and T Diag(β) instead of W and U; mode 2 (the
-default) folds the output's A_qk term into them (see ``_c16_prep``).
+([16, 16]) and γ = e^{G_C} ([K] fp32) — mode 1; mode 0 hands over X and T Diag(β) instead of W and U; mode 2
+folds the output's A_qk term into them, and mode 3 (the default) does the same but leaves the product A_qk U to the
+state pass, which reads [I | A_qkᵀ] (1 KiB per block) instead of A_qk U (4 KiB) (see ``_c16_prep``).
 
 ``_c16_state`` — the sequential pass, grid (V-blocks, N·H), the state kept TRANSPOSED in registers (Sᵀ [BV, K],
 fp32) so that every product of the step has the V-block (64 rows) as its M dimension — Hopper's wgmma needs
@@ -18,7 +19,7 @@ M ≥ 64, a 16-row step would otherwise run on the older mma.sync — and the se
 ``_c16_span_rows`` — the same step on the extended state [S_ext | M]ᵀ without the output, for the split prefill's
 span summaries (``span.split_prefill_triton`` with ``SplitConfig.flow = "c16"``).
 
-In the K3 setting on CUDA (bf16, K = V = 128, mode 2) ``launch_c16_prep`` runs the same prep written in Gluon
+In the K3 setting on CUDA (bf16, K = V = 128, mode 2 or 3) ``launch_c16_prep`` runs the same prep written in Gluon
 (``prep_gluon``: layouts chosen so the cumsum and γ stay in registers; 22.6 against 24.8 ms per 1M at H = 32);
 every other call takes ``_c16_prep``.
 
