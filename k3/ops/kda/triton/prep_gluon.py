@@ -1,4 +1,4 @@
-"""The 16-token flow's prep (``chunk16._c16_prep``, mode 2, or mode 3 for the split) in Gluon, for the K3 setting
+"""The 16-token flow's prep (``chunk16._c16_prep`` in mode 3, the default, or mode 2) in Gluon, for the K3 setting
 on CUDA.
 
 Why a second prep: the Triton prep spends about half its SM cycles on shared-memory traffic in layouts the compiler
@@ -235,8 +235,7 @@ def usable(q: torch.Tensor, K: int, V: int, flags: dict, lower_bound, inv_prec: 
     block-major grid."""
     return (HAVE_GLUON and bool(GluonPrepConfig.enabled) and q.is_cuda and q.dtype == torch.bfloat16
             and K == 128 and V == 128 and ((mode == 2 and u_rm) or mode == 3) and ring == 0 and not head_major
-            and fast_gate
-            and inv_prec == "fp16x3" and lower_bound is not None and flags["use_gate"] and flags["l2norm"]
+            and fast_gate and inv_prec == "fp16x3" and lower_bound is not None and flags["use_gate"] and flags["l2norm"]
             and flags["beta_sigmoid"] and torch.cuda.get_device_capability(q.device)[0] >= 8)
 
 
@@ -249,6 +248,6 @@ def launch_prep_gluon(q, k, v, g, beta, A_log, dt_bias, bufs: dict, tab, c0: int
         bufs["X"], bufs["KG"], bufs["GAM"], bufs["U"], tab.cu, tab.chunk_seq, tab.chunk_off, c0,
         bufs["X"].shape[1], tab.T, tab.NT, H, scale, float(lower_bound),
         K=K, BT=BT, BC=BC, HAS_A=A_log is not None, HAS_DT=dt_bias is not None, IS_VARLEN=tab.varlen,
-        AQ=bufs.get("AQ"), MODE3="AQ" in bufs, num_warps=2,  # (of the modes taken here, only 3 has AQ) **maxnreg_kw(GluonPrepConfig.maxnreg),
-        **ptxas_kw(GluonPrepConfig.ptxas_options),
+        AQ=bufs.get("AQ"), MODE3="AQ" in bufs,  # of the modes taken here (2, 3), only 3 has AQ
+        num_warps=2, **maxnreg_kw(GluonPrepConfig.maxnreg), **ptxas_kw(GluonPrepConfig.ptxas_options),
     )

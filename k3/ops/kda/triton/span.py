@@ -188,9 +188,10 @@ class SplitConfig:
     # H200, B=1 H=8 T=1M (session 15, same process): 14.78–14.94 ms against 15.30–15.44 with the torch fold (6
     # windows); the first version's products at 'ieee' (FMA, spilling at sm_90) took 20.6
     fold = "triton"
-    # the 16-token flow's prep mode for the split (None: ``C16Config.mode``, 2 by default): 3 hands the state pass U
-    # and [I | A_qkᵀ] instead of [U; A_qk U] (the state pass forms A_qk U itself, off its chain): 192 fewer bytes
-    # written by the prep and read by the state pass per token and head, of the ~4.8 KB the split moves (NOTES v25)
+    # the 16-token flow's prep mode for the split alone (None: ``C16Config.mode``, 3 by default; 2 or 3): mode 3
+    # hands the state pass U and [I | A_qkᵀ] instead of [U; A_qk U] (the state pass forms A_qk U itself, off its
+    # chain): 192 fewer bytes written by the prep and read by the state pass per token and head, of the 4.8 KB the
+    # split moves in mode 2 (NOTES v25)
     c16_mode: int | None = None
     fold_bv = 32  # columns of S per fold program
     fold_bkb = 32  # rows of S_j per product
