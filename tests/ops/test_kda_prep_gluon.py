@@ -224,3 +224,29 @@ def test_gluon_prep_compiles_for_sm90_without_spills():
     r = subprocess.run([sys.executable, "-c", _COMPILE], env=env, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0 and "compiled" in r.stdout, r.stderr[-3000:]
 
+
+
+@needs_gluon
+@pytest.mark.parametrize("mode", [2, 3])
+def test_launch_passes_knobs_and_mode(monkeypatch, mode):
+    """``launch_prep_gluon`` hands the kernel the register cap and ptxas flags of ``GluonPrepConfig`` and, in mode 3,
+    the [I | A_qkᵀ] buffer with MODE3 set (a recording stand-in for the kernel: CPU, nothing runs)."""
+    seen = {}
+
+    class Rec:
+        def __getitem__(self, grid):
+            def call(*args, **kw):
+                seen.update(kw, grid=grid)
+            return call
+
+    monkeypatch.setattr(pg, "_c16_prep_gluon", Rec())
+    monkeypatch.setattr(c16.C16Config, "mode", mode)
+    monkeypatch.setattr(pg.GluonPrepConfig, "maxnreg", 144)
+    monkeypatch.setattr(pg.GluonPrepConfig, "ptxas_options", "--register-usage-level=0")
+    q = torch.zeros(1, 100, 2, 128, dtype=torch.bfloat16)
+    tab = make_chunk_table(1, 100, None, q.device)
+    bufs = c16.alloc_c16_buffers(2, tab.NC, 128, 128, torch.bfloat16, q.device)
+    pg.launch_prep_gluon(q, q, q, q, q[..., 0], None, None, bufs, tab, 0, tab.NC, 0.1, -5.0, 64, 16)
+    assert seen["maxnreg"] == 144 and "--register-usage-level=0" in str(seen)
+    assert seen["MODE3"] == (mode == 3) and (seen["AQ"] is bufs["AQ"] if mode == 3 else seen["AQ"] is None)
+    assert seen["grid"] == (tab.NC * 4, 2) and seen["num_warps"] == 2
