@@ -324,8 +324,8 @@ print("compiled", flush=True)
 
 @cpu_only
 def test_c16_kernels_compile_for_sm90():
-    """Modes 1, 2 (the default) and 3 (the split's option) compile to sm_90 code without a GPU (Triton's compiler), with
-    the state pass on wgmma and its loads pipelined — what the interpreter cannot check. In a subprocess: the
+    """Modes 1, 2 and 3 (the default) compile to sm_90 code without a GPU (Triton's compiler and ptxas), with the
+    state pass on wgmma and its loads pipelined — what the interpreter cannot check. In a subprocess: the
     interpreter is on in this process."""
     import subprocess
     import sys

@@ -77,8 +77,8 @@ def _buffers(x: dict, cu: list[int] | None, gluon: bool, monkeypatch) -> dict:
 @pytest.mark.parametrize("case", ["dense_1000", "dense_63", "varlen", *EXTREMES])
 def test_gpu_buffers_match_triton_prep(monkeypatch, case, mode):
     """Every window buffer the state pass reads agrees with the Triton prep's (same algebra, other rounding order:
-    bf16 outputs) and is written everywhere (the buffers start as NaN); mode 2's buffers and mode 3's (U alone and
-    [I | A_qkᵀ], the split's ``SplitConfig.c16_mode = 3``)."""
+    bf16 outputs) and is written everywhere (the buffers start as NaN); mode 2's buffers and mode 3's (the default:
+    U alone and [I | A_qkᵀ])."""
     monkeypatch.setattr(c16.C16Config, "mode", mode)
     cu = None
     if case == "varlen":
@@ -125,10 +125,10 @@ def test_gpu_extremes(gluon_prep, kw):
 
 
 @gpu
-@pytest.mark.parametrize("splits,mode", [(2, None), (3, None), (7, None), (3, 3), (7, 3)])
+@pytest.mark.parametrize("splits,mode", [(2, None), (3, None), (7, None), (3, 2), (7, 2)])
 def test_gpu_split_prefill(gluon_prep, monkeypatch, splits, mode):
-    """The split prefill on the 16-token kernels runs the same prep: forced splits against the recurrence, with the
-    library's mode and with mode 3 for the split (``SplitConfig.c16_mode``)."""
+    """The split prefill on the 16-token kernels runs the same prep: forced splits against the recurrence, in the
+    library's mode (3) and in mode 2 for the split (``SplitConfig.c16_mode``)."""
     from k3.ops.kda.triton import span
 
     monkeypatch.setattr(span.SplitConfig, "c16_mode", mode)
@@ -216,14 +216,14 @@ print("compiled", flush=True)
 @needs_gluon
 def test_gluon_prep_compiles_for_sm90_without_spills():
     """Dense and varlen, with and without A_log / dt_bias, mode 2's and mode 3's stores: sm_90 code on mma.sync, no
-    register spills (ptxas on this machine). In a subprocess: the interpreter, on in this process, replaces the Gluon helpers."""
+    register spills (ptxas on this machine). In a subprocess: the interpreter, on in this process, replaces the
+    Gluon helpers."""
     import subprocess
     import sys
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     r = subprocess.run([sys.executable, "-c", _COMPILE], env=env, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0 and "compiled" in r.stdout, r.stderr[-3000:]
-
 
 
 @needs_gluon
