@@ -381,14 +381,14 @@ def test_split_triton_windows_extreme_gates(monkeypatch, nan_empty):
         assert rel(out[0], exact[0]) <= 1e-4 and rel(out[1], exact[1]) <= 1e-4, name
 
 
-def _k3_call_case(lens: list[int], seed: int = 0):
+def _k3_call_case(lens: list[int], seed: int = 0, D: int = 16):
     """fp32 inputs and the K3 call's keywords (bounded gate fused, in-kernel norms and β), mild gates so states carry
-    across segments, initial states: the 16-token flow's domain."""
+    across segments, initial states: the 16-token flow's domain. Head dims K = V = D."""
     cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist())
-    q, k, v, g, b, S0 = make(1, sum(lens), 2, 16, 16, N=len(lens), seed=seed)
+    q, k, v, g, b, S0 = make(1, sum(lens), 2, D, D, N=len(lens), seed=seed)
     kw = dict(initial_state=S0, output_final_state=True, cu_seqlens=cu, use_qk_l2norm_in_kernel=True,
               use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True, lower_bound=-5.0, A_log=torch.zeros(2),
-              dt_bias=torch.full((2 * 16,), -6.5))  # g ≈ −0.01 per token: long memory
+              dt_bias=torch.full((2 * D,), -6.5))  # g ≈ −0.01 per token: long memory
     return (q, k, v, g, b - 1.5), kw
 
 
@@ -424,6 +424,41 @@ def test_split_c16_matches_unsplit(P, u_rowmajor, mode, monkeypatch, nan_empty):
     assert chunk16.C16Config.mode == default_mode  # the split's mode was set for its call only
     assert rel(out[0], ref[0]) <= 1e-5 and rel(out[1], ref[1]) <= 1e-5
     assert rel(out[0], exact[0]) <= 1e-4 and rel(out[1], exact[1]) <= 1e-4
+
+
+@triton_only
+@pytest.mark.parametrize("span_bv", [16, 128])
+def test_split_c16_span_column_blocks(span_bv, monkeypatch, nan_empty):
+    """The span pass's column blocks of [S_ext | M]: K = V = 32 at ``C16Config.span_bv`` 16 (two S_ext and two M
+    programs per row) and 128 (capped at the head dims: one of each, the H200 default's layout at K = V = 128) equal
+    the unsplit path to fp32 rounding (forced 3 segments, a varlen batch)."""
+    from k3.ops.kda.triton import chunk16, span
+
+    monkeypatch.setenv("K3_KDA_BACKEND", "triton")
+    monkeypatch.setattr(span.SplitConfig, "flow", "c16")
+    monkeypatch.setattr(chunk16.C16Config, "span_bv", span_bv)
+    (q, k, v, g, b), kw = _k3_call_case([230, 90], D=32)
+    with torch.no_grad():
+        monkeypatch.setenv("K3_KDA_SPLITS", "1")
+        ref = chunk_kda(q, k, v, g, b, **kw)
+        monkeypatch.setenv("K3_KDA_SPLITS", "3")
+        grids = []
+        real = chunk16._c16_span_rows
+        monkeypatch.setattr(chunk16, "_c16_span_rows", _GridSpy(real, grids))
+        out = chunk_kda(q, k, v, g, b, **kw)
+    assert grids and {gr[0] for gr in grids} == {64 // min(span_bv, 32)}, grids
+    assert rel(out[0], ref[0]) <= 1e-5 and rel(out[1], ref[1]) <= 1e-5
+
+
+class _GridSpy:
+    """Stands in for a Triton kernel: records each launch's grid, then launches the real kernel."""
+
+    def __init__(self, kernel, grids: list) -> None:
+        self.kernel, self.grids = kernel, grids
+
+    def __getitem__(self, grid):
+        self.grids.append(tuple(grid))
+        return self.kernel[grid]
 
 
 @triton_only

@@ -397,7 +397,15 @@ class C16Config:
     # chunks of the window buffers (the results are garbage), to time both with their hand-off resident in L2
     probe_ring = 0
     state_bv = 64  # 128 at 8 warps: 48 ms per 1M (the two warpgroups' steps do not overlap)
-    span_bv = 64  # columns of [S_ext | M] per program of the split prefill's span pass (``_c16_span_rows``)
+    # columns of [S_ext | M] per program of the split prefill's span pass (``_c16_span_rows``; fp32 buffers keep 64:
+    # at 128 their 'ieee' step spills 592 B at sm_90). 128 with 4 stages (sm_90: 255 registers, 176 B of spills,
+    # 51 KB of shared memory; at 64: 168 registers, 86 KB at 8 stages): at K = V = 128 a row is then two programs
+    # (S_ext, M) reading W, kg and γ twice instead of four times, and at B=1 H=8 T=1M (8 segments) its 104
+    # programs hold one SM each. H200, same process (knob_ab, 3 × 3 rounds, session 24): 12.28–12.82 ms against
+    # 12.71–13.61 at 64 / 8 stages; 128 at 8 stages 12.36–13.25, at 8 warps 12.71–13.77
+    span_bv = 128
+    span_warps: int | None = None  # the span pass's warps and stages (None: ``state_warps`` / ``state_stages``)
+    span_stages: int | None = 4
     # ``FwdConfig.inference_flow = "auto"`` takes this flow from this many state-pass programs (B·H·V / state_bv)
     min_programs = 64
     state_warps = 4
@@ -551,6 +559,10 @@ def launch_c16_state(bufs: dict, v, o, ht, tab: ChunkTable, c0: int, c1: int, H:
     )
 
 
+def _or_none(value: int | None, default: int) -> int:
+    return default if value is None else value
+
+
 def launch_c16_span(bufs: dict, SE: torch.Tensor, Mt: torch.Tensor, rows: dict, c0: int, H: int, K: int,
                     V: int) -> None:
     """``_c16_span_rows`` over the window of mode-2 or mode-3 buffers that starts at chunk c0: ``SE [Q, R, H, K,
@@ -558,11 +570,14 @@ def launch_c16_span(bufs: dict, SE: torch.Tensor, Mt: torch.Tensor, rows: dict, 
     if _mode() not in (2, 3):
         raise ValueError(f"C16Config.mode: the 16-token span pass reads mode 2's or 3's buffers, got mode {_mode()}")
     BK, BVP = bufs["X"].shape[-1], next_pow2(V)
-    bv = min(C16Config.span_bv, BVP, BK)
+    cap = 64 if bufs["X"].dtype == torch.float32 else BVP  # (see ``C16Config.span_bv``)
+    bv = min(C16Config.span_bv, cap, BVP, BK)
     _c16_span_rows[((BVP + BK) // bv, rows["row_cs"].numel() * H)](
         bufs["X"], bufs["KG"], bufs["GAM"], bufs["U"], SE, Mt, rows["row_cs"], rows["row_ce"], rows["row_m"],
         c0, bufs["X"].shape[1], H, K, V, BT=BT, BC=BC, BK=BK, BV=bv, BVP=BVP,
-        PREC=dot_precision(bufs["X"].dtype), STAGES=state_stages(C16Config.state_stages, bufs["X"].dtype),
-        U_RM=_u_form()[1] or _mode() == 3, U_ROWS=BC if _mode() == 3 else 2 * BC, num_warps=C16Config.state_warps,
+        PREC=dot_precision(bufs["X"].dtype), STAGES=state_stages(_or_none(C16Config.span_stages, C16Config.state_stages),
+                                                                 bufs["X"].dtype),
+        U_RM=_u_form()[1] or _mode() == 3, U_ROWS=BC if _mode() == 3 else 2 * BC,
+        num_warps=_or_none(C16Config.span_warps, C16Config.state_warps),
         num_stages=1, **ptxas_kw(C16Config.ptxas_options),
     )
