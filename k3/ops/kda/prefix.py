@@ -179,7 +179,10 @@ class SplitCostModel:
         the span pass taken as the same per chunk with two programs per SM (86 KiB, 168 registers at sm_90), the
         prep 6.27 SM·µs per chunk and head (24.9 ms per 1M at H=32). Checked at B=1, H=8, T=1M: predicted P = 6 /
         8 / 10 / 12 / 16: 15.7 / 13.4 / 17.7 / 15.8 / 13.5 ms, measured 17.6 / 15.2 / 19.6 / 18.3 / 16.3 — ~2 ms
-        low, the same saw-tooth, the same best P."""
+        low, the same saw-tooth, the same best P. The span pass has run 128 columns per program since session 24
+        (``C16Config.span_bv``); the model keeps its 64-column calibration, whose pick (P = 8 at H = 8) measured
+        best again then (P = 6, 7, 9, 10, 12, 16: the same or slower, NOTES_kda.md v26), while the same constants
+        at 128 columns would pick P = 15."""
         return cls(sm_count=sm_count, state_step_us=1.72, span_step_us=1.72, span_per_sm=2, prep_sm_us=6.27)
 
     def state_us(self, cuts: list[list[int]], H: int, V: int) -> float:
