@@ -6,7 +6,8 @@
 
 Per variant: the call's median (ms), then per kernel name the summed device time of one call (ms), the launch
 count, and the busy time of the union of all kernels (overlapping kernels count once) against the call's span on
-the GPU — the gap is idle time between launches (host waits, serial tails).
+the GPU — the gap is idle time between launches (host waits, serial tails) — and the host time of one call started
+on an idle GPU. ``--gaps-us N`` also lists every stretch of at least N µs in which no kernel ran.
 """
 
 from __future__ import annotations
@@ -115,9 +116,8 @@ def main() -> int:
                 t = triton.testing.do_bench(lambda: run(case, x, None), warmup=3, rep=a.rep, return_mode="median")
                 per, busy, span = profile_call(case, x, a.calls, a.gaps_us)
                 host = host_ms(case, x)
-            print(f"host time per call (enqueue, GPU idle at the start): {host:.3f} ms")
             print(f"\n## {case} {name}: {t:.3f} ms (do_bench median); kernels' union {busy:.3f} ms, "
-                  f"first-to-last {span:.3f} ms per call")
+                  f"first-to-last {span:.3f} ms per call; host time of a call on an idle GPU {host:.3f} ms")
             print("| kernel | ms per call | launches |\n|---|---:|---:|")
             rows = sorted(per.items(), key=lambda kv: -kv[1][0])
             for kname, (ms, n) in rows[:a.top]:
