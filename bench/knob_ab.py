@@ -9,7 +9,8 @@ SplitConfig (``span``), DecodeConfig (``fused_recurrent``), GluonDecodeConfig (`
 (``prep_gluon``) and CPConfig
 (``k3.ops.kda.cp``); values are Python literals; ``ENV.NAME=value`` sets an environment variable for the variant
 (e.g. ``ENV.K3_KDA_SPLITS=8``). Cases (bf16,
-K = V = 128, the K3 call): ``prefill32`` / ``prefill8`` = B=1 T=1M at H=32 / 8 without grad, ``train`` = fwd+bwd
+K = V = 128, the K3 call): ``prefill32`` / ``prefill16`` / ``prefill8`` / ``prefill4`` = B=1 T=1M at H=32 / 16 / 8 / 4
+without grad, ``train`` = fwd+bwd
 B=8 T=4096 H=32, ``train32k`` = fwd+bwd B=1 T=32768 H=32, ``decode`` = one step B=64 H=32 from an fp32 state,
 ``decode_pool`` = the same step in place on a pool of 2B slots at random distinct slots.
 Check: the variant's output of each prefill case at T=128K (every gradient of the train cases, output and state of
@@ -47,6 +48,7 @@ from k3.utils import overridden_attrs  # noqa: E402
 CLASSES = {c.__name__: c for c in (FwdConfig, C16Config, BwdConfig, SplitConfig, DecodeConfig, GluonDecodeConfig,
                                     GluonPrepConfig, CPConfig)}
 CASES = {"prefill32": (1, 1 << 20, 32, False), "prefill8": (1, 1 << 20, 8, False),
+         "prefill16": (1, 1 << 20, 16, False), "prefill4": (1, 1 << 20, 4, False),
          "train": (8, 4096, 32, True), "train32k": (1, 32768, 32, True), "decode": (64, 1, 32, False),
          "decode_pool": (64, 1, 32, False)}
 
