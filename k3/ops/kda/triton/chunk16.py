@@ -452,8 +452,12 @@ def _inv_prec(flags: dict, lower_bound) -> str:
 
 
 def _u_form() -> tuple[bool, bool]:
-    """(U_EYE, U_RM) of mode 2's pointer loop; [U; A_qk U] row-major needs the identity product that transposes it."""
-    loop = _mode() == 2 and bool(C16Config.state_ptr_inc)  # (mode 3: its own way)
+    """(U_EYE, U_RM): whether mode 2's pointer loop takes [U; A_qk U] through the identity product (row-major
+    [U; A_qk U] needs it to transpose), and whether U is stored row-major. Mode 3 stores U alone, row-major; its
+    state pass forms A_qk U by a product of its own (no U_EYE)."""
+    if _mode() == 3:
+        return False, True
+    loop = _mode() == 2 and bool(C16Config.state_ptr_inc)
     rm = loop and bool(C16Config.u_rowmajor)
     return rm or (loop and bool(C16Config.state_u_eye)), rm
 
@@ -577,7 +581,7 @@ def launch_c16_span(bufs: dict, SE: torch.Tensor, Mt: torch.Tensor, rows: dict, 
         c0, bufs["X"].shape[1], H, K, V, BT=BT, BC=BC, BK=BK, BV=bv, BVP=BVP,
         PREC=dot_precision(bufs["X"].dtype), STAGES=state_stages(_or_none(C16Config.span_stages, C16Config.state_stages),
                                                                  bufs["X"].dtype),
-        U_RM=_u_form()[1] or _mode() == 3, U_ROWS=BC if _mode() == 3 else 2 * BC,
+        U_RM=_u_form()[1], U_ROWS=BC if _mode() == 3 else 2 * BC,
         num_warps=_or_none(C16Config.span_warps, C16Config.state_warps),
         num_stages=1, **ptxas_kw(C16Config.ptxas_options),
     )
