@@ -8,10 +8,9 @@ Knobs are ``Class.attr=value`` for FwdConfig, C16Config, BwdConfig (``chunk_fwd`
 SplitConfig (``span``), DecodeConfig (``fused_recurrent``), GluonDecodeConfig (``decode_gluon``), GluonPrepConfig
 (``prep_gluon``) and CPConfig
 (``k3.ops.kda.cp``); values are Python literals; ``ENV.NAME=value`` sets an environment variable for the variant
-(e.g. ``ENV.K3_KDA_SPLITS=8``). Cases (bf16,
-K = V = 128, the K3 call): ``prefill32`` / ``prefill16`` / ``prefill8`` / ``prefill4`` = B=1 T=1M at H=32 / 16 / 8 / 4
-without grad, ``train`` = fwd+bwd
-B=8 T=4096 H=32, ``train32k`` = fwd+bwd B=1 T=32768 H=32, ``decode`` = one step B=64 H=32 from an fp32 state,
+(e.g. ``ENV.K3_KDA_SPLITS=8``). Cases (bf16, K = V = 128, the K3 call): ``prefill32`` / ``prefill16`` /
+``prefill8`` / ``prefill4`` = B=1 T=1M at H=32 / 16 / 8 / 4 without grad, ``train`` = fwd+bwd B=8 T=4096 H=32,
+``train32k`` = fwd+bwd B=1 T=32768 H=32, ``decode`` = one step B=64 H=32 from an fp32 state,
 ``decode_pool`` = the same step in place on a pool of 2B slots at random distinct slots.
 Check: the variant's output of each prefill case at T=128K (every gradient of the train cases, output and state of
 the decode) against the default's, relative RMS (bf16: ≤ 2e-2 passes). Times are ``do_bench`` medians (ms); one

@@ -8,7 +8,8 @@ profiled range). Run it under ncu on a GPU machine whose runtime exposes the cou
 
 Cases: ``prefill`` — the inference forward (rows prep + state pass) at B=1, H=32, T=64K (one window; the kernels'
 per-chunk behaviour is the same as at 1M); ``prefill16`` — the same call through the 16-token flow (``chunk16``,
-``bench/ncu_c16.sh``); ``split8`` — the split prefill at B=1, H=8, T=128K, 8 segments; ``train`` — forward + backward at B=8, T=4096, H=32; ``decode`` — one step at B=64, H=32.
+``bench/ncu_c16.sh``); ``split8`` — the split prefill at B=1, H=8, T=128K, 8 segments; ``train`` — forward +
+backward at B=8, T=4096, H=32; ``decode`` — one step at B=64, H=32.
 Without ncu it just runs them (a smoke test of the driver).
 """
 

@@ -309,9 +309,9 @@ def _c16_span_rows(
     BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BVP: tl.constexpr,
     PREC: tl.constexpr, STAGES: tl.constexpr, U_RM: tl.constexpr, U_ROWS: tl.constexpr = 32,
 ):
-    """The split prefill's span pass on mode 2's (or mode 3's) window buffers: row r's extended state [S_ext | M] through the
-    chunks [row_cs[r], row_ce[r]) (global numbers, inside the window that starts at chunk c0), in 16-token steps
-    with each column block held TRANSPOSED ([BV, K] fp32, the state pass's form):
+    """The split prefill's span pass on mode 2's (or mode 3's) window buffers: row r's extended state [S_ext | M]
+    through the chunks [row_cs[r], row_ce[r]) (global numbers, inside the window that starts at chunk c0), in
+    16-token steps with each column block held TRANSPOSED ([BV, K] fp32, the state pass's form):
         V'ᵀ = [U | 0]ᵀ − [S_ext | M]ᵀ Wᵀ,  [S_ext | M]ᵀ ← [S_ext | M]ᵀ Diag(γ) + V'ᵀ kg.
     One program per (column block, row, head); blocks below BVP are S_ext (``SE [R, H, K, V]``), the others M
     (``M [R, H, K, K]``), each started from its contents and written back; rows with ``row_m[r] == 0`` skip their
