@@ -59,6 +59,16 @@ from k3.ops.kda.triton.chunk_fwd import _inv16, state_stages
 from k3.ops.kda.triton.chunk_prep import _inv_pow, _op, _rows_beta
 
 
+@triton.jit
+def decay_bound(b_g, m_k, BC: tl.constexpr):
+    """log2 of an upper bound on the spectral norm of a 16-token block's state transition: BC · the largest log2
+    decay in the block (b_g [BC, BK], columns past K masked by ``m_k``; rows past the sequence's end are 0, so a
+    partial block claims no decay). Each token's transition (I − β k̂ k̂ᵀ) Diag(α_t) has norm ≤ max_c α_t,c when
+    ‖k̂‖ ≤ 1 and β ∈ [0, 1] (the in-kernel L2 norm and β sigmoid), so the block's is ≤ ∏_t max_c α_t,c ≤ (max_t,c
+    α_t,c)^BC."""
+    return tl.max(tl.max(tl.where(m_k[None, :], b_g, float("-inf")), axis=1), axis=0) * BC
+
+
 @triton.jit(do_not_specialize=['c0', 'NCw', 'T', 'NT', 'H'])
 def _c16_prep(
     q, k, v, g, beta, A_log, dt_bias, X, QG, KG, GAM, TB, AQ, U,
@@ -68,7 +78,7 @@ def _c16_prep(
     L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr, IS_VARLEN: tl.constexpr, FAST_GATE: tl.constexpr,
     PREC: tl.constexpr, AB_BF16: tl.constexpr, MODE: tl.constexpr, INV_POW: tl.constexpr,
     INV_PREC: tl.constexpr = "ieee", HEAD_MAJOR: tl.constexpr = False, EARLY_LOADS: tl.constexpr = False,
-    U_RM: tl.constexpr = False, RING: tl.constexpr = 0,
+    U_RM: tl.constexpr = False, RING: tl.constexpr = 0, DEC=None, DEC_OUT: tl.constexpr = False,
 ):
     # MODE (``C16Config.mode``) — what the state pass is handed per 16-token block:
     #   0: X = k̂ e^G, Tβ, qg, A_qk, kg (the state pass forms W = Tβ X and U = Tβ v);
@@ -111,6 +121,8 @@ def _c16_prep(
     G = tl.cumsum(b_g, axis=0)  # log2 decay from the block start through row i (padding rows add 0)
     gam = tl.exp2(tl.sum(b_g, axis=0))  # ... through the block's last row: γ = e^{G_C}
     tl.store(GAM + bidx * BK + o_k, gam)
+    if DEC_OUT:  # the block's decay bound for the split's span pass (``decay_bound``)
+        tl.store(DEC + bidx, decay_bound(b_g, o_k < K, BC))
     if not EARLY_LOADS:
         r_k = _chunk_tile(k, i_h, t0, eos, H, K, BC, BK)
     b_k, _ = _l2norm(r_k.to(tl.float32), L2NORM)
@@ -301,6 +313,30 @@ def _c16_state(
         tl.store(p_s, St, mask=m_v[:, None] & m_k[None, :])
 
 
+@triton.jit
+def _forgotten_prefix(DEC, lo, hi, lim, SB: tl.constexpr):
+    """(b*, found): the latest block b* in [lo, hi) whose suffix bound Σ_{b* ≤ b < hi} DEC[b] is ≤ lim, scanning
+    ``DEC`` (log2 decay bounds per block, ≤ 0 for decaying gates) backwards SB blocks at a time; (lo, False) if no
+    suffix reaches lim."""
+    o = tl.arange(0, SB)
+    acc = 0.0  # Σ DEC over [b, hi)
+    start = lo
+    found = lo < 0  # False, as a tensor the loop can carry
+    b = hi
+    while b > lo:
+        n0 = tl.maximum(b - SB, lo)
+        idx = n0 + o
+        m = idx < b
+        d = tl.load(DEC + idx, mask=m, other=0.)
+        rc = tl.cumsum(d, axis=0, reverse=True) + acc  # suffix sums from each block of the tile to hi
+        hit = tl.max(tl.where(m & (rc <= lim), idx, -1), axis=0)
+        found = hit >= 0
+        start = tl.where(found, hit, start)
+        acc += tl.sum(d, axis=0)
+        b = tl.where(found, lo, n0)
+    return start, found
+
+
 @triton.jit(do_not_specialize=['c0', 'NCw', 'H'])
 def _c16_span_rows(
     X, KG, GAM, U, SE, M,
@@ -308,6 +344,7 @@ def _c16_span_rows(
     H, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BVP: tl.constexpr,
     PREC: tl.constexpr, STAGES: tl.constexpr, U_RM: tl.constexpr, U_ROWS: tl.constexpr = 32,
+    DEC=None, lim=0.0, FORGET: tl.constexpr = False, SB: tl.constexpr = 256,
 ):
     """The split prefill's span pass on mode 2's (or mode 3's) window buffers: row r's extended state [S_ext | M]
     through the chunks [row_cs[r], row_ce[r]) (global numbers, inside the window that starts at chunk c0), in
@@ -316,7 +353,12 @@ def _c16_span_rows(
     One program per (column block, row, head); blocks below BVP are S_ext (``SE [R, H, K, V]``), the others M
     (``M [R, H, K, K]``), each started from its contents and written back; rows with ``row_m[r] == 0`` skip their
     M blocks, an empty range leaves the row as it was (``span._kda_span_rows``'s contract). ``U_ROWS``: rows of U
-    per block, 2·BC in mode 2 ([U; A_qk U]; only U is read) and BC in mode 3 (U alone, row-major)."""
+    per block, 2·BC in mode 2 ([U; A_qk U]; only U is read) and BC in mode 3 (U alone, row-major).
+
+    ``FORGET``: each row first looks for the latest block b* of its range whose suffix [b*, end) has a decay bound
+    (``DEC``, log2 per block, see ``decay_bound``) ≤ ``lim``. If there is one, the transition of that suffix has
+    norm ≤ 2^lim, so the row's M is stored as 0 and its S_ext runs from zero over the suffix alone: what enters
+    before b* reaches the row's end scaled by ≤ 2^lim (``SplitConfig.forget_log2``)."""
     i_b, i_r, i_h, cs, ce, live = _span_row_program(row_cs, row_ce, row_m, H, BV, BVP)
     is_m = i_b * BV >= BVP
     if live:
@@ -330,12 +372,20 @@ def _c16_span_rows(
         ncol = tl.where(is_m, K, V)
         m_s = (col < ncol)[:, None] & (o_k < K)[None, :]
         p_s = ((i_r * H + i_h).to(tl.int64) * K + o_k[None, :]) * ncol + col[:, None]  # Sᵀ: row = column
-        if is_m:
+        start = cs * NB  # the row's first 16-token block (global numbering)
+        forgot = False
+        if FORGET:
+            start, forgot = _forgotten_prefix(DEC + (i_h * NCw - c0).to(tl.int64) * NB, cs * NB, ce * NB, lim, SB)
+        if forgot:  # the row's history before ``start`` is scaled by ≤ 2^lim: S_ext from zero, M = 0
+            St = tl.zeros([BV, BK], dtype=tl.float32)
+        elif is_m:
             St = tl.load(M + p_s, mask=m_s, other=0.)
         else:
             St = tl.load(SE + p_s, mask=m_s, other=0.)
+        if is_m and forgot:
+            start = ce * NB  # M needs no steps: it stays 0
         m_u = (col < BVP)[None, :] & (i_b * BV < BVP)  # M columns: V' = 0 − W M
-        b0 = (i_h * NCw - c0).to(tl.int64) * NB + cs * NB
+        b0 = (i_h * NCw - c0).to(tl.int64) * NB + start
         q_kg = KG + (b0 * BC + o_s)[:, None] * BK + o_k[None, :]
         q_gam = GAM + b0 * BK + o_k
         q_w = X + (b0 * (2 * BC) + o_s)[:, None] * BK + o_k[None, :]  # −W, the first 16 rows of [−W; qw]
@@ -344,7 +394,7 @@ def _c16_span_rows(
         else:
             q_u = U + b0 * (BVP * U_ROWS) + col[None, :] * U_ROWS + o_s[:, None]  # the same from Uᵀ [BVP, 32]
         eye = _eye(BC).to(DT)
-        for _ in tl.range(cs * NB, ce * NB, num_stages=STAGES):
+        for _ in tl.range(start, ce * NB, num_stages=STAGES):
             # Uᵀ (zero for M's blocks) into the accumulator by the exact product Uᵀ·I (U stored in fp32: as is),
             # then V'ᵀ = Uᵀ + Sᵀ (−W)ᵀ
             b_u = tl.trans(tl.load(q_u, mask=m_u, other=0.))
@@ -462,7 +512,9 @@ def _u_form() -> tuple[bool, bool]:
     return rm or (loop and bool(C16Config.state_u_eye)), rm
 
 
-def alloc_c16_buffers(H: int, NC: int, BK: int, BVP: int, dt: torch.dtype, device) -> dict:
+def alloc_c16_buffers(H: int, NC: int, BK: int, BVP: int, dt: torch.dtype, device, decay_bound: bool = False) -> dict:
+    """The window buffers of the 16-token flow's mode (see ``_c16_prep``); ``decay_bound``: also "DEC" [H, NC, BT /
+    BC] fp32, each block's ``decay_bound``, which the preps then write (the split's span pass reads it)."""
     e = dict(dtype=dt, device=device)
     mode = _mode()
     rows = 2 * BT if mode >= 2 else BT  # modes 2 and 3 stack two 16-row tiles per block
@@ -481,6 +533,8 @@ def alloc_c16_buffers(H: int, NC: int, BK: int, BVP: int, dt: torch.dtype, devic
         bufs["AQ"] = torch.empty(H, NC, BT, 2 * BC, **e)
     else:
         bufs["U"] = torch.empty(H, NC, rows, BVP, **e)
+    if decay_bound:
+        bufs["DEC"] = torch.empty(H, NC, BT // BC, dtype=torch.float32, device=device)
     return bufs
 
 
@@ -534,7 +588,7 @@ def launch_c16_prep(q, k, v, g, beta, A_log, dt_bias, bufs: dict, tab: ChunkTabl
         AB_BF16=q.dtype == torch.bfloat16, MODE=_mode(), INV_POW=bool(C16Config.prep_inv_pow),
         INV_PREC=inv_prec, HEAD_MAJOR=bool(C16Config.prep_head_major),
         EARLY_LOADS=bool(C16Config.prep_early_loads), U_RM=u_rm, RING=ring,
-        num_warps=C16Config.prep_warps, num_stages=1,
+        DEC=bufs.get("DEC"), DEC_OUT="DEC" in bufs, num_warps=C16Config.prep_warps, num_stages=1,
         **maxnreg_kw(C16Config.prep_maxnreg),
     )
 
@@ -568,11 +622,16 @@ def _or_none(value: int | None, default: int) -> int:
 
 
 def launch_c16_span(bufs: dict, SE: torch.Tensor, Mt: torch.Tensor, rows: dict, c0: int, H: int, K: int,
-                    V: int) -> None:
+                    V: int, forget_log2: float | None = None) -> None:
     """``_c16_span_rows`` over the window of mode-2 or mode-3 buffers that starts at chunk c0: ``SE [Q, R, H, K,
-    V]`` and ``Mt [Q, R, H, K, K]`` (fp32, updated in place), ``rows`` the int32 tables row_cs, row_ce, row_m [Q·R]."""
+    V]`` and ``Mt [Q, R, H, K, K]`` (fp32, updated in place), ``rows`` the int32 tables row_cs, row_ce, row_m [Q·R].
+    ``forget_log2``: rows drop the history that their decay bound scales by ≤ 2^−forget_log2 (the buffers need
+    the prep's bounds: ``alloc_c16_buffers(..., decay_bound=True)``); None: every row runs its whole range."""
     if _mode() not in (2, 3):
         raise ValueError(f"C16Config.mode: the 16-token span pass reads mode 2's or 3's buffers, got mode {_mode()}")
+    if forget_log2 is not None and ("DEC" not in bufs or not forget_log2 > 0):
+        raise ValueError(f"forget_log2: expected None, or a number > 0 with buffers that hold the prep's decay "
+                         f"bounds (alloc_c16_buffers(..., decay_bound=True)), got {forget_log2!r}")
     BK, BVP = bufs["X"].shape[-1], next_pow2(V)
     cap = 64 if bufs["X"].dtype == torch.float32 else BVP  # (see ``C16Config.span_bv``)
     bv = min(C16Config.span_bv, cap, BVP, BK)
@@ -582,6 +641,7 @@ def launch_c16_span(bufs: dict, SE: torch.Tensor, Mt: torch.Tensor, rows: dict, 
         PREC=dot_precision(bufs["X"].dtype), STAGES=state_stages(_or_none(C16Config.span_stages, C16Config.state_stages),
                                                                  bufs["X"].dtype),
         U_RM=_u_form()[1], U_ROWS=BC if _mode() == 3 else 2 * BC,
+        DEC=bufs.get("DEC"), lim=-float(forget_log2 or 0.0), FORGET=forget_log2 is not None,
         num_warps=_or_none(C16Config.span_warps, C16Config.state_warps),
         num_stages=1, **ptxas_kw(C16Config.ptxas_options),
     )

@@ -108,11 +108,12 @@ if HAVE_GLUON:
         q, k, v, g, beta, A_log, dt_bias, X, KG, GAM, U,
         cu, chunk_seq, chunk_off, c0, NCw, T, NT, H, scale, lb,
         K: gl.constexpr, BT: gl.constexpr, BC: gl.constexpr, HAS_A: gl.constexpr, HAS_DT: gl.constexpr,
-        IS_VARLEN: gl.constexpr, AQ=None, MODE3: gl.constexpr = False,
+        IS_VARLEN: gl.constexpr, AQ=None, MODE3: gl.constexpr = False, DEC=None, DEC_OUT: gl.constexpr = False,
     ):
         """Grid (blocks of the window, H): one 16-token block of one head per program, 2 warps. ``MODE3``: mode 3's
         outputs instead of mode 2's — U alone ([16, K] row-major per block) and [I | A_qkᵀ] ([16, 32] per block,
-        in ``AQ``); the state pass forms A_qk U."""
+        in ``AQ``); the state pass forms A_qk U. ``DEC_OUT``: also the block's decay bound (``chunk16.decay_bound``)
+        into ``DEC``."""
         # a thread holds all 16 rows of 2 adjacent columns: the gate's cumsum and γ never leave it
         LR: gl.constexpr = gl.BlockedLayout([BC, 2], [1, 32], [1, 2], [1, 0])
         LRr: gl.constexpr = gl.SliceLayout(1, LR)
@@ -176,6 +177,8 @@ if HAVE_GLUON:
         G = gl.associative_scan(b_g, 0, _add)
         gam = gl.exp2(gl.sum(b_g, axis=0))
         gl.store(GAM + bidx * K + o_k, gam)
+        if DEC_OUT:  # BC · the block's largest log2 decay (rows past the end are 0: no decay claimed)
+            gl.store(DEC + bidx, gl.max(gl.max(b_g, axis=0), axis=0) * BC)
 
         # ---- L2 norms: Σ_d k_d² as the diagonal of k kᵀ on the tensor cores (bf16 products are exact in the fp32
         # accumulator), not as 16 row sums across all 64 threads (80 shuffles per tile)
@@ -249,5 +252,6 @@ def launch_prep_gluon(q, k, v, g, beta, A_log, dt_bias, bufs: dict, tab, c0: int
         bufs["X"].shape[1], tab.T, tab.NT, H, scale, float(lower_bound),
         K=K, BT=BT, BC=BC, HAS_A=A_log is not None, HAS_DT=dt_bias is not None, IS_VARLEN=tab.varlen,
         AQ=bufs.get("AQ"), MODE3="AQ" in bufs,  # of the modes taken here (2, 3), only 3 has AQ
+        DEC=bufs.get("DEC"), DEC_OUT="DEC" in bufs,
         num_warps=2, **maxnreg_kw(GluonPrepConfig.maxnreg), **ptxas_kw(GluonPrepConfig.ptxas_options),
     )

@@ -193,6 +193,15 @@ class SplitConfig:
     # chain): 192 fewer bytes written by the prep and read by the state pass per token and head, of the 4.8 KB the
     # split moves in mode 2 (NOTES v25)
     c16_mode: int | None = None
+    # the 16-token span pass drops the part of a row's history that the gates have provably forgotten: from the
+    # latest block whose suffix's decay bound is ≤ 2^−forget_log2 (each token's transition has norm ≤ its largest
+    # decay: ``chunk16.decay_bound``), M is stored as 0 and S_ext runs from zero over that suffix alone. What is
+    # dropped reaches the segment's end scaled by ≤ 2^−128 ‖S‖, below fp32's resolution unless the state's norm
+    # falls by 2^104 within one segment. Only with the in-kernel L2 norm and β sigmoid (‖k̂‖ ≤ 1, β ∈ (0, 1): the
+    # bound's premise); None: off. Gates that keep a channel for a whole segment never reach the bound (no gain,
+    # no loss); fast-forgetting ones (the benchmark's random gates: ~2^−3.4 per block) skip all but the last
+    # ~40 blocks of each row
+    forget_log2: float | None = 128.0
     fold_bv = 32  # columns of S per fold program
     fold_bkb = 32  # rows of S_j per product
     fold_warps = 8
@@ -361,14 +370,15 @@ def _segment_table(w: _Window) -> ChunkTable:
 
 
 def _span_and_fold(bufs: dict, ht: torch.Tensor, w: _Window, K: int, V: int, prec: str,
-                   c16: bool = False) -> torch.Tensor:
+                   c16: bool = False, forget_log2: float | None = None) -> torch.Tensor:
     """Entry state of every segment of the window, ``[n_segments, H, K, V]`` fp32 (segment order).
 
     A piece cut into p ≥ 2 segments gets span rows 0 … p − 2: row 0 runs segment 0 from the piece's known entry
     state (S only: its final state IS segment 1's entry), rows j ≥ 1 the affine map (E_j, M_j) of segment j from
     [0 | I]. The fold S_{j+1} = M_j S_j + E_j is a left fold (the exact recurrence): one ``_fold_rows`` launch
     (fp32), or fp64 batched products (``SplitConfig.fold = "torch"``).
-    ``c16``: the buffers are the 16-token flow's (mode 2 or 3) and its span pass runs (``chunk16.launch_c16_span``)."""
+    ``c16``: the buffers are the 16-token flow's (mode 2 or 3) and its span pass runs (``chunk16.launch_c16_span``,
+    with ``forget_log2``)."""
     H, dev = ht.shape[1], ht.device
     BK, BVP = next_pow2(K), next_pow2(V)
     ix = w.i64
@@ -380,7 +390,7 @@ def _span_and_fold(bufs: dict, ht: torch.Tensor, w: _Window, K: int, V: int, pre
     SE[:, 0] = ht[ix["multi_seq"]]
     Mt = torch.eye(K, dtype=torch.float32, device=dev).repeat(w.Q, w.R, H, 1, 1)
     if c16:
-        c16_flow.launch_c16_span(bufs, SE, Mt, w.i32, w.c0, H, K, V)
+        c16_flow.launch_c16_span(bufs, SE, Mt, w.i32, w.c0, H, K, V, forget_log2)
     else:
         bv = min(SplitConfig.span_bv, BVP, BK)
         _kda_span_rows[((BVP + BK) // bv, w.Q * w.R * H)](
@@ -423,6 +433,15 @@ def _c16_mode() -> int:
     if m not in (2, 3):
         raise ValueError(f"SplitConfig.c16_mode: expected None, 2 or 3, got {m!r}")
     return m
+
+
+def _forget_log2(flags: dict) -> float | None:
+    """``SplitConfig.forget_log2`` checked, and None where the decay bound's premise (the in-kernel L2 norm and β
+    sigmoid) does not hold."""
+    f = SplitConfig.forget_log2
+    if f is not None and (isinstance(f, bool) or not isinstance(f, (int, float)) or not f > 0):
+        raise ValueError(f"SplitConfig.forget_log2: expected None or a number > 0, got {f!r}")
+    return None if f is None or not (flags["l2norm"] and flags["beta_sigmoid"]) else float(f)
 
 
 def _state_knobs() -> contextlib.AbstractContextManager:
@@ -478,6 +497,7 @@ def split_prefill_triton(
     if not use_gate_in_kernel:
         A_log = dt_bias = None
     c16 = split_flow(lower_bound) == "c16"
+    forget = _forget_log2(flags) if c16 else None
     budget = split_window_bytes(q.device)
     if c16:
         ncw = c16_flow.c16_window_chunks(tab.NC, budget, H, BK, BVP, dt)
@@ -491,7 +511,8 @@ def split_prefill_triton(
         windows.append(_plan_window(c0, n, pieces, cut([pc.n for pc in pieces], H)))
     _upload(windows, q.device)
     if c16:
-        bufs = [c16_flow.alloc_c16_buffers(H, ncw, BK, BVP, dt, q.device) for _ in range(1 + overlap)]
+        bufs = [c16_flow.alloc_c16_buffers(H, ncw, BK, BVP, dt, q.device, decay_bound=forget is not None)
+                for _ in range(1 + overlap)]
     else:
         bufs = [alloc_chunk_buffers(H, ncw, BK, BVP, dt, q.device, store_t=False) for _ in range(1 + overlap)]
 
@@ -505,7 +526,7 @@ def split_prefill_triton(
 
     def serial(w: _Window, b: dict) -> None:
         if c16:
-            hs = _span_and_fold(b, ht, w, K, V, dot_precision(q.dtype), c16=True)
+            hs = _span_and_fold(b, ht, w, K, V, dot_precision(q.dtype), c16=True, forget_log2=forget)
             c16_flow.launch_c16_state(b, v, o, hs, _segment_table(w), w.c0, w.c0 + w.n, H, K, V)
         else:
             hs = _span_and_fold(b, ht, w, K, V, dot_precision(q.dtype))
