@@ -724,6 +724,56 @@ def test_split_gpu_matches_unsplit(dtype, flow, monkeypatch):
             assert rel(out[0].float(), ref[0].float()) <= tol and rel(out[1], ref[1]) <= tol, priority
 
 
+@pytest.mark.gpu_quick
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_split_gpu_forget(dtype, monkeypatch):
+    """GPU, K = V = 128, the K3 call (bf16: the Gluon prep): with the default ``SplitConfig.forget_log2`` the rows of
+    the heads whose gates forget (the benchmark's) store M = 0 while the long-memory heads' do not, and forced
+    splits (3, 7, and 3 over many windows with the prep overlapped) equal unsplit and the split without the bound
+    (fp32: 1e-5; bf16 storage: 2e-2)."""
+    from k3.ops.kda.triton import span
+
+    monkeypatch.delenv("K3_KDA_BACKEND", raising=False)
+    monkeypatch.setattr(span.SplitConfig, "flow", "c16")
+    lens = [30000, 3, 9000, 777]
+    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), device="cuda")
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    r = lambda *s: torch.randn(*s, generator=gen, device="cuda")  # noqa: E731
+    T, H = sum(lens), 4
+    x = dict(q=r(1, T, H, 128).to(dtype), k=r(1, T, H, 128).to(dtype), v=r(1, T, H, 128).to(dtype),
+             g=r(1, T, H, 128).to(dtype), beta=r(1, T, H).to(dtype))
+    dt = torch.zeros(H, 128, device="cuda")
+    dt[2:] = -6.5  # heads 2, 3 remember (g ≈ −0.01 per token); heads 0, 1 forget within a few tokens
+    kw = dict(initial_state=r(len(lens), H, 128, 128), output_final_state=True, cu_seqlens=cu,
+              use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
+              lower_bound=-5.0, A_log=torch.zeros(H, device="cuda"), dt_bias=dt.flatten())
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    with torch.no_grad():
+        monkeypatch.setenv("K3_KDA_SPLITS", "1")
+        ref = chunk_kda(**x, **kw)
+        for P in ("3", "7"):
+            monkeypatch.setenv("K3_KDA_SPLITS", P)
+            with monkeypatch.context() as mp:
+                mp.setattr(span.SplitConfig, "forget_log2", None)
+                full = chunk_kda(**x, **kw)
+            with monkeypatch.context() as mp:
+                m_rows = _span_m_rows(mp)
+                out = chunk_kda(**x, **kw)
+            zero = {(h, bool((M == 0).all())) for h, M in m_rows}
+            assert (0, True) in zero and (1, True) in zero and (2, True) not in zero and (3, True) not in zero, zero
+            assert torch.isfinite(out[0]).all(), P
+            for a in (ref, full):
+                assert rel(out[0].float(), a[0].float()) <= tol and rel(out[1], a[1]) <= tol, P
+        from k3.ops.kda.triton.chunk16 import c16_chunk_bytes
+
+        monkeypatch.setenv("K3_KDA_SPLITS", "3")
+        monkeypatch.setattr(span.SplitConfig, "window_bytes", 40 * c16_chunk_bytes(H, 128, 128, span.store_dtype(dtype)))
+        monkeypatch.setattr(span.SplitConfig, "overlap_prep", True)
+        out = chunk_kda(**x, **kw)
+        assert rel(out[0].float(), ref[0].float()) <= tol and rel(out[1], ref[1]) <= tol
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("K,V", [(16, 128), (128, 16), (100, 72), (64, 64)])
 def test_split_gpu_head_dims_bf16(K, V, monkeypatch):

@@ -63,7 +63,7 @@ def _buffers(x: dict, cu: list[int] | None, gluon: bool, monkeypatch) -> dict:
     T, H = q.shape[1], q.shape[2]
     cu_t = torch.tensor(cu, dtype=torch.int32, device=dev) if cu else None
     tab = make_chunk_table(1, T, cu_t, q.device)
-    bufs = c16.alloc_c16_buffers(H, tab.NC, 128, 128, torch.bfloat16, q.device)
+    bufs = c16.alloc_c16_buffers(H, tab.NC, 128, 128, torch.bfloat16, q.device, decay_bound=True)
     for b in bufs.values():
         b.fill_(float("nan"))
     monkeypatch.setattr(pg.GluonPrepConfig, "enabled", gluon)
@@ -76,9 +76,9 @@ def _buffers(x: dict, cu: list[int] | None, gluon: bool, monkeypatch) -> dict:
 @pytest.mark.parametrize("mode", [2, 3])
 @pytest.mark.parametrize("case", ["dense_1000", "dense_63", "varlen", *EXTREMES])
 def test_gpu_buffers_match_triton_prep(monkeypatch, case, mode):
-    """Every window buffer the state pass reads agrees with the Triton prep's (same algebra, other rounding order:
-    bf16 outputs) and is written everywhere (the buffers start as NaN); mode 2's buffers and mode 3's (the default:
-    U alone and [I | A_qkᵀ])."""
+    """Every window buffer the state and span passes read agrees with the Triton prep's (same algebra, other
+    rounding order: bf16 outputs) and is written everywhere (the buffers start as NaN); mode 2's buffers and mode
+    3's (the default: U alone and [I | A_qkᵀ]), with the split's decay bounds ("DEC")."""
     monkeypatch.setattr(c16.C16Config, "mode", mode)
     cu = None
     if case == "varlen":
@@ -90,7 +90,7 @@ def test_gpu_buffers_match_triton_prep(monkeypatch, case, mode):
         x = make_inputs(T, 3, 128, 128, seed=T)
     ref = _buffers(x, cu, False, monkeypatch)
     got = _buffers(x, cu, True, monkeypatch)
-    assert set(ref) == set(got) == ({"X", "U", "KG", "GAM"} | ({"AQ"} if mode == 3 else set()))
+    assert set(ref) == set(got) == ({"X", "U", "KG", "GAM", "DEC"} | ({"AQ"} if mode == 3 else set()))
     for name in ref:
         r, o = ref[name], got[name]
         assert not torch.isnan(o).any(), f"{name}: NaN (a part left unwritten)"
