@@ -9,7 +9,8 @@ SplitConfig (``span``), DecodeConfig (``fused_recurrent``), GluonDecodeConfig (`
 (``prep_gluon``) and CPConfig
 (``k3.ops.kda.cp``); values are Python literals; ``ENV.NAME=value`` sets an environment variable for the variant
 (e.g. ``ENV.K3_KDA_SPLITS=8``). Cases (bf16, K = V = 128, the K3 call): ``prefill32`` / ``prefill16`` /
-``prefill8`` / ``prefill4`` = B=1 T=1M at H=32 / 16 / 8 / 4 without grad, ``train`` = fwd+bwd B=8 T=4096 H=32,
+``prefill8`` / ``prefill4`` = B=1 T=1M at H=32 / 16 / 8 / 4 without grad (``prefill8mem``: H=8 with channel 0 of
+every head never forgetting, ``k3.bench.kda.never_forgetting``), ``train`` = fwd+bwd B=8 T=4096 H=32,
 ``train32k`` = fwd+bwd B=1 T=32768 H=32, ``decode`` = one step B=64 H=32 from an fp32 state,
 ``decode_pool`` = the same step in place on a pool of 2B slots at random distinct slots.
 Check: the variant's output of each prefill case at T=128K (every gradient of the train cases, output and state of
@@ -33,7 +34,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 import triton  # noqa: E402
 
-from k3.bench.kda import K3_FLAGS, _cuda_graph, _inputs, _ours  # noqa: E402
+from k3.bench.kda import K3_FLAGS, _cuda_graph, _inputs, _ours, never_forgetting  # noqa: E402
 from k3.ops.kda.cp import CPConfig  # noqa: E402
 from k3.ops.kda.triton.chunk_bwd import BwdConfig  # noqa: E402
 from k3.ops.kda.triton.chunk16 import C16Config  # noqa: E402
@@ -48,6 +49,7 @@ CLASSES = {c.__name__: c for c in (FwdConfig, C16Config, BwdConfig, SplitConfig,
                                     GluonPrepConfig, CPConfig)}
 CASES = {"prefill32": (1, 1 << 20, 32, False), "prefill8": (1, 1 << 20, 8, False),
          "prefill16": (1, 1 << 20, 16, False), "prefill4": (1, 1 << 20, 4, False),
+         "prefill8mem": (1, 1 << 20, 8, False),
          "train": (8, 4096, 32, True), "train32k": (1, 32768, 32, True), "decode": (64, 1, 32, False),
          "decode_pool": (64, 1, 32, False)}
 
@@ -171,6 +173,8 @@ def main() -> int:
         x = _inputs(B, T, H, grad=grad)
         xc["h0"] = torch.randn(B, H, 128, 128, device="cuda")
         x["h0"] = torch.randn(B, H, 128, 128, device="cuda")
+        if case.endswith("mem"):  # one channel per head that never forgets
+            x, xc = never_forgetting(x), never_forgetting(xc)
         if case == "decode_pool":
             for d in (x, xc):
                 d["pool"] = torch.randn(2 * B, H, 128, 128, device="cuda")

@@ -52,6 +52,15 @@ def _inputs(B: int, T: int, H: int, D: int = 128, grad: bool = False, seed: int 
     return x
 
 
+def never_forgetting(x: dict) -> dict:
+    """``x`` with dt_bias −20 on channel 0 of every head: its decay per token is ~1e-8 (the benchmark's random gates
+    otherwise forget within a few tokens)."""
+    H = x["A_log"].numel()
+    dt = x["dt_bias"].view(H, -1).clone()
+    dt[:, 0] = -20.0
+    return dict(x, dt_bias=dt.flatten())
+
+
 def _ours(x: dict, **kw) -> tuple:
     from k3.ops.kda import chunk_kda
 
@@ -126,6 +135,12 @@ def prefill_rows(shapes: list[tuple[int, int]], with_fla: bool) -> list[dict]:
         case = f"prefill B=1 H={H} T={T}"
         r_auto = _timed_inference(lambda: _ours(x), rep, out_bytes)
         rows.append(_row(case, "k3 chunk_kda (auto split)", **r_auto))
+        # the same call where one channel per head never forgets: the split's decay bound then never drops a
+        # segment's history (``SplitConfig.forget_log2``), so this is its cost on gates that remember
+        xm = never_forgetting(x)
+        rows.append(_row(case, "k3 chunk_kda (auto split), a never-forgetting channel per head",
+                         **_timed_inference(lambda: _ours(xm), rep, out_bytes)))
+        del xm
         with env_var("K3_KDA_SPLITS", "1"):
             rows.append(_row(case, "k3 unsplit", **_timed_inference(lambda: _ours_unsplit(x), rep, out_bytes)))
         if with_fla and _fla_module() is not None:
