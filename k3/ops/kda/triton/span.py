@@ -199,7 +199,7 @@ class SplitConfig:
     # dropped reaches the segment's end scaled by ≤ 2^−128 ‖S‖, below fp32's resolution unless the state's norm
     # falls by 2^104 within one segment. Only with the in-kernel L2 norm and β sigmoid (‖k̂‖ ≤ 1, β ∈ (0, 1): the
     # bound's premise); None: off. Gates that keep a channel for a whole segment never reach the bound (no gain,
-    # no loss); fast-forgetting ones (the benchmark's random gates: ~2^−3.4 per block) skip all but the last
+    # no loss); fast-forgetting ones (the benchmark's random gates: ~2^−3.7 per block) skip all but the last
     # ~40 blocks of each row
     forget_log2: float | None = 128.0
     fold_bv = 32  # columns of S per fold program
