@@ -528,18 +528,21 @@ def _span_m_rows(monkeypatch) -> list:
 
 
 @triton_only
-@pytest.mark.parametrize("P", [3, 7])
+@pytest.mark.parametrize("P,windows", [(3, True), (7, False)])
 @pytest.mark.parametrize("gates", ["mixed", "long_memory"])
-def test_split_c16_forget_is_exact(P, gates, monkeypatch, nan_empty):
+def test_split_c16_forget_is_exact(P, windows, gates, monkeypatch, nan_empty):
     """``SplitConfig.forget_log2``: where a row's suffix provably scales its history by ≤ 2^−40, its M is stored as
     0 and S_ext runs over the suffix alone — on a head whose gates forget (the benchmark's) some rows do so, on a
     head with long memory none may (its M stay nonzero), and the result still equals the unsplit path to fp32
-    rounding and the fp64 recurrence to 1e-4 (varlen, initial states, a sequence shorter than a segment)."""
-    from k3.ops.kda.triton import span
+    rounding and the fp64 recurrence to 1e-4 (varlen, initial states, a sequence shorter than a segment; with
+    ``windows``, windows of 5 chunks that the sequences cross, so rows also start from carried states)."""
+    from k3.ops.kda.triton import chunk16, span
 
     monkeypatch.setenv("K3_KDA_BACKEND", "triton")
     monkeypatch.setattr(span.SplitConfig, "flow", "c16")
     monkeypatch.setattr(span.SplitConfig, "forget_log2", 40.0)
+    if windows:
+        monkeypatch.setattr(span.SplitConfig, "window_bytes", 5 * chunk16.c16_chunk_bytes(2, 16, 16, torch.float32))
     (q, k, v, g, b), kw = _k3_call_case([400, 20, 0, 270], seed=P)
     if gates == "mixed":
         kw = _forgetting(kw, heads=1)
