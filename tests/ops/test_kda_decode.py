@@ -24,6 +24,7 @@ from k3.ops.kda import fused_recurrent_kda, naive_recurrent_kda  # noqa: E402
 from k3.ops.kda.checks import _checked_dims, _common_call_dims, check_kda_call  # noqa: E402
 from k3.ops.kda.gate import kda_gate_fused  # noqa: E402
 from k3.ops.kda.triton import fused_recurrent_kda_triton  # noqa: E402
+from tests.ops.kernel_spy import KernelSpy  # noqa: E402
 
 cpu_only = pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter-sized cases (CPU)")
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -276,14 +277,9 @@ def test_host_ops_per_decode_call(monkeypatch, persist):
     """One decode call (kernel launch stubbed) runs no torch op beside allocating its outputs: no casts, copies,
     zero-fills or host syncs (each would be a launch or a sync per step). Before v4 it also built ~20 error
     messages per call; that is timed in the report, not here."""
-    launches = []
-
-    class Stub:
-        def __getitem__(self, grid):
-            return lambda *args, **kw: launches.append(grid)
-
-    monkeypatch.setattr(fr, "_kda_recurrent", Stub())
-    monkeypatch.setattr(fr, "_kda_decode_persistent", Stub())
+    launches = []  # both kernels' launches, in order
+    monkeypatch.setattr(fr, "_kda_recurrent", KernelSpy(launches=launches))
+    monkeypatch.setattr(fr, "_kda_decode_persistent", KernelSpy(launches=launches))
     monkeypatch.setattr(fr.DecodeConfig, "persist", persist)
     monkeypatch.setenv("K3_KDA_BACKEND", "triton")
     a = _args(q=make(3, 1)["q"].half(), k=make(3, 1)["k"].half())
@@ -298,7 +294,7 @@ def test_host_ops_per_decode_call(monkeypatch, persist):
         fused_recurrent_kda_triton(a["q"], a["k"], a["v"], a["g"], a["beta"], 0.25, pool, False, True, True, True,
                                    LB, None, a["A_log"], a["dt_bias"], ssm_state_indices=idx)
     assert dict(c.ops) == {"aten.empty.memory_format": 1}  # o only: the pool is updated in place
-    assert len(launches) == 2 and all(len(g) == (1 if persist else 2) for g in launches)
+    assert len(launches) == 2 and all(len(g) == (1 if persist else 2) for g, _, _ in launches)
 
 
 def test_decode_programs_must_be_positive(monkeypatch):

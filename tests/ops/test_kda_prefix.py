@@ -14,6 +14,7 @@ if not torch.cuda.is_available():  # before triton is imported (tests/conftest.p
 
 from k3.ops.kda import chunk_kda, naive_recurrent_kda
 from k3.ops.kda import prefix as pf
+from tests.ops.kernel_spy import KernelSpy
 
 
 @pytest.fixture(autouse=True)
@@ -443,23 +444,11 @@ def test_split_c16_span_column_blocks(span_bv, monkeypatch, nan_empty):
         monkeypatch.setenv("K3_KDA_SPLITS", "1")
         ref = chunk_kda(q, k, v, g, b, **kw)
         monkeypatch.setenv("K3_KDA_SPLITS", "3")
-        grids = []
-        real = chunk16._c16_span_rows
-        monkeypatch.setattr(chunk16, "_c16_span_rows", _GridSpy(real, grids))
+        spy = KernelSpy(chunk16._c16_span_rows)
+        monkeypatch.setattr(chunk16, "_c16_span_rows", spy)
         out = chunk_kda(q, k, v, g, b, **kw)
-    assert grids and {gr[0] for gr in grids} == {64 // min(span_bv, 32)}, grids
+    assert spy.grids and {gr[0] for gr in spy.grids} == {64 // min(span_bv, 32)}, spy.grids
     assert rel(out[0], ref[0]) <= 1e-5 and rel(out[1], ref[1]) <= 1e-5
-
-
-class _GridSpy:
-    """Stands in for a Triton kernel: records each launch's grid, then launches the real kernel."""
-
-    def __init__(self, kernel, grids: list) -> None:
-        self.kernel, self.grids = kernel, grids
-
-    def __getitem__(self, grid):
-        self.grids.append(tuple(grid))
-        return self.kernel[grid]
 
 
 @triton_only

@@ -24,6 +24,7 @@ from k3.ops.kda.triton import chunk16 as c16  # noqa: E402
 from k3.ops.kda.triton import chunk_fwd as cf  # noqa: E402
 from k3.ops.kda.triton import prep_gluon as pg  # noqa: E402
 from k3.ops.kda.triton._common import make_chunk_table  # noqa: E402
+from tests.ops.kernel_spy import KernelSpy  # noqa: E402
 from tests.ops.test_kda_chunk16 import EXTREMES  # noqa: E402
 from tests.ops.test_kda_prep_variants import _causality as causality  # noqa: E402
 from tests.ops.test_kda_prep_variants import check as check_rows  # noqa: E402
@@ -231,15 +232,8 @@ def test_gluon_prep_compiles_for_sm90_without_spills():
 def test_launch_passes_knobs_and_mode(monkeypatch, mode):
     """``launch_prep_gluon`` hands the kernel the register cap and ptxas flags of ``GluonPrepConfig`` and, in mode 3,
     the [I | A_qkᵀ] buffer with MODE3 set (a recording stand-in for the kernel: CPU, nothing runs)."""
-    seen = {}
-
-    class Rec:
-        def __getitem__(self, grid):
-            def call(*args, **kw):
-                seen.update(kw, grid=grid)
-            return call
-
-    monkeypatch.setattr(pg, "_c16_prep_gluon", Rec())
+    spy = KernelSpy()
+    monkeypatch.setattr(pg, "_c16_prep_gluon", spy)
     monkeypatch.setattr(c16.C16Config, "mode", mode)
     monkeypatch.setattr(pg.GluonPrepConfig, "maxnreg", 144)
     monkeypatch.setattr(pg.GluonPrepConfig, "ptxas_options", "--register-usage-level=0")
@@ -247,6 +241,8 @@ def test_launch_passes_knobs_and_mode(monkeypatch, mode):
     tab = make_chunk_table(1, 100, None, q.device)
     bufs = c16.alloc_c16_buffers(2, tab.NC, 128, 128, torch.bfloat16, q.device)
     pg.launch_prep_gluon(q, q, q, q, q[..., 0], None, None, bufs, tab, 0, tab.NC, 0.1, -5.0, 64, 16)
+    (grid, _, kw), = spy.launches
+    seen = dict(kw, grid=grid)
     assert seen["maxnreg"] == 144 and "--register-usage-level=0" in str(seen)
     assert seen["MODE3"] == (mode == 3) and (seen["AQ"] is bufs["AQ"] if mode == 3 else seen["AQ"] is None)
     assert seen["grid"] == (tab.NC * 4, 2) and seen["num_warps"] == 2

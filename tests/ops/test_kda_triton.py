@@ -26,6 +26,7 @@ from k3.ops.kda.triton import (  # noqa: E402
 )
 from k3.ops.kda.triton.chunk_bwd import BwdConfig  # noqa: E402
 from k3.ops.kda.triton.chunk_fwd import FwdConfig  # noqa: E402
+from tests.ops.kernel_spy import KernelSpy  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 DEV = "cuda" if CUDA else "cpu"
@@ -625,20 +626,10 @@ def test_prep_solve_one_slice_width(monkeypatch, K, V):
     GPU test ``test_gpu_bf16_head_dims`` covers the fault itself; this pins the launch on any machine."""
     from k3.ops.kda.triton import chunk_prep  # noqa: PLC0415
 
-    seen = []
-
-    class Capture:
-        def __init__(self, real):
-            self.real = real
-
-        def __getitem__(self, grid):
-            def launch(*args, **kw):
-                seen.append((kw["BKW"], kw["BVW"]))
-                return self.real[grid](*args, **kw)
-            return launch
-
-    monkeypatch.setattr(chunk_prep, "_prep_solve", Capture(chunk_prep._prep_solve))
+    spy = KernelSpy(chunk_prep._prep_solve)
+    monkeypatch.setattr(chunk_prep, "_prep_solve", spy)
     x = make_inputs(1, 20, 1, K, V)
     o, *_ = run_chunk(x, torch.float32, grad=False)
+    seen = [(kw["BKW"], kw["BVW"]) for _, _, kw in spy.launches]
     assert seen and all(bkw == bvw for bkw, bvw in seen), seen
     assert torch.isfinite(o).all()
