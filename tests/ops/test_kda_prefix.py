@@ -665,6 +665,22 @@ def test_split_triton_dense_batch_model_cut(monkeypatch, nan_empty):
     assert FwdConfig.state_bv == bv_before  # the override was for the split's launch only
 
 
+def _gpu_k3_case(lens: list[int], dt_bias: torch.Tensor, dtype: torch.dtype, seed: int) -> tuple[dict, dict]:
+    """GPU inputs (K = V = 128, heads = dt_bias.shape[0]) and the K3 call's keywords: a varlen batch with initial
+    states, the bounded gate fused with A_log = 0 and the given dt_bias [H, 128]."""
+    H = dt_bias.shape[0]
+    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), device="cuda")
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=gen, device="cuda")  # noqa: E731
+    T = sum(lens)
+    x = dict(q=r(1, T, H, 128).to(dtype), k=r(1, T, H, 128).to(dtype), v=r(1, T, H, 128).to(dtype),
+             g=r(1, T, H, 128).to(dtype), beta=r(1, T, H).to(dtype))
+    kw = dict(initial_state=r(len(lens), H, 128, 128), output_final_state=True, cu_seqlens=cu,
+              use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
+              lower_bound=-5.0, A_log=torch.zeros(H, device="cuda"), dt_bias=dt_bias.flatten())
+    return x, kw
+
+
 @pytest.mark.gpu_quick
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -677,17 +693,8 @@ def test_split_gpu_matches_unsplit(dtype, flow, monkeypatch):
 
     monkeypatch.delenv("K3_KDA_BACKEND", raising=False)
     monkeypatch.setattr(span.SplitConfig, "flow", flow)
-    lens = [20000, 3, 9000, 777]
-    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), device="cuda")
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    r = lambda *s: torch.randn(*s, generator=gen, device="cuda")  # noqa: E731
-    T, H = sum(lens), 4
-    x = dict(q=r(1, T, H, 128).to(dtype), k=r(1, T, H, 128).to(dtype), v=r(1, T, H, 128).to(dtype),
-             g=r(1, T, H, 128).to(dtype), beta=r(1, T, H).to(dtype))
-    kw = dict(initial_state=r(len(lens), H, 128, 128), output_final_state=True, cu_seqlens=cu,
-              use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
-              lower_bound=-5.0, A_log=torch.zeros(H, device="cuda"), dt_bias=torch.full((H * 128,), -6.5,
-                                                                                        device="cuda"))
+    H = 4
+    x, kw = _gpu_k3_case([20000, 3, 9000, 777], torch.full((H, 128), -6.5, device="cuda"), dtype, seed=0)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     with torch.no_grad():
         monkeypatch.setenv("K3_KDA_SPLITS", "1")
@@ -728,18 +735,10 @@ def test_split_gpu_forget(dtype, monkeypatch):
 
     monkeypatch.delenv("K3_KDA_BACKEND", raising=False)
     monkeypatch.setattr(span.SplitConfig, "flow", "c16")
-    lens = [30000, 3, 9000, 777]
-    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), device="cuda")
-    gen = torch.Generator(device="cuda").manual_seed(1)
-    r = lambda *s: torch.randn(*s, generator=gen, device="cuda")  # noqa: E731
-    T, H = sum(lens), 4
-    x = dict(q=r(1, T, H, 128).to(dtype), k=r(1, T, H, 128).to(dtype), v=r(1, T, H, 128).to(dtype),
-             g=r(1, T, H, 128).to(dtype), beta=r(1, T, H).to(dtype))
+    H = 4
     dt = torch.zeros(H, 128, device="cuda")
     dt[2:] = -6.5  # heads 2, 3 remember (g ≈ −0.01 per token); heads 0, 1 forget within a few tokens
-    kw = dict(initial_state=r(len(lens), H, 128, 128), output_final_state=True, cu_seqlens=cu,
-              use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
-              lower_bound=-5.0, A_log=torch.zeros(H, device="cuda"), dt_bias=dt.flatten())
+    x, kw = _gpu_k3_case([30000, 3, 9000, 777], dt, dtype, seed=1)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     with torch.no_grad():
         monkeypatch.setenv("K3_KDA_SPLITS", "1")
