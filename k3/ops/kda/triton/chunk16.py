@@ -512,7 +512,8 @@ def _u_form() -> tuple[bool, bool]:
     return rm or (loop and bool(C16Config.state_u_eye)), rm
 
 
-def alloc_c16_buffers(H: int, NC: int, BK: int, BVP: int, dt: torch.dtype, device, decay_bound: bool = False) -> dict:
+def alloc_c16_buffers(H: int, NC: int, BK: int, BVP: int, dt: torch.dtype, device,
+                      decay_bound: bool = False) -> dict:
     """The window buffers of the 16-token flow's mode (see ``_c16_prep``); ``decay_bound``: also "DEC" [H, NC, BT /
     BC] fp32, each block's ``decay_bound``, which the preps then write (the split's span pass reads it)."""
     e = dict(dtype=dt, device=device)
