@@ -759,7 +759,8 @@ def test_split_gpu_forget(dtype, monkeypatch):
         from k3.ops.kda.triton.chunk16 import c16_chunk_bytes
 
         monkeypatch.setenv("K3_KDA_SPLITS", "3")
-        monkeypatch.setattr(span.SplitConfig, "window_bytes", 40 * c16_chunk_bytes(H, 128, 128, span.store_dtype(dtype)))
+        window = 40 * c16_chunk_bytes(H, 128, 128, span.store_dtype(dtype))
+        monkeypatch.setattr(span.SplitConfig, "window_bytes", window)
         monkeypatch.setattr(span.SplitConfig, "overlap_prep", True)
         out = chunk_kda(**x, **kw)
         assert rel(out[0].float(), ref[0].float()) <= tol and rel(out[1], ref[1]) <= tol
