@@ -550,6 +550,32 @@ def test_split_c16_forget_is_exact(P, windows, gates, monkeypatch, nan_empty):
 
 
 @triton_only
+@pytest.mark.parametrize("beta_logit", [20.0, -20.0])
+def test_split_c16_forget_extremes(beta_logit, monkeypatch, nan_empty):
+    """Every gate at the bound (decay e^−5 per token), β near 1 or near 0, repeated keys: every row with an M drops
+    it (both heads), and the split still equals the unsplit path and the fp64 recurrence."""
+    from k3.ops.kda.triton import span
+
+    monkeypatch.setenv("K3_KDA_BACKEND", "triton")
+    monkeypatch.setattr(span.SplitConfig, "flow", "c16")
+    (q, k, v, g, b), kw = _k3_call_case([300, 0, 200])
+    g = torch.full_like(g, 30.0)  # σ(e^A (g + dt)) = 1: log-decay at the lower bound
+    b = torch.full_like(b, beta_logit)
+    k = k.clone()
+    k[:, 1::2] = k[:, 0::2][:, : k[:, 1::2].shape[1]]  # each key repeated at the next token
+    with torch.no_grad():
+        monkeypatch.setenv("K3_KDA_SPLITS", "1")
+        ref = chunk_kda(q, k, v, g, b, **kw)
+        monkeypatch.setenv("K3_KDA_SPLITS", "3")
+        m_rows = _span_m_rows(monkeypatch)
+        out = chunk_kda(q, k, v, g, b, **kw)
+    exact = _fp64_reference(q, k, v, g, b, kw["cu_seqlens"], kw["initial_state"], **kw)
+    assert m_rows and all(bool((M == 0).all()) for _, M in m_rows)
+    assert rel(out[0], ref[0]) <= 1e-5 and rel(out[1], ref[1]) <= 1e-5
+    assert rel(out[0], exact[0]) <= 1e-4 and rel(out[1], exact[1]) <= 1e-4
+
+
+@triton_only
 def test_split_c16_forget_detects_a_loose_bound(monkeypatch):
     """The comparison above can fail: a bound of 2^−0.05 on long-memory gates drops history that still counts (a
     large error). Without the in-kernel L2 norm (the bound's premise) the same bound is not applied: exact."""
