@@ -346,15 +346,17 @@ def _plan_window(c0: int, n: int, pieces: list[Piece], cuts: list[list[int]]) ->
 
 
 def _upload(windows: list[_Window], device: torch.device) -> None:
-    """All windows' integer tables to the device in two copies (int32, int64), asynchronous from pinned memory:
-    no host-device sync between the kernels of the windows."""
-    for attr, dtype in (("i32", torch.int32), ("i64", torch.int64)):
-        flat = [x for w in windows for lst in getattr(w, attr).values() for x in lst]
-        host = torch.tensor(flat, dtype=dtype)
-        if device.type == "cuda":
-            dev = host.pin_memory().to(device, non_blocking=True)
-        else:
-            dev = host
+    """All windows' integer tables to the device in ONE asynchronous copy from pinned memory (the int32 tables,
+    padded to 8 bytes, then the int64 ones, viewed on the device by dtype): no host-device sync between the
+    kernels of the windows, and one pinned allocation and copy instead of two."""
+    i32 = [x for w in windows for lst in w.i32.values() for x in lst]
+    i64 = [x for w in windows for lst in w.i64.values() for x in lst]
+    i32 += [0] * (len(i32) % 2)  # the int64 part starts 8-byte aligned
+    host = torch.cat([torch.tensor(i32, dtype=torch.int32).view(torch.uint8),
+                      torch.tensor(i64, dtype=torch.int64).view(torch.uint8)])
+    raw = host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host
+    views = {"i32": raw[:4 * len(i32)].view(torch.int32), "i64": raw[4 * len(i32):].view(torch.int64)}
+    for attr, dev in views.items():
         pos = 0
         for w in windows:
             tables = getattr(w, attr)
@@ -504,27 +506,35 @@ def split_prefill_triton(
     else:
         ncw = max(1, min(tab.NC, budget // chunk_bytes(H, BK, BVP, dt)))
     overlap = bool(SplitConfig.overlap_prep) and q.is_cuda and tab.NC > ncw
-    windows = []
-    for c0 in range(0, tab.NC, ncw):
-        n = min(ncw, tab.NC - c0)
-        pieces = window_pieces(tab, c0, c0 + n)
-        windows.append(_plan_window(c0, n, pieces, cut([pc.n for pc in pieces], H)))
-    _upload(windows, q.device)
+    bounds = [(c0, min(ncw, tab.NC - c0)) for c0 in range(0, tab.NC, ncw)]  # each window's chunks [c0, c0 + n)
+    windows: list[_Window] = []
+
+    def planned(i: int) -> _Window:
+        """Window i's plan. All windows are planned and uploaded at the first serial step, after the first prep is
+        enqueued: the GPU runs that prep while the host plans (a lone call's first kernel ~1 ms sooner)."""
+        if not windows:
+            for c0, n in bounds:
+                pieces = window_pieces(tab, c0, c0 + n)
+                windows.append(_plan_window(c0, n, pieces, cut([pc.n for pc in pieces], H)))
+            _upload(windows, q.device)
+        return windows[i]
+
     if c16:
         bufs = [c16_flow.alloc_c16_buffers(H, ncw, BK, BVP, dt, q.device, decay_bound=forget is not None)
                 for _ in range(1 + overlap)]
     else:
         bufs = [alloc_chunk_buffers(H, ncw, BK, BVP, dt, q.device, store_t=False) for _ in range(1 + overlap)]
 
-    def prep(w: _Window, b: dict) -> None:
+    def prep(i: int, b: dict) -> None:
+        c0, n = bounds[i]
         if c16:
-            c16_flow.launch_c16_prep(q, k, v, g, beta, A_log, dt_bias, b, tab, w.c0, w.n, float(scale),
-                                     lower_bound, flags)
+            c16_flow.launch_c16_prep(q, k, v, g, beta, A_log, dt_bias, b, tab, c0, n, float(scale), lower_bound,
+                                     flags)
         else:
-            launch_prep(q, k, v, g, beta, A_log, dt_bias, b, tab, w.c0, w.n, float(scale), lower_bound, flags,
-                        False)
+            launch_prep(q, k, v, g, beta, A_log, dt_bias, b, tab, c0, n, float(scale), lower_bound, flags, False)
 
-    def serial(w: _Window, b: dict) -> None:
+    def serial(i: int, b: dict) -> None:
+        w = planned(i)
         if c16:
             hs = _span_and_fold(b, ht, w, K, V, dot_precision(q.dtype), c16=True, forget_log2=forget)
             c16_flow.launch_c16_state(b, v, o, hs, _segment_table(w), w.c0, w.c0 + w.n, H, K, V)
@@ -535,9 +545,9 @@ def split_prefill_triton(
         ht[w.i64["seq"]] = hs[w.i64["last"]]
 
     if overlap:  # the prep one window ahead on a side stream (two buffers take turns)
-        pipelined(windows, bufs, prep, serial, q.device, bool(SplitConfig.serial_priority))
+        pipelined(list(range(len(bounds))), bufs, prep, serial, q.device, bool(SplitConfig.serial_priority))
     else:
-        for w in windows:
-            prep(w, bufs[0])
-            serial(w, bufs[0])
+        for i in range(len(bounds)):
+            prep(i, bufs[0])
+            serial(i, bufs[0])
     return o, (ht if output_final_state else None)
