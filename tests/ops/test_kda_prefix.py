@@ -500,6 +500,18 @@ def _forgetting(kw: dict, heads: int = 2) -> dict:
     return {**kw, "dt_bias": dt.flatten()}
 
 
+def _unsplit_then_split(monkeypatch, P: int, args: tuple, kw: dict, spy_m: bool = False) -> tuple:
+    """``chunk_kda`` unsplit, then forced into P segments (no grad): (unsplit result, split result, and with
+    ``spy_m`` the (head, M) rows the split's span pass stored)."""
+    with torch.no_grad():
+        monkeypatch.setenv("K3_KDA_SPLITS", "1")
+        ref = chunk_kda(*args, **kw)
+        monkeypatch.setenv("K3_KDA_SPLITS", str(P))
+        m_rows = _span_m_rows(monkeypatch) if spy_m else None
+        out = chunk_kda(*args, **kw)
+    return ref, out, m_rows
+
+
 def _span_m_rows(monkeypatch) -> list:
     """Spy on the 16-token span pass: (head, M) of every row that has an M (``row_m``), as stored after the call."""
     from k3.ops.kda.triton import chunk16
@@ -535,12 +547,7 @@ def test_split_c16_forget_is_exact(P, windows, gates, monkeypatch, nan_empty):
     (q, k, v, g, b), kw = _k3_call_case([400, 20, 0, 270], seed=P)
     if gates == "mixed":
         kw = _forgetting(kw, heads=1)
-    with torch.no_grad():
-        monkeypatch.setenv("K3_KDA_SPLITS", "1")
-        ref = chunk_kda(q, k, v, g, b, **kw)
-        monkeypatch.setenv("K3_KDA_SPLITS", str(P))
-        m_rows = _span_m_rows(monkeypatch)
-        out = chunk_kda(q, k, v, g, b, **kw)
+    ref, out, m_rows = _unsplit_then_split(monkeypatch, P, (q, k, v, g, b), kw, spy_m=True)
     exact = _fp64_reference(q, k, v, g, b, kw["cu_seqlens"], kw["initial_state"], **kw)
     zero = [(h, bool((m == 0).all())) for h, m in m_rows]
     assert m_rows and not any(z for h, z in zero if h == 1), zero  # head 1 remembers
@@ -563,12 +570,7 @@ def test_split_c16_forget_extremes(beta_logit, monkeypatch, nan_empty):
     b = torch.full_like(b, beta_logit)
     k = k.clone()
     k[:, 1::2] = k[:, 0::2][:, : k[:, 1::2].shape[1]]  # each key repeated at the next token
-    with torch.no_grad():
-        monkeypatch.setenv("K3_KDA_SPLITS", "1")
-        ref = chunk_kda(q, k, v, g, b, **kw)
-        monkeypatch.setenv("K3_KDA_SPLITS", "3")
-        m_rows = _span_m_rows(monkeypatch)
-        out = chunk_kda(q, k, v, g, b, **kw)
+    ref, out, m_rows = _unsplit_then_split(monkeypatch, 3, (q, k, v, g, b), kw, spy_m=True)
     exact = _fp64_reference(q, k, v, g, b, kw["cu_seqlens"], kw["initial_state"], **kw)
     assert m_rows and all(bool((M == 0).all()) for _, M in m_rows)
     assert rel(out[0], ref[0]) <= 1e-5 and rel(out[1], ref[1]) <= 1e-5
@@ -585,14 +587,9 @@ def test_split_c16_forget_detects_a_loose_bound(monkeypatch):
     monkeypatch.setattr(span.SplitConfig, "flow", "c16")
     monkeypatch.setattr(span.SplitConfig, "forget_log2", 0.05)
     (q, k, v, g, b), kw = _k3_call_case([400, 150])
-    with torch.no_grad():
-        for norm, bad in ((True, True), (False, False)):
-            kwn = {**kw, "use_qk_l2norm_in_kernel": norm}
-            monkeypatch.setenv("K3_KDA_SPLITS", "1")
-            ref = chunk_kda(q, k, v, g, b, **kwn)
-            monkeypatch.setenv("K3_KDA_SPLITS", "3")
-            out = chunk_kda(q, k, v, g, b, **kwn)
-            assert (rel(out[0], ref[0]) > 1e-2) == bad, (norm, rel(out[0], ref[0]))
+    for norm, bad in ((True, True), (False, False)):
+        ref, out, _ = _unsplit_then_split(monkeypatch, 3, (q, k, v, g, b), {**kw, "use_qk_l2norm_in_kernel": norm})
+        assert (rel(out[0], ref[0]) > 1e-2) == bad, (norm, rel(out[0], ref[0]))
 
 
 @triton_only
