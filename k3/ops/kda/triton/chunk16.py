@@ -636,11 +636,11 @@ def launch_c16_span(bufs: dict, SE: torch.Tensor, Mt: torch.Tensor, rows: dict, 
     BK, BVP = bufs["X"].shape[-1], next_pow2(V)
     cap = 64 if bufs["X"].dtype == torch.float32 else BVP  # (see ``C16Config.span_bv``)
     bv = min(C16Config.span_bv, cap, BVP, BK)
+    stages = state_stages(_or_none(C16Config.span_stages, C16Config.state_stages), bufs["X"].dtype)
     _c16_span_rows[((BVP + BK) // bv, rows["row_cs"].numel() * H)](
         bufs["X"], bufs["KG"], bufs["GAM"], bufs["U"], SE, Mt, rows["row_cs"], rows["row_ce"], rows["row_m"],
         c0, bufs["X"].shape[1], H, K, V, BT=BT, BC=BC, BK=BK, BV=bv, BVP=BVP,
-        PREC=dot_precision(bufs["X"].dtype), STAGES=state_stages(_or_none(C16Config.span_stages, C16Config.state_stages),
-                                                                 bufs["X"].dtype),
+        PREC=dot_precision(bufs["X"].dtype), STAGES=stages,
         U_RM=_u_form()[1], U_ROWS=BC if _mode() == 3 else 2 * BC,
         DEC=bufs.get("DEC"), lim=-float(forget_log2 or 0.0), FORGET=forget_log2 is not None,
         num_warps=_or_none(C16Config.span_warps, C16Config.state_warps),

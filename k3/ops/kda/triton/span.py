@@ -197,10 +197,10 @@ class SplitConfig:
     # latest block whose suffix's decay bound is ≤ 2^−forget_log2 (each token's transition has norm ≤ its largest
     # decay: ``chunk16.decay_bound``), M is stored as 0 and S_ext runs from zero over that suffix alone. What is
     # dropped reaches the segment's end scaled by ≤ 2^−forget_log2 ‖S‖ (at 128: below fp32's resolution unless the
-    # state's norm falls by 2^104 within one segment). Only with the in-kernel L2 norm and β sigmoid (‖k̂‖ ≤ 1, β ∈ (0, 1): the
-    # bound's premise); None: off. Gates that keep a channel for a whole segment never reach the bound (no gain,
-    # no loss); fast-forgetting ones (the benchmark's random gates: ~2^−3.7 per block) skip all but the last
-    # ~40 blocks of each row
+    # state's norm falls by 2^104 within one segment). Only with the in-kernel L2 norm and β sigmoid (‖k̂‖ ≤ 1,
+    # β ∈ (0, 1): the bound's premise); None: off. Gates that keep a channel for a whole segment never reach the
+    # bound (no gain, no loss); fast-forgetting ones (the benchmark's random gates: ~2^−3.7 per block) skip all
+    # but the last ~40 blocks of each row
     forget_log2: float | None = 128.0
     fold_bv = 32  # columns of S per fold program
     fold_bkb = 32  # rows of S_j per product
