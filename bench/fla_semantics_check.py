@@ -74,8 +74,9 @@ def make_inputs(c: dict, gen: torch.Generator, T: int = 40, H: int = 2, K: int =
         g = -F.softplus(g)
     beta = mk(B, T, HV) if c["bsig"] else torch.rand(B, T, HV, generator=gen, dtype=torch.float64)
     N = len(c["cu"]) - 1 if c["cu"] else B
-    return dict(q=q, k=k, v=v, g=g, beta=beta, h0=mk(N, HV, K, V) if c["init"] else None,
-                A_log=mk(HV) * 0.5 if c["gate"] and c["withA"] else None, dt_bias=mk(HV * K) * 0.5 if c["gate"] else None)
+    A_log = mk(HV) * 0.5 if c["gate"] and c["withA"] else None
+    dt_bias = mk(HV * K) * 0.5 if c["gate"] else None
+    return dict(q=q, k=k, v=v, g=g, beta=beta, h0=mk(N, HV, K, V) if c["init"] else None, A_log=A_log, dt_bias=dt_bias)
 
 
 def k3_kwargs(x: dict, c: dict) -> dict:
