@@ -429,25 +429,31 @@ def test_split_c16_matches_unsplit(P, u_rowmajor, mode, monkeypatch, nan_empty):
 
 
 @triton_only
-@pytest.mark.parametrize("span_bv", [16, 128])
-def test_split_c16_span_column_blocks(span_bv, monkeypatch, nan_empty):
-    """The span pass's column blocks of [S_ext | M]: K = V = 32 at ``C16Config.span_bv`` 16 (two S_ext and two M
-    programs per row) and 128 (capped at the head dims: one of each, the H200 default's layout at K = V = 128) equal
-    the unsplit path to fp32 rounding (forced 3 segments, a varlen batch)."""
+@pytest.mark.parametrize("span_bv,rev_rows,blocks", [(16, None, 4), (128, None, 2), (16, 16, 2), (128, 64, 1)])
+def test_split_c16_span_column_blocks(span_bv, rev_rows, blocks, monkeypatch, nan_empty):
+    """The span pass's blocks, K = V = 32, forced 3 segments over a varlen batch, equal to the unsplit path to fp32
+    rounding. The forward chain (``span_reverse`` off): [S_ext | M] at ``C16Config.span_bv`` 16 (two S_ext and two M
+    programs per row) and 128 (capped at the head dims: one of each, the H200 default's layout at K = V = 128).
+    The backward chain: ``span_rev_rows`` 16 (two programs of 16 rows of (M, S_ext) per affine row, two of 16 S_ext
+    columns for a piece's first row) and 64 (capped: one program per row)."""
     from k3.ops.kda.triton import chunk16, span
 
     monkeypatch.setenv("K3_KDA_BACKEND", "triton")
     monkeypatch.setattr(span.SplitConfig, "flow", "c16")
     monkeypatch.setattr(chunk16.C16Config, "span_bv", span_bv)
+    monkeypatch.setattr(chunk16.C16Config, "span_reverse", rev_rows is not None)
+    if rev_rows is not None:
+        monkeypatch.setattr(chunk16.C16Config, "span_rev_rows", rev_rows)
+    name = "_c16_span_rows" if rev_rows is None else "_c16_span_rows_rev"
     (q, k, v, g, b), kw = _k3_call_case([230, 90], D=32)
     with torch.no_grad():
         monkeypatch.setenv("K3_KDA_SPLITS", "1")
         ref = chunk_kda(q, k, v, g, b, **kw)
         monkeypatch.setenv("K3_KDA_SPLITS", "3")
-        spy = KernelSpy(chunk16._c16_span_rows)
-        monkeypatch.setattr(chunk16, "_c16_span_rows", spy)
+        spy = KernelSpy(getattr(chunk16, name))
+        monkeypatch.setattr(chunk16, name, spy)
         out = chunk_kda(q, k, v, g, b, **kw)
-    assert spy.grids and {gr[0] for gr in spy.grids} == {64 // min(span_bv, 32)}, spy.grids
+    assert spy.grids and {gr[0] for gr in spy.grids} == {blocks}, spy.grids
     assert rel(out[0], ref[0]) <= 1e-5 and rel(out[1], ref[1]) <= 1e-5
 
 

@@ -337,6 +337,65 @@ def _forgotten_prefix(DEC, lo, hi, lim, SB: tl.constexpr):
     return start, found
 
 
+@triton.jit
+def _span_fwd(X, KG, GAM, U, SE, M, i_b, i_r, i_h, cs, ce, is_m, c0, NCw, H, K: tl.constexpr, V: tl.constexpr,
+              BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BVP: tl.constexpr,
+              PREC: tl.constexpr, STAGES: tl.constexpr, U_RM: tl.constexpr, U_ROWS: tl.constexpr, DEC, lim,
+              FORGET: tl.constexpr, SB: tl.constexpr):
+    """Column block ``i_b`` of row ``i_r``'s [S_ext | M] (transposed, [BV, K] fp32) through the row's chunks, forward
+    in 16-token steps from its contents (see ``_c16_span_rows``)."""
+    NB: tl.constexpr = BT // BC
+    DT: tl.constexpr = KG.dtype.element_ty
+    o_s = tl.arange(0, BC)
+    o_k = tl.arange(0, BK)
+    # (arithmetic, not tl.where: the compiler then knows the block start is a multiple of BV, so the tile loads
+    # stay vectorised and asynchronous)
+    col = i_b * BV - is_m.to(tl.int32) * BVP + tl.arange(0, BV)
+    ncol = tl.where(is_m, K, V)
+    m_s = (col < ncol)[:, None] & (o_k < K)[None, :]
+    p_s = ((i_r * H + i_h).to(tl.int64) * K + o_k[None, :]) * ncol + col[:, None]  # Sᵀ: row = column
+    start = cs * NB  # the row's first 16-token block (global numbering)
+    forgot = False
+    if FORGET:
+        start, forgot = _forgotten_prefix(DEC + (i_h * NCw - c0).to(tl.int64) * NB, cs * NB, ce * NB, lim, SB)
+    if forgot:  # the row's history before ``start`` is scaled by ≤ 2^lim: S_ext from zero, M = 0
+        St = tl.zeros([BV, BK], dtype=tl.float32)
+    elif is_m:
+        St = tl.load(M + p_s, mask=m_s, other=0.)
+    else:
+        St = tl.load(SE + p_s, mask=m_s, other=0.)
+    if is_m and forgot:
+        start = ce * NB  # M needs no steps: it stays 0
+    m_u = (col < BVP)[None, :] & (i_b * BV < BVP)  # M columns: V' = 0 − W M
+    b0 = (i_h * NCw - c0).to(tl.int64) * NB + start
+    q_kg = KG + (b0 * BC + o_s)[:, None] * BK + o_k[None, :]
+    q_gam = GAM + b0 * BK + o_k
+    q_w = X + (b0 * (2 * BC) + o_s)[:, None] * BK + o_k[None, :]  # −W, the first 16 rows of [−W; qw]
+    if U_RM:
+        q_u = U + b0 * (BVP * U_ROWS) + o_s[:, None] * BVP + col[None, :]  # U [16, BV]
+    else:
+        q_u = U + b0 * (BVP * U_ROWS) + col[None, :] * U_ROWS + o_s[:, None]  # the same from Uᵀ [BVP, 32]
+    eye = _eye(BC).to(DT)
+    for _ in tl.range(start, ce * NB, num_stages=STAGES):
+        # Uᵀ (zero for M's blocks) into the accumulator by the exact product Uᵀ·I (U stored in fp32: as is),
+        # then V'ᵀ = Uᵀ + Sᵀ (−W)ᵀ
+        b_u = tl.trans(tl.load(q_u, mask=m_u, other=0.))
+        if U.dtype.element_ty == tl.float32:
+            acc = b_u
+        else:
+            acc = tl.dot(b_u, eye, input_precision=PREC)
+        vn = tl.dot(St.to(DT), tl.trans(tl.load(q_w)), acc=acc, input_precision=PREC).to(DT)
+        St = St * tl.load(q_gam)[None, :] + tl.dot(vn, tl.load(q_kg), input_precision=PREC)
+        q_kg += BC * BK
+        q_gam += BK
+        q_w += 2 * BC * BK
+        q_u += BVP * U_ROWS
+    if is_m:
+        tl.store(M + p_s, St, mask=m_s)
+    else:
+        tl.store(SE + p_s, St, mask=m_s)
+
+
 @triton.jit(do_not_specialize=['c0', 'NCw', 'H'])
 def _c16_span_rows(
     X, KG, GAM, U, SE, M,
@@ -360,58 +419,83 @@ def _c16_span_rows(
     norm ≤ 2^lim, so the row's M is stored as 0 and its S_ext runs from zero over the suffix alone: what enters
     before b* reaches the row's end scaled by ≤ 2^lim (``SplitConfig.forget_log2``)."""
     i_b, i_r, i_h, cs, ce, live = _span_row_program(row_cs, row_ce, row_m, H, BV, BVP)
-    is_m = i_b * BV >= BVP
     if live:
-        NB: tl.constexpr = BT // BC
-        DT: tl.constexpr = KG.dtype.element_ty
-        o_s = tl.arange(0, BC)
-        o_k = tl.arange(0, BK)
-        # (arithmetic, not tl.where: the compiler then knows the block start is a multiple of BV, so the tile loads
-        # stay vectorised and asynchronous)
-        col = i_b * BV - is_m.to(tl.int32) * BVP + tl.arange(0, BV)
-        ncol = tl.where(is_m, K, V)
-        m_s = (col < ncol)[:, None] & (o_k < K)[None, :]
-        p_s = ((i_r * H + i_h).to(tl.int64) * K + o_k[None, :]) * ncol + col[:, None]  # Sᵀ: row = column
-        start = cs * NB  # the row's first 16-token block (global numbering)
-        forgot = False
-        if FORGET:
-            start, forgot = _forgotten_prefix(DEC + (i_h * NCw - c0).to(tl.int64) * NB, cs * NB, ce * NB, lim, SB)
-        if forgot:  # the row's history before ``start`` is scaled by ≤ 2^lim: S_ext from zero, M = 0
-            St = tl.zeros([BV, BK], dtype=tl.float32)
-        elif is_m:
-            St = tl.load(M + p_s, mask=m_s, other=0.)
-        else:
-            St = tl.load(SE + p_s, mask=m_s, other=0.)
-        if is_m and forgot:
-            start = ce * NB  # M needs no steps: it stays 0
-        m_u = (col < BVP)[None, :] & (i_b * BV < BVP)  # M columns: V' = 0 − W M
-        b0 = (i_h * NCw - c0).to(tl.int64) * NB + start
-        q_kg = KG + (b0 * BC + o_s)[:, None] * BK + o_k[None, :]
-        q_gam = GAM + b0 * BK + o_k
-        q_w = X + (b0 * (2 * BC) + o_s)[:, None] * BK + o_k[None, :]  # −W, the first 16 rows of [−W; qw]
-        if U_RM:
-            q_u = U + b0 * (BVP * U_ROWS) + o_s[:, None] * BVP + col[None, :]  # U [16, BV]
-        else:
-            q_u = U + b0 * (BVP * U_ROWS) + col[None, :] * U_ROWS + o_s[:, None]  # the same from Uᵀ [BVP, 32]
-        eye = _eye(BC).to(DT)
-        for _ in tl.range(start, ce * NB, num_stages=STAGES):
-            # Uᵀ (zero for M's blocks) into the accumulator by the exact product Uᵀ·I (U stored in fp32: as is),
-            # then V'ᵀ = Uᵀ + Sᵀ (−W)ᵀ
-            b_u = tl.trans(tl.load(q_u, mask=m_u, other=0.))
-            if U.dtype.element_ty == tl.float32:
-                acc = b_u
-            else:
-                acc = tl.dot(b_u, eye, input_precision=PREC)
-            vn = tl.dot(St.to(DT), tl.trans(tl.load(q_w)), acc=acc, input_precision=PREC).to(DT)
-            St = St * tl.load(q_gam)[None, :] + tl.dot(vn, tl.load(q_kg), input_precision=PREC)
-            q_kg += BC * BK
-            q_gam += BK
-            q_w += 2 * BC * BK
-            q_u += BVP * U_ROWS
-        if is_m:
-            tl.store(M + p_s, St, mask=m_s)
-        else:
-            tl.store(SE + p_s, St, mask=m_s)
+        _span_fwd(X, KG, GAM, U, SE, M, i_b, i_r, i_h, cs, ce, i_b * BV >= BVP, c0, NCw, H, K, V, BT, BC, BK, BV,
+                  BVP, PREC, STAGES, U_RM, U_ROWS, DEC, lim, FORGET, SB)
+
+
+@triton.jit
+def _span_rev(X, KG, GAM, U, SE, M, i_b, i_r, i_h, cs, ce, c0, NCw, H, K: tl.constexpr, V: tl.constexpr,
+              BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BVP: tl.constexpr, BR: tl.constexpr,
+              PREC: tl.constexpr, STAGES: tl.constexpr, U_RM: tl.constexpr, U_ROWS: tl.constexpr, DEC, lim,
+              FORGET: tl.constexpr, SB: tl.constexpr):
+    """Rows [i_b·BR, i_b·BR + BR) of a span row's (M, S_ext) from [0 | I], by the chain run BACKWARDS from the
+    row's last block: with A_b = Diag(γ_b) − kg_bᵀ W_b (a block's transition) and R = A_n ⋯ A_{b+1},
+        Y = R kg_bᵀ,  S_ext += Y U_b,  R ← R Diag(γ_b) − Y W_b,
+    so that at the row's first block R = M and S_ext = Σ_b A_n ⋯ A_{b+1} kg_bᵀ U_b (the state from zero). Rows of R
+    are independent, and S_ext is only accumulated: three [BR, 16]-wide products per step against the forward
+    chain's four (two on S_ext, two on M). ``FORGET`` as in ``_c16_span_rows``: the chain stops at b*, M = 0."""
+    NB: tl.constexpr = BT // BC
+    DT: tl.constexpr = KG.dtype.element_ty
+    o_s = tl.arange(0, BC)
+    o_k = tl.arange(0, BK)
+    o_v = tl.arange(0, BVP)
+    rows = i_b * BR + tl.arange(0, BR)
+    start = cs * NB
+    forgot = False
+    if FORGET:
+        start, forgot = _forgotten_prefix(DEC + (i_h * NCw - c0).to(tl.int64) * NB, cs * NB, ce * NB, lim, SB)
+    R = tl.where(rows[:, None] == o_k[None, :], 1.0, 0.0)  # [BR, BK] fp32: rows of A_n ⋯ A_{b+1}, from I
+    E = tl.zeros([BR, BVP], dtype=tl.float32)
+    b1 = (i_h * NCw - c0).to(tl.int64) * NB + ce * NB - 1  # the row's last block
+    q_kg = KG + (b1 * BC + o_s)[:, None] * BK + o_k[None, :]
+    q_gam = GAM + b1 * BK + o_k
+    q_w = X + (b1 * (2 * BC) + o_s)[:, None] * BK + o_k[None, :]  # −W, the first 16 rows of [−W; qw]
+    if U_RM:
+        q_u = U + b1 * (BVP * U_ROWS) + o_s[:, None] * BVP + o_v[None, :]  # U [16, BVP]
+    else:
+        q_u = U + b1 * (BVP * U_ROWS) + o_v[None, :] * U_ROWS + o_s[:, None]  # the same from Uᵀ [BVP, 32]
+    for _ in tl.range(start, ce * NB, num_stages=STAGES):
+        y = tl.dot(R.to(DT), tl.trans(tl.load(q_kg)), input_precision=PREC).to(DT)  # [BR, 16]
+        E = tl.dot(y, tl.load(q_u), acc=E, input_precision=PREC)
+        R = R * tl.load(q_gam)[None, :] + tl.dot(y, tl.load(q_w), input_precision=PREC)
+        q_kg -= BC * BK
+        q_gam -= BK
+        q_w -= 2 * BC * BK
+        q_u -= BVP * U_ROWS
+    if forgot:
+        R = tl.zeros([BR, BK], dtype=tl.float32)
+    base = (i_r * H + i_h).to(tl.int64) * K + rows[:, None]
+    m_r = rows[:, None] < K
+    tl.store(M + base * K + o_k[None, :], R, mask=m_r & (o_k < K)[None, :])
+    tl.store(SE + base * V + o_v[None, :], E, mask=m_r & (o_v < V)[None, :])
+
+
+@triton.jit(do_not_specialize=['c0', 'NCw', 'H'])
+def _c16_span_rows_rev(
+    X, KG, GAM, U, SE, M,
+    row_cs, row_ce, row_m, c0, NCw,
+    H, K: tl.constexpr, V: tl.constexpr,
+    BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BVP: tl.constexpr, BR: tl.constexpr,
+    PREC: tl.constexpr, STAGES: tl.constexpr, U_RM: tl.constexpr, U_ROWS: tl.constexpr = 32,
+    DEC=None, lim=0.0, FORGET: tl.constexpr = False, SB: tl.constexpr = 256,
+):
+    """``_c16_span_rows``'s results with the affine rows (``row_m[r] != 0``, which the split starts from [0 | I])
+    computed by the backward chain of ``_span_rev``, BR rows of (M, S_ext) per program; a row without M (the
+    piece's first, run from its known entry state) keeps the forward S_ext chain, BV columns per program. Grid
+    (max(BK / BR, BVP / BV), rows·H)."""
+    i_b = tl.program_id(0)
+    i_r = tl.program_id(1) // H
+    i_h = tl.program_id(1) % H
+    cs = tl.load(row_cs + i_r)
+    ce = tl.load(row_ce + i_r)
+    if tl.load(row_m + i_r) != 0:
+        if (cs < ce) & (i_b * BR < BK):
+            _span_rev(X, KG, GAM, U, SE, M, i_b, i_r, i_h, cs, ce, c0, NCw, H, K, V, BT, BC, BK, BVP, BR, PREC,
+                      STAGES, U_RM, U_ROWS, DEC, lim, FORGET, SB)
+    elif (cs < ce) & (i_b * BV < BVP):
+        _span_fwd(X, KG, GAM, U, SE, M, i_b, i_r, i_h, cs, ce, i_b < 0, c0, NCw, H, K, V, BT, BC, BK, BV, BVP,
+                  PREC, STAGES, U_RM, U_ROWS, DEC, lim, FORGET, SB)
 
 
 class C16Config:
@@ -454,6 +538,10 @@ class C16Config:
     # programs hold one SM each. H200, same process (knob_ab, 3 × 3 rounds, session 24): 12.28–12.82 ms against
     # 12.71–13.61 at 64 / 8 stages; 128 at 8 stages 12.36–13.25, at 8 warps 12.71–13.77
     span_bv = 128
+    # the affine rows (M, S_ext) by the backward chain (``_c16_span_rows_rev``): three products per 16-token step on
+    # span_rev_rows rows of both instead of two on each of S_ext and M (three quarters of the forward chain's work)
+    span_reverse = True
+    span_rev_rows = 64
     span_warps: int | None = None  # the span pass's warps and stages (None: ``state_warps`` / ``state_stages``)
     span_stages: int | None = 4
     # ``FwdConfig.inference_flow = "auto"`` takes this flow from this many state-pass programs (B·H·V / state_bv)
@@ -627,7 +715,9 @@ def launch_c16_span(bufs: dict, SE: torch.Tensor, Mt: torch.Tensor, rows: dict, 
     """``_c16_span_rows`` over the window of mode-2 or mode-3 buffers that starts at chunk c0: ``SE [Q, R, H, K,
     V]`` and ``Mt [Q, R, H, K, K]`` (fp32, updated in place), ``rows`` the int32 tables row_cs, row_ce, row_m [Q·R].
     ``forget_log2``: rows drop the history that their decay bound scales by ≤ 2^−forget_log2 (the buffers need
-    the prep's bounds: ``alloc_c16_buffers(..., decay_bound=True)``); None: every row runs its whole range."""
+    the prep's bounds: ``alloc_c16_buffers(..., decay_bound=True)``); None: every row runs its whole range.
+    With ``C16Config.span_reverse`` (the default) the rows that have an M run ``_c16_span_rows_rev``'s backward
+    chain and must hold [0 | I] (as the split's do); the others keep their contents' forward chain."""
     if _mode() not in (2, 3):
         raise ValueError(f"C16Config.mode: the 16-token span pass reads mode 2's or 3's buffers, got mode {_mode()}")
     if forget_log2 is not None and ("DEC" not in bufs or not forget_log2 > 0):
@@ -637,12 +727,16 @@ def launch_c16_span(bufs: dict, SE: torch.Tensor, Mt: torch.Tensor, rows: dict, 
     cap = 64 if bufs["X"].dtype == torch.float32 else BVP  # (see ``C16Config.span_bv``)
     bv = min(C16Config.span_bv, cap, BVP, BK)
     stages = state_stages(_or_none(C16Config.span_stages, C16Config.state_stages), bufs["X"].dtype)
-    _c16_span_rows[((BVP + BK) // bv, rows["row_cs"].numel() * H)](
-        bufs["X"], bufs["KG"], bufs["GAM"], bufs["U"], SE, Mt, rows["row_cs"], rows["row_ce"], rows["row_m"],
-        c0, bufs["X"].shape[1], H, K, V, BT=BT, BC=BC, BK=BK, BV=bv, BVP=BVP,
-        PREC=dot_precision(bufs["X"].dtype), STAGES=stages,
-        U_RM=_u_form()[1], U_ROWS=BC if _mode() == 3 else 2 * BC,
-        DEC=bufs.get("DEC"), lim=-float(forget_log2 or 0.0), FORGET=forget_log2 is not None,
-        num_warps=_or_none(C16Config.span_warps, C16Config.state_warps),
-        num_stages=1, **ptxas_kw(C16Config.ptxas_options),
-    )
+    args = (bufs["X"], bufs["KG"], bufs["GAM"], bufs["U"], SE, Mt, rows["row_cs"], rows["row_ce"], rows["row_m"],
+            c0, bufs["X"].shape[1], H, K, V)
+    kw = dict(BT=BT, BC=BC, BK=BK, BV=bv, BVP=BVP, PREC=dot_precision(bufs["X"].dtype), STAGES=stages,
+              U_RM=_u_form()[1], U_ROWS=BC if _mode() == 3 else 2 * BC,
+              DEC=bufs.get("DEC"), lim=-float(forget_log2 or 0.0), FORGET=forget_log2 is not None,
+              num_warps=_or_none(C16Config.span_warps, C16Config.state_warps),
+              num_stages=1, **ptxas_kw(C16Config.ptxas_options))
+    R = rows["row_cs"].numel() * H
+    if C16Config.span_reverse:
+        br = min(int(C16Config.span_rev_rows), BK)
+        _c16_span_rows_rev[(max(BK // br, BVP // bv), R)](*args, BR=br, **kw)
+    else:
+        _c16_span_rows[((BVP + BK) // bv, R)](*args, **kw)
