@@ -317,6 +317,11 @@ for mode in eval(sys.argv[1]):
                             dict(K=128, V=128, BT=64, BC=16, BK=128, BV=64, BVP=128, PREC="tf32", STAGES=8,
                                  U_RM=True, U_ROWS=32 if mode == 2 else 16), 4)
         assert "wgmma.mma_async" in span.asm["ptx"] and span.asm["ptx"].count("cp.async.cg") >= 3
+        rev = compile_sm90(c16._c16_span_rows_rev, dict(t, SE="*fp32", M="*fp32", row_cs="*i32", row_ce="*i32",
+                                                            row_m="*i32"),
+                           dict(K=128, V=128, BT=64, BC=16, BK=128, BV=64, BVP=128, BR=64, PREC="tf32", STAGES=4,
+                                U_RM=True, U_ROWS=32 if mode == 2 else 16), 4)
+        assert "wgmma.mma_async" in rev.asm["ptx"] and rev.asm["ptx"].count("cp.async.cg") >= 4
     assert "st.global" in prep.asm["ptx"], mode
 print("compiled", flush=True)
 """

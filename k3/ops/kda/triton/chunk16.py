@@ -540,8 +540,11 @@ class C16Config:
     span_bv = 128
     # the affine rows (M, S_ext) by the backward chain (``_c16_span_rows_rev``): three products per 16-token step on
     # span_rev_rows rows of both instead of two on each of S_ext and M (three quarters of the forward chain's work)
+    # (sm_90, K = V = 128, 4 warps, 4 stages: 210 registers and no spills with the first rows' forward chain at
+    # span_rev_bv = 64 columns; at 128 both kernels take 255 registers and spill ~280 B)
     span_reverse = True
     span_rev_rows = 64
+    span_rev_bv = 64
     span_warps: int | None = None  # the span pass's warps and stages (None: ``state_warps`` / ``state_stages``)
     span_stages: int | None = 4
     # ``FwdConfig.inference_flow = "auto"`` takes this flow from this many state-pass programs (B·H·V / state_bv)
@@ -737,6 +740,7 @@ def launch_c16_span(bufs: dict, SE: torch.Tensor, Mt: torch.Tensor, rows: dict, 
     R = rows["row_cs"].numel() * H
     if C16Config.span_reverse:
         br = min(int(C16Config.span_rev_rows), BK)
+        kw["BV"] = bv = min(bv, C16Config.span_rev_bv)
         _c16_span_rows_rev[(max(BK // br, BVP // bv), R)](*args, BR=br, **kw)
     else:
         _c16_span_rows[((BVP + BK) // bv, R)](*args, **kw)
