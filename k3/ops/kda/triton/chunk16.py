@@ -17,7 +17,9 @@ M ≥ 64, a 16-row step would otherwise run on the older mma.sync — and the se
     V'ᵀ = Uᵀ − Sᵀ Wᵀ,  Oᵀ = Sᵀ qgᵀ + V'ᵀ (scale·A_qk)ᵀ,  Sᵀ ← Sᵀ Diag(γ) + V'ᵀ kg.
 
 ``_c16_span_rows`` — the same step on the extended state [S_ext | M]ᵀ without the output, for the split prefill's
-span summaries (``span.split_prefill_triton`` with ``SplitConfig.flow = "c16"``).
+span summaries (``span.split_prefill_triton`` with ``SplitConfig.flow = "c16"``); ``_c16_span_rows_rev`` (the
+default, ``C16Config.span_reverse``) computes the same (M, S_ext) by the chain run backwards from each segment's end,
+three products per step instead of four (see ``_span_rev``).
 
 In the K3 setting on CUDA (bf16, K = V = 128, mode 2 or 3) ``launch_c16_prep`` runs the same prep written in Gluon
 (``prep_gluon``: layouts chosen so the cumsum and γ stay in registers; 22.6 against 24.8 ms per 1M at H = 32);
