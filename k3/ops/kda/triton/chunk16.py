@@ -739,10 +739,10 @@ def launch_c16_span(bufs: dict, SE: torch.Tensor, Mt: torch.Tensor, rows: dict, 
               DEC=bufs.get("DEC"), lim=-float(forget_log2 or 0.0), FORGET=forget_log2 is not None,
               num_warps=_or_none(C16Config.span_warps, C16Config.state_warps),
               num_stages=1, **ptxas_kw(C16Config.ptxas_options))
-    R = rows["row_cs"].numel() * H
+    n_rows = rows["row_cs"].numel() * H
     if C16Config.span_reverse:
         br = min(int(C16Config.span_rev_rows), BK)
         kw["BV"] = bv = min(bv, C16Config.span_rev_bv)
-        _c16_span_rows_rev[(max(BK // br, BVP // bv), R)](*args, BR=br, **kw)
+        _c16_span_rows_rev[(max(BK // br, BVP // bv), n_rows)](*args, BR=br, **kw)
     else:
-        _c16_span_rows[((BVP + BK) // bv, R)](*args, **kw)
+        _c16_span_rows[((BVP + BK) // bv, n_rows)](*args, **kw)
