@@ -340,6 +340,22 @@ def _forgotten_prefix(DEC, lo, hi, lim, SB: tl.constexpr):
 
 
 @triton.jit
+def _span_tiles(X, KG, GAM, U, b, col, BC: tl.constexpr, BK: tl.constexpr, BVP: tl.constexpr, U_RM: tl.constexpr,
+                U_ROWS: tl.constexpr):
+    """Pointers to block b's span-step operands in the window buffers: −W and kg [16, BK] (−W: the first 16 rows of
+    [−W; qw]), γ [BK], and U's columns ``col`` [16, len(col)] (row-major, or read from Uᵀ [BVP, U_ROWS])."""
+    o_s = tl.arange(0, BC)
+    o_k = tl.arange(0, BK)
+    q_w = X + (b * (2 * BC) + o_s)[:, None] * BK + o_k[None, :]
+    q_kg = KG + (b * BC + o_s)[:, None] * BK + o_k[None, :]
+    if U_RM:
+        q_u = U + b * (BVP * U_ROWS) + o_s[:, None] * BVP + col[None, :]
+    else:
+        q_u = U + b * (BVP * U_ROWS) + col[None, :] * U_ROWS + o_s[:, None]
+    return q_w, q_kg, GAM + b * BK + o_k, q_u
+
+
+@triton.jit
 def _span_fwd(X, KG, GAM, U, SE, M, i_b, i_r, i_h, cs, ce, is_m, c0, NCw, H, K: tl.constexpr, V: tl.constexpr,
               BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BVP: tl.constexpr,
               PREC: tl.constexpr, STAGES: tl.constexpr, U_RM: tl.constexpr, U_ROWS: tl.constexpr, DEC, lim,
@@ -348,7 +364,6 @@ def _span_fwd(X, KG, GAM, U, SE, M, i_b, i_r, i_h, cs, ce, is_m, c0, NCw, H, K: 
     in 16-token steps from its contents (see ``_c16_span_rows``)."""
     NB: tl.constexpr = BT // BC
     DT: tl.constexpr = KG.dtype.element_ty
-    o_s = tl.arange(0, BC)
     o_k = tl.arange(0, BK)
     # (arithmetic, not tl.where: the compiler then knows the block start is a multiple of BV, so the tile loads
     # stay vectorised and asynchronous)
@@ -369,14 +384,8 @@ def _span_fwd(X, KG, GAM, U, SE, M, i_b, i_r, i_h, cs, ce, is_m, c0, NCw, H, K: 
     if is_m and forgot:
         start = ce * NB  # M needs no steps: it stays 0
     m_u = (col < BVP)[None, :] & (i_b * BV < BVP)  # M columns: V' = 0 − W M
-    b0 = (i_h * NCw - c0).to(tl.int64) * NB + start
-    q_kg = KG + (b0 * BC + o_s)[:, None] * BK + o_k[None, :]
-    q_gam = GAM + b0 * BK + o_k
-    q_w = X + (b0 * (2 * BC) + o_s)[:, None] * BK + o_k[None, :]  # −W, the first 16 rows of [−W; qw]
-    if U_RM:
-        q_u = U + b0 * (BVP * U_ROWS) + o_s[:, None] * BVP + col[None, :]  # U [16, BV]
-    else:
-        q_u = U + b0 * (BVP * U_ROWS) + col[None, :] * U_ROWS + o_s[:, None]  # the same from Uᵀ [BVP, 32]
+    q_w, q_kg, q_gam, q_u = _span_tiles(X, KG, GAM, U, (i_h * NCw - c0).to(tl.int64) * NB + start, col, BC, BK,
+                                        BVP, U_RM, U_ROWS)
     eye = _eye(BC).to(DT)
     for _ in tl.range(start, ce * NB, num_stages=STAGES):
         # Uᵀ (zero for M's blocks) into the accumulator by the exact product Uᵀ·I (U stored in fp32: as is),
@@ -439,7 +448,6 @@ def _span_rev(X, KG, GAM, U, SE, M, i_b, i_r, i_h, cs, ce, c0, NCw, H, K: tl.con
     chain's four (two on S_ext, two on M). ``FORGET`` as in ``_c16_span_rows``: the chain stops at b*, M = 0."""
     NB: tl.constexpr = BT // BC
     DT: tl.constexpr = KG.dtype.element_ty
-    o_s = tl.arange(0, BC)
     o_k = tl.arange(0, BK)
     o_v = tl.arange(0, BVP)
     rows = i_b * BR + tl.arange(0, BR)
@@ -449,14 +457,8 @@ def _span_rev(X, KG, GAM, U, SE, M, i_b, i_r, i_h, cs, ce, c0, NCw, H, K: tl.con
         start, forgot = _forgotten_prefix(DEC + (i_h * NCw - c0).to(tl.int64) * NB, cs * NB, ce * NB, lim, SB)
     R = tl.where(rows[:, None] == o_k[None, :], 1.0, 0.0)  # [BR, BK] fp32: rows of A_n ⋯ A_{b+1}, from I
     E = tl.zeros([BR, BVP], dtype=tl.float32)
-    b1 = (i_h * NCw - c0).to(tl.int64) * NB + ce * NB - 1  # the row's last block
-    q_kg = KG + (b1 * BC + o_s)[:, None] * BK + o_k[None, :]
-    q_gam = GAM + b1 * BK + o_k
-    q_w = X + (b1 * (2 * BC) + o_s)[:, None] * BK + o_k[None, :]  # −W, the first 16 rows of [−W; qw]
-    if U_RM:
-        q_u = U + b1 * (BVP * U_ROWS) + o_s[:, None] * BVP + o_v[None, :]  # U [16, BVP]
-    else:
-        q_u = U + b1 * (BVP * U_ROWS) + o_v[None, :] * U_ROWS + o_s[:, None]  # the same from Uᵀ [BVP, 32]
+    last = (i_h * NCw - c0).to(tl.int64) * NB + ce * NB - 1  # the row's last block
+    q_w, q_kg, q_gam, q_u = _span_tiles(X, KG, GAM, U, last, o_v, BC, BK, BVP, U_RM, U_ROWS)
     for _ in tl.range(start, ce * NB, num_stages=STAGES):
         y = tl.dot(R.to(DT), tl.trans(tl.load(q_kg)), input_precision=PREC).to(DT)  # [BR, 16]
         E = tl.dot(y, tl.load(q_u), acc=E, input_precision=PREC)
