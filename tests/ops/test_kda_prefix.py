@@ -383,11 +383,11 @@ def test_split_triton_windows_extreme_gates(monkeypatch, nan_empty):
         assert rel(out[0], exact[0]) <= 1e-4 and rel(out[1], exact[1]) <= 1e-4, name
 
 
-def _k3_call_case(lens: list[int], seed: int = 0, D: int = 16):
+def _k3_call_case(lens: list[int], seed: int = 0, D: int = 16, V: int | None = None):
     """fp32 inputs and the K3 call's keywords (bounded gate fused, in-kernel norms and β), mild gates so states carry
-    across segments, initial states: the 16-token flow's domain. Head dims K = V = D."""
+    across segments, initial states: the 16-token flow's domain. Head dims K = D, V (default D)."""
     cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist())
-    q, k, v, g, b, S0 = make(1, sum(lens), 2, D, D, N=len(lens), seed=seed)
+    q, k, v, g, b, S0 = make(1, sum(lens), 2, D, V or D, N=len(lens), seed=seed)
     kw = dict(initial_state=S0, output_final_state=True, cu_seqlens=cu, use_qk_l2norm_in_kernel=True,
               use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True, lower_bound=-5.0, A_log=torch.zeros(2),
               dt_bias=torch.full((2 * D,), -6.5))  # g ≈ −0.01 per token: long memory
@@ -398,8 +398,8 @@ def _k3_call_case(lens: list[int], seed: int = 0, D: int = 16):
 @pytest.mark.parametrize("P,u_rowmajor,mode", [(2, True, None), (3, True, None), (7, True, None), (2, True, 2),
                                               (7, True, 2), (2, False, 2), (3, False, 2), (7, False, 2)])
 def test_split_c16_matches_unsplit(P, u_rowmajor, mode, monkeypatch, nan_empty):
-    """``SplitConfig.flow = "c16"``: the 16-token prep, span pass (``_c16_span_rows``, [S_ext | M] held transposed)
-    and segmented state pass. Forced splits over small windows (a sequence crossing several, one shorter than a
+    """``SplitConfig.flow = "c16"``: the 16-token prep, span pass (its backward chain, ``_c16_span_rows_rev``, the
+    default) and segmented state pass. Forced splits over small windows (a sequence crossing several, one shorter than a
     segment, one empty) equal the unsplit path to fp32 rounding and the fp64 recurrence to 1e-4; a spy checks that
     the 16-token span pass ran. The library's mode (3), and mode 2 for the split alone (``SplitConfig.c16_mode``;
     the unsplit reference in the library's mode) with both of its storages of U (row-major, transposed)."""
@@ -455,6 +455,27 @@ def test_split_c16_span_column_blocks(span_bv, rev_rows, blocks, monkeypatch, na
         out = chunk_kda(q, k, v, g, b, **kw)
     assert spy.grids and {gr[0] for gr in spy.grids} == {blocks}, spy.grids
     assert rel(out[0], ref[0]) <= 1e-5 and rel(out[1], ref[1]) <= 1e-5
+
+
+@triton_only
+@pytest.mark.parametrize("K,V,rev_rows", [(32, 16, 16), (16, 48, 64), (24, 40, 16)])
+def test_split_c16_backward_chain_head_dims(K, V, rev_rows, monkeypatch, nan_empty):
+    """The span pass's backward chain at K ≠ V, with padded head dims (24 → 32, 40 / 48 → 64: rows of M and S_ext
+    past K and columns past V are masked) and several row blocks per affine row (``span_rev_rows`` 16 at K = 32):
+    forced 3 segments over a varlen batch equal the unsplit path to fp32 rounding and the fp64 recurrence to 1e-4."""
+    from k3.ops.kda.triton import chunk16, span
+
+    monkeypatch.setenv("K3_KDA_BACKEND", "triton")
+    monkeypatch.setattr(span.SplitConfig, "flow", "c16")
+    monkeypatch.setattr(chunk16.C16Config, "span_rev_rows", rev_rows)
+    (q, k, v, g, b), kw = _k3_call_case([230, 90], D=K, V=V)
+    spy = KernelSpy(chunk16._c16_span_rows_rev)
+    monkeypatch.setattr(chunk16, "_c16_span_rows_rev", spy)
+    ref, out, _ = _unsplit_then_split(monkeypatch, 3, (q, k, v, g, b), kw)
+    exact = _fp64_reference(q, k, v, g, b, kw["cu_seqlens"], kw["initial_state"], **kw)
+    assert spy.grids, "the backward chain did not run"
+    assert rel(out[0], ref[0]) <= 1e-5 and rel(out[1], ref[1]) <= 1e-5
+    assert rel(out[0], exact[0]) <= 1e-4 and rel(out[1], exact[1]) <= 1e-4
 
 
 @triton_only
