@@ -497,7 +497,7 @@ def _c16_span_rows_rev(
         if (cs < ce) & (i_b * BR < BK):
             _span_rev(X, KG, GAM, U, SE, M, i_b, i_r, i_h, cs, ce, c0, NCw, H, K, V, BT, BC, BK, BVP, BR, PREC,
                       STAGES, U_RM, U_ROWS, DEC, lim, FORGET, SB)
-    elif (cs < ce) & (i_b * BV < BVP):
+    elif (cs < ce) & (i_b * BV < BVP):  # S_ext columns only (``is_m`` False, as a tensor: ``i_b < 0``)
         _span_fwd(X, KG, GAM, U, SE, M, i_b, i_r, i_h, cs, ce, i_b < 0, c0, NCw, H, K, V, BT, BC, BK, BV, BVP,
                   PREC, STAGES, U_RM, U_ROWS, DEC, lim, FORGET, SB)
 
@@ -733,6 +733,8 @@ def launch_c16_span(bufs: dict, SE: torch.Tensor, Mt: torch.Tensor, rows: dict, 
     BK, BVP = bufs["X"].shape[-1], next_pow2(V)
     cap = 64 if bufs["X"].dtype == torch.float32 else BVP  # (see ``C16Config.span_bv``)
     bv = min(C16Config.span_bv, cap, BVP, BK)
+    if C16Config.span_reverse:  # its forward columns (a piece's first row) are capped: no spills (``C16Config``)
+        bv = min(bv, C16Config.span_rev_bv)
     stages = state_stages(_or_none(C16Config.span_stages, C16Config.state_stages), bufs["X"].dtype)
     args = (bufs["X"], bufs["KG"], bufs["GAM"], bufs["U"], SE, Mt, rows["row_cs"], rows["row_ce"], rows["row_m"],
             c0, bufs["X"].shape[1], H, K, V)
@@ -744,7 +746,6 @@ def launch_c16_span(bufs: dict, SE: torch.Tensor, Mt: torch.Tensor, rows: dict, 
     n_rows = rows["row_cs"].numel() * H
     if C16Config.span_reverse:
         br = min(int(C16Config.span_rev_rows), BK)
-        kw["BV"] = bv = min(bv, C16Config.span_rev_bv)
         _c16_span_rows_rev[(max(BK // br, BVP // bv), n_rows)](*args, BR=br, **kw)
     else:
         _c16_span_rows[((BVP + BK) // bv, n_rows)](*args, **kw)
