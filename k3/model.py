@@ -339,10 +339,12 @@ class K3ForCausalLM(nn.Module):
 
     def load_imbalance(self) -> float:
         """max / mean expert load of the last training forward, worst MoE layer (NaN before any)."""
-        loads = [m.last_load.float() for m in self.moe_layers() if m.last_load is not None]
+        loads = [m.last_load.float() for m in self.moe_layers()]
         if not loads:
             return float("nan")
         L = torch.stack(loads)
+        if not bool(L.sum(1).gt(0).any()):  # no training forward yet
+            return float("nan")
         return float((L.max(1).values / L.mean(1).clamp(min=1e-9)).max())
 
     # --- released checkpoints (k3.ckpt.released) ------------------------------------------------------------------
