@@ -607,7 +607,8 @@ def _train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, data: _Data,
     grad_norm = clip_grad_norm(model.parameters(), args.grad_clip)
     opt.step()
     opt.zero_grad(set_to_none=True)
-    model.qb_step(group=d.group("dp_cp"))  # once per optimizer step (pooled histograms): the bias from the next step on
+    # once per optimizer step, histograms pooled over the ranks that saw different tokens: the bias from the next step
+    model.qb_step(group=d.group("dp_cp") if ranks > 1 else None)
     if ranks > 1:
         torch.distributed.all_reduce(sums, group=d.group("dp_cp"))
     loss_sum, count, correct, scored = sums.tolist()

@@ -49,7 +49,7 @@ def _loop_mm_bwd(grad: torch.Tensor, a: torch.Tensor, b: torch.Tensor, offs: tor
                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(da, db)`` of ``out = a·b`` per group: da = grad·b[e]ᵀ, db[e] = a_eᵀ·grad_e (zero for empty groups)."""
     da = _loop(grad, b.transpose(-2, -1), offs)
-    db = torch.zeros_like(b)
+    db = torch.zeros(b.shape, dtype=b.dtype, device=b.device)  # contiguous, as the fake impl says
     start = 0
     for e, end in enumerate(offs.tolist()):
         if end > start:
