@@ -344,6 +344,12 @@ def bench_paths(config: K3Config, a: Any, d: Any, peak: float, save: Callable[[l
                 row["graph_breaks"] = int(sum(du.counters["graph_break"].values()))
         except torch.cuda.OutOfMemoryError as e:
             row["error"] = f"out of memory: {str(e).splitlines()[0][:200]}"
+        except Exception as e:  # one broken path must not hide the others' numbers
+            import traceback
+
+            row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+            row["traceback"] = traceback.format_exc()[-4000:]
+            print(row["traceback"], file=sys.stderr, flush=True)
         print(json.dumps({k: v for k, v in row.items() if k not in ("profile", "ms_all", "flops")}), flush=True)
         rows.append(row)
         save(rows)  # after every path: a run cut short by a time limit keeps what it measured
