@@ -241,6 +241,44 @@ def bench_prefill(tokens: list[int], chunk: int, device: str, preset: str = "sma
     return rows
 
 
+def bench_prefill_forms(L: int, T: int, device: str, H: int = 8, n: int = 64, r: int = 32, v: int = 128,
+                        c: int = 256) -> list[dict]:
+    """One piece of T queries at the end of an L-token cache, both forms at ``small``'s dims: expanded (re-expand
+    the cache, flash attention per segment) vs absorbed (the decode kernel with T·H query rows)."""
+    from k3.ops.mla import mla_decode, mla_prefill
+
+    dt = torch.bfloat16 if device == "cuda" else torch.float32
+    torch.manual_seed(0)
+    buf = torch.randn(1, L, c + r, device=device, dtype=dt)
+    w = (torch.randn(H * (n + v), c, device=device) / c**0.5).to(dt)
+    q = torch.randn(1, T, H, n + r, device=device, dtype=dt)
+    start = torch.tensor([L - T], dtype=torch.int32, device=device)
+    lengths = start + T
+    scale = (n + r) ** -0.5
+    wv = w.view(H, n + v, c)
+
+    def absorbed():
+        q_lat = torch.einsum("bthn,hnc->bthc", q[..., :n], wv[:, :n]).contiguous()
+        o_lat = mla_decode(q_lat, q[..., n:].contiguous(), buf, None, lengths, scale)
+        return torch.einsum("bthc,hvc->bthv", o_lat, wv[:, n:])
+
+    def expanded():
+        return mla_prefill(q, buf, None, start, w, n, v, scale)
+
+    pairs = T * (L - T) + T * (T + 1) / 2
+    rows = []
+    with torch.no_grad():
+        err = _rel(absorbed(), expanded())
+        for name, fn, per_pair in (("expanded (ours)", expanded, n + r + v), ("absorbed", absorbed, 2 * c + r)):
+            ms = _ms(fn)
+            row = dict(section="prefill_form", form=name, L=L, T=T, H=H, ms=ms,
+                       TFLOPs=2 * pairs * H * per_pair / ms * 1e-9, rel_vs_other=err)
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    _free()
+    return rows
+
+
 # ------------------------------------------------------------------------------------------------------- report
 def _fmt(v) -> str:
     if isinstance(v, float):
@@ -271,6 +309,10 @@ def markdown(header: dict, rows: list[dict]) -> str:
     if pre:
         parts.append("## Chunked prefill, one MLA layer\n\n" + _table(
             pre, ["preset", "tokens", "chunk", "s", "attn_TFLOPs", "peak_extra_GiB", "cache_GiB", "error"]))
+    form = [r for r in rows if r["section"] == "prefill_form"]
+    if form:
+        parts.append("## One prefill chunk over a cache: expanded vs absorbed form (`small` dims)\n\n" + _table(
+            form, ["form", "L", "T", "ms", "TFLOPs", "rel_vs_other"]))
     return "\n\n".join(parts) + "\n"
 
 
@@ -314,8 +356,10 @@ def main(argv: list[str] | None = None) -> int:
                 rows += bench_decode({"small": (8, 256, 32), "k3": (96, 512, 64)}, [1, 8, 64],
                                      [4096, 32768, 131072], device)
         else:
-            rows += bench_prefill([40], 16, device, "tiny") if a.smoke else bench_prefill(a.prefill_tokens,
-                                                                                         a.chunk, device)
+            if a.smoke:
+                rows += bench_prefill([40], 16, device, "tiny") + bench_prefill_forms(40, 16, device, 2, 8, 8, 16, 16)
+            else:
+                rows += bench_prefill(a.prefill_tokens, a.chunk, device) + bench_prefill_forms(131072, 4096, device)
     out = a.out or os.path.join(os.environ.get("OUT", "bench/results"), "mla")
     os.makedirs(out, exist_ok=True)
     from k3.utils import atomic_write_text

@@ -175,8 +175,8 @@ def small_layer(seed: int = 0) -> GatedMLA:
 
 @gpu
 def test_mla_small_bf16_one_call_pieces_tokens_agree() -> None:
-    """`small`'s dims on the GPU kernels: one call (flash), pieces (chunked prefill, segments of 128 tokens so the
-    merge runs; absorbed decode for the short ones) and one token at a time (absorbed) agree within bf16."""
+    """`small`'s dims on the GPU kernels: one call (flash), pieces (chunked prefill for the long ones, absorbed
+    decode for the short ones) and one token at a time (absorbed) agree within bf16."""
     layer = small_layer()
     x = torch.randn(2, 300, 1024, device="cuda", dtype=torch.bfloat16)
     with torch.no_grad():
