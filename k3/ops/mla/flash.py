@@ -354,12 +354,13 @@ def flash_attention_bwd(do: torch.Tensor, dlse: torch.Tensor | None, q: torch.Te
                         shift: torch.Tensor | None = None, shift0: int = 0
                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients ``(dq, dk, dv)`` of ``flash_attention_fwd`` for output gradients ``do`` (and ``dlse`` or None)."""
+    grads = [torch.empty_like(t) for t in (q, k, v)]  # the strides the fake op promises
+    dq, dk, dv = _last_contig(*grads)  # the kernels store rows with unit column stride
     q, k, v, o, do = _last_contig(q, k, v, o, do)
     B, T, H, _ = q.shape
     L = k.shape[1]
-    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     if B * H == 0 or T == 0 or L == 0:
-        return dq.zero_(), dk.zero_(), dv.zero_()
+        return tuple(g.zero_() for g in grads)
     dims = _dims(q, v)
     delta = torch.empty(B, H, T, dtype=torch.float32, device=q.device)
     has_dlse = dlse is not None
@@ -377,4 +378,7 @@ def flash_attention_bwd(do: torch.Tensor, dlse: torch.Tensor | None, q: torch.Te
         attn_bwd_dq_kernel[lambda m: (triton.cdiv(T, m["BM"]), B * H)](
             q, k, v, do, lse, delta, dq, shift_t, *common, *dq.stride()[:3], scale * RCP_LN2, scale,
             HAS_SHIFT=has_shift, **dims)
-    return dq, dk, dv
+    for g, w in zip(grads, (dq, dk, dv)):
+        if g is not w:
+            g.copy_(w)
+    return tuple(grads)
