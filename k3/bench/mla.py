@@ -98,7 +98,8 @@ def _flex(T: int, device: str):
     return fn
 
 
-def bench_train(T: int, H: int, Dqk: int, Dv: int, device: str, skip: set[str]) -> list[dict]:
+def bench_train(T: int, H: int, Dqk: int, Dv: int, device: str, skip: set[str],
+                deadline: float = float("inf")) -> list[dict]:
     from k3.ops.mla import attention
 
     dt = torch.bfloat16 if device == "cuda" else torch.float32
@@ -125,6 +126,10 @@ def bench_train(T: int, H: int, Dqk: int, Dv: int, device: str, skip: set[str]) 
     rows = []
     for name, fn in variants:
         row: dict = dict(section="train", variant=name, T=T, H=H, Dqk=Dqk, Dv=Dv, dtype=str(dt))
+        if time.monotonic() > deadline:
+            row["error"] = "skipped: --budget-s reached"
+            rows.append(row)
+            continue
         try:
             o = fn(q, k, v, scale)
             g = torch.autograd.grad(o, [q, k, v], do)
@@ -324,6 +329,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prefill-tokens", type=int, nargs="+", default=[131072, 1048576])
     ap.add_argument("--chunk", type=int, default=65536, help="prefill chunk length")
     ap.add_argument("--smoke", action="store_true", help="tiny CPU shapes: check the script, no timing claims")
+    ap.add_argument("--budget-s", type=float, default=None,
+                    help="start no new section or train variant after this many seconds (rows so far are kept)")
     a = ap.parse_args(argv)
     sections = [s for s in a.sections.split(",") if s]
     if not sections or any(s not in SECTIONS for s in sections):
@@ -345,10 +352,13 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps(header), flush=True)
     skip = set(a.skip.split(","))
     rows: list[dict] = []
+    deadline = time.monotonic() + (a.budget_s if a.budget_s is not None else float("inf"))
     for s in sections:
-        if s == "train":
-            rows += bench_train(64, 2, 24, 16, device, skip) if a.smoke else bench_train(8192, 96, 192, 128, device,
-                                                                                        skip)
+        if time.monotonic() > deadline:
+            rows.append(dict(section=s, error="skipped: --budget-s reached"))
+        elif s == "train":
+            rows += bench_train(64, 2, 24, 16, device, skip, deadline) if a.smoke else \
+                bench_train(8192, 96, 192, 128, device, skip, deadline)
         elif s == "decode":
             if a.smoke:
                 rows += bench_decode({"tiny": (2, 16, 8)}, [1, 2], [40], device)

@@ -22,6 +22,7 @@ from k3.ops.mla import attention, attention_ref, expand_latent, mla_decode, mla_
 from k3.ops.mla.flash import head_blocks  # noqa: E402
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+cpu_only = pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter-sized fp32 cases (the GPU runs bf16)")
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 
@@ -62,12 +63,13 @@ def _check_attention(B, T, L, H, D, Dv, shift, dtype, tol, scale=0.3):
         assert torch.isfinite(a).all() and rel(a, b) < tol, name
 
 
-# ------------------------------------------------------------------- fp32 (CPU: the interpreter; GPU: IEEE dots)
+# ------------------------------------------------------------------------------------------------- CPU (interpreter)
 def test_head_blocks() -> None:
     assert head_blocks(192) == (128, 64) and head_blocks(96) == (64, 32) and head_blocks(128) == (128, 0)
     assert head_blocks(10) == (16, 0) and head_blocks(24) == (16, 16) and head_blocks(100) == (64, 64)
 
 
+@cpu_only
 @pytest.mark.parametrize("B,T,L,H,D,Dv,shift", [
     (2, 37, 37, 2, 24, 5, None),  # causal, odd length, two column blocks (16 + 8 of 16), v padded
     (1, 20, 45, 2, 48, 32, [25]),  # the last T of L keys (32 + 16 exact)
@@ -77,6 +79,7 @@ def test_flash_attention_interpreter(triton_backend, B, T, L, H, D, Dv, shift) -
     _check_attention(B, T, L, H, D, Dv, shift, torch.float32, 1e-5)
 
 
+@cpu_only
 @pytest.mark.parametrize("B,T,H,c,r,lens,slots,splits", [
     (2, 1, 3, 10, 4, [1, 17], [2, 0], None),  # one query, lengths 1 and 17, a pool of 3
     (3, 4, 5, 24, 8, [4, 17, 33], [1, 3, 0], 4),  # T = 4 (causal among them), 20 rows = 2 groups, split-K
@@ -107,6 +110,7 @@ def _prefill_ref(q, buf, slots, start, w, n, v, scale):
     return attention_ref(q.float(), k, vv, scale, start.long())[0]
 
 
+@cpu_only
 @pytest.mark.parametrize("segment", [8, None])
 def test_mla_prefill_segments_interpreter(triton_backend, segment) -> None:
     """Segments of 8 keys (several merges, one segment past row 0's length) equal one attention over the cache;

@@ -42,8 +42,14 @@ SPLIT_ALIGN = 16 if _INTERPRET else 64  # split boundaries: multiples of every B
 def _configs() -> list[triton.Config]:
     if _INTERPRET:
         return [triton.Config({"BH": 16, "BN": 16}, num_warps=4, num_stages=1)]
-    pairs = [(16, 64, 4, 2), (16, 32, 4, 3), (32, 32, 4, 3), (32, 64, 8, 2), (64, 32, 8, 2), (64, 64, 8, 2)]
+    pairs = [(16, 64, 4, 2), (16, 32, 4, 3), (32, 32, 4, 3), (32, 64, 8, 2), (64, 32, 8, 2)]
     return [triton.Config({"BH": bh, "BN": bn}, num_warps=w, num_stages=s) for bh, bn, w, s in pairs]
+
+
+def _prune(configs: list[triton.Config], named_args: dict, **kwargs) -> list[triton.Config]:
+    """Row groups larger than the rows there are only add padding: keep BH ≤ max(16, next_pow2(T·H))."""
+    cap = max(16, triton.next_power_of_2(named_args["TH"]))
+    return [c for c in configs if c.kwargs["BH"] <= cap] or configs[:1]
 
 
 @triton.jit
@@ -54,7 +60,8 @@ def _split_range(length, i_s, NUM_SPLITS, min_split, ALIGN: tl.constexpr):
     return lo, tl.minimum(length, lo + split_len), split_len
 
 
-@triton.autotune(configs=_configs(), key=["TH", "CR", "RR", "NUM_SPLITS", "PREC"])
+@triton.autotune(configs=_configs(), key=["TH", "CR", "RR", "NUM_SPLITS", "PREC"],
+                 prune_configs_by={"early_config_prune": _prune})
 @triton.jit
 def mla_decode_split_kernel(q_lat, q_pe, buf, slots, lengths, o_part, lse_part, T, H, TH, NUM_SPLITS, min_split,
                             s_qb, s_qt, s_qh, s_pb, s_pt, s_ph, s_bp, s_bn, qk_scale,
