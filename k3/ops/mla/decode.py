@@ -165,7 +165,7 @@ def _check_decode(q_lat: torch.Tensor, q_pe: torch.Tensor, buf: torch.Tensor, sl
                          f"{tuple(slots.shape)} on {slots.device}")
     if buf.stride(-1) != 1 or q_lat.stride(-1) != 1 or q_pe.stride(-1) != 1:
         raise ValueError("buf, q_lat and q_pe must have a contiguous last dimension")
-    if lengths.device.type == "cpu" and B > 0:  # values are checked only where that costs no device sync
+    if lengths.device.type == "cpu" and B > 0 and not torch.compiler.is_compiling():  # no device sync: CPU only
         lo, hi = int(lengths.min()), int(lengths.max())
         if lo < T or hi > buf.shape[1]:
             raise ValueError(f"lengths must be in [T={T}, capacity={buf.shape[1]}], got {lengths.tolist()}")
@@ -194,6 +194,13 @@ def mla_decode(q_lat: torch.Tensor, q_pe: torch.Tensor, buf: torch.Tensor, slots
     _check_decode(q_lat, q_pe, buf, slots, lengths)
     if not use_triton(q_lat):
         return mla_decode_ref(q_lat, q_pe, buf, slots, lengths, scale)
+    return _mla_decode_op(q_lat, q_pe, buf, slots, lengths, float(scale), num_splits, int(min_split))
+
+
+@torch.library.custom_op("k3::mla_decode", mutates_args=())
+def _mla_decode_op(q_lat: torch.Tensor, q_pe: torch.Tensor, buf: torch.Tensor, slots: torch.Tensor | None,
+                   lengths: torch.Tensor, scale: float, num_splits: int | None, min_split: int) -> torch.Tensor:
+    """The Triton launches as one opaque op: ``torch.compile`` of a decode step keeps it as a graph node."""
     B, T, H, CR = q_lat.shape
     RR = q_pe.shape[-1]
     TH = T * H
@@ -216,3 +223,8 @@ def mla_decode(q_lat: torch.Tensor, q_pe: torch.Tensor, buf: torch.Tensor, slots
             o_part, lse_part, lengths, out, T, H, TH, NS, min_split, *out.stride()[:3], CR=CR, C=C,
             ALIGN=SPLIT_ALIGN, BR=BR, num_warps=4)
     return out
+
+
+@_mla_decode_op.register_fake
+def _(q_lat, q_pe, buf, slots, lengths, scale, num_splits, min_split):
+    return torch.empty_like(q_lat, memory_format=torch.contiguous_format)
