@@ -29,6 +29,7 @@ import triton.language as tl
 from k3.ops._device import on_device_of
 from k3.ops.kda.triton._common import RCP_LN2, sm_count
 from k3.ops.mla.attention import use_triton
+from k3.ops.mla.flash import load_tile
 from k3.ops.mla.naive import mla_decode_ref
 
 __all__ = ["mla_decode", "num_splits_for"]
@@ -94,11 +95,10 @@ def mla_decode_split_kernel(q_lat, q_pe, buf, slots, lengths, o_part, lse_part, 
     for start_n in range(lo, hi, BN):
         o_n = start_n + tl.arange(0, BN)
         m_n = o_n < hi
-        row = base + o_n[:, None].to(tl.int64) * s_bn
-        kc = tl.load(row + o_c[None, :], mask=m_n[:, None] & (o_c[None, :] < CR), other=0.0)
+        kc = load_tile(base, o_n, o_c, s_bn, hi, CR, True, C > CR)
         s = tl.dot(qc, tl.trans(kc), input_precision=PREC)
         if RR > 0:
-            kr = tl.load(row + CR + o_rr[None, :], mask=m_n[:, None] & (o_rr[None, :] < RR), other=0.0)
+            kr = load_tile(base + CR, o_n, o_rr, s_bn, hi, RR, True, R > RR)
             s += tl.dot(qr, tl.trans(kr), input_precision=PREC)
         s = tl.where((o_n[None, :] <= pos_q[:, None]) & m_n[None, :], s * qk_scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
