@@ -74,7 +74,7 @@ def mla_decode_split_kernel(q_lat, q_pe, buf, slots, lengths, o_part, lse_part, 
     slot = i_b.to(tl.int64)
     if HAS_SLOTS:
         slot = tl.load(slots + i_b).to(tl.int64)
-    lo, hi, split_len = _split_range(length, i_s, NUM_SPLITS, min_split, ALIGN)
+    lo, hi, _ = _split_range(length, i_s, NUM_SPLITS, min_split, ALIGN)
 
     o_r = i_g * BH + tl.arange(0, BH)  # (t, h) pairs of this batch row, t-major
     m_r = o_r < TH
@@ -130,7 +130,7 @@ def mla_merge_kernel(o_part, lse_part, lengths, out, T, H, TH, NUM_SPLITS, min_s
     acc = tl.zeros([BR, C], dtype=tl.float32)
     l_i = tl.zeros([BR], dtype=tl.float32)
     m_i = tl.full([BR], float("-inf"), dtype=tl.float32)
-    for i_s in range(0, n_splits):
+    for i_s in range(n_splits):
         part = (i_b.to(tl.int64) * NUM_SPLITS + i_s) * TH
         lse = tl.load(lse_part + part + o_r, mask=m_r, other=0.0)
         o = tl.load(o_part + (part + o_r)[:, None] * C + o_c[None, :], mask=m_r[:, None], other=0.0)
@@ -151,7 +151,7 @@ def _check_decode(q_lat: torch.Tensor, q_pe: torch.Tensor, buf: torch.Tensor, sl
     if q_lat.dim() != 4 or q_pe.dim() != 4 or q_pe.shape[:3] != q_lat.shape[:3]:
         raise ValueError(f"q_lat and q_pe must be [B, T, H, c] and [B, T, H, r], got {tuple(q_lat.shape)} and "
                          f"{tuple(q_pe.shape)}")
-    B, T, H, c = q_lat.shape
+    B, T, _, c = q_lat.shape
     if buf.dim() != 3 or buf.shape[-1] != c + q_pe.shape[-1]:
         raise ValueError(f"buf must be [P, capacity, c + r = {c + q_pe.shape[-1]}], got {tuple(buf.shape)}")
     if buf.dtype != q_lat.dtype or q_pe.dtype != q_lat.dtype or buf.device != q_lat.device:

@@ -18,7 +18,6 @@ the visible key blocks, unmasked blocks first), ``attn_bwd_delta_kernel`` (δ = 
 
 from __future__ import annotations
 
-import math
 import os
 
 import torch
@@ -30,7 +29,6 @@ from k3.ops.kda.triton._common import RCP_LN2  # importing it also patches the i
 
 __all__ = ["flash_attention_fwd", "flash_attention_bwd", "head_blocks"]
 
-LN2 = math.log(2.0)
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
