@@ -108,7 +108,9 @@ def _apply_fsdp(model: nn.Module, dims: ParallelDims, mesh: ParallelMesh, param_
                 ignored: list[nn.Parameter]) -> None:
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    # No input casting: activations are bf16 already (the embedding is), and a decode state passed to the forward
+    # (fp32 KDA states, updated in place) must reach the layers as it is, not as a cast copy.
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32, cast_forward_inputs=False)
     ignored_set = set(ignored)
     # One rank holds everything anyway: keep the bf16 copies from forward to backward instead of casting twice.
     last = len(model.model.layers) - 1
