@@ -8,6 +8,9 @@ import io
 import json
 import os
 import shutil
+import subprocess
+import sys
+import tempfile
 from pathlib import Path
 
 import torch
@@ -30,6 +33,39 @@ def run_cli(*argv: str, cwd: Path | None = None) -> tuple[int, str, str]:
     finally:
         os.chdir(old)
     return code, out.getvalue(), err.getvalue()
+
+
+_BATCH = """
+import contextlib, io, json, sys
+import torch
+torch.set_num_threads(1)
+from k3.cli import main
+results = []
+for argv in json.loads(sys.argv[1]):
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(argv)
+    results.append([code, out.getvalue(), err.getvalue()])
+sys.stdout.write(json.dumps(results))
+"""
+REPO = Path(__file__).resolve().parents[2]
+
+
+def run_cli_child(*argvs: list[str], cwd: Path | None = None) -> tuple[list[tuple[int, str, str]], int]:
+    """Run several ``k3`` commands one after another in ONE child interpreter (one start-up for all); returns
+    ``[(exit code, stdout, stderr), …]`` and the child's peak resident memory in bytes (``wait4``'s rusage)."""
+    env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+           "OMP_NUM_THREADS": "1"}
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        p = subprocess.Popen([sys.executable, "-c", _BATCH, json.dumps([list(a) for a in argvs])], cwd=cwd, env=env,
+                             stdout=out, stderr=err)
+        _, status, usage = os.wait4(p.pid, 0)
+        p.returncode = os.waitstatus_to_exitcode(status)
+        out.seek(0)
+        err.seek(0)
+        text, errors = out.read().decode(), err.read().decode()
+    assert p.returncode == 0, errors[-3000:]
+    return [tuple(r) for r in json.loads(text)], usage.ru_maxrss * 1024
 
 
 def cached_run(base: Path, name: str, *argv: str) -> Path:
