@@ -5,7 +5,7 @@ Layout of a run directory::
     runs/<name>/
       run.json, config.json          the run's arguments and model config (for people; checkpoints hold copies)
       metrics.jsonl, loss.png        the log and its plot
-      .lock                          held (flock) by the one process training the run; holds its pid
+      .lock                          locked (flock) by the one process training the run
       checkpoints/step-00000200/     one directory per checkpoint (the newest ``keep`` are kept)
         config.json                  K3Config
         model.safetensors            weights + persistent buffers (the Quantile Balancing biases are buffers)
@@ -100,12 +100,24 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 
 # --- the run lock --------------------------------------------------------------------------------------------------
-def _holder(fd: int) -> str:
+def _holder(lock: Path) -> str:
+    """The pid holding ``flock`` on ``lock``, from ``/proc/locks`` (Linux); the lock file itself is never written, so
+    a refused run leaves it as it was."""
     try:
-        text = os.pread(fd, 32, 0).decode("ascii", "replace").strip()
-    except OSError:
-        return "?"
-    return text if text.isdigit() else "?"
+        st = lock.stat()
+        key = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+        for line in Path("/proc/locks").read_text().splitlines():
+            parts = line.split()
+            if len(parts) >= 6 and parts[1] == "FLOCK" and parts[5] == key:
+                return parts[4]
+    except (OSError, ValueError):
+        pass
+    return "unknown"
+
+
+def _busy(run_dir: Path) -> CheckpointError:
+    return CheckpointError(f"{run_dir} is being trained by another process (pid {_holder(run_dir / LOCK)}); wait "
+                           "for it to finish (or stop it) before training or resuming this run")
 
 
 @contextlib.contextmanager
@@ -126,10 +138,7 @@ def lock_run(run_dir: str | Path) -> Iterator[Path]:
         except OSError as e:
             if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
                 raise
-            raise CheckpointError(f"{run_dir} is being trained by another process (pid {_holder(fd)}); wait for it "
-                                  "to finish (or stop it) before training or resuming this run") from None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+            raise _busy(run_dir) from None
         _remove_leftovers(run_dir / "checkpoints")
         yield run_dir
     finally:
@@ -146,8 +155,7 @@ def assert_unlocked(run_dir: str | Path) -> None:
     try:
         fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
     except OSError:
-        raise CheckpointError(f"{run_dir} is being trained by another process (pid {_holder(fd)}); wait for it "
-                              "to finish (or stop it) before training or resuming this run") from None
+        raise _busy(Path(run_dir)) from None
     finally:
         os.close(fd)
 

@@ -353,7 +353,7 @@ def prepare_args(overrides: dict[str, Any], resume: str | None = None) -> tuple[
     p = Path(resume)
     assert_unlocked(p.parent.parent if (p / MANIFEST).is_file() else p)  # before any work: a live run is not ours
     ckpt = find_checkpoint(resume)
-    verify_checkpoint(ckpt)
+    step = verify_checkpoint(ckpt).get("step")
     try:
         saved = read_json(ckpt / "run.json", f"checkpoint {ckpt}: run.json")
         if not isinstance(saved, dict):
@@ -368,6 +368,9 @@ def prepare_args(overrides: dict[str, Any], resume: str | None = None) -> tuple[
         setattr(args, k, v)
     args.out = str(Path(resume) if (Path(resume) / "checkpoints").is_dir() else ckpt.parent.parent)
     args.validate()
+    if isinstance(step, int) and args.steps <= step:
+        raise ValueError(f"--steps {args.steps} must exceed the checkpoint's step {step} to continue; "
+                         f"pass e.g. --steps {step + args.steps}")
     return args, ckpt
 
 
