@@ -242,11 +242,13 @@ def _new_run_dir(args: TrainArgs) -> Path:
     return run_dir
 
 
-def _check_fresh(run_dir: Path) -> bool:
+def _check_fresh(run_dir: Path, locked: bool = False) -> bool:
     """Whether ``run_dir`` holds a run stopped before its first checkpoint (restarted in place); ``ValueError`` when
-    it holds anything else; False when it is new or empty."""
+    it holds anything else or another process trains it (``locked``: we hold its lock); False when new or empty."""
     if not run_dir.exists() or not any(run_dir.iterdir()):
         return False
+    if not locked:
+        assert_unlocked(run_dir)  # a run being trained: say so, rather than "not empty"
     if only_bookkeeping(run_dir):
         return True
     raise ValueError(f"run directory {run_dir} already exists and is not empty; pass --resume {run_dir} to "
@@ -525,7 +527,7 @@ def _claim(run_dir: Path, stack: contextlib.ExitStack, out: TextIO) -> None:
     """Take the writer lock of a fresh run's directory (held until training ends) and check, under the lock, that
     it is still new, empty, or a run stopped before its first checkpoint (whose log and plot are then reset)."""
     stack.enter_context(lock_run(run_dir))
-    if _check_fresh(run_dir) and any((run_dir / n).exists() for n in ("metrics.jsonl", "run.json")):
+    if _check_fresh(run_dir, locked=True) and any((run_dir / n).exists() for n in ("metrics.jsonl", "run.json")):
         out.write(f"k3: note: {run_dir} held a run stopped before its first checkpoint; starting it afresh\n")
         for name in ("metrics.jsonl", "loss.png"):
             (run_dir / name).unlink(missing_ok=True)
