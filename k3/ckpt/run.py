@@ -353,6 +353,10 @@ def _load(ckpt: Path, device: str | torch.device, model_factory: Callable[[Any],
         raise
     except (ValueError, TypeError) as e:
         raise CheckpointError(f"checkpoint {ckpt}: config.json is invalid: {e}") from None
+    run_args = _read_json(ckpt, "run.json")
+    if not isinstance(run_args, dict) or not isinstance(manifest.get("step"), int):
+        raise CheckpointError(f"checkpoint {ckpt}: run.json or the manifest's step is malformed; delete that "
+                              "directory to fall back to the previous checkpoint")
     check_fits((footprint or model_footprint)(config), device, force_memory, config=config)
     tokenizer = tokenizer_from_dict(_read_json(ckpt, "tokenizer_spec.json"), root=ckpt)
     if model_factory is None:
@@ -370,8 +374,8 @@ def _load(ckpt: Path, device: str | torch.device, model_factory: Callable[[Any],
         raise CheckpointError(f"checkpoint {ckpt}: weights do not match the model (missing {sorted(missing)[:3]}, "
                               f"unexpected {sorted(unexpected)[:3]}); was it written by another k3 version?")
     model.eval()
-    return {"dir": ckpt, "step": int(manifest["step"]), "config": config, "model": model, "tokenizer": tokenizer,
-            "run_args": _read_json(ckpt, "run.json"), "manifest": manifest}
+    return {"dir": ckpt, "step": manifest["step"], "config": config, "model": model, "tokenizer": tokenizer,
+            "run_args": run_args, "manifest": manifest}
 
 
 def load_trainer_state(ckpt: str | Path, force_memory: bool = False) -> dict[str, Any]:

@@ -27,11 +27,12 @@ def evaluate_run(run: str | Path, device: str = "auto", batches: int | None = No
         raise ValueError(f"--batch-size must be a positive integer, got {batch_size!r}")
     dev = resolve_device(device)
     ck = load_checkpoint(run, device=dev, force_memory=force_memory)
-    args = TrainArgs.from_dict(ck["run_args"])
+    args = TrainArgs.from_dict({**ck["run_args"], "threads": 0})  # the run's thread count is not eval's
     if batches is not None:
         args.eval_batches = batches
     if batch_size is not None:
         args.batch_size = batch_size
+    args.validate()
     data = build_data(args, ck["tokenizer"], ck["config"])
     with cpu_threads(dev, ck["config"].hidden_size):
         result = evaluate_model(ck["model"], data, args, dev)

@@ -100,6 +100,7 @@ class TrainArgs:
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming the first bad field (the CLI turns it into one line, exit 2)."""
+        self._check_types()
         for name in ("steps", "batch_size", "seq_len", "grad_accum", "keep", "log_every", "eval_batches"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
@@ -128,6 +129,16 @@ class TrainArgs:
         if self.name is not None and (not self.name or "/" in self.name or self.name in (".", "..")):
             raise ValueError(f"--name must be a plain directory name, got {self.name!r}")
 
+    def _check_types(self) -> None:
+        """Each field against its annotation (``run.json`` is a file: its values may be of any JSON type)."""
+        kinds = {"int": int, "float": (int, float), "bool": bool, "str": str}
+        for f in dataclasses.fields(self):
+            v, kind = getattr(self, f.name), str(f.type)
+            want = kinds[kind.split(" | ")[0]]
+            if (v is None and "None" in kind) or (isinstance(v, want) and (want is bool or not isinstance(v, bool))):
+                continue
+            raise ValueError(f"--{f.name.replace('_', '-')} must be of type {kind}, got {str(v)[:40]!r}")
+
     def _check_bounds(self) -> None:
         """Values past which a number cannot mean anything (each count fits int32; a micro-batch's token count
         too, since kernels index it in int32; threads up to the CPUs there are)."""
@@ -142,8 +153,6 @@ class TrainArgs:
         cpus = os.cpu_count() or 1
         if self.threads > cpus:
             raise ValueError(f"--threads must be <= {cpus} (the CPUs of this machine), got {self.threads:,}")
-        if not isinstance(self.prompt, str):
-            raise ValueError(f"--prompt must be a string, got {type(self.prompt).__name__}")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -363,6 +372,8 @@ def prepare_args(overrides: dict[str, Any], resume: str | None = None) -> tuple[
         args = TrainArgs.from_dict(saved)
     except (ValueError, TypeError) as e:
         raise CheckpointError(f"checkpoint {ckpt}: run.json is unreadable ({e}); cannot resume") from None
+    if "threads" not in overrides:  # the run's thread count, as far as this machine has CPUs
+        args.threads = min(args.threads, os.cpu_count() or 1) if isinstance(args.threads, int) else args.threads
     for k, v in overrides.items():
         if k not in RESUMABLE and v != getattr(args, k):
             raise ValueError(f"--{k.replace('_', '-')} cannot change on --resume (the run used "
@@ -385,7 +396,7 @@ def _rewind_metrics(path: Path, step: int) -> None:
         try:
             if json.loads(line).get("step", 0) <= step:
                 keep.append(line)
-        except json.JSONDecodeError:  # a line torn by a kill: drop it
+        except (ValueError, AttributeError, TypeError, RecursionError):  # a line torn by a kill: drop it
             continue
     atomic_write_text(path, "".join(l + "\n" for l in keep))
 
@@ -396,7 +407,7 @@ def _read_metrics(path: Path) -> list[dict[str, Any]]:
         for line in path.read_text().splitlines():
             try:
                 rows.append(json.loads(line))
-            except json.JSONDecodeError:
+            except (ValueError, RecursionError):
                 continue
     return rows
 
