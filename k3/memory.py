@@ -92,24 +92,22 @@ def _layer_classes(config: K3Config) -> list[tuple[str, bool, int]]:
 
 
 def _representative(config: K3Config, classes: list[tuple[str, bool, int]]) -> K3Config:
-    """A config with one layer per kind, dense kinds first; every other field as in ``config``."""
-    dense = [c for c in classes if not c[1]]
-    order = dense + [c for c in classes if c[1]]
-    mla = [i for i, c in enumerate(order) if c[0] == "mla"]
-    return dataclasses.replace(config, num_layers=len(order), mla_layers=tuple(mla), first_k_dense=len(dense))
+    """A config with one layer per kind (in ``classes``' order, dense kinds first); every other field as given."""
+    return dataclasses.replace(config, num_layers=len(classes), first_k_dense=sum(1 for c in classes if not c[1]),
+                               mla_layers=tuple(i for i, c in enumerate(classes) if c[0] == "mla"))
 
 
 def model_footprint(config: K3Config, mxfp4_experts: bool = False, dtype: torch.dtype | None = None) -> Footprint:
     """Parameters and bytes of ``K3ForCausalLM(config)`` as loaded for inference (weights in the config's dtype, the
     fp32 tensors fp32; ``mxfp4_experts``: routed experts kept 4-bit, 17/32 byte per weight; ``dtype``: another
     weight dtype, e.g. fp32 master weights)."""
-    classes = _layer_classes(config)
+    classes = _layer_classes(config)  # dense kinds come first, as in the model
     with torch.device("meta"):
         model = K3ForCausalLM(_representative(config, classes))
     if dtype is not None:
         model._cast(dtype)
-    mult = {f"model.layers.{i}.": n for i, (_, _, n) in enumerate(_sorted(classes))}
-    kinds = {f"model.layers.{i}.": k for i, (k, _, _) in enumerate(_sorted(classes))}
+    mult = {f"model.layers.{i}.": n for i, (_, _, n) in enumerate(classes)}
+    kinds = {f"model.layers.{i}.": k for i, (k, _, _) in enumerate(classes)}
     params, parts = 0, {}
     seen: set[int] = set()
     tensors = [*model.named_parameters(remove_duplicate=False),
@@ -125,10 +123,6 @@ def model_footprint(config: K3Config, mxfp4_experts: bool = False, dtype: torch.
         params += n
         parts[part] = parts.get(part, 0) + math.ceil(n * per)
     return Footprint(params=params, parts=parts)
-
-
-def _sorted(classes: list[tuple[str, bool, int]]) -> list[tuple[str, bool, int]]:
-    return [c for c in classes if not c[1]] + [c for c in classes if c[1]]
 
 
 def training_footprint(config: K3Config, batch_size: int, seq_len: int, optimizer: str = "muon",

@@ -13,6 +13,7 @@ Paths in a manifest are confined to its folder (``k3.utils.confined``): a manife
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 from typing import Any
@@ -57,8 +58,6 @@ def write_manifest(folder: str | Path, fields: dict[str, Any], digests: dict[str
 
 
 def _dumps(obj: Any) -> str:
-    import json
-
     return json.dumps(obj, indent=2, sort_keys=True) + "\n"
 
 
