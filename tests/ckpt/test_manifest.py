@@ -6,7 +6,6 @@ from __future__ import annotations
 import hashlib
 import io
 import json
-import shutil
 import struct
 import zipfile
 from pathlib import Path
@@ -96,7 +95,8 @@ def _rewrite(src: Path, dst: Path, change) -> Path:
 
 
 def test_real_archives_pass_and_their_storages_are_read(tmp_path):
-    state = {"step": 7, "m": [torch.randn(5, 3), torch.zeros(4, dtype=torch.bfloat16)], "b": torch.ones(2, dtype=torch.bool)}
+    state = {"step": 7, "m": [torch.randn(5, 3), torch.zeros(4, dtype=torch.bfloat16)],
+             "b": torch.ones(2, dtype=torch.bool)}
     for proto in (2, 4):  # GLOBAL + BINPUT (torch's default) and STACK_GLOBAL + MEMOIZE
         p = _saved(state, tmp_path / f"p{proto}.pt", pickle_protocol=proto)
         check_torch_archive(p, 1 << 30)
