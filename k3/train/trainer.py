@@ -364,13 +364,15 @@ def prepare_args(overrides: dict[str, Any], resume: str | None = None) -> tuple[
     p = Path(resume)
     assert_unlocked(p.parent.parent if (p / MANIFEST).is_file() else p)  # before any work: a live run is not ours
     ckpt = find_checkpoint(resume)
-    step = verify_checkpoint(ckpt).get("step")
+    # Read, not yet verified: every byte is verified once, under the run's lock, when the checkpoint is loaded.
     try:
+        step = read_json(ckpt / MANIFEST, f"checkpoint {ckpt}: {MANIFEST}").get("step")
         saved = read_json(ckpt / "run.json", f"checkpoint {ckpt}: run.json")
         if not isinstance(saved, dict):
             raise ValueError("not a JSON object")
         args = TrainArgs.from_dict(saved)
-    except (ValueError, TypeError) as e:
+    except (ValueError, TypeError, AttributeError) as e:
+        verify_checkpoint(ckpt)  # a damaged file: name it
         raise CheckpointError(f"checkpoint {ckpt}: run.json is unreadable ({e}); cannot resume") from None
     if "threads" not in overrides:  # the run's thread count, as far as this machine has CPUs
         args.threads = min(args.threads, os.cpu_count() or 1) if isinstance(args.threads, int) else args.threads
