@@ -95,6 +95,32 @@ def test_mla_decode_interpreter(triton_backend, B, T, H, c, r, lens, slots, spli
     assert rel(got, mla_decode_ref(q, qp, buf, sl, lengths, 0.3)) < 1e-5
 
 
+@pytest.mark.parametrize("T", [1, 3])
+def test_mla_decode_bad_rows_read_nothing(triton_backend, T) -> None:
+    """Lengths and slots live on the device, unchecked: a row with a slot outside the pool or a length outside
+    [0, capacity] must return NaN without reading past ``buf`` (an out-of-bounds read faults the whole CUDA
+    context). ``buf`` is a window of a larger tensor of finite values, so a read past it would give a finite
+    output; the valid rows still equal the reference."""
+    from k3.ops.mla.decode import _mla_decode_op
+
+    dt = torch.bfloat16 if DEV == "cuda" else torch.float32
+    torch.manual_seed(T)
+    P, cap, c, r = 3, 40, 16, 8
+    big = torch.randn(P + 1, cap + 24, c + r, device=DEV, dtype=dt)
+    buf = big[:P, :cap]  # big[P] and big[:, cap:] are what an unchecked kernel would read
+    lens = [17, cap + 20, 9, -5, 2**31 - 1, cap]
+    slots = [1, 0, P, 2, 0, -1]
+    B = len(lens)
+    q = torch.randn(B, T, 2, c, device=DEV, dtype=dt)
+    qp = torch.randn(B, T, 2, r, device=DEV, dtype=dt)
+    lengths = torch.tensor(lens, dtype=torch.int32, device=DEV)
+    sl = torch.tensor(slots, device=DEV)
+    got = _mla_decode_op(q, qp, buf, sl, lengths, 0.3, 3, 16)
+    want = mla_decode_ref(q[:1], qp[:1], buf, sl[:1], lengths[:1], 0.3)
+    assert rel(got[:1], want) < (2e-2 if dt == torch.bfloat16 else 1e-5)
+    assert torch.isnan(got[1:]).all()
+
+
 def _prefill_case(dtype, device, H=2, n=8, r=8, v=16, c=12, P=3, cap=48, T=13, starts=(0, 20), slots=(2, 0)):
     torch.manual_seed(7)
     buf = torch.randn(P, cap, c + r, device=device, dtype=dtype)
@@ -142,6 +168,11 @@ def test_bad_input() -> None:
     with pytest.raises(ValueError, match="buf"):
         mla_decode(torch.randn(1, 1, 2, 8), torch.randn(1, 1, 2, 5), buf, None, torch.tensor([3], dtype=torch.int32),
                    0.3)
+    three = torch.tensor([3, 3, 3], dtype=torch.int32)
+    with pytest.raises(ValueError, match="buf"):  # 3 batch rows, 2 pool rows, no slots
+        mla_decode(torch.randn(3, 1, 2, 8), torch.randn(3, 1, 2, 4), buf, None, three, 0.3)
+    with pytest.raises(ValueError, match="slots"):
+        mla_decode(torch.randn(1, 1, 2, 8), torch.randn(1, 1, 2, 4), buf, torch.tensor([2]), three[:1], 0.3)
 
 
 # --------------------------------------------------------------------------------------------------------------- GPU
