@@ -181,8 +181,10 @@ def bench_train(rows: Rows, T: int, H: int, Dqk: int, Dv: int, device: str, flex
             row["fwd_bwd_ms"] = _ms(lambda: torch.autograd.grad(fn(q, k, v, scale), [q, k, v], do))
             row["fwd_TFLOPs"] = f_fwd / row["fwd_ms"] * 1e-9
             row["fwd_bwd_TFLOPs"] = (f_fwd + f_bwd) / row["fwd_bwd_ms"] * 1e-9
-            base = row["fwd_bwd_ms"] if base is None else base
-            row["speedup_fwd_bwd_vs_fp32"] = base / row["fwd_bwd_ms"]
+            if name.startswith("fp32"):
+                base = row["fwd_bwd_ms"]
+            if base is not None:
+                row["speedup_fwd_bwd_vs_fp32"] = base / row["fwd_bwd_ms"]
             if name.startswith("ours") and device == "cuda":
                 row["config"] = _tuned(attn_fwd_kernel, attn_bwd_dkdv_kernel, attn_bwd_dq_kernel)
         except Exception as e:  # an unsupported backend/shape is a result too
