@@ -186,25 +186,37 @@ class ModelRunner:
     # --- prefill -------------------------------------------------------------------------------------------------------
     @torch.no_grad()
     def prefill(self, slot: int, ids: torch.Tensor | Sequence[int], last: bool = True) -> Pending | None:
-        """Feed prompt tokens ``ids`` to ``slot`` (admitted), in chunks of ``prefill_chunk``. With ``last``, the
-        prompt is complete: the first generated token is sampled into the slot and returned as a :class:`Pending`."""
+        """Feed prompt tokens ``ids`` to ``slot`` (admitted). With ``last``, the prompt is complete: the first
+        generated token is sampled into the slot (its last position alone goes through ``lm_head``) and returned as
+        a :class:`Pending`."""
+        hidden = self.feed(slot, ids)
+        if not last:
+            return None
+        idx = self._slot_index(slot)
+        nxt = self._sample(self.model.lm_head(hidden), idx, sampling_mode([self._params[slot]]))
+        self.last_token.index_copy_(0, idx, nxt)
+        self.step.index_copy_(0, idx, self.step.index_select(0, idx) + 1)
+        return Pending(nxt)
+
+    @torch.no_grad()
+    def feed(self, slot: int, ids: torch.Tensor | Sequence[int]) -> torch.Tensor:
+        """Run prompt tokens through ``slot`` in chunks of ``prefill_chunk`` (each chunk continues the KDA states,
+        conv tails and MLA cache of the one before; working memory is one chunk's); returns the final-normed hidden
+        state of the last token, ``[1, d]``."""
         if slot not in self._params:
             raise ValueError(f"slot {slot} was not admitted")
         ids = self._checked_ids(ids, self._length[slot])
-        idx = _to_device(torch.tensor([slot], dtype=torch.int64), self.device)
-        hidden = None
+        if ids.shape[0] == 0:
+            raise ValueError("ids must hold at least one token")
+        idx = self._slot_index(slot)
         for a in range(0, ids.shape[0], self.prefill_chunk):
             self.state.bind(idx)
             hidden = self.model.model(ids[None, a:a + self.prefill_chunk], self.state)
         self._length[slot] += ids.shape[0]
-        if not last:
-            return None
-        if hidden is None:
-            raise ValueError("the prompt must hold at least one token")
-        nxt = self._sample(self.model.lm_head(hidden[:, -1]), idx, sampling_mode([self._params[slot]]))
-        self.last_token.index_copy_(0, idx, nxt)
-        self.step.index_copy_(0, idx, self.step.index_select(0, idx) + 1)
-        return Pending(nxt)
+        return hidden[:, -1]
+
+    def _slot_index(self, slot: int) -> torch.Tensor:
+        return _to_device(torch.tensor([slot], dtype=torch.int64), self.device)
 
     def _checked_ids(self, ids: torch.Tensor | Sequence[int], cached: int) -> torch.Tensor:
         """Validated prompt ids as a 1-D int64 device tensor (checked on the host, before anything runs)."""
