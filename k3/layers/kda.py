@@ -26,6 +26,7 @@ import k3.ops.kda as kda_ops
 from k3.config import K3Config
 from k3.layers.conv import ShortConv
 from k3.layers.norm import RMSNorm
+from k3.ops.conv import short_conv_update
 from k3.ops.kda.gate import kda_gate
 from k3.state import KDAState
 
@@ -112,10 +113,12 @@ class KimiDeltaAttention(nn.Module):
 
     @staticmethod
     def _conv(conv: ShortConv, x: torch.Tensor, state: KDAState | None, i: int) -> torch.Tensor:
-        """Short conv of ``x [B, T, C]`` continuing pool rows ``state.slots`` (their tails are gathered, the new
-        tails scattered back)."""
+        """Short conv of ``x [B, T, C]`` continuing pool rows ``state.slots``: a one-token step updates their tails in
+        place (one kernel); a longer piece gathers them and scatters the new tails back."""
         if state is None:
             return conv(x)[0]
+        if x.shape[1] == 1 and not torch.is_grad_enabled():
+            return short_conv_update(x[:, 0], state.conv[i], state.slots, conv.weight, conv.activation)[:, None]
         y, tail = conv(x, state.conv[i].index_select(0, state.slots))
         state.conv[i].index_copy_(0, state.slots, tail)
         return y
