@@ -332,6 +332,6 @@ class ModelRunner:
 
 def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     """A small host tensor on ``device`` without a host sync (pinned staging, asynchronous copy)."""
-    if device.type != "cuda":
+    if device.type != "cuda" or t.device == device:
         return t.to(device)
     return t.pin_memory().to(device, non_blocking=True)

@@ -31,14 +31,16 @@ def test_uniforms_open_interval_and_independent_streams():
 
 @pytest.mark.parametrize("V", [7, 1024, 2500])
 def test_triton_kernel_matches_reference(V):
+    """On CUDA tensors with a GPU, else in the interpreter."""
     from k3.ops.sampling.gumbel_triton import gumbel_argmax_triton
 
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
     g = torch.Generator().manual_seed(V)
-    x = torch.randn(6, V, generator=g) * 3
+    x = (torch.randn(6, V, generator=g) * 3).to(dev)
     x[1, : V // 2] = float("-inf")  # excluded columns
     x[2, 1:] = float("-inf")  # one candidate
-    seeds = torch.tensor([0, 1, 2**62 + 5, 7, 7, 123456789])
-    steps = torch.tensor([0, 3, 9, 0, 1, 2**31 - 1])
+    seeds = torch.tensor([0, 1, 2**62 + 5, 7, 7, 123456789], device=dev)
+    steps = torch.tensor([0, 3, 9, 0, 1, 2**31 - 1], device=dev)
     got = gumbel_argmax_triton(x, seeds, steps)
     assert got.tolist() == gumbel_argmax_reference(x, seeds, steps).tolist()
     assert int(got[2]) == 0 and int(got[1]) >= V // 2

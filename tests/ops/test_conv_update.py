@@ -33,7 +33,10 @@ def test_reference_equals_short_conv(activation):
 
 @pytest.mark.parametrize("dtype,C", [(torch.float32, 40), (torch.float16, 1100)])
 def test_triton_kernel_equals_reference(dtype, C):
+    """On CUDA tensors with a GPU, else in the interpreter."""
     x, tails, slots, conv = _setup(C=C, dtype=dtype, seed=1)
+    if torch.cuda.is_available():
+        x, tails, slots, conv = x.cuda(), tails.cuda(), slots.cuda(), conv.cuda()
     a, b = tails.clone(), tails.clone()
     y_ref = short_conv_update_reference(x, a, slots, conv.weight)
     y = short_conv_update_triton(x, b, slots, conv.weight)
