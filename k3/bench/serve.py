@@ -117,9 +117,29 @@ def _runner_decode(model: K3ForCausalLM, B: int, prompt_len: int, steps: int, de
         end.record()
         _sync()
         row["replay_ms"] = start.elapsed_time(end) / steps
+        row["kernels"] = _kernel_profile(graph)
     del runner
     _free()
     return row
+
+
+def _kernel_profile(graph: Any, reps: int = 5, top: int = 15) -> dict[str, Any]:
+    """Kernels of one decode step (a graph replay) from the profiler: how many, and the ``top`` by device time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            graph.replay()
+        _sync()
+    per: dict[str, list[float]] = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            n = per.setdefault(e.name, [0, 0.0])
+            n[0] += 1
+            n[1] += e.device_time
+    rows = sorted(per.items(), key=lambda kv: -kv[1][1])
+    return {"per_step": sum(c for c, _ in per.values()) / reps, "us_per_step": sum(t for _, t in per.values()) / reps,
+            "top": [{"name": k[:90], "calls": c / reps, "us": t / reps} for k, (c, t) in rows[:top]]}
 
 
 @torch.no_grad()
@@ -374,6 +394,12 @@ def _markdown(header: dict[str, Any], res: dict[str, Any]) -> str:
             lines.append(f"| {B} | {a.get('tok_s', float('nan')):,.0f} | {a.get('step_ms', float('nan')):.3f} | "
                          f"{a.get('replay_ms', float('nan')):.3f} | {e.get('tok_s', float('nan')):,.0f} | "
                          f"{e.get('step_ms', float('nan')):.2f} | {ratio:.1f} |")
+    for r in res.get("decode") or []:
+        k = r.get("kernels")
+        if k:
+            lines += [f"\nKernels of one step at batch {r['batch']}: {k['per_step']:.0f} launches, {k['us_per_step']:.0f} µs "
+                      "of kernel time; the largest:\n", "| kernel | per step | µs |", "|---|---|---|"]
+            lines += [f"| `{t['name']}` | {t['calls']:.0f} | {t['us']:.1f} |" for t in k["top"][:10]]
     if res.get("prefill"):
         lines += ["\n## Prefill (one sequence; memory = peak allocated beyond weights + decode state + cache + ids)\n",
                   "| model | path | tokens | s | tokens/s | + GiB | chunk |", "|---|---|---|---|---|---|---|"]
