@@ -195,7 +195,6 @@ class ModelRunner:
         idx = self._slot_index(slot)
         nxt = self._sample(self.model.lm_head(hidden), idx, sampling_mode([self._params[slot]]))
         self.last_token.index_copy_(0, idx, nxt)
-        self.step.index_copy_(0, idx, self.step.index_select(0, idx) + 1)
         return Pending(nxt)
 
     @torch.no_grad()
@@ -275,14 +274,19 @@ class ModelRunner:
         hidden = self.model.model(self.last_token.index_select(0, slots).view(b, 1), self.state)
         nxt = self._sample(self.model.lm_head(hidden[:, -1]), slots, mode)
         self.last_token.index_copy_(0, slots, nxt)
-        self.step.index_copy_(0, slots, self.step.index_select(0, slots) + 1)
         self.state.lengths.index_fill_(0, self._scratch_idx, 0)  # padding never fills the scratch row's cache
         self._out[:b].copy_(nxt)
 
     def _sample(self, logits: torch.Tensor, slots: torch.Tensor, mode: str) -> torch.Tensor:
-        return sample_tokens(logits[:, :self.vocab_limit], self.temperature.index_select(0, slots),
-                             self.top_k.index_select(0, slots), self.top_p.index_select(0, slots),
-                             self.seed.index_select(0, slots), self.step.index_select(0, slots), mode)
+        """Next tokens of the rows ``slots``; a sampling mode also advances their random streams' step."""
+        logits = logits[:, :self.vocab_limit]
+        if mode == "greedy":  # no parameter or random stream is read (greedy requests never sample)
+            return logits.argmax(-1)
+        steps = self.step.index_select(0, slots)
+        nxt = sample_tokens(logits, self.temperature.index_select(0, slots), self.top_k.index_select(0, slots),
+                            self.top_p.index_select(0, slots), self.seed.index_select(0, slots), steps, mode)
+        self.step.index_copy_(0, slots, steps + 1)
+        return nxt
 
     # --- CUDA graphs ------------------------------------------------------------------------------------------------
     def _graph(self, b: int, mode: str) -> torch.cuda.CUDAGraph | None:
