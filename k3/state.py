@@ -28,12 +28,12 @@ __all__ = ["KDAState", "MLACache", "K3State"]
 
 @dataclass
 class KDAState:
-    """One KDA layer's state pool: ``recurrent [P, H, K, V]`` fp32 and three conv tails ``[P, W−1, H·K]``.
-
-    ``slots [B]`` (int64) are the pool rows of the current forward's B sequences (all rows by default)."""
+    """One KDA layer's state pool: ``recurrent [P, H, K, V]`` fp32 and the q, k, v conv tails stacked in
+    ``tails [3, P, W−1, H·K]`` (``conv`` lists them). ``slots [B]`` (int64) are the pool rows of the current
+    forward's B sequences (all rows by default)."""
 
     recurrent: torch.Tensor
-    conv: list[torch.Tensor]
+    tails: torch.Tensor
     slots: torch.Tensor
     start: torch.Tensor | None = None  # set with slots by K3State.begin (KDA does not need it)
 
@@ -41,9 +41,13 @@ class KDAState:
     def zeros(cls, pool_size: int, num_heads: int, head_dim: int, conv_size: int, dtype: torch.dtype,
               device: torch.device | str | None = None) -> "KDAState":
         S = torch.zeros(pool_size, num_heads, head_dim, head_dim, dtype=torch.float32, device=device)
-        tails = [torch.zeros(pool_size, conv_size - 1, num_heads * head_dim, dtype=dtype, device=device)
-                 for _ in range(3)]
-        return cls(recurrent=S, conv=tails, slots=torch.arange(pool_size, device=device))
+        tails = torch.zeros(3, pool_size, conv_size - 1, num_heads * head_dim, dtype=dtype, device=device)
+        return cls(recurrent=S, tails=tails, slots=torch.arange(pool_size, device=device))
+
+    @property
+    def conv(self) -> list[torch.Tensor]:
+        """The q, k, v conv tails, each ``[P, W−1, H·K]`` (views of ``tails``)."""
+        return list(self.tails.unbind(0))
 
     @property
     def pool_size(self) -> int:
@@ -56,11 +60,10 @@ class KDAState:
     def reset(self, slots: torch.Tensor) -> None:
         """Zero the rows ``slots`` (a new sequence starts from S = 0 and an all-zero conv history)."""
         self.recurrent.index_fill_(0, slots, 0.0)
-        for t in self.conv:
-            t.index_fill_(0, slots, 0.0)
+        self.tails.index_fill_(1, slots, 0.0)
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.recurrent, *self.conv))
+        return sum(t.numel() * t.element_size() for t in (self.recurrent, self.tails))
 
 
 class MLACache:

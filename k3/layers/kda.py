@@ -101,10 +101,7 @@ class KimiDeltaAttention(nn.Module):
         """``x [B, T, d]`` (normed layer input) → ``[B, T, d]``; updates the pool rows ``state.slots`` in place."""
         B, T, _ = x.shape
         H, K = self.num_heads, self.head_dim
-        q = self._conv(self.q_conv1d, self.q_proj(x), state, 0)
-        k = self._conv(self.k_conv1d, self.k_proj(x), state, 1)
-        v = self._conv(self.v_conv1d, self.v_proj(x), state, 2)
-        q, k, v = (t.view(B, T, H, K) for t in (q, k, v))
+        q, k, v = (t.view(B, T, H, K) for t in self._convs(self.q_proj(x), self.k_proj(x), self.v_proj(x), state))
         f = self.f_b_proj(self.f_a_proj(x)).view(B, T, H, K)
         b = self.b_proj(x).float()  # β logits; sigmoid in fp32
         o = self._recurrent(q, k, v, f, b, state)
@@ -115,17 +112,25 @@ class KimiDeltaAttention(nn.Module):
             o = (self.o_norm(o.float()) * torch.sigmoid(g.float())).to(x.dtype)  # o_norm weight fp32 → fp32
         return self.o_proj(o.reshape(B, T, H * K))
 
-    @staticmethod
-    def _conv(conv: ShortConv, x: torch.Tensor, state: KDAState | None, i: int) -> torch.Tensor:
-        """Short conv of ``x [B, T, C]`` continuing pool rows ``state.slots``: a one-token step updates their tails in
-        place (one kernel); a longer piece gathers them and scatters the new tails back."""
+    def _convs(self, xq: torch.Tensor, xk: torch.Tensor, xv: torch.Tensor, state: KDAState | None
+               ) -> tuple[torch.Tensor, ...]:
+        """The q, k, v short convs of ``[B, T, H·K]`` inputs, continuing pool rows ``state.slots``: a one-token step
+        updates their tails in place (one kernel for all three); a longer piece gathers them and scatters the new
+        tails back."""
+        convs = (self.q_conv1d, self.k_conv1d, self.v_conv1d)
+        xs = (xq, xk, xv)
         if state is None:
-            return conv(x)[0]
-        if x.shape[1] == 1 and not torch.is_grad_enabled():
-            return short_conv_update(x[:, 0], state.conv[i], state.slots, conv.weight, conv.activation)[:, None]
-        y, tail = conv(x, state.conv[i].index_select(0, state.slots))
-        state.conv[i].index_copy_(0, state.slots, tail)
-        return y
+            return tuple(c(x)[0] for c, x in zip(convs, xs))
+        if xq.shape[1] == 1 and not torch.is_grad_enabled():
+            y = short_conv_update([x[:, 0] for x in xs], state.tails, state.slots, [c.weight for c in convs],
+                                  self.q_conv1d.activation)
+            return tuple(y[:, :, None].unbind(0))
+        out = []
+        for i, (c, x) in enumerate(zip(convs, xs)):
+            y, tail = c(x, state.tails[i].index_select(0, state.slots))
+            state.tails[i].index_copy_(0, state.slots, tail)
+            out.append(y)
+        return tuple(out)
 
     def _recurrent(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Tensor, b: torch.Tensor,
                    state: KDAState | None) -> torch.Tensor:
