@@ -204,3 +204,20 @@ def test_mla_training_forward_backward_compiles() -> None:
     want = torch.autograd.grad(loss(x), [x, layer.kv_b_proj.weight])
     got = torch.autograd.grad(torch.compile(loss, fullgraph=True)(x), [x, layer.kv_b_proj.weight])
     assert rel(got[0], want[0]) < 2e-2 and rel(got[1], want[1]) < 2e-2
+
+
+def test_mla_decode_step_traces_without_graph_breaks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A decode step (cache write + absorbed attention as the ``k3::mla_decode`` op) under
+    ``torch.compile(fullgraph=True)``: no graph break, no host sync; equal to eager."""
+    monkeypatch.setenv("K3_MLA_BACKEND", "triton")  # the op path (Triton's interpreter on CPU)
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    layer = make_layer(7).to(dev)
+    x, cached = torch.randn(2, 1, 24, device=dev), torch.randn(2, 8, 14, device=dev)
+    outs = []
+    for fn in (layer, torch.compile(layer, fullgraph=True, backend="eager")):
+        cache = layer.init_state(2, dtype=torch.float32, device=dev, capacity=8)
+        cache.buf.copy_(cached)
+        cache.start = torch.tensor([3, 0], dtype=torch.int32, device=dev)
+        with torch.no_grad():
+            outs.append(fn(x, cache))
+    assert rel(outs[1], outs[0]) < 1e-6

@@ -72,7 +72,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
     row b iff ``j ≤ i + shift[b]`` (``shift`` int32 ``[B]`` on q's device; None = 0: causal with T = L)."""
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise ValueError(f"q, k, v must be [B, T|L, H, D], got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
-    B, T, H, D = q.shape
+    B, _, H, D = q.shape
     if k.shape[0] != B or k.shape[2] != H or k.shape[3] != D:
         raise ValueError(f"k must be [B={B}, L, H={H}, D={D}], got {tuple(k.shape)}")
     if v.shape[:3] != k.shape[:3]:

@@ -29,6 +29,7 @@ import triton.language as tl
 from k3.ops._device import on_device_of
 from k3.ops.kda.triton._common import RCP_LN2, sm_count
 from k3.ops.mla.attention import use_triton
+from k3.ops.mla.flash import load_tile
 from k3.ops.mla.naive import mla_decode_ref
 
 __all__ = ["mla_decode", "num_splits_for"]
@@ -73,7 +74,7 @@ def mla_decode_split_kernel(q_lat, q_pe, buf, slots, lengths, o_part, lse_part, 
     slot = i_b.to(tl.int64)
     if HAS_SLOTS:
         slot = tl.load(slots + i_b).to(tl.int64)
-    lo, hi, split_len = _split_range(length, i_s, NUM_SPLITS, min_split, ALIGN)
+    lo, hi, _ = _split_range(length, i_s, NUM_SPLITS, min_split, ALIGN)
 
     o_r = i_g * BH + tl.arange(0, BH)  # (t, h) pairs of this batch row, t-major
     m_r = o_r < TH
@@ -94,11 +95,10 @@ def mla_decode_split_kernel(q_lat, q_pe, buf, slots, lengths, o_part, lse_part, 
     for start_n in range(lo, hi, BN):
         o_n = start_n + tl.arange(0, BN)
         m_n = o_n < hi
-        row = base + o_n[:, None].to(tl.int64) * s_bn
-        kc = tl.load(row + o_c[None, :], mask=m_n[:, None] & (o_c[None, :] < CR), other=0.0)
+        kc = load_tile(base, o_n, o_c, s_bn, hi, CR, True, C > CR)
         s = tl.dot(qc, tl.trans(kc), input_precision=PREC)
         if RR > 0:
-            kr = tl.load(row + CR + o_rr[None, :], mask=m_n[:, None] & (o_rr[None, :] < RR), other=0.0)
+            kr = load_tile(base + CR, o_n, o_rr, s_bn, hi, RR, True, R > RR)
             s += tl.dot(qr, tl.trans(kr), input_precision=PREC)
         s = tl.where((o_n[None, :] <= pos_q[:, None]) & m_n[None, :], s * qk_scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -130,7 +130,7 @@ def mla_merge_kernel(o_part, lse_part, lengths, out, T, H, TH, NUM_SPLITS, min_s
     acc = tl.zeros([BR, C], dtype=tl.float32)
     l_i = tl.zeros([BR], dtype=tl.float32)
     m_i = tl.full([BR], float("-inf"), dtype=tl.float32)
-    for i_s in range(0, n_splits):
+    for i_s in range(n_splits):
         part = (i_b.to(tl.int64) * NUM_SPLITS + i_s) * TH
         lse = tl.load(lse_part + part + o_r, mask=m_r, other=0.0)
         o = tl.load(o_part + (part + o_r)[:, None] * C + o_c[None, :], mask=m_r[:, None], other=0.0)
@@ -151,7 +151,7 @@ def _check_decode(q_lat: torch.Tensor, q_pe: torch.Tensor, buf: torch.Tensor, sl
     if q_lat.dim() != 4 or q_pe.dim() != 4 or q_pe.shape[:3] != q_lat.shape[:3]:
         raise ValueError(f"q_lat and q_pe must be [B, T, H, c] and [B, T, H, r], got {tuple(q_lat.shape)} and "
                          f"{tuple(q_pe.shape)}")
-    B, T, H, c = q_lat.shape
+    B, T, _, c = q_lat.shape
     if buf.dim() != 3 or buf.shape[-1] != c + q_pe.shape[-1]:
         raise ValueError(f"buf must be [P, capacity, c + r = {c + q_pe.shape[-1]}], got {tuple(buf.shape)}")
     if buf.dtype != q_lat.dtype or q_pe.dtype != q_lat.dtype or buf.device != q_lat.device:
@@ -165,7 +165,7 @@ def _check_decode(q_lat: torch.Tensor, q_pe: torch.Tensor, buf: torch.Tensor, sl
                          f"{tuple(slots.shape)} on {slots.device}")
     if buf.stride(-1) != 1 or q_lat.stride(-1) != 1 or q_pe.stride(-1) != 1:
         raise ValueError("buf, q_lat and q_pe must have a contiguous last dimension")
-    if lengths.device.type == "cpu" and B > 0:  # values are checked only where that costs no device sync
+    if lengths.device.type == "cpu" and B > 0 and not torch.compiler.is_compiling():  # no device sync: CPU only
         lo, hi = int(lengths.min()), int(lengths.max())
         if lo < T or hi > buf.shape[1]:
             raise ValueError(f"lengths must be in [T={T}, capacity={buf.shape[1]}], got {lengths.tolist()}")
@@ -194,6 +194,13 @@ def mla_decode(q_lat: torch.Tensor, q_pe: torch.Tensor, buf: torch.Tensor, slots
     _check_decode(q_lat, q_pe, buf, slots, lengths)
     if not use_triton(q_lat):
         return mla_decode_ref(q_lat, q_pe, buf, slots, lengths, scale)
+    return _mla_decode_op(q_lat, q_pe, buf, slots, lengths, float(scale), num_splits, int(min_split))
+
+
+@torch.library.custom_op("k3::mla_decode", mutates_args=())
+def _mla_decode_op(q_lat: torch.Tensor, q_pe: torch.Tensor, buf: torch.Tensor, slots: torch.Tensor | None,
+                   lengths: torch.Tensor, scale: float, num_splits: int | None, min_split: int) -> torch.Tensor:
+    """The Triton launches as one opaque op: ``torch.compile`` of a decode step keeps it as a graph node."""
     B, T, H, CR = q_lat.shape
     RR = q_pe.shape[-1]
     TH = T * H
@@ -216,3 +223,8 @@ def mla_decode(q_lat: torch.Tensor, q_pe: torch.Tensor, buf: torch.Tensor, slots
             o_part, lse_part, lengths, out, T, H, TH, NS, min_split, *out.stride()[:3], CR=CR, C=C,
             ALIGN=SPLIT_ALIGN, BR=BR, num_warps=4)
     return out
+
+
+@_mla_decode_op.register_fake
+def _(q_lat, q_pe, buf, slots, lengths, scale, num_splits, min_split):
+    return torch.empty_like(q_lat, memory_format=torch.contiguous_format)

@@ -18,7 +18,6 @@ the visible key blocks, unmasked blocks first), ``attn_bwd_delta_kernel`` (δ = 
 
 from __future__ import annotations
 
-import math
 import os
 
 import torch
@@ -30,7 +29,6 @@ from k3.ops.kda.triton._common import RCP_LN2  # importing it also patches the i
 
 __all__ = ["flash_attention_fwd", "flash_attention_bwd", "head_blocks"]
 
-LN2 = math.log(2.0)
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
@@ -57,7 +55,7 @@ _DELTA = [triton.Config({"BM": 16 if _INTERPRET else 64}, num_warps=4)]
 
 # --------------------------------------------------------------------------------------------------- helpers
 @triton.jit
-def _tile(base, o_r, o_c, stride_r, n_r, n_c, MASK_R: tl.constexpr, MASK_C: tl.constexpr):
+def load_tile(base, o_r, o_c, stride_r, n_r, n_c, MASK_R: tl.constexpr, MASK_C: tl.constexpr):
     """Load ``base[o_r, o_c]`` (row stride ``stride_r``, contiguous columns), zero outside ``n_r`` × ``n_c``."""
     p = base + o_r[:, None].to(tl.int64) * stride_r + o_c[None, :]
     if MASK_R and MASK_C:
@@ -72,7 +70,7 @@ def _tile(base, o_r, o_c, stride_r, n_r, n_c, MASK_R: tl.constexpr, MASK_C: tl.c
 
 
 @triton.jit
-def _store_tile(base, x, o_r, o_c, stride_r, n_r, n_c, MASK_C: tl.constexpr):
+def store_tile(base, x, o_r, o_c, stride_r, n_r, n_c, MASK_C: tl.constexpr):
     p = base + o_r[:, None].to(tl.int64) * stride_r + o_c[None, :]
     if MASK_C:
         tl.store(p, x, mask=(o_r[:, None] < n_r) & (o_c[None, :] < n_c))
@@ -107,10 +105,10 @@ def _fwd_blocks(acc, l_i, m_i, q1, q2, k_base, v_base, s_kt, s_vt, lo, hi, o_m, 
     o_dv = tl.arange(0, DV)
     for start_n in range(lo, hi, BN):
         o_n = start_n + tl.arange(0, BN)
-        k1 = _tile(k_base, o_n, o_d1, s_kt, L, D, MASKED, D1 > D)
+        k1 = load_tile(k_base, o_n, o_d1, s_kt, L, D, MASKED, D1 > D)
         k2 = k1
         if D2 > 0:
-            k2 = _tile(k_base + D1, o_n, tl.arange(0, D2), s_kt, L, D - D1, MASKED, D1 + D2 > D)
+            k2 = load_tile(k_base + D1, o_n, tl.arange(0, D2), s_kt, L, D - D1, MASKED, D1 + D2 > D)
         s = _scores(q1, q2, k1, k2, D2, PREC) * qk_scale
         if MASKED:
             vis = (o_n[None, :] <= o_m[:, None] + shift) & (o_n[None, :] < L)
@@ -123,7 +121,7 @@ def _fwd_blocks(acc, l_i, m_i, q1, q2, k_base, v_base, s_kt, s_vt, lo, hi, o_m, 
         p = tl.exp2(s - m_sub[:, None])
         alpha = tl.exp2(m_i - m_sub)
         l_i = l_i * alpha + tl.sum(p, 1)
-        vv = _tile(v_base, o_n, o_dv, s_vt, L, DVR, MASKED, DV > DVR)
+        vv = load_tile(v_base, o_n, o_dv, s_vt, L, DVR, MASKED, DV > DVR)
         acc = acc * alpha[:, None] + tl.dot(p.to(vv.dtype), vv, input_precision=PREC)
         m_i = m_new
     return acc, l_i, m_i
@@ -142,10 +140,10 @@ def attn_fwd_kernel(q, k, v, o, lse, shift_ptr, T, L, H, shift0,
     k_base = k + i_b.to(tl.int64) * s_kb + i_h * s_kh
     v_base = v + i_b.to(tl.int64) * s_vb + i_h * s_vh
     o_m = i_m * BM + tl.arange(0, BM)
-    q1 = _tile(q_base, o_m, tl.arange(0, D1), s_qt, T, D, True, D1 > D)
+    q1 = load_tile(q_base, o_m, tl.arange(0, D1), s_qt, T, D, True, D1 > D)
     q2 = q1
     if D2 > 0:
-        q2 = _tile(q_base + D1, o_m, tl.arange(0, D2), s_qt, T, D - D1, True, D1 + D2 > D)
+        q2 = load_tile(q_base + D1, o_m, tl.arange(0, D2), s_qt, T, D - D1, True, D1 + D2 > D)
 
     acc = tl.zeros([BM, DV], dtype=tl.float32)
     l_i = tl.zeros([BM], dtype=tl.float32)
@@ -160,7 +158,7 @@ def attn_fwd_kernel(q, k, v, o, lse, shift_ptr, T, L, H, shift0,
 
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)  # a row that sees no key: o = 0, lse = −inf
     out = acc / l_safe[:, None]
-    _store_tile(o + i_b.to(tl.int64) * s_ob + i_h * s_oh, out.to(o.dtype.element_ty), o_m, tl.arange(0, DV), s_ot,
+    store_tile(o + i_b.to(tl.int64) * s_ob + i_h * s_oh, out.to(o.dtype.element_ty), o_m, tl.arange(0, DV), s_ot,
                 T, DVR, DV > DVR)
     lse_v = tl.where(l_i == 0.0, float("-inf"), (m_i + tl.log2(l_safe)) * 0.6931471805599453)
     tl.store(lse + i_bh.to(tl.int64) * T + o_m, lse_v, mask=o_m < T)
@@ -176,8 +174,8 @@ def attn_bwd_delta_kernel(o, do, dlse, delta, T, H, s_ob, s_ot, s_oh, s_db, s_dt
     i_b, i_h = i_bh // H, i_bh % H
     o_m = i_m * BM + tl.arange(0, BM)
     o_v = tl.arange(0, DV)
-    oo = _tile(o + i_b.to(tl.int64) * s_ob + i_h * s_oh, o_m, o_v, s_ot, T, DVR, True, DV > DVR)
-    dd = _tile(do + i_b.to(tl.int64) * s_db + i_h * s_dh, o_m, o_v, s_dt, T, DVR, True, DV > DVR)
+    oo = load_tile(o + i_b.to(tl.int64) * s_ob + i_h * s_oh, o_m, o_v, s_ot, T, DVR, True, DV > DVR)
+    dd = load_tile(do + i_b.to(tl.int64) * s_db + i_h * s_dh, o_m, o_v, s_dt, T, DVR, True, DV > DVR)
     d = tl.sum(oo.to(tl.float32) * dd.to(tl.float32), 1)
     if HAS_DLSE:
         d -= tl.load(dlse + i_bh.to(tl.int64) * T + o_m, mask=o_m < T, other=0.0)
@@ -193,11 +191,11 @@ def _dkdv_blocks(dk1, dk2, dv, k1, k2, vv, q_base, do_base, lse_base, delta_base
     o_dv = tl.arange(0, DV)
     for start_m in range(lo, hi, BM):
         o_m = start_m + tl.arange(0, BM)
-        q1 = _tile(q_base, o_m, o_d1, s_qt, T, D, True, D1 > D)
+        q1 = load_tile(q_base, o_m, o_d1, s_qt, T, D, True, D1 > D)
         q2 = q1
         if D2 > 0:
-            q2 = _tile(q_base + D1, o_m, tl.arange(0, D2), s_qt, T, D - D1, True, D1 + D2 > D)
-        do = _tile(do_base, o_m, o_dv, s_dt, T, DVR, True, DV > DVR)
+            q2 = load_tile(q_base + D1, o_m, tl.arange(0, D2), s_qt, T, D - D1, True, D1 + D2 > D)
+        do = load_tile(do_base, o_m, o_dv, s_dt, T, DVR, True, DV > DVR)
         # rows past T get lse = +inf → p = 0
         lse2 = tl.load(lse_base + o_m, mask=o_m < T, other=float("inf")) * 1.4426950408889634
         dlt = tl.load(delta_base + o_m, mask=o_m < T, other=0.0)
@@ -226,11 +224,11 @@ def attn_bwd_dkdv_kernel(q, k, v, do, lse, delta, dk, dv, shift_ptr, T, L, H, sh
     shift = _shift(shift_ptr, shift0, i_b, HAS_SHIFT)
     o_n = i_n * BN + tl.arange(0, BN)
     k_base = k + i_b.to(tl.int64) * s_kb + i_h * s_kh
-    k1 = _tile(k_base, o_n, tl.arange(0, D1), s_kt, L, D, True, D1 > D)
+    k1 = load_tile(k_base, o_n, tl.arange(0, D1), s_kt, L, D, True, D1 > D)
     k2 = k1
     if D2 > 0:
-        k2 = _tile(k_base + D1, o_n, tl.arange(0, D2), s_kt, L, D - D1, True, D1 + D2 > D)
-    vv = _tile(v + i_b.to(tl.int64) * s_vb + i_h * s_vh, o_n, tl.arange(0, DV), s_vt, L, DVR, True, DV > DVR)
+        k2 = load_tile(k_base + D1, o_n, tl.arange(0, D2), s_kt, L, D - D1, True, D1 + D2 > D)
+    vv = load_tile(v + i_b.to(tl.int64) * s_vb + i_h * s_vh, o_n, tl.arange(0, DV), s_vt, L, DVR, True, DV > DVR)
     dk1 = tl.zeros([BN, D1], dtype=tl.float32)
     dk2 = tl.zeros([BN, D2 if D2 > 0 else 16], dtype=tl.float32)
     dv_acc = tl.zeros([BN, DV], dtype=tl.float32)
@@ -249,11 +247,11 @@ def attn_bwd_dkdv_kernel(q, k, v, do, lse, delta, dk, dv, shift_ptr, T, L, H, sh
     dk1, dk2, dv_acc = _dkdv_blocks(dk1, dk2, dv_acc, k1, k2, vv, q_base, do_base, lse_base, delta_base, s_qt, s_dt,
                                     i_full, T, o_n, shift, T, qk_scale, D, DVR, D1, D2, DV, BM, False, PREC)
     dk_base = dk + i_b.to(tl.int64) * s_kgb + i_h * s_kgh
-    _store_tile(dk_base, (dk1 * scale).to(dk.dtype.element_ty), o_n, tl.arange(0, D1), s_kgt, L, D, D1 > D)
+    store_tile(dk_base, (dk1 * scale).to(dk.dtype.element_ty), o_n, tl.arange(0, D1), s_kgt, L, D, D1 > D)
     if D2 > 0:
-        _store_tile(dk_base + D1, (dk2 * scale).to(dk.dtype.element_ty), o_n, tl.arange(0, D2), s_kgt, L, D - D1,
+        store_tile(dk_base + D1, (dk2 * scale).to(dk.dtype.element_ty), o_n, tl.arange(0, D2), s_kgt, L, D - D1,
                     D1 + D2 > D)
-    _store_tile(dv + i_b.to(tl.int64) * s_vgb + i_h * s_vgh, dv_acc.to(dv.dtype.element_ty), o_n, tl.arange(0, DV),
+    store_tile(dv + i_b.to(tl.int64) * s_vgb + i_h * s_vgh, dv_acc.to(dv.dtype.element_ty), o_n, tl.arange(0, DV),
                 s_vgt, L, DVR, DV > DVR)
 
 
@@ -265,11 +263,11 @@ def _dq_blocks(dq1, dq2, q1, q2, do, lse2, dlt, k_base, v_base, s_kt, s_vt, lo, 
     o_dv = tl.arange(0, DV)
     for start_n in range(lo, hi, BN):
         o_n = start_n + tl.arange(0, BN)
-        k1 = _tile(k_base, o_n, o_d1, s_kt, L, D, MASKED, D1 > D)
+        k1 = load_tile(k_base, o_n, o_d1, s_kt, L, D, MASKED, D1 > D)
         k2 = k1
         if D2 > 0:
-            k2 = _tile(k_base + D1, o_n, tl.arange(0, D2), s_kt, L, D - D1, MASKED, D1 + D2 > D)
-        vv = _tile(v_base, o_n, o_dv, s_vt, L, DVR, MASKED, DV > DVR)
+            k2 = load_tile(k_base + D1, o_n, tl.arange(0, D2), s_kt, L, D - D1, MASKED, D1 + D2 > D)
+        vv = load_tile(v_base, o_n, o_dv, s_vt, L, DVR, MASKED, DV > DVR)
         p = tl.exp2(_scores(q1, q2, k1, k2, D2, PREC) * qk_scale - lse2[:, None])
         if MASKED:
             p = tl.where((o_n[None, :] <= o_m[:, None] + shift) & (o_n[None, :] < L), p, 0.0)
@@ -293,11 +291,11 @@ def attn_bwd_dq_kernel(q, k, v, do, lse, delta, dq, shift_ptr, T, L, H, shift0,
     shift = _shift(shift_ptr, shift0, i_b, HAS_SHIFT)
     o_m = i_m * BM + tl.arange(0, BM)
     q_base = q + i_b.to(tl.int64) * s_qb + i_h * s_qh
-    q1 = _tile(q_base, o_m, tl.arange(0, D1), s_qt, T, D, True, D1 > D)
+    q1 = load_tile(q_base, o_m, tl.arange(0, D1), s_qt, T, D, True, D1 > D)
     q2 = q1
     if D2 > 0:
-        q2 = _tile(q_base + D1, o_m, tl.arange(0, D2), s_qt, T, D - D1, True, D1 + D2 > D)
-    do = _tile(do + i_b.to(tl.int64) * s_db + i_h * s_dh, o_m, tl.arange(0, DV), s_dt, T, DVR, True, DV > DVR)
+        q2 = load_tile(q_base + D1, o_m, tl.arange(0, D2), s_qt, T, D - D1, True, D1 + D2 > D)
+    do = load_tile(do + i_b.to(tl.int64) * s_db + i_h * s_dh, o_m, tl.arange(0, DV), s_dt, T, DVR, True, DV > DVR)
     lse2 = tl.load(lse + i_bh.to(tl.int64) * T + o_m, mask=o_m < T, other=float("inf")) * 1.4426950408889634
     dlt = tl.load(delta + i_bh.to(tl.int64) * T + o_m, mask=o_m < T, other=0.0)
     dq1 = tl.zeros([BM, D1], dtype=tl.float32)
@@ -311,9 +309,9 @@ def attn_bwd_dq_kernel(q, k, v, do, lse, delta, dq, shift_ptr, T, L, H, shift0,
     dq1, dq2 = _dq_blocks(dq1, dq2, q1, q2, do, lse2, dlt, k_base, v_base, s_kt, s_vt, n_full, n_end, o_m, shift, L,
                           qk_scale, D, DVR, D1, D2, DV, BN, True, PREC)
     dq_base = dq + i_b.to(tl.int64) * s_qgb + i_h * s_qgh
-    _store_tile(dq_base, (dq1 * scale).to(dq.dtype.element_ty), o_m, tl.arange(0, D1), s_qgt, T, D, D1 > D)
+    store_tile(dq_base, (dq1 * scale).to(dq.dtype.element_ty), o_m, tl.arange(0, D1), s_qgt, T, D, D1 > D)
     if D2 > 0:
-        _store_tile(dq_base + D1, (dq2 * scale).to(dq.dtype.element_ty), o_m, tl.arange(0, D2), s_qgt, T, D - D1,
+        store_tile(dq_base + D1, (dq2 * scale).to(dq.dtype.element_ty), o_m, tl.arange(0, D2), s_qgt, T, D - D1,
                     D1 + D2 > D)
 
 

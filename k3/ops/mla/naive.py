@@ -41,7 +41,7 @@ def mla_decode_ref(q_lat: torch.Tensor, q_pe: torch.Tensor, buf: torch.Tensor, s
     ``buf [P, capacity, c + r]``, ``slots [B]`` (pool row per batch row; None = rows 0..B−1), ``lengths [B]``
     (valid cached tokens incl. this piece's T) → ``o_lat [B, T, H, c]`` in q_lat's dtype. The T queries sit at the
     last T valid positions of their row (causal among them)."""
-    B, T, H, c = q_lat.shape
+    B, T, _, c = q_lat.shape
     L = int(lengths.max())  # host sync: the reference only
     rows = buf[:B] if slots is None else buf[slots.long()]
     c_kv, k_pe = rows[:, :L].float().split([c, buf.shape[-1] - c], dim=-1)
