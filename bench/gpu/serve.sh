@@ -13,6 +13,7 @@ python -m k3.bench serve --sections kdaprobe --out "$OUT/serve/probe" > "$OUT/se
   || { tail -20 "$OUT/serve/probe.log"; rc=1; }
 t1=$SECONDS
 python -m pytest -q tests/infer/test_runner.py tests/infer/test_sampling.py tests/ops/test_conv_update.py \
+  tests/ops/test_norm_gate.py tests/serve/test_engine.py::test_engine_on_gpu_with_graphs \
   > "$OUT/serve/tests.log" 2>&1 || rc=1
 t2=$SECONDS
 python -m k3.bench serve --sections decode,server,prefill --out "$OUT/serve" > "$OUT/serve/bench.log" 2>&1 \

@@ -186,12 +186,17 @@ def bench_prefill(preset: str, lengths: list[int], eager_lengths: dict[str, list
         runner = ModelRunner(model, max_batch=1, capacity=max(lengths) + 64, prefill_chunk=chunk)
         runner.admit(0, GREEDY, seed=0)
         runner.prefill(0, _ids(min(8192, max(lengths)), model.config.vocab_size, device)).tokens()  # compile, warm
-        for T in lengths:
+        auto = runner.prefill_chunk
+        runs = [(T, auto) for T in lengths]
+        if chunk is None and over:  # all-KDA: the longest prompt again at twice the chunk (time vs memory)
+            runs.append((max(lengths), 2 * auto))
+        for T, c in runs:
             ids = _ids(T, model.config.vocab_size, device, seed=T)
+            runner.prefill_chunk = c
             runner.admit(0, GREEDY, seed=0)
             dt, extra, _ = _peak(lambda: runner.prefill(0, ids).tokens())
             row = {"model": name, "path": "runner", "tokens": T, "s": dt, "tok_s": T / dt, "extra_gib": extra,
-                   "chunk": runner.prefill_chunk, "state_gib": runner.memory_bytes() / GIB}
+                   "chunk": c, "state_gib": runner.memory_bytes() / GIB}
             print(json.dumps(row), flush=True)
             rows.append(row)
             del ids

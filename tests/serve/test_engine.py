@@ -173,3 +173,23 @@ def test_text_stream_holds_back_possible_stop_strings():
     assert "".join(ts.feed(b)[0] for b in b"abEN") + ts.finish()[0] == "abEN"  # never completed: all of it
     ts = TextStream(TOK)
     assert [ts.feed(b)[0] for b in "é".encode()] == ["", "é"]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the CUDA-graph engine needs a GPU")
+def test_engine_on_gpu_with_graphs():
+    """The whole loop on CUDA (graphs for every bucket and sampling mode, pinned read-backs one step behind): mixed
+    greedy / sampled / stop-string requests joining a running batch all finish as asked."""
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        m = K3ForCausalLM(K3Config.from_preset("tiny", dtype="bfloat16")).eval()
+    eng = Engine(m, TOK, max_batch=4, max_queue=8, prefill_chunk=32, capacity=256, cuda_graphs=True).start()
+    try:
+        kinds = [greedy(12), SamplingParams(max_tokens=9, temperature=0.9, top_k=20, seed=3, ignore_eos=True),
+                 SamplingParams(max_tokens=7, temperature=1.0, ignore_eos=True)]
+        reqs = [eng.submit(prompt(i, n=6 + 9 * i), kinds[i % 3]) for i in range(7)]
+        for i, r in enumerate(reqs):
+            _, ids, ev = collect(r)
+            assert ev.finish_reason == "length" and len(ids) == kinds[i % 3].max_tokens, (i, ev)
+        assert eng.error is None and eng.runner.use_graphs and len(eng.runner._graphs) == 3 * 3
+    finally:
+        eng.stop()
