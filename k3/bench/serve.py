@@ -448,6 +448,7 @@ def main(argv: list[str] | None = None) -> int:
     os.makedirs(out_dir, exist_ok=True)
     device = "cuda" if torch.cuda.is_available() and not args.smoke else "cpu"
     if args.smoke:  # tiny model, short prompts, few steps: every code path, seconds on a CPU
+        torch.set_num_threads(1)  # tiny ops: OpenMP threads only cost
         preset, batches, prompt, steps, eager_steps = "tiny", [1, 3], 64, 4, 2
         lengths, eager_lengths, clients, s_prompt, s_tokens = [300, 700], {"small": [300]}, [1, 3], 16, 4
         probe = (256, 2)
