@@ -198,8 +198,7 @@ class Engine:
         with self._cv:
             if self._stopping:
                 raise RuntimeError("the engine is stopping")
-            busy = len(self._active) >= self.max_batch
-            if busy and len(self._waiting) >= self.max_queue:
+            if len(self._active) + len(self._waiting) >= self.max_batch + self.max_queue:
                 raise QueueFull(f"{len(self._waiting)} requests are waiting for one of {self.max_batch} slots")
             self._waiting.append(req)
             self._cv.notify_all()
