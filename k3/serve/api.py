@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import threading
 import time
 import uuid
 from typing import Any, AsyncIterator
@@ -229,6 +230,39 @@ class _Kind:
         return {**self.head("text_completion"), "choices": [choice], "usage": _usage(ev)}
 
 
+class _Bridge:
+    """Engine thread → event loop: events are queued here and delivered by one loop callback per burst (a decode
+    step of 64 streams wakes the loop once, not 64 times)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.lock = threading.Lock()
+        self.pending: list[tuple[asyncio.Queue, Event]] = []
+
+    def put(self, q: asyncio.Queue, ev: Event) -> None:
+        with self.lock:
+            self.pending.append((q, ev))
+            if len(self.pending) > 1:
+                return  # a delivery is already scheduled
+        with contextlib.suppress(RuntimeError):  # the loop has closed: nobody listens any more
+            self.loop.call_soon_threadsafe(self._deliver)
+
+    def _deliver(self) -> None:
+        with self.lock:
+            items, self.pending = self.pending, []
+        for q, ev in items:
+            q.put_nowait(ev)
+
+
+def _coalesce(ev: Event, events: asyncio.Queue) -> Event:
+    """``ev`` merged with every event already queued behind it (one SSE chunk for what a slow reader missed)."""
+    while ev.finish_reason is None and not events.empty():
+        nxt = events.get_nowait()
+        ev = Event(ev.text + nxt.text, ev.token_ids + nxt.token_ids, nxt.finish_reason, nxt.prompt_tokens,
+                   nxt.completion_tokens, nxt.error)
+    return ev
+
+
 # --- the app ------------------------------------------------------------------------------------------------------------
 def create_app(engine: Engine, model_name: str, chat: ChatFormat) -> FastAPI:
     """The FastAPI app serving ``engine`` under the name ``model_name``. The engine thread is started here if it is
@@ -295,16 +329,14 @@ def create_app(engine: Engine, model_name: str, chat: ChatFormat) -> FastAPI:
         params, stream, usage = _common(body, ids, engine.capacity, None, name, "messages", chat.stops)
         return await _serve(request, _Parsed(ids, params, stream, usage), _Kind(True, model_name))
 
+    bridge: list[_Bridge] = []
+
     async def _serve(request: Request, parsed: _Parsed, kind: _Kind) -> Any:
-        loop = asyncio.get_running_loop()
+        if not bridge:
+            bridge.append(_Bridge(asyncio.get_running_loop()))
         events: asyncio.Queue[Event] = asyncio.Queue()
-
-        def sink(ev: Event) -> None:  # engine thread → this event loop
-            with contextlib.suppress(RuntimeError):  # the loop has closed: nobody listens any more
-                loop.call_soon_threadsafe(events.put_nowait, ev)
-
         try:
-            req = engine.submit(parsed.ids, parsed.params, sink)
+            req = engine.submit(parsed.ids, parsed.params, lambda ev: bridge[0].put(events, ev))
         except QueueFull as e:
             raise APIError(429, f"the server is busy ({e}); retry later", type_="rate_limit_error",
                            code="queue_full") from None
@@ -343,7 +375,7 @@ def create_app(engine: Engine, model_name: str, chat: ChatFormat) -> FastAPI:
             if parsed.echo_text:
                 yield _sse(kind.chunk(parsed.echo_text))
             while True:
-                ev = await events.get()
+                ev = _coalesce(await events.get(), events)
                 if ev.text:
                     yield _sse(kind.chunk(ev.text))
                 if ev.finish_reason is not None:
