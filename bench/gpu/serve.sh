@@ -16,7 +16,7 @@ python -m pytest -q tests/infer/test_runner.py tests/infer/test_sampling.py test
   tests/ops/test_norm_gate.py tests/serve/test_engine.py::test_engine_on_gpu_with_graphs \
   > "$OUT/serve/tests.log" 2>&1 || rc=1
 t2=$SECONDS
-python -m k3.bench serve --sections decode,server,prefill --out "$OUT/serve" > "$OUT/serve/bench.log" 2>&1 \
+python -m k3.bench serve --sections decode,prefill,server --out "$OUT/serve" > "$OUT/serve/bench.log" 2>&1 \
   || { tail -30 "$OUT/serve/bench.log"; rc=1; }
 grep -E "passed|failed|error" "$OUT/serve/tests.log" | tail -15
 echo "probe $((t1 - t0)) s, tests $((t2 - t1)) s, benchmark $((SECONDS - t2)) s"

@@ -1,6 +1,6 @@
 """``python -m k3.bench serve``: serving on one GPU — decode, prefill, the HTTP server — beside the eager path.
 
-Sections (``--sections``, in this order by default):
+Sections (``--sections``; run in the order decode, prefill, server, with kdaprobe first when asked):
 
 ``decode``   preset ``small``, random bf16 weights, B = 1 / 8 / 64 sequences with 4K-token prompts: tokens/s of the
              ``ModelRunner`` decode step (CUDA graph per batch bucket, sampling on the device), timed as the engine
@@ -469,12 +469,10 @@ def main(argv: list[str] | None = None) -> int:
         model = _model(preset, device, max_seq_len=max(prompt, s_prompt) + max(steps, s_tokens) + 64)
     if "decode" in sections:
         res["decode"] = bench_decode(model, batches, prompt, steps, eager_steps, device)
-    if "server" in sections:
-        res["server"] = bench_server(model, clients, s_prompt, s_tokens, max(clients))
-    del model
-    _free()
     if "prefill" in sections:
         res["prefill"] = bench_prefill(preset, lengths, eager_lengths, device, args.prefill_chunk)
+    if "server" in sections:
+        res["server"] = bench_server(model, clients, s_prompt, s_tokens, max(clients))
     with open(os.path.join(out_dir, "serve_bench.json"), "w") as f:
         json.dump(res, f, indent=1)
     md = _markdown(header, res)
