@@ -462,24 +462,42 @@ def main(argv: list[str] | None = None) -> int:
                   triton=triton.__version__, host=platform.node(), date=datetime.date.today().isoformat(),
                   command="python -m k3.bench serve " + " ".join(argv if argv is not None else sys.argv[1:]))
     res: dict[str, Any] = {"header": header}
+    failed = False
+
+    def run(name: str, fn: Callable[[], Any]) -> None:
+        """One section; an exception is recorded (and the others still run), results are saved after each."""
+        nonlocal failed
+        try:
+            res[name] = fn()
+        except Exception as e:  # noqa: BLE001 — a failed section is a result; the exit status says so
+            import traceback
+
+            traceback.print_exc()
+            res[name + "_error"] = f"{type(e).__name__}: {e}"
+            failed = True
+        _free()
+        with open(os.path.join(out_dir, "serve_bench.json"), "w") as f:
+            json.dump(res, f, indent=1)
+
     if "kdaprobe" in sections:
-        res["kdaprobe"] = bench_kdaprobe(*probe, device) if device == "cuda" or args.smoke else None
+        run("kdaprobe", lambda: bench_kdaprobe(*probe, device))
     model = None
     if "decode" in sections or "server" in sections:
         model = _model(preset, device, max_seq_len=max(prompt, s_prompt) + max(steps, s_tokens) + 64)
     if "decode" in sections:
-        res["decode"] = bench_decode(model, batches, prompt, steps, eager_steps, device)
+        run("decode", lambda: bench_decode(model, batches, prompt, steps, eager_steps, device))
     if "prefill" in sections:
-        res["prefill"] = bench_prefill(preset, lengths, eager_lengths, device, args.prefill_chunk)
+        run("prefill", lambda: bench_prefill(preset, lengths, eager_lengths, device, args.prefill_chunk))
     if "server" in sections:
-        res["server"] = bench_server(model, clients, s_prompt, s_tokens, max(clients))
-    with open(os.path.join(out_dir, "serve_bench.json"), "w") as f:
-        json.dump(res, f, indent=1)
+        run("server", lambda: bench_server(model, clients, s_prompt, s_tokens, max(clients)))
     md = _markdown(header, res)
+    errors = [f"- {k[:-6]}: {v}" for k, v in res.items() if k.endswith("_error")]
+    if errors:
+        md += "\n## Failed sections\n\n" + "\n".join(errors) + "\n"
     with open(os.path.join(out_dir, "serve_bench.md"), "w") as f:
         f.write(md)
     print(md)
-    return 0
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
