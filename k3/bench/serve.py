@@ -29,7 +29,6 @@ import datetime
 import json
 import os
 import platform
-import statistics
 import subprocess
 import sys
 import threading
@@ -194,7 +193,7 @@ def bench_prefill(preset: str, lengths: list[int], eager_lengths: dict[str, list
             ids = _ids(T, model.config.vocab_size, device, seed=T)
             runner.prefill_chunk = c
             runner.admit(0, GREEDY, seed=0)
-            dt, extra, _ = _peak(lambda: runner.prefill(0, ids).tokens())
+            dt, extra, _ = _peak(lambda r=runner, x=ids: r.prefill(0, x).tokens())
             row = {"model": name, "path": "runner", "tokens": T, "s": dt, "tok_s": T / dt, "extra_gib": extra,
                    "chunk": c, "state_gib": runner.memory_bytes() / GIB}
             print(json.dumps(row), flush=True)
@@ -206,9 +205,9 @@ def bench_prefill(preset: str, lengths: list[int], eager_lengths: dict[str, list
             ids = _ids(T, model.config.vocab_size, device, seed=T)[None]
             state = model.init_state(1, capacity=T + 8)
 
-            def eager() -> int:
+            def eager(m: K3ForCausalLM = model, x: torch.Tensor = ids, st: Any = state) -> int:
                 with torch.no_grad():
-                    return int(model(ids, state=state).logits[0, -1].argmax())
+                    return int(m(x, state=st).logits[0, -1].argmax())
 
             try:
                 dt, extra, _ = _peak(eager)
@@ -402,8 +401,8 @@ def _markdown(header: dict[str, Any], res: dict[str, Any]) -> str:
     for r in res.get("decode") or []:
         k = r.get("kernels")
         if k:
-            lines += [f"\nKernels of one step at batch {r['batch']}: {k['per_step']:.0f} launches, {k['us_per_step']:.0f} µs "
-                      "of kernel time; the largest:\n", "| kernel | per step | µs |", "|---|---|---|"]
+            lines += [f"\nKernels of one step at batch {r['batch']}: {k['per_step']:.0f} launches, "
+                      f"{k['us_per_step']:.0f} µs of kernel time; the largest:\n", "| kernel | per step | µs |", "|---|---|---|"]
             lines += [f"| `{t['name']}` | {t['calls']:.0f} | {t['us']:.1f} |" for t in k["top"][:10]]
     if res.get("prefill"):
         lines += ["\n## Prefill (one sequence; memory = peak allocated beyond weights + decode state + cache + ids)\n",

@@ -183,7 +183,7 @@ class ModelRunner:
         self._params[slot] = params
         self._length[slot] = 0
 
-    # --- prefill -------------------------------------------------------------------------------------------------------
+    # --- prefill ------------------------------------------------------------------------------------------------------
     @torch.no_grad()
     def prefill(self, slot: int, ids: torch.Tensor | Sequence[int], last: bool = True) -> Pending | None:
         """Feed prompt tokens ``ids`` to ``slot`` (admitted). With ``last``, the prompt is complete: the first

@@ -87,7 +87,8 @@ def _filter(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.
     k = torch.where(top_k > 0, top_k, V).clamp(max=V)
     probs = torch.softmax(sx, dim=-1)
     before = probs.cumsum(-1) - probs  # mass of the likelier tokens
-    keep = (torch.arange(V, device=x.device)[None, :] < k[:, None]) & ((before < top_p[:, None]) | (top_p[:, None] >= 1))
+    in_k = torch.arange(V, device=x.device)[None, :] < k[:, None]
+    keep = in_k & ((before < top_p[:, None]) | (top_p[:, None] >= 1))
     keep[:, 0] = True  # the likeliest token always stays
     cut = torch.where(keep, sx, float("inf")).amin(-1, keepdim=True)  # the smallest kept value
     return x.masked_fill(x < cut, float("-inf"))

@@ -63,7 +63,7 @@ def _bad(message: str, param: str | None = None, code: str | None = None) -> API
     return APIError(400, message, param, code)
 
 
-# --- request parsing ---------------------------------------------------------------------------------------------------
+# --- request parsing -------------------------------------------------------------------------------------------------
 async def _json_body(request: Request) -> dict[str, Any]:
     raw = await request.body()
     if len(raw) > _MAX_BODY:
@@ -263,7 +263,7 @@ def _coalesce(ev: Event, events: asyncio.Queue) -> Event:
     return ev
 
 
-# --- the app ------------------------------------------------------------------------------------------------------------
+# --- the app ----------------------------------------------------------------------------------------------------------
 def create_app(engine: Engine, model_name: str, chat: ChatFormat) -> FastAPI:
     """The FastAPI app serving ``engine`` under the name ``model_name``. The engine thread is started here if it is
     not running, and stopped when the app shuts down."""

@@ -63,7 +63,7 @@ def test_decode_equals_full_recompute_and_slots_are_independent():
     model = tiny(2)
     runner = ModelRunner(model, max_batch=4, capacity=96, prefill_chunk=7)
     g = torch.Generator().manual_seed(1)
-    prompts = {3: torch.randint(0, 256, (11,), generator=g).tolist(), 0: torch.randint(0, 256, (5,), generator=g).tolist()}
+    prompts = {s: torch.randint(0, 256, (n,), generator=g).tolist() for s, n in ((3, 11), (0, 5))}
     out = {}
     for slot, p in prompts.items():
         runner.admit(slot, GREEDY, seed=0)

@@ -48,7 +48,8 @@ def test_triton_kernel_matches_reference(V):
 
 def _batch(n, **kw):
     one = lambda v, dt: torch.full((n,), v, dtype=dt)  # noqa: E731
-    return (one(kw.get("t", 1.0), torch.float32), one(kw.get("k", 0), torch.int64), one(kw.get("p", 1.0), torch.float32),
+    return (one(kw.get("t", 1.0), torch.float32), one(kw.get("k", 0), torch.int64),
+            one(kw.get("p", 1.0), torch.float32),
             one(kw.get("seed", 0), torch.int64), torch.arange(n))
 
 
@@ -103,6 +104,7 @@ def test_sampling_params_checks_and_modes():
             SamplingParams(**kw)
     greedy, hot, topk = SamplingParams(temperature=0), SamplingParams(), SamplingParams(top_k=5)
     assert sampling_mode([greedy]) == "greedy" and sampling_mode([greedy, hot]) == "sample"
-    assert sampling_mode([hot, topk]) == "filtered" and sampling_mode([SamplingParams(temperature=0, top_k=3)]) == "greedy"
+    assert sampling_mode([hot, topk]) == "filtered"
+    assert sampling_mode([SamplingParams(temperature=0, top_k=3)]) == "greedy"
     with pytest.raises(ValueError, match="mode"):
         sample_tokens(torch.zeros(1, 3), *_batch(1), "nucleus")

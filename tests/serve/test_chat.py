@@ -82,7 +82,8 @@ def test_plain_format_for_byte_runs_and_jinja_without_special_flag(tmp_path):
                                    "Assistant: Hello. What do you need?\n\nAssistant:")
     (tmp_path / "chat_template.jinja").write_text("{% for m in messages %}[{{ m.role }}]{{ m.content }}"
                                                   "{% endfor %}{% if add_generation_prompt %}[assistant]{% endif %}")
-    assert tok.decode(chat_format(tok, tmp_path).render(CONVERSATION[1:2])) == "[user]Hello there, assistant![assistant]"
+    rendered = tok.decode(chat_format(tok, tmp_path).render(CONVERSATION[1:2]))
+    assert rendered == "[user]Hello there, assistant![assistant]"
 
 
 def test_message_checks():
