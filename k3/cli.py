@@ -275,8 +275,12 @@ def _cmd_eval(ns: argparse.Namespace) -> int:
 
 
 def _cmd_serve(ns: argparse.Namespace) -> int:
-    from k3.serve.server import serve
     from k3.train.trainer import resolve_device
+
+    try:
+        from k3.serve.server import serve
+    except ImportError as e:  # the serve extra is not installed
+        raise ValueError(f"k3 serve needs FastAPI and uvicorn ({e}): pip install 'k3[serve]'") from None
 
     return serve(ns.run, ns.model, host=ns.host, port=ns.port, max_batch=ns.max_batch, max_queue=ns.max_queue,
                  max_seq_len=ns.max_seq_len, prefill_chunk=ns.prefill_chunk, name=ns.served_model_name,

@@ -37,11 +37,14 @@ from typing import Any, Callable
 
 import torch
 
+import k3.ops.kda as kda_ops
 from k3.bench import BenchParser
 from k3.config import K3Config
 from k3.infer.runner import ModelRunner
 from k3.infer.sampling import SamplingParams
 from k3.model import K3ForCausalLM
+from k3.serve.chat import chat_format
+from k3.serve.engine import Engine
 
 __all__ = ["main"]
 
@@ -284,8 +287,6 @@ def bench_server(model: K3ForCausalLM, clients: list[int], prompt_len: int, max_
     import uvicorn
 
     from k3.serve.api import create_app
-    from k3.serve.chat import chat_format
-    from k3.serve.engine import Engine
     from k3.serve.server import bind_socket
 
     tok = _IdTokenizer(model.config.vocab_size)
@@ -329,8 +330,6 @@ def bench_server(model: K3ForCausalLM, clients: list[int], prompt_len: int, max_
 # --------------------------------------------------------------------------------------------------------- kdaprobe
 def bench_kdaprobe(T: int, H: int, device: str) -> dict[str, Any]:
     """Peak memory of the first and second KDA prefill call of this process, and who holds the first call's peak."""
-    import k3.ops.kda as kda_ops
-
     g = torch.Generator(device=device).manual_seed(0)
     r = lambda *s: torch.randn(*s, generator=g, device=device, dtype=torch.bfloat16)  # noqa: E731
     q, k, v, f = (r(1, T, H, 128) for _ in range(4))

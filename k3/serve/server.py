@@ -11,25 +11,29 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import torch
+import uvicorn
+
+from k3.ckpt.run import load_checkpoint
+from k3.data.k3_tokenizer import load_k3_tokenizer
+from k3.model import K3ForCausalLM
+from k3.serve.api import create_app
+from k3.serve.chat import chat_format, find_chat_template
+from k3.serve.engine import Engine
+from k3.train.trainer import cpu_threads
+
 __all__ = ["serve", "load_for_serving", "bind_socket"]
 
 
 def load_for_serving(run: str | None, model_path: str | None, device: Any, dtype: str | None
                      ) -> tuple[Any, Any, list[Path], str]:
     """``(model, tokenizer, folders that may hold a chat template, default model name)``."""
-    import torch
-
     if run is not None:
         if dtype is not None:
             raise ValueError("--dtype applies to --model only; drop it with --run")
-        from k3.ckpt.run import load_checkpoint
-
         ck = load_checkpoint(run, device=device)
         folders = [Path(ck["dir"]), Path(ck["dir"]) / "tokenizer_files"]
         return ck["model"], ck["tokenizer"], folders, Path(run).resolve().name
-    from k3.data.k3_tokenizer import load_k3_tokenizer
-    from k3.model import K3ForCausalLM
-
     tok = load_k3_tokenizer(model_path)
     model = K3ForCausalLM.from_pretrained(model_path, device=device, dtype=getattr(torch, dtype) if dtype else None)
     return model.eval(), tok, [Path(model_path)], Path(model_path).resolve().name
@@ -55,16 +59,6 @@ def serve(run: str | None, model_path: str | None, host: str = "127.0.0.1", port
           max_queue: int = 64, max_seq_len: int | None = None, prefill_chunk: int | None = None,
           name: str | None = None, device: Any = "cpu", dtype: str | None = None) -> int:
     """Serve until interrupted (SIGINT/SIGTERM: graceful shutdown). Returns the exit status."""
-    try:
-        import uvicorn
-
-        from k3.serve.api import create_app
-    except ImportError as e:
-        raise ValueError(f"k3 serve needs FastAPI and uvicorn ({e}): pip install 'k3[serve]'") from None
-    from k3.serve.chat import chat_format, find_chat_template
-    from k3.serve.engine import Engine
-    from k3.train.trainer import cpu_threads
-
     if not 0 <= port <= 65535:
         raise ValueError(f"--port must be in [0, 65535], got {port}")
     sock = bind_socket(host, port)  # before the (slow) model load: a busy port fails at once
