@@ -207,6 +207,7 @@ def _add_serve(sub: Any) -> None:
     p.add_argument("--device", default="auto", help="auto (default), cpu, cuda, cuda:N")
     p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default=None,
                    help="with --model: weight dtype (default: the checkpoint's)")
+    p.add_argument("--force-memory", action="store_true", help=_FORCE_HELP)
     p.set_defaults(func=_cmd_serve)
 
 
@@ -303,7 +304,7 @@ def _cmd_serve(ns: argparse.Namespace) -> int:
 
     return serve(ns.run, ns.model, host=ns.host, port=ns.port, max_batch=ns.max_batch, max_queue=ns.max_queue,
                  max_seq_len=ns.max_seq_len, prefill_chunk=ns.prefill_chunk, name=ns.served_model_name,
-                 device=resolve_device(ns.device), dtype=ns.dtype)
+                 device=resolve_device(ns.device), dtype=ns.dtype, force_memory=ns.force_memory)
 
 
 def _cmd_tokenize(ns: argparse.Namespace) -> int:

@@ -25,17 +25,18 @@ from k3.train.trainer import cpu_threads
 __all__ = ["serve", "load_for_serving", "bind_socket"]
 
 
-def load_for_serving(run: str | None, model_path: str | None, device: Any, dtype: str | None
-                     ) -> tuple[Any, Any, list[Path], str]:
+def load_for_serving(run: str | None, model_path: str | None, device: Any, dtype: str | None,
+                     force_memory: bool = False) -> tuple[Any, Any, list[Path], str]:
     """``(model, tokenizer, folders that may hold a chat template, default model name)``."""
     if run is not None:
         if dtype is not None:
             raise ValueError("--dtype applies to --model only; drop it with --run")
-        ck = load_checkpoint(run, device=device)
+        ck = load_checkpoint(run, device=device, force_memory=force_memory)
         folders = [Path(ck["dir"]), Path(ck["dir"]) / "tokenizer_files"]
         return ck["model"], ck["tokenizer"], folders, Path(run).resolve().name
     tok = load_k3_tokenizer(model_path)
-    model = K3ForCausalLM.from_pretrained(model_path, device=device, dtype=getattr(torch, dtype) if dtype else None)
+    model = K3ForCausalLM.from_pretrained(model_path, device=device, dtype=getattr(torch, dtype) if dtype else None,
+                                          force_memory=force_memory)
     return model.eval(), tok, [Path(model_path)], Path(model_path).resolve().name
 
 
@@ -57,13 +58,13 @@ def bind_socket(host: str, port: int) -> socket.socket:
 
 def serve(run: str | None, model_path: str | None, host: str = "127.0.0.1", port: int = 8000, max_batch: int = 8,
           max_queue: int = 64, max_seq_len: int | None = None, prefill_chunk: int | None = None,
-          name: str | None = None, device: Any = "cpu", dtype: str | None = None) -> int:
+          name: str | None = None, device: Any = "cpu", dtype: str | None = None, force_memory: bool = False) -> int:
     """Serve until interrupted (SIGINT/SIGTERM: graceful shutdown). Returns the exit status."""
     if not 0 <= port <= 65535:
         raise ValueError(f"--port must be in [0, 65535], got {port}")
     sock = bind_socket(host, port)  # before the (slow) model load: a busy port fails at once
     try:
-        model, tok, folders, default_name = load_for_serving(run, model_path, device, dtype)
+        model, tok, folders, default_name = load_for_serving(run, model_path, device, dtype, force_memory)
         if max_seq_len is not None and max_seq_len > model.config.max_seq_len:
             raise ValueError(f"--max-seq-len {max_seq_len} exceeds the model's max_seq_len {model.config.max_seq_len}")
         folder = next((f for f in folders if find_chat_template(f) is not None), None)
