@@ -21,8 +21,10 @@ On CPU everything runs eagerly (same step function, no graphs).
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import warnings
-from typing import Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -32,6 +34,18 @@ from k3.state import K3State
 __all__ = ["ModelRunner", "Pending", "auto_prefill_chunk", "batch_buckets"]
 
 _MODES = ("greedy", "sample", "filtered")
+
+
+def _on_model_device(fn: Callable) -> Callable:
+    """Run a runner method with the model's GPU current (launches, streams, events and graphs go to it)."""
+
+    @functools.wraps(fn)
+    def wrapper(self: "ModelRunner", *args: Any, **kwargs: Any) -> Any:
+        ctx = torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext()
+        with ctx:
+            return fn(self, *args, **kwargs)
+
+    return wrapper
 
 
 class Pending:
@@ -164,6 +178,7 @@ class ModelRunner:
         return self._length[slot]
 
     # --- admission ---------------------------------------------------------------------------------------------------
+    @_on_model_device
     def admit(self, slot: int, params: SamplingParams, seed: int) -> None:
         """Start a new sequence in ``slot``: empty its state, store its sampling parameters (device writes only)."""
         if isinstance(slot, bool) or not isinstance(slot, int) or not 0 <= slot < self.max_batch:
@@ -184,6 +199,7 @@ class ModelRunner:
         self._length[slot] = 0
 
     # --- prefill ------------------------------------------------------------------------------------------------------
+    @_on_model_device
     @torch.no_grad()
     def prefill(self, slot: int, ids: torch.Tensor | Sequence[int], last: bool = True) -> Pending | None:
         """Feed prompt tokens ``ids`` to ``slot`` (admitted). With ``last``, the prompt is complete: the first
@@ -197,6 +213,7 @@ class ModelRunner:
         self.last_token.index_copy_(0, idx, nxt)
         return Pending(nxt)
 
+    @_on_model_device
     @torch.no_grad()
     def feed(self, slot: int, ids: torch.Tensor | Sequence[int]) -> torch.Tensor:
         """Run prompt tokens through ``slot`` in chunks of ``prefill_chunk`` (each chunk continues the KDA states,
@@ -237,6 +254,7 @@ class ModelRunner:
         return _to_device(ids.to(torch.int64), self.device)
 
     # --- decode ----------------------------------------------------------------------------------------------------
+    @_on_model_device
     @torch.no_grad()
     def decode(self, slots: Sequence[int]) -> Pending:
         """One token for each of ``slots`` (distinct, admitted, prefilled): feeds each slot's last token, samples
@@ -305,6 +323,7 @@ class ModelRunner:
                 torch.cuda.synchronize(self.device)
         return self._graphs.get(key)
 
+    @_on_model_device
     def capture_all(self, modes: Sequence[str] = _MODES) -> None:
         """Capture every bucket's graph now (largest first, so the smaller ones reuse its memory)."""
         if not self.use_graphs:

@@ -227,6 +227,8 @@ class Engine:
 
     # --- the engine thread ------------------------------------------------------------------------------------------
     def _loop(self) -> None:
+        if self.runner.device.type == "cuda":  # this thread's launches go to the model's GPU
+            torch.cuda.set_device(self.runner.device)
         while True:
             with self._cv:
                 while not self._stopping and not (self._waiting or self._active or self._inflight):

@@ -11,6 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
+from k3.ops._device import on_device_of
+
 __all__ = ["short_conv_update_triton"]
 
 
@@ -58,6 +60,7 @@ def short_conv_update_triton(xs: Sequence[torch.Tensor], tails: torch.Tensor, sl
         w = [t.reshape(C, W).contiguous() for t in weights] + [weights[0]] * (3 - n)
         out = [y[i] for i in range(n)] + [y[0]] * (3 - n)
         BC = min(1024, triton.next_power_of_2(C))
-        _conv_update[(B, triton.cdiv(C, BC), n)](*x, *w, *out, tails, slots, P, C, W=W, ACT=bool(activation), BC=BC,
-                                                  num_warps=4)
+        with on_device_of(tails):
+            _conv_update[(B, triton.cdiv(C, BC), n)](*x, *w, *out, tails, slots, P, C, W=W, ACT=bool(activation),
+                                                      BC=BC, num_warps=4)
     return y

@@ -6,6 +6,8 @@ import torch
 import triton
 import triton.language as tl
 
+from k3.ops._device import on_device_of
+
 __all__ = ["rms_norm_gate_triton"]
 
 
@@ -32,6 +34,7 @@ def rms_norm_gate_triton(o: torch.Tensor, g: torch.Tensor, weight: torch.Tensor,
     if R:
         BK = triton.next_power_of_2(K)
         BR = max(1, min(16, 4096 // BK))
-        _rms_norm_gate[(triton.cdiv(R, BR),)](o2, g2, weight.contiguous(), y, R, float(eps), K=K, BK=BK, BR=BR,
-                                              num_warps=4)
+        with on_device_of(o):
+            _rms_norm_gate[(triton.cdiv(R, BR),)](o2, g2, weight.contiguous(), y, R, float(eps), K=K, BK=BK, BR=BR,
+                                                  num_warps=4)
     return y.view(o.shape)

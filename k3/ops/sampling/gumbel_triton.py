@@ -12,6 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
+from k3.ops._device import on_device_of
+
 __all__ = ["gumbel_argmax_triton"]
 
 
@@ -46,6 +48,7 @@ def gumbel_argmax_triton(x: torch.Tensor, seeds: torch.Tensor, steps: torch.Tens
         x = x.contiguous()
     out = torch.empty(B, dtype=torch.int64, device=x.device)
     if B:
-        _gumbel_argmax[(B,)](x, seeds.to(torch.int64).contiguous(), steps.to(torch.int64).contiguous(), out,
-                             x.stride(0), V=V, BLOCK=1024, num_warps=4)
+        with on_device_of(x):
+            _gumbel_argmax[(B,)](x, seeds.to(torch.int64).contiguous(), steps.to(torch.int64).contiguous(), out,
+                                 x.stride(0), V=V, BLOCK=1024, num_warps=4)
     return out
