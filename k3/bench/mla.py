@@ -228,12 +228,14 @@ def _decode_row(row: dict, H: int, c: int, r: int, B: int, L: int, device: str) 
 
 
 def bench_decode(rows: Rows, dims: dict[str, tuple[int, int, int]], batches: list[int], lengths: list[int],
-                 device: str) -> None:
+                 device: str, deadline: float = float("inf")) -> None:
     for name, (H, c, r) in dims.items():
         for B in batches:
             for L in lengths:
                 row: dict = dict(section="decode", dims=name, H=H, c=c, r=r, B=B, L=L)
                 try:
+                    if time.monotonic() > deadline:
+                        raise TimeoutError("skipped: --budget-s reached")
                     _decode_row(row, H, c, r, B, L, device)
                 except Exception as e:
                     row["error"] = _error(e)
@@ -268,7 +270,8 @@ def _prefill_row(row: dict, layer, hidden: int, N: int, chunk: int, device: str)
     row["cache_GiB"] = cache.buf.numel() * cache.buf.element_size() / 2**30
 
 
-def bench_prefill(rows: Rows, tokens: list[int], chunk: int, device: str, preset: str = "small") -> None:
+def bench_prefill(rows: Rows, tokens: list[int], chunk: int, device: str, preset: str = "small",
+                  deadline: float = float("inf")) -> None:
     from k3.config import K3Config
     from k3.layers.mla import GatedMLA
 
@@ -280,6 +283,8 @@ def bench_prefill(rows: Rows, tokens: list[int], chunk: int, device: str, preset
     for N in tokens:
         row: dict = dict(section="prefill", preset=preset, tokens=N, chunk=chunk, H=H, Dqk=Dqk, Dv=Dv)
         try:
+            if time.monotonic() > deadline:
+                raise TimeoutError("skipped: --budget-s reached")
             _prefill_row(row, layer, cfg.hidden_size, N, chunk, device)
         except Exception as e:
             row["error"] = _error(e)
@@ -367,14 +372,15 @@ def run_section(rows: Rows, s: str, a, device: str, deadline: float) -> None:
             bench_train(rows, 8192, 96, 192, 128, device, a.flex, deadline)
     elif s == "decode":
         if a.smoke:
-            bench_decode(rows, {"tiny": (2, 16, 8)}, [1, 2], [40], device)
+            bench_decode(rows, {"tiny": (2, 16, 8)}, [1, 2], [40], device, deadline)
         else:
-            bench_decode(rows, {"small": (8, 256, 32), "k3": (96, 512, 64)}, [1, 64], [4096, 131072], device)
+            bench_decode(rows, {"small": (8, 256, 32), "k3": (96, 512, 64)}, [1, 64], [4096, 131072], device,
+                         deadline)
     elif s == "prefill":
         if a.smoke:
-            bench_prefill(rows, [40], 16, device, "tiny")
+            bench_prefill(rows, [40], 16, device, "tiny", deadline)
         else:
-            bench_prefill(rows, a.prefill_tokens, a.chunk, device)
+            bench_prefill(rows, a.prefill_tokens, a.chunk, device, deadline=deadline)
     elif a.smoke:
         bench_forms(rows, 40, 16, device, 2, 8, 8, 16, 16)
     else:

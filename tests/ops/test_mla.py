@@ -197,8 +197,7 @@ def _decode_case(B, T, H, c, r, lens, capacity, slots=None, pool=None):
 
 
 @gpu
-@pytest.mark.parametrize("T", [1, 4])
-@pytest.mark.parametrize("dims", [(96, 512, 64), (8, 256, 32)])  # (H, c, r): K3, small
+@pytest.mark.parametrize("T,dims", [(1, (96, 512, 64)), (4, (96, 512, 64)), (1, (8, 256, 32))])  # (H, c, r): K3, small
 def test_mla_decode_bf16(nan_empty, T, dims) -> None:
     """Cache lengths 1 (or T), 17, 4 K and 128 K in one ragged batch over a pool (rows in shuffled slots)."""
     args = _decode_case(4, T, *dims, [T, 17, 4096, 131072], 131072 + 5, slots=[3, 0, 4, 1], pool=5)
