@@ -84,11 +84,12 @@ def test_flash_attention_interpreter(triton_backend, B, T, L, H, D, Dv, shift) -
     (2, 1, 3, 10, 4, [1, 17], [2, 0], None),  # one query, lengths 1 and 17, a pool of 3
     (3, 4, 5, 24, 8, [4, 17, 33], [1, 3, 0], 4),  # T = 4 (causal among them), 20 rows = 2 groups, split-K
     (1, 1, 2, 16, 0, [30], None, 3),  # no rope dims, rows 0..B−1
+    (1, 2, 2, 16, 8, [600], [2], 40),  # 38 live splits: the merge takes them in two steps of 32
 ])
 def test_mla_decode_interpreter(triton_backend, B, T, H, c, r, lens, slots, splits) -> None:
     torch.manual_seed(len(lens) + T)
     q, qp = torch.randn(B, T, H, c, device=DEV), torch.randn(B, T, H, r, device=DEV)
-    buf = torch.randn(4, 40, c + r, device=DEV)
+    buf = torch.randn(4, max(40, *lens), c + r, device=DEV)
     lengths = torch.tensor(lens, dtype=torch.int32, device=DEV)
     sl = None if slots is None else torch.tensor(slots, device=DEV)
     got = mla_decode(q, qp, buf, sl, lengths, 0.3, num_splits=splits, min_split=16)

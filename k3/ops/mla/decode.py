@@ -129,32 +129,36 @@ def mla_decode_split_kernel(q_lat, q_pe, buf, slots, lengths, o_part, lse_part, 
 @triton.jit
 def mla_merge_kernel(o_part, lse_part, slots, lengths, out, T, H, TH, NUM_SPLITS, min_split, P, CAP, s_ob, s_ot,
                      s_oh, CR: tl.constexpr, C: tl.constexpr, ALIGN: tl.constexpr, HAS_SLOTS: tl.constexpr,
-                     BR: tl.constexpr):
-    """o = Σ_s 2^{lse_s − lse} o_s over the row's live splits (online in s; split 0 always sees key 0)."""
-    i_g, i_b = tl.program_id(0), tl.program_id(1)
+                     BS: tl.constexpr, BC: tl.constexpr):
+    """o = Σ_s 2^{lse_s − m} o_s / Σ_s 2^{lse_s − m} over the row's live splits, m = max_s lse_s.
+
+    One program per (column block, query row, batch row), BS splits per step: at batch 1 with a long cache there
+    are hundreds of splits, and one program walking them one by one would take longer than the split kernel.
+    """
+    i_c, i_r, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     _, length = _row(lengths, slots, i_b, P, CAP, HAS_SLOTS)
     _, _, split_len = _split_range(length, 0, NUM_SPLITS, min_split, ALIGN)
     n_splits = tl.cdiv(length, split_len)
-    o_r = i_g * BR + tl.arange(0, BR)
-    m_r = o_r < TH
-    o_c = tl.arange(0, C)
-    acc = tl.zeros([BR, C], dtype=tl.float32)
-    l_i = tl.zeros([BR], dtype=tl.float32)
-    m_i = tl.full([BR], float("-inf"), dtype=tl.float32)
-    for i_s in range(n_splits):
-        part = (i_b.to(tl.int64) * NUM_SPLITS + i_s) * TH
-        lse = tl.load(lse_part + part + o_r, mask=m_r, other=0.0)
-        o = tl.load(o_part + (part + o_r)[:, None] * C + o_c[None, :], mask=m_r[:, None], other=0.0)
-        m_new = tl.maximum(m_i, lse)
-        alpha = tl.exp2(m_i - m_new)
-        w = tl.exp2(lse - m_new)
-        acc = acc * alpha[:, None] + w[:, None] * o
-        l_i = l_i * alpha + w
-        m_i = m_new
-    i_t, i_h = o_r // H, o_r % H
-    dst = out + i_b.to(tl.int64) * s_ob + i_t * s_ot + i_h * s_oh
-    tl.store(dst[:, None] + o_c[None, :], (acc / l_i[:, None]).to(out.dtype.element_ty),
-             mask=m_r[:, None] & (o_c[None, :] < CR))
+    row = i_b.to(tl.int64) * NUM_SPLITS * TH + i_r  # partial s of this row: row + s·TH
+    o_s = tl.arange(0, BS)
+    m = tl.full([BS], float("-inf"), dtype=tl.float32)
+    for s0 in range(0, n_splits, BS):
+        m = tl.maximum(m, tl.load(lse_part + row + (s0 + o_s) * TH, mask=s0 + o_s < n_splits, other=float("-inf")))
+    m_all = tl.max(m, 0)
+    m_all = tl.where(m_all == float("-inf"), 0.0, m_all)  # a query that sees no key: all weights 0 → o = NaN
+    o_c = i_c * BC + tl.arange(0, BC)
+    acc = tl.zeros([BC], dtype=tl.float32)
+    l_s = tl.zeros([BS], dtype=tl.float32)
+    for s0 in range(0, n_splits, BS):
+        m_s = s0 + o_s < n_splits
+        p = row + (s0 + o_s) * TH
+        w = tl.exp2(tl.load(lse_part + p, mask=m_s, other=float("-inf")) - m_all)
+        o = tl.load(o_part + p[:, None] * C + o_c[None, :], mask=m_s[:, None], other=0.0)
+        acc += tl.sum(w[:, None] * o, 0)
+        l_s += w
+    i_t, i_h = i_r // H, i_r % H
+    dst = out + i_b.to(tl.int64) * s_ob + i_t * s_ot + i_h * s_oh + o_c
+    tl.store(dst, (acc / tl.sum(l_s, 0)).to(out.dtype.element_ty), mask=o_c < CR)
 
 
 def _check_decode(q_lat: torch.Tensor, q_pe: torch.Tensor, buf: torch.Tensor, slots: torch.Tensor | None,
@@ -237,10 +241,10 @@ def _mla_decode_op(q_lat: torch.Tensor, q_pe: torch.Tensor, buf: torch.Tensor, s
             q_lat, q_pe_t, buf, slots_t, lengths, o_part, lse_part, T, H, TH, NS, min_split, P, CAP,
             *q_lat.stride()[:3], *q_pe_t.stride()[:3], buf.stride(0), buf.stride(1), scale * RCP_LN2,
             CR=CR, RR=RR, C=C, R=R, ALIGN=SPLIT_ALIGN, HAS_SLOTS=has_slots, PREC=prec)
-        BR = 16
-        mla_merge_kernel[(triton.cdiv(TH, BR), B)](
+        BC = min(64, C)  # divides C (both powers of two): column blocks stay inside a partial's row
+        mla_merge_kernel[(triton.cdiv(CR, BC), TH, B)](
             o_part, lse_part, slots_t, lengths, out, T, H, TH, NS, min_split, P, CAP, *out.stride()[:3], CR=CR, C=C,
-            ALIGN=SPLIT_ALIGN, HAS_SLOTS=has_slots, BR=BR, num_warps=4)
+            ALIGN=SPLIT_ALIGN, HAS_SLOTS=has_slots, BS=32, BC=BC, num_warps=4)
     return out
 
 
