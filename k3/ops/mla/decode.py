@@ -213,6 +213,8 @@ def mla_decode(q_lat: torch.Tensor, q_pe: torch.Tensor, buf: torch.Tensor, slots
     [0, capacity] reads nothing and returns NaN.
     """
     _check_decode(q_lat, q_pe, buf, slots, lengths)
+    if min_split < 1 or (num_splits is not None and num_splits < 1):
+        raise ValueError(f"num_splits and min_split must be ≥ 1, got {num_splits} and {min_split}")
     if not use_triton(q_lat):
         return mla_decode_ref(q_lat, q_pe, buf, slots, lengths, scale)
     return _mla_decode_op(q_lat, q_pe, buf, slots, lengths, float(scale), num_splits, int(min_split))
