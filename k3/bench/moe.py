@@ -26,6 +26,15 @@ import torch
 import torch.nn.functional as F
 
 from k3.bench import BenchParser
+from k3.config import K3Config
+from k3.distributed.expert_parallel import ExpertParallelMoE
+from k3.layers.moe import LatentMoE
+from k3.ops.moe.combine import combine_norm, combine_norm_reference
+from k3.ops.moe.grouped import grouped_ffn_packed, grouped_mm, permute_rows, sort_by_expert
+from k3.ops.moe.qb import qb_bias_from_histogram, qb_exact_bias, qb_histogram, qb_range
+from k3.ops.moe.router import route, route_reference
+from k3.ops.moe.situ import situ_glu_packed
+from k3.utils import atomic_write_text
 
 __all__ = ["main", "Shapes", "PlainLayer"]
 
@@ -94,8 +103,6 @@ class PlainLayer:
     def _gmm(self, a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
         if a.is_cuda:
             return self.gmm(a, b, offs=offs)
-        from k3.ops.moe.grouped import grouped_mm
-
         return grouped_mm(a, b, offs)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -121,9 +128,6 @@ class PlainLayer:
 # ---------------------------------------------------------------------------------------------- ours
 def build_latent_moe(sh: Shapes, dev: str):
     """``k3.layers.moe.LatentMoE`` at these widths, bf16 weights (fp32 QB bias), anchor-like init, on ``dev``."""
-    from k3.config import K3Config
-    from k3.layers.moe import LatentMoE
-
     cfg = K3Config.from_preset("k3", hidden_size=sh.d, n_experts=sh.E, top_k=sh.k, expert_dim=sh.Fw,
                                latent_dim=sh.l, n_shared_experts=sh.S // sh.Fw)
     dt = torch.bfloat16 if dev == "cuda" else torch.float32
@@ -180,9 +184,6 @@ def _time_layer(name: str, f: Callable[[], torch.Tensor], x: torch.Tensor, param
 def pack_experts(moe) -> None:
     """The two layer changes this benchmark recommends, applied from outside for measurement: gate/up packed in
     one ``w13 [E, 2F, ℓ]`` GEMM and the token→row copy through ``permute_rows`` (fused gather-sum backward)."""
-    from k3.ops.moe.combine import combine_norm
-    from k3.ops.moe.grouped import grouped_ffn_packed, permute_rows, sort_by_expert
-
     ex = moe.experts
     w13 = torch.nn.Parameter(torch.cat([ex.w1.detach(), ex.w3.detach()], 1))
     del ex.w1, ex.w3
@@ -242,11 +243,6 @@ def _free(*keep: torch.Tensor) -> None:
 # ---------------------------------------------------------------------------------------------- components
 def bench_components(sh: Shapes, dev: str, rep: float) -> list[dict]:
     """fwd+bwd of each fused kernel vs its eager/reference form at the layer's shapes."""
-    from k3.ops.moe.combine import combine_norm, combine_norm_reference
-    from k3.ops.moe.grouped import permute_rows, sort_by_expert
-    from k3.ops.moe.router import route, route_reference
-    from k3.ops.moe.situ import situ_glu_packed
-
     dt = torch.bfloat16 if dev == "cuda" else torch.float32
     out = []
     R = sh.T * sh.k
@@ -273,16 +269,6 @@ def bench_components(sh: Shapes, dev: str, rep: float) -> list[dict]:
     h = (torch.randn(R, 2 * sh.Fw, device=dev) * 3).to(dt).requires_grad_(True)
     pair("SiTU-GLU fwd+bwd [T·k, 2F]", lambda: _situ_eager(*h.chunk(2, -1)).to(dt), lambda: situ_glu_packed(h),
          h.numel() * h.element_size() * 4)
-    if dev == "cuda":  # launch-config sweep of the SiTU-GLU kernels (informational; defaults = first entry)
-        from k3.ops.moe import situ_triton
-
-        for cfg in ((4, 1024, 4), (8, 1024, 8), (2, 2048, 8), (16, 256, 4), (8, 512, 4), (1, 1024, 4)):
-            situ_triton._OVERRIDE = cfg
-            g_h = torch.randn(R, sh.Fw, device=dev, dtype=dt)
-            t = _bench(_fwd_bwd(lambda: situ_glu_packed(h), g_h), rep / 6)
-            out.append({"name": "  SiTU-GLU config BM=%d BF=%d warps=%d" % cfg, "eager_ms": float("nan"),
-                        "fused_ms": t, "speedup": float("nan"), "fused_TBps": h.numel() * h.element_size() * 4 / t / 1e9})
-        situ_triton._OVERRIDE = None
     del h
     order, tok, _ = sort_by_expert(idx, sh.E)
     y = torch.randn(R, sh.l, device=dev).to(dt).requires_grad_(True)
@@ -301,7 +287,6 @@ def bench_components(sh: Shapes, dev: str, rep: float) -> list[dict]:
 
 def bench_gemm_layouts(sh: Shapes, dev: str, rep: float) -> list[dict]:
     """Expert GEMMs fwd+bwd: gate/up as two GEMMs (w1, w3 [E, F, ℓ], transposed views) vs one packed GEMM."""
-    from k3.ops.moe.grouped import grouped_mm, sort_by_expert
 
     if dev != "cuda":
         return []
@@ -343,8 +328,6 @@ def bench_gemm_layouts(sh: Shapes, dev: str, rep: float) -> list[dict]:
 
 # ---------------------------------------------------------------------------------------------- QB
 def bench_qb(sh: Shapes, dev: str, layer_ms: float, rep: float) -> list[dict]:
-    from k3.ops.moe.qb import qb_bias_from_histogram, qb_exact_bias, qb_histogram, qb_range
-    from k3.ops.moe.router import route
 
     dt = torch.bfloat16 if dev == "cuda" else torch.float32
     res = []
@@ -426,8 +409,6 @@ def check_sync_free(dev: str) -> dict:
         os.environ.setdefault("MASTER_PORT", "29533")
         os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
         dist.init_process_group("nccl", rank=0, world_size=1, device_id=torch.device("cuda", 0))
-        from k3.distributed.expert_parallel import ExpertParallelMoE
-
         ep = ExpertParallelMoE(moe, dist.group.WORLD)
         ep(x)
         torch.cuda.synchronize()
@@ -524,8 +505,6 @@ def main(argv: list[str] | None = None) -> int:
     md = _md(report)
     print(md, flush=True)
     if a.out:
-        from k3.utils import atomic_write_text
-
         os.makedirs(a.out, exist_ok=True)
         atomic_write_text(os.path.join(a.out, "moe_bench.md"), md)
         atomic_write_text(os.path.join(a.out, "moe_bench.json"), json.dumps(report, indent=1, default=str))

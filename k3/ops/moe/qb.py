@@ -67,7 +67,7 @@ def qb_histogram(
     if use_triton(scores):  # fused: top-(k+1) and atomic bin counts in one pass, no [m, n] bin tensor
         from k3.ops.moe.router_triton import qb_histogram_fused
 
-        return qb_histogram_fused(scores, bias, top_k, out)
+        return qb_histogram_fused(scores, bias, top_k, out, qb_range(bias))
     s = scores.float()
     alpha = torch.topk(s + bias.float(), top_k + 1, dim=-1).values[:, -1:]  # [m, 1] cutoff
     return qb_accumulate(alpha - s, bias, out)

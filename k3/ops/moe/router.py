@@ -14,7 +14,7 @@ import torch
 
 from k3.ops._device import on_device_of
 from k3.ops.moe._backend import use_triton
-from k3.ops.moe.qb import qb_accumulate
+from k3.ops.moe.qb import qb_accumulate, qb_range
 
 __all__ = ["route", "route_reference", "check_route_inputs"]
 
@@ -84,5 +84,6 @@ def route(
         from k3.ops.moe.router_triton import route_fused
 
         with on_device_of(x):
-            return route_fused(x, weight, bias, top_k, hist=hist, scaling=scaling)
+            hist_range = qb_range(bias) if hist is not None else None
+            return route_fused(x, weight, bias, top_k, hist=hist, scaling=scaling, hist_range=hist_range)
     return route_reference(x, weight, bias, top_k, hist=hist, scaling=scaling)
