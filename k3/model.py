@@ -316,16 +316,3 @@ class K3ForCausalLM(nn.Module):
             return float("nan")
         L = torch.stack(loads)
         return float((L.max(1).values / L.mean(1).clamp(min=1e-9)).max())
-
-    # --- released checkpoints (k3.ckpt.released) ------------------------------------------------------------------
-    @classmethod
-    def from_pretrained(cls, path: str, device: torch.device | str | None = None, dtype: torch.dtype | None = None,
-                        **kw: Any) -> "K3ForCausalLM":
-        from k3.ckpt.released import load_pretrained
-
-        return load_pretrained(path, device=device, dtype=dtype, **kw)
-
-    def save_pretrained(self, path: str, **kw: Any) -> None:
-        from k3.ckpt.released import save_pretrained
-
-        save_pretrained(self, path, **kw)

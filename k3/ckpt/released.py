@@ -35,10 +35,15 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
 from torch import nn
 
-from k3.ckpt.mxfp4 import GROUP, dequantize_mxfp4, quantize_mxfp4
 from k3.config import K3Config
+from k3.layers.experts_mxfp4 import MXFP4GroupedExperts
+from k3.layers.moe import LatentMoE
+from k3.model import K3ForCausalLM
+from k3.ops.moe.mxfp4 import GROUP, dequantize_mxfp4, quantize_mxfp4
 
 __all__ = [
     "config_from_released", "config_to_released", "load_pretrained", "save_pretrained", "read_released_config",
@@ -337,8 +342,6 @@ class _Slot:
 
 def _plan(model: nn.Module, ckpt_dtype: torch.dtype, quantized: bool) -> dict[str, _Slot]:
     """Every checkpoint name the model needs → its slot (derived from the meta model's state_dict)."""
-    from k3.layers.experts_mxfp4 import MXFP4GroupedExperts
-
     plan: dict[str, _Slot] = {}
     tied = getattr(model.config, "tie_word_embeddings", False)
     for key, t in model.state_dict(keep_vars=True).items():
@@ -387,8 +390,6 @@ def _weight_map(folder: Path) -> dict[str, str]:
         return wm
     single = folder / SINGLE_NAME
     if single.is_file():
-        from safetensors import safe_open
-
         with safe_open(str(single), framework="pt") as f:
             return {k: SINGLE_NAME for k in f.keys()}
     raise ValueError(f"{folder} is not a Kimi K3 checkpoint: neither {INDEX_NAME} nor {SINGLE_NAME}")
@@ -472,8 +473,6 @@ class _Filler:
 
 def _read_shard(folder: Path, shard: str, names: list[str], plan: dict[str, _Slot]) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(name, tensor)`` for ``names`` of one shard, checking dtype and shape before reading the bytes."""
-    from safetensors import safe_open
-
     try:
         handle = safe_open(str(folder / shard), framework="pt", device="cpu")
     except Exception as e:  # safetensors raises its own error types for torn files
@@ -494,24 +493,19 @@ def _read_shard(folder: Path, shard: str, names: list[str], plan: dict[str, _Slo
 
 
 def _swap_in_mxfp4(model: nn.Module) -> None:
-    from k3.layers.experts_mxfp4 import MXFP4GroupedExperts
-    from k3.layers.moe import LatentMoE
-
     for moe in (m for m in model.modules() if isinstance(m, LatentMoE)):
         e = moe.experts
         moe.experts = MXFP4GroupedExperts(e.n_experts, e.latent_dim, e.expert_dim, e.beta1, e.beta2, device="meta")
 
 
 def load_pretrained(path: str | Path, device: torch.device | str | None = None, dtype: torch.dtype | None = None,
-                    dequantize: bool = False, verbose: bool = True) -> nn.Module:
+                    dequantize: bool = False, verbose: bool = True) -> K3ForCausalLM:
     """Build ``K3ForCausalLM`` from a released-layout folder (see the module docstring) and return it in eval mode.
 
     ``device``: where the weights go (default CPU).  ``dtype``: the dtype of the bf16-class weights (default: the
     checkpoint's); fp32 tensors stay fp32, MXFP4 experts stay uint8.  ``dequantize``: turn MXFP4 experts into dense
     ``dtype`` weights (``GroupedExperts``, trainable) instead of keeping them 4-bit (``MXFP4GroupedExperts``).
     """
-    from k3.model import K3ForCausalLM
-
     folder = Path(path)
     config, info = read_released_config(folder, verbose=verbose)
     ckpt_dtype = _DTYPES[config.dtype]
@@ -551,8 +545,6 @@ def _entries(model: nn.Module, save_dtype: torch.dtype, quantize: bool
              ) -> Iterator[tuple[str, tuple[int, ...], torch.dtype, Any]]:
     """``(checkpoint name, shape, dtype, make)`` for every tensor to write, in model order; ``make()`` produces the
     CPU tensor only when its shard is written."""
-    from k3.layers.experts_mxfp4 import MXFP4GroupedExperts
-
     tied = getattr(model.config, "tie_word_embeddings", False)
     seen_experts: set[str] = set()
     for key, t in model.state_dict(keep_vars=True).items():
@@ -621,8 +613,6 @@ def _shard_plan(entries: list[tuple[str, tuple[int, ...], torch.dtype, Any]], ma
 
 
 def _is_quantized(model: nn.Module) -> bool:
-    from k3.layers.experts_mxfp4 import MXFP4GroupedExperts
-
     return any(isinstance(m, MXFP4GroupedExperts) for m in model.modules())
 
 
@@ -638,8 +628,6 @@ def save_pretrained(model: nn.Module, path: str | Path, max_shard_bytes: int = D
     """
     if not isinstance(max_shard_bytes, int) or max_shard_bytes <= 0:
         raise ValueError(f"max_shard_bytes must be a positive integer, got {max_shard_bytes!r}")
-    from safetensors.torch import save_file
-
     config: K3Config = model.config
     held = _is_quantized(model)
     if quantize is None:

@@ -9,11 +9,15 @@ import math
 import pytest
 import torch
 
-from k3.ckpt.mxfp4 import dequantize_mxfp4, e8m0_to_float, quantize_mxfp4
 from k3.layers.experts_mxfp4 import MXFP4GroupedExperts
 from k3.layers.moe import GroupedExperts
-from k3.ops.moe.mxfp4_gemm import (mxfp4_grouped_glu, mxfp4_grouped_glu_reference, mxfp4_grouped_mm,
-                                   mxfp4_grouped_mm_reference)
+from k3.ops.moe.mxfp4 import dequantize_mxfp4, e8m0_to_float, quantize_mxfp4
+from k3.ops.moe.mxfp4_gemm import (
+    mxfp4_grouped_glu,
+    mxfp4_grouped_glu_reference,
+    mxfp4_grouped_mm,
+    mxfp4_grouped_mm_reference,
+)
 
 # E2M1 by hand: code = s·8 + e·2 + m; value (−1)^s · (e == 0 ? m/2 : (1 + m/2)·2^(e−1)).
 HAND = {0: 0.0, 1: 0.5, 2: 1.0, 3: 1.5, 4: 2.0, 5: 3.0, 6: 4.0, 7: 6.0,
