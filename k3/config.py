@@ -20,6 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from k3.utils import atomic_write_text
+
 __all__ = ["K3Config", "PRESETS"]
 
 
@@ -150,8 +152,6 @@ class K3Config:
     def to_json(self, path: str | Path | None = None) -> str:
         s = json.dumps(self.to_dict(), indent=2)
         if path is not None:
-            from k3.utils import atomic_write_text
-
             atomic_write_text(Path(path), s + "\n")
         return s
 

@@ -33,7 +33,11 @@ from typing import Any, Callable
 
 import numpy as np
 import torch
+from safetensors.torch import load_model, save_model
 
+from k3.config import K3Config
+from k3.data.tokenizers import tokenizer_from_dict
+from k3.model import K3ForCausalLM
 from k3.utils import atomic_write_text, atomic_write_with, sha256_file
 
 __all__ = [
@@ -118,8 +122,6 @@ def save_checkpoint(run_dir: str | Path, step: int, model: torch.nn.Module, conf
         raise ValueError(f"step must be a non-negative int, got {step!r}")
     if keep < 1:
         raise ValueError(f"keep must be >= 1, got {keep}")
-    from safetensors.torch import save_model
-
     root = Path(run_dir) / "checkpoints"
     root.mkdir(parents=True, exist_ok=True)
     for stale in root.glob(".tmp-step-*"):  # leftovers of a save that was killed: never a valid checkpoint
@@ -221,11 +223,6 @@ def load_checkpoint(path: str | Path, device: str | torch.device = "cpu",
     Returns ``{"dir", "step", "config", "model", "tokenizer", "run_args", "manifest"}``; the model is in eval
     mode on ``device``. ``model_factory(config)`` builds the module (default ``K3ForCausalLM``).
     """
-    from safetensors.torch import load_model
-
-    from k3.config import K3Config
-    from k3.data.tokenizers import tokenizer_from_dict
-
     ckpt = find_checkpoint(path)
     manifest = verify_checkpoint(ckpt)
     try:
@@ -236,8 +233,6 @@ def load_checkpoint(path: str | Path, device: str | torch.device = "cpu",
         raise CheckpointError(f"checkpoint {ckpt}: config.json is invalid: {e}") from None
     tokenizer = tokenizer_from_dict(_read_json(ckpt, "tokenizer_spec.json"), root=ckpt)
     if model_factory is None:
-        from k3.model import K3ForCausalLM
-
         model_factory = K3ForCausalLM
     with torch.device(device):
         model = model_factory(config)

@@ -24,6 +24,7 @@ from typing import Iterator
 import numpy as np
 
 from k3.data.tokenizers import Tokenizer
+from k3.utils import atomic_write_with
 
 __all__ = [
     "BIN_MAGIC",
@@ -45,8 +46,6 @@ DATA_SUFFIXES = TEXT_SUFFIXES + (".bin",)
 # --- .bin shards ------------------------------------------------------------------------------------------------
 def write_bin_shard(path: str | Path, tokens: np.ndarray | list[int], vocab_size: int = 0) -> Path:
     """Write ``tokens`` (1-D ids) as a .bin shard (uint16 when every id fits, else uint32), atomically."""
-    from k3.utils import atomic_write_with
-
     arr = np.asarray(tokens)
     if arr.ndim != 1:
         raise ValueError(f"tokens must be 1-D, got shape {arr.shape}")

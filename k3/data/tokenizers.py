@@ -16,7 +16,7 @@ import shutil
 from pathlib import Path
 from typing import Any, Iterable
 
-from k3.utils import sha256_file
+from k3.utils import atomic_write_with, sha256_file
 
 __all__ = [
     "Tokenizer",
@@ -253,8 +253,6 @@ class HFTokenizer(Tokenizer):
 
 
 def _copy_atomic(src: Path, dst: Path) -> None:
-    from k3.utils import atomic_write_with
-
     atomic_write_with(dst, lambda tmp: shutil.copyfile(src, tmp))
 
 

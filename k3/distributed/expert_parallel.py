@@ -44,6 +44,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from k3.layers.moe import LatentMoE
 from k3.ops.moe.combine import combine_norm_rows
 from k3.ops.moe.grouped import expert_counts, grouped_ffn
 
@@ -334,6 +335,4 @@ class ExpertParallelMoE(nn.Module):
 def parallelize_moe(model: nn.Module, group=None, n_hot: int | None = None) -> list[ExpertParallelMoE]:
     """Expert-parallelise every ``LatentMoE`` inside ``model`` in place (module names and state-dict keys stay;
     expert tensors become this rank's shard). Returns the wrappers (for ``check()`` and stats)."""
-    from k3.layers.moe import LatentMoE
-
     return [ExpertParallelMoE(m, group, n_hot) for m in model.modules() if isinstance(m, LatentMoE)]

@@ -38,6 +38,8 @@ from k3.data import EMBEDDED, IGNORE, RecallLoader, RecallTask, WindowLoader, lo
 from k3.data.loader import TokenStream, eval_windows
 from k3.data.tokenizers import Tokenizer
 from k3.distributed.data_parallel import DataParallel, all_reduce_grads, init_from_env, mean_over, rank_rows
+from k3.infer.generate import generate
+from k3.model import K3ForCausalLM
 from k3.train.optim import SCHEDULES, build_optimizer, lr_factor
 from k3.train.plot import plot_loss
 from k3.train.progress import Progress
@@ -168,8 +170,6 @@ def _autocast(dtype: torch.dtype | None, device: torch.device) -> contextlib.Abs
 
 
 def _fp32_model(config: K3Config) -> torch.nn.Module:
-    from k3.model import K3ForCausalLM
-
     return K3ForCausalLM(config).float()  # master weights
 
 
@@ -548,8 +548,6 @@ def _plot(run_dir: Path, metrics_path: Path) -> None:
 
 
 def _sample(model: torch.nn.Module, tok: Tokenizer, args: TrainArgs, device: torch.device, out: TextIO) -> str:
-    from k3.infer.generate import generate
-
     out.write(f"k3: sample ({args.sample_tokens} tokens, temperature 0.8, seed {args.seed}):\n")
     out.flush()
     text = generate(model, tok, args.prompt, max_new_tokens=args.sample_tokens, temperature=0.8, top_k=None,
