@@ -1,4 +1,4 @@
-"""Expert parallel for the Latent MoE with an exact per-rank volume (SPEC §5, "Expert parallel").
+"""Expert parallel for the Latent MoE with an exact per-rank volume (docs/architecture.md#expert-parallel).
 
 Letters: R ranks in the EP group, E experts, M = E/R home experts per rank (rank r owns experts [rM, (r+1)M),
 whole — experts are never split), S tokens per rank (the same on every rank), k top-k, C = S·k token-expert rows

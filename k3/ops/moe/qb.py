@@ -1,4 +1,5 @@
-"""Quantile Balancing (SPEC §5): per-expert routing bias from a histogram of required biases, no sort over tokens.
+"""Quantile Balancing: per-expert routing bias from a histogram of required biases, no sort over tokens
+(docs/architecture.md#quantile-balancing).
 
 For m tokens, n experts, top-k: route with top-(k+1) on s + b; α_i is token i's (k+1)-th largest biased score and
 r_ij = α_i − s_ij is the bias expert j would need to take token i. The new bias b̂_j is the ⌈q⌉-th smallest r_ij

@@ -1,5 +1,6 @@
-"""The Latent MoE router (SPEC §5): fp32 sigmoid scores on the full-d token, selection by top-k of score + bias,
-weights renormalised from the UNBIASED scores, and (in training) the Quantile Balancing histogram of the step.
+"""The Latent MoE router (docs/architecture.md#router): fp32 sigmoid scores on the full-d token, selection by
+top-k of score + bias, weights renormalised from the UNBIASED scores, and (in training) the Quantile Balancing
+histogram of the step.
 
 Letters: m tokens, d hidden, n experts, k top-k.
 

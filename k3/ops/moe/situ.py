@@ -1,4 +1,5 @@
-"""SiTU-GLU (SPEC §5): [β1·tanh(g/β1)·σ(g)] · [β2·tanh(u/β2)]; every output lies in (−β1·β2, β1·β2).
+"""SiTU-GLU: [β1·tanh(g/β1)·σ(g)] · [β2·tanh(u/β2)]; every output lies in (−β1·β2, β1·β2)
+(docs/architecture.md#situ-glu).
 
 Computed in fp32 and cast back; SwiGLU to first order near 0. ``situ_glu_reference`` is the plain PyTorch ground
 truth; ``situ_glu`` dispatches to the fused Triton forward/backward (``situ_triton.py``) on CUDA tensors

@@ -1,6 +1,7 @@
 """Fused SiTU-GLU forward and backward (Triton): one pass over gate/up in, one pass out.
 
-Math (SPEC §5), in fp32 whatever the storage dtype, with t_g = tanh(g/β1), t_u = tanh(u/β2), σ = sigmoid(g):
+Math (docs/architecture.md#situ-glu), in fp32 whatever the storage dtype, with t_g = tanh(g/β1),
+t_u = tanh(u/β2), σ = sigmoid(g):
     y      = A·B,  A = β1·t_g·σ,  B = β2·t_u
     ∂A/∂g  = (1 − t_g²)·σ + β1·t_g·σ·(1 − σ),   ∂B/∂u = 1 − t_u²
     dg = dy·B·∂A/∂g,  du = dy·A·∂B/∂u
