@@ -12,6 +12,7 @@ decoder in ``k3.infer.generate`` uses it so a character split across tokens is p
 from __future__ import annotations
 
 import base64
+import binascii
 import shutil
 from pathlib import Path
 from typing import Any, Iterable
@@ -99,28 +100,35 @@ class ByteTokenizer(Tokenizer):
 
 # --------------------------------------------------------------------------------------------------------------
 def read_tiktoken_ranks(path: str | Path) -> dict[bytes, int]:
-    """Parse a tiktoken BPE file: one ``<base64 token> <rank>`` per line (Kimi ships it as ``tiktoken.model``)."""
+    """Parse a tiktoken BPE file: one ``<base64 token> <rank>`` per line (Kimi ships it as ``tiktoken.model``).
+
+    ``ValueError`` on a malformed line, ranks that are not exactly 0 … n−1, or a missing single-byte token.
+    (tiktoken's own ``load_tiktoken_bpe`` checks none of that and caches files by path in a temp directory.)
+    """
     path = Path(path)
     try:
-        text = path.read_text(encoding="ascii")
-    except (OSError, UnicodeDecodeError) as e:
-        raise ValueError(f"tokenizer file {path} cannot be read as a tiktoken BPE file: {e}") from None
+        data = path.read_bytes()
+    except OSError as e:
+        raise ValueError(f"tokenizer file {path} cannot be read: {e.strerror}") from None
     ranks: dict[bytes, int] = {}
-    for n, line in enumerate(text.splitlines(), 1):
+    for lineno, line in enumerate(data.splitlines(), 1):
         if not line.strip():
             continue
         parts = line.split()
-        if len(parts) != 2 or not parts[1].isdigit():
-            raise ValueError(f"tokenizer file {path} line {n}: expected '<base64> <rank>', got {line[:60]!r}")
         try:
-            tok = base64.b64decode(parts[0], validate=True)
-        except ValueError:
-            raise ValueError(f"tokenizer file {path} line {n}: {parts[0][:40]!r} is not base64") from None
-        ranks[tok] = int(parts[1])
+            if len(parts) != 2:
+                raise ValueError
+            ranks[base64.b64decode(parts[0], validate=True)] = int(parts[1])
+        except (ValueError, binascii.Error):
+            raise ValueError(f"{path}:{lineno}: expected '<base64 token> <rank>', got {line[:80]!r}") from None
     if not ranks:
-        raise ValueError(f"tokenizer file {path} holds no tokens")
+        raise ValueError(f"{path} holds no BPE ranks")
     if sorted(ranks.values()) != list(range(len(ranks))):
-        raise ValueError(f"tokenizer file {path}: ranks must be 0..{len(ranks) - 1} without gaps or repeats")
+        raise ValueError(f"{path}: ranks must be exactly 0 … {len(ranks) - 1} with no gaps or repeats")
+    missing = [b for b in range(256) if bytes([b]) not in ranks]
+    if missing:  # byte-level BPE must be able to fall back to single bytes (tiktoken panics otherwise)
+        raise ValueError(f"{path} lacks {len(missing)} single-byte token(s) (e.g. byte {missing[0]}): not a "
+                         "byte-level BPE file")
     return ranks
 
 
