@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import base64
 import binascii
+import os
 import shutil
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Sequence
 
 from k3.utils import atomic_write_with, sha256_file
 
@@ -53,6 +54,10 @@ class Tokenizer:
 
     def decode(self, ids: Iterable[int]) -> str:
         raise NotImplementedError
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        """``encode`` of each text; the BPE tokenizers spread a batch over the CPU cores."""
+        return [self.encode(t) for t in texts]
 
     def decode_bytes(self, ids: Iterable[int]) -> bytes | None:
         """Raw bytes of ``ids`` (specials dropped), or ``None`` when the tokenizer cannot say."""
@@ -175,6 +180,10 @@ class TiktokenTokenizer(Tokenizer):
             raise ValueError(f"text must be a str, got {type(text).__name__}")
         return self._enc.encode_ordinary(text)  # special-token text in user data stays plain text
 
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        _check_texts(texts)
+        return self._enc.encode_ordinary_batch(list(texts), num_threads=os.cpu_count() or 1)
+
     def decode_bytes(self, ids: Iterable[int]) -> bytes:
         return self._enc.decode_bytes([int(i) for i in ids if 0 <= int(i) < self._n_ranks])  # specials: not text
 
@@ -245,6 +254,10 @@ class HFTokenizer(Tokenizer):
             raise ValueError(f"text must be a str, got {type(text).__name__}")
         return list(self._tok.encode(text, add_special_tokens=False).ids)
 
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        _check_texts(texts)
+        return [list(e.ids) for e in self._tok.encode_batch(list(texts), add_special_tokens=False)]
+
     def decode(self, ids: Iterable[int]) -> str:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=True)
 
@@ -258,6 +271,12 @@ class HFTokenizer(Tokenizer):
         _copy_atomic(self.path, dst)
         d["path"] = str(dst.relative_to(run_dir))
         return d
+
+
+def _check_texts(texts: Sequence[str]) -> None:
+    bad = next((t for t in texts if not isinstance(t, str)), None)
+    if bad is not None:
+        raise ValueError(f"texts must be str, got {type(bad).__name__}")
 
 
 def _copy_atomic(src: Path, dst: Path) -> None:
