@@ -300,3 +300,11 @@ def test_permute_rows_fused_backward_matches_index():
     out.backward(g)
     ref.backward(g)
     assert torch.equal(out, ref) and rel(z1.grad, z2.grad) < 1e-6
+
+
+def test_fallback_notice_once_per_path(capsys):
+    from k3.ops import _fastpath
+
+    _fastpath.fallback_notice("test path", "needs X", "Y")
+    _fastpath.fallback_notice("test path", "needs X", "Y")
+    assert capsys.readouterr().err == "k3: test path needs X: using Y\n"

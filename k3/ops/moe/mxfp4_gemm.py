@@ -28,6 +28,7 @@ import os
 import torch
 
 from k3.ops._device import on_device_of
+from k3.ops._fastpath import fallback_notice
 from k3.ops.moe.mxfp4 import GROUP, check_mxfp4, dequantize_mxfp4
 from k3.ops.moe.situ import situ_glu
 
@@ -237,7 +238,12 @@ def use_triton(x: torch.Tensor) -> bool:
     backend = (os.environ.get("K3_MXFP4_BACKEND") or os.environ.get("K3_MOE_BACKEND") or "").lower()
     if backend not in ("", "triton", "torch"):
         raise ValueError(f"K3_MXFP4_BACKEND / K3_MOE_BACKEND must be 'triton' or 'torch', got {backend!r}")
-    if backend == "torch" or not HAS_TRITON:
+    if backend == "torch":
+        return False
+    if not HAS_TRITON:
+        if x.is_cuda:
+            fallback_notice("the W4A16 expert kernel", "needs triton (pip install 'triton>=3.6,<3.7'), which does "
+                            "not import", "dequantise-per-expert in PyTorch")
         return False
     return backend == "triton" or x.is_cuda
 
