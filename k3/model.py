@@ -157,7 +157,8 @@ class K3ForCausalLM(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        self.reset_parameters()
+        if self.lm_head.weight.device.type != "meta":  # meta tensors hold no values (and their init is slow)
+            self.reset_parameters()
         self._cast(config.torch_dtype)
 
     # --- construction -------------------------------------------------------------------------------------------
