@@ -218,7 +218,7 @@ class K3ForCausalLM(nn.Module):
         hidden = self.model(input_ids, state)
         logits = self.lm_head(hidden)
         if state is not None:
-            state.position += T
+            state.advance(T)
         loss = self.loss(logits, labels) if labels is not None else None
         return K3Output(logits=logits, loss=loss, state=state)
 
@@ -264,6 +264,9 @@ class K3ForCausalLM(nn.Module):
             dev = first.recurrent.device if hasattr(first, "recurrent") else first.buf.device
             if dev != input_ids.device:
                 raise ValueError(f"state lives on {dev} but input_ids on {input_ids.device}")
+            cap = min((s.capacity for s in state.layers if hasattr(s, "capacity")), default=None)
+            if cap is not None and state.position + T > cap:
+                raise ValueError(f"state holds {state.position} tokens + {T} new exceed its MLA cache capacity {cap}")
         return B, T
 
     # --- decode state ---------------------------------------------------------------------------------------------
