@@ -32,6 +32,9 @@ import torch
 import torch.nn.functional as F
 
 from k3.bench import BenchParser
+from k3.config import K3Config
+from k3.layers.mla import GatedMLA
+from k3.utils import atomic_write_text
 
 __all__ = ["main"]
 
@@ -203,9 +206,6 @@ def bench_decode(dims: dict[str, tuple[int, int, int]], batches: list[int], leng
 
 # ------------------------------------------------------------------------------------------------------ prefill
 def bench_prefill(tokens: list[int], chunk: int, device: str, preset: str = "small") -> list[dict]:
-    from k3.config import K3Config
-    from k3.layers.mla import GatedMLA
-
     dt = torch.bfloat16 if device == "cuda" else torch.float32
     cfg = K3Config.from_preset(preset)
     torch.manual_seed(0)
@@ -372,8 +372,6 @@ def main(argv: list[str] | None = None) -> int:
                 rows += bench_prefill(a.prefill_tokens, a.chunk, device) + bench_prefill_forms(131072, 4096, device)
     out = a.out or os.path.join(os.environ.get("OUT", "bench/results"), "mla")
     os.makedirs(out, exist_ok=True)
-    from k3.utils import atomic_write_text
-
     atomic_write_text(os.path.join(out, "mla_bench.json"), json.dumps({"header": header, "rows": rows}, indent=1))
     md = markdown(header, rows)
     atomic_write_text(os.path.join(out, "mla_bench.md"), md)
