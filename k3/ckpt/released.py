@@ -42,7 +42,7 @@ from torch import nn
 from k3.config import K3Config
 from k3.layers.experts_mxfp4 import MXFP4GroupedExperts
 from k3.layers.moe import LatentMoE
-from k3.model import K3ForCausalLM
+from k3.model import K3ForCausalLM, keeps_fp32
 from k3.ops.moe.mxfp4 import GROUP, dequantize_mxfp4, quantize_mxfp4
 
 __all__ = [
@@ -56,7 +56,6 @@ SINGLE_NAME = "model.safetensors"
 PREFIX = "language_model."
 SKIPPED_PREFIXES = ("vision_tower.", "mm_projector.")
 DEFAULT_SHARD_BYTES = 16 * 2**30
-_FP32_SUFFIXES = ("_conv1d.weight", ".A_log", ".dt_bias", ".o_norm.weight", ".e_score_correction_bias")
 _EXPERT_RE = re.compile(r"^(model\.layers\.(\d+)\.block_sparse_moe\.experts)\.(\d+)\.(w[123])\.(weight|weight_packed|weight_scale)$")
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 _ST_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
@@ -321,10 +320,6 @@ def released_name(model_key: str) -> str:
     return PREFIX + model_key
 
 
-def _keeps_fp32(key: str) -> bool:
-    return key.endswith(_FP32_SUFFIXES)
-
-
 def _a_log_size(heads: int) -> int:
     return math.ceil(heads / 128) * 128
 
@@ -366,7 +361,7 @@ def _plan(model: nn.Module, ckpt_dtype: torch.dtype, quantized: bool) -> dict[st
         shape = tuple(t.shape)
         if key.endswith(".self_attn.A_log"):
             shape = (_a_log_size(shape[0]),)
-        plan[released_name(key)] = _Slot(key, shape, torch.float32 if _keeps_fp32(key) else ckpt_dtype)
+        plan[released_name(key)] = _Slot(key, shape, torch.float32 if keeps_fp32(key) else ckpt_dtype)
     return plan
 
 
@@ -559,7 +554,7 @@ def _entries(model: nn.Module, save_dtype: torch.dtype, quantize: bool
             yield from _expert_entries(model.get_submodule(base), base, save_dtype, quantize,
                                        isinstance(model.get_submodule(base), MXFP4GroupedExperts))
             continue
-        want = torch.float32 if _keeps_fp32(key) else save_dtype
+        want = torch.float32 if keeps_fp32(key) else save_dtype
         if key.endswith(".self_attn.A_log"):
             size = _a_log_size(t.shape[0])
             yield (released_name(key), (size,), want,
