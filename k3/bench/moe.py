@@ -1,10 +1,10 @@
 """``python -m k3.bench moe``: one Latent MoE layer at K3 widths, ours vs plain PyTorch, in one process.
 
-The case (issue 7): d 7168, ℓ 3584, expert width F 3072, 2 shared experts (width 6144), top-16, one GPU's share at
-EP=2 (448 experts, 16,384 tokens → 262,144 expert rows), bf16, forward + backward. Printed beside it, from the same
-run: the bf16 matmul peak (8192³), the plain-PyTorch layer of ``shared/bench/anchor_moe_plain.py`` (its logic is
-copied below as ``PlainLayer``), per-kernel fused-vs-eager timings, the Quantile Balancing cost (histogram inside
-the router + bias recovery) as a fraction of the layer, and its error against the exact sorted quantile.
+The case: d 7168, ℓ 3584, expert width F 3072, 2 shared experts (width 6144), top-16, one GPU's share at EP=2
+(448 experts, 16,384 tokens → 262,144 expert rows), bf16, forward + backward. Printed beside it, from the same run:
+the bf16 matmul peak (8192³), a plain-PyTorch layer (``PlainLayer``, the baseline), per-kernel fused-vs-eager
+timings, the Quantile Balancing cost (histogram inside the router + bias recovery) as a fraction of the layer, and
+its error against the exact sorted quantile.
 
 "ours" is ``k3.layers.moe.LatentMoE`` exactly as the model uses it (training mode, QB histogram recorded), on the
 default CUDA backends: fused Triton router epilogue, SiTU-GLU and combine+RMSNorm; experts via ``grouped_mm``.
@@ -82,7 +82,7 @@ def _situ_eager(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 
 
 class PlainLayer:
-    """The plain-PyTorch Latent MoE of ``shared/bench/anchor_moe_plain.py`` (fp32 sigmoid router + top-k, argsort
+    """The baseline: a plain-PyTorch Latent MoE (fp32 sigmoid router + top-k, argsort
     dispatch, ``grouped_mm`` experts with a packed [E, ℓ, 2F] gate/up, eager SiTU-GLU, index_add combine, RMSNorm,
     W↑, shared experts)."""
 

@@ -35,7 +35,7 @@ from k3.data.tokenizers import read_tiktoken_ranks
 __all__ = ["K3Tokenizer", "load_k3_tokenizer", "K3_PAT_STR", "SPECIAL_NAMES", "NUM_SPECIALS"]
 
 NUM_SPECIALS = 256
-# offset from the first special id → name (k3_layout.md §5)
+# offset from the first special id → name, as in the released tokenizer_config.json
 SPECIAL_NAMES: dict[int, str] = {
     0: "[BOS]", 1: "[EOS]", 2: "<|end_of_msg|>", 3: "<|open|>", 4: "<|close|>", 5: "<|sep|>",
     6: "[start_header_id]", 7: "[end_header_id]", 9: "[EOT]",

@@ -3,7 +3,7 @@ padding, sharded index, 1-based layer lists, vision tensors) must load into a mo
 built in memory from the same weights; load → save must reproduce every tensor bit-exactly; bad folders, shards,
 tensors and configs must raise one-line ValueErrors.
 
-The writer below spells the released names out independently of ``k3.ckpt.released`` (from k3_layout.md §1, §4).
+The writer below spells the released names out independently of ``k3.ckpt.released``.
 """
 
 from __future__ import annotations
@@ -302,7 +302,7 @@ def test_dequantized_save_and_requantize(release, tmp_path):
 
 # --- config ------------------------------------------------------------------------------------------------------
 def released_k3_config() -> dict:
-    """The released config.json's language-model part (k3_layout.md §1)."""
+    """The released config.json's language-model part."""
     L93 = 93
     kda = [l for l in range(1, L93 + 1) if l <= 91 and l % 4 != 0]
     text = dict(mini_config_json()["text_config"])
