@@ -50,7 +50,7 @@ class Shapes:
     S: int = 6144  # shared experts' fused width (2 × 3072)
 
     def flops_fwd(self) -> float:
-        """The anchor's count: experts, shared, W↓/W↑, router."""
+        """The baseline's count: experts, shared, W↓/W↑, router."""
         T, d, l, Fw, E, k, S = self.T, self.d, self.l, self.Fw, self.E, self.k, self.S
         return 2 * T * k * 3 * Fw * l + 2 * T * 3 * d * S + 2 * T * 2 * d * l + 2 * T * d * E
 
@@ -127,7 +127,7 @@ class PlainLayer:
 
 # ---------------------------------------------------------------------------------------------- ours
 def build_latent_moe(sh: Shapes, dev: str):
-    """``k3.layers.moe.LatentMoE`` at these widths, bf16 weights (fp32 QB bias), anchor-like init, on ``dev``."""
+    """``k3.layers.moe.LatentMoE`` at these widths, bf16 weights (fp32 QB bias), baseline-like init, on ``dev``."""
     cfg = K3Config.from_preset("k3", hidden_size=sh.d, n_experts=sh.E, top_k=sh.k, expert_dim=sh.Fw,
                                latent_dim=sh.l, n_shared_experts=sh.S // sh.Fw)
     dt = torch.bfloat16 if dev == "cuda" else torch.float32
@@ -173,7 +173,7 @@ def _time_layer(name: str, f: Callable[[], torch.Tensor], x: torch.Tensor, param
                 do: torch.Tensor, sh: Shapes, peak: float, rep: float) -> dict:
     with torch.no_grad():
         tf = _bench(f, rep)
-    tb = _bench(_fwd_bwd(f, do), rep)  # gradients accumulate into .grad, as the anchor measured
+    tb = _bench(_fwd_bwd(f, do), rep)  # gradients accumulate into .grad, as the baseline measured
     tb2 = _bench(_fwd_bwd(f, do), rep)  # the same again: the spread between the two is the noise
     tn = _bench(_fwd_bwd(f, do, [x, *params]), rep)
     row = _layer_rows(name, tf, tb, tb2, tn, sh, peak)
@@ -207,7 +207,7 @@ def bench_layers(sh: Shapes, dev: str, peak: float, rep: float) -> list[dict]:
     with torch.no_grad():
         do = torch.randn_like(plain(x))
     pp = [plain.Wr, plain.Wd, plain.Wu, plain.W13, plain.W2, plain.Sg, plain.Su, plain.Sd, plain.nw]
-    rows.append(_time_layer("plain PyTorch (anchor)", lambda: plain(x), x, pp, do, sh, peak, rep))
+    rows.append(_time_layer("plain PyTorch (baseline)", lambda: plain(x), x, pp, do, sh, peak, rep))
     del plain, pp
     _free(x)
     moe = build_latent_moe(sh, dev)
@@ -315,7 +315,7 @@ def bench_gemm_layouts(sh: Shapes, dev: str, rep: float) -> list[dict]:
     del w13
     _free(xs)
     w13r = (torch.randn(sh.E, sh.l, 2 * sh.Fw, device=dev) * 0.02).to(dt).requires_grad_(True)
-    one("gate+up: 1 packed GEMM, W13 [E,ℓ,2F] (anchor layout)", lambda: grouped_mm(xs, w13r, offs), fl_gu)
+    one("gate+up: 1 packed GEMM, W13 [E,ℓ,2F] (baseline layout)", lambda: grouped_mm(xs, w13r, offs), fl_gu)
     del w13r
     _free(xs)
     a = torch.randn(R, sh.Fw, device=dev, dtype=dt).requires_grad_(True)
@@ -340,7 +340,7 @@ def bench_qb(sh: Shapes, dev: str, layer_ms: float, rep: float) -> list[dict]:
             t_no = _bench(lambda: route(x, w, bias, sh.k), rep / 4)
             t_h = _bench(lambda: route(x, w, bias, sh.k, hist=hist), rep / 4)
             t_b = _bench(lambda: qb_bias_from_histogram(hist, bias, sh.k), rep / 4)
-        # accuracy on the anchor's score distribution: histogram bias vs the exact sorted quantile
+        # accuracy on the baseline's score distribution: histogram bias vs the exact sorted quantile
         s = torch.sigmoid(torch.randn(sh.T, E, device=dev) + torch.linspace(-2, 2, E, device=dev))
         errs = []
         for b0 in (torch.zeros(E, device=dev), torch.randn(E, device=dev) * 0.05):
@@ -440,7 +440,7 @@ def _md(report: dict) -> str:
     L = [f"# Latent MoE layer benchmark ({report['device']})", "",
          f"torch {report['torch']}, triton {report['triton']}, Python {report['python']}; "
          f"shapes {report['shapes']}; bf16 matmul peak (8192³, same run) **{report['peak_tflops']:.0f} TFLOP/s**.", "",
-         "fwd+bwd: gradients added into existing `.grad` (as the anchor measured; repeated once for the spread) and "
+         "fwd+bwd: gradients added into existing `.grad` (as the baseline measured; repeated once for the spread) and "
          "with `.grad` set to None first (one micro-batch after `zero_grad(set_to_none=True)`).", "",
          "| layer | fwd ms | fwd+bwd ms (repeat) | TFLOP/s | of peak | fwd+bwd, fresh grads ms | of peak |",
          "|---|---:|---:|---:|---:|---:|---:|"]
