@@ -38,7 +38,7 @@ LAYERS = {
     "k3.state": 2,
     "k3.layers": 3,
     "k3.model": 4,
-    "k3.ckpt": 5, "k3.data": 5, "k3.distributed": 5,
+    "k3.ckpt": 5, "k3.data": 5, "k3.distributed": 5, "k3.memory": 5,
     "k3.train": 6, "k3.infer": 6, "k3.serve": 6, "k3.bench": 6,
     "k3.cli": 7, "k3": 7, "k3.__main__": 7,
 }

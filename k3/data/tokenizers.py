@@ -18,7 +18,7 @@ import shutil
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
-from k3.utils import atomic_write_with, sha256_file
+from k3.utils import atomic_write_with, confined, sha256_file
 
 __all__ = [
     "Tokenizer",
@@ -32,6 +32,7 @@ __all__ = [
 ]
 
 TOKENIZER_SPEC = "tokenizer_spec.json"
+TOKENIZER_MAX_BYTES = 512 << 20  # real vocabularies: a few MB (tiktoken.model) to tens of MB (tokenizer.json)
 
 # A GPT-style pre-tokenisation regex (contractions, letter runs, digit runs of ≤ 3, punctuation, whitespace).
 # Used for tiktoken files that do not come with their own pattern.
@@ -124,8 +125,8 @@ def read_tiktoken_ranks(path: str | Path) -> dict[bytes, int]:
             if len(parts) != 2:
                 raise ValueError
             ranks[base64.b64decode(parts[0], validate=True)] = int(parts[1])
-        except (ValueError, binascii.Error):
-            raise ValueError(f"{path}:{lineno}: expected '<base64 token> <rank>', got {line[:80]!r}") from None
+        except (ValueError, binascii.Error):  # the line itself is not echoed: it may be any bytes
+            raise ValueError(f"{path}:{lineno}: expected '<base64 token> <rank>'") from None
     if not ranks:
         raise ValueError(f"{path} holds no BPE ranks")
     if sorted(ranks.values()) != list(range(len(ranks))):
@@ -293,11 +294,21 @@ def load_tokenizer(spec: str | Path | None) -> Tokenizer:
     if p.is_dir():
         for name, cls in (("tokenizer.json", HFTokenizer), ("tiktoken.model", TiktokenTokenizer)):
             if (p / name).is_file():
-                return cls(p / name)
+                return cls(bounded_tokenizer_file(confined(p, name, f"tokenizer directory {p}: {name}")))
         raise ValueError(f"tokenizer directory {p} holds neither tokenizer.json nor tiktoken.model")
     if not p.is_file():
         raise ValueError(f"tokenizer {str(spec)!r} is neither 'byte' nor an existing file or directory")
+    bounded_tokenizer_file(p)
     return HFTokenizer(p) if p.suffix == ".json" else TiktokenTokenizer(p)
+
+
+def bounded_tokenizer_file(path: Path) -> Path:
+    """``path``, after checking it is no larger than a real vocabulary file can be (``TOKENIZER_MAX_BYTES``)."""
+    size = path.stat().st_size
+    if size > TOKENIZER_MAX_BYTES:
+        raise ValueError(f"tokenizer file {path} is {size:,} bytes, over the {TOKENIZER_MAX_BYTES:,}-byte limit "
+                         "(real vocabularies take a few MB)")
+    return path
 
 
 def tokenizer_from_dict(d: dict[str, Any], root: str | Path | None = None) -> Tokenizer:
@@ -309,15 +320,20 @@ def tokenizer_from_dict(d: dict[str, Any], root: str | Path | None = None) -> To
         return ByteTokenizer()
     if kind not in ("tiktoken", "hf"):
         raise ValueError(f"tokenizer spec kind must be 'byte', 'tiktoken' or 'hf', got {kind!r}")
-    path = Path(d["path"])
-    if root is not None and not path.is_absolute():
-        path = Path(root) / path
+    if root is not None:  # a spec inside a checkpoint names a file of that checkpoint, nothing else
+        path = confined(root, d.get("path"), f"{TOKENIZER_SPEC} path")
+    else:
+        path = Path(str(d.get("path")))
     if not path.is_file():
         raise ValueError(f"tokenizer file {path} named by the tokenizer spec is missing")
+    bounded_tokenizer_file(path)
+    specials = d.get("specials", {})
+    if not isinstance(specials, dict) or not all(isinstance(k, str) and isinstance(v, int) and not isinstance(v, bool)
+                                                 for k, v in specials.items()):
+        raise ValueError(f"{TOKENIZER_SPEC} specials must map token names to integer ids")
     if d.get("sha256") and sha256_file(path) != d["sha256"]:
         raise ValueError(f"tokenizer file {path} differs from the one the run trained with (sha256 mismatch)")
     if kind == "hf":
         return HFTokenizer(path, bos=d.get("bos"), eos=d.get("eos"), pad=d.get("pad"))
-    specials = {str(k): int(v) for k, v in d.get("specials", {}).items()}
     return TiktokenTokenizer(path, specials=specials, pattern=d.get("pattern", DEFAULT_BPE_PATTERN),
                              bos=d.get("bos"), eos=d.get("eos"), pad=d.get("pad"))
