@@ -152,12 +152,12 @@ def test_bench_bad_input(tmp_path, capsys, argv, needle):
     (MemoryError(), 1, ["out of memory", "--batch-size"]),
 ])
 def test_unexpected_failure_is_one_line_with_the_traceback_in_a_file(tmp_path, monkeypatch, exc, code, needles):
-    import k3.infer.evaluate
+    import k3.cli
 
     def broken(*a, **kw):
         raise exc
 
-    monkeypatch.setattr(k3.infer.evaluate, "evaluate_run", broken)
+    monkeypatch.setattr(k3.cli, "evaluate_run", broken)
     got, _, err = k3_runs.run_cli("eval", "--run", str(tmp_path))
     assert got == code and err.startswith("k3: error: ") and err.count("\n") == 1, err
     for n in needles:
