@@ -288,8 +288,6 @@ def _cmd_eval(ns: argparse.Namespace) -> int:
 
 
 def _cmd_serve(ns: argparse.Namespace) -> int:
-    from k3.train.trainer import resolve_device
-
     try:
         from k3.serve.server import serve
     except ImportError as e:  # the serve extra is not installed
