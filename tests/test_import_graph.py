@@ -15,6 +15,7 @@ become an escape hatch.
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -49,6 +50,7 @@ def _module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
+@functools.lru_cache(maxsize=1)
 def _modules() -> dict[str, Path]:
     return {_module_name(p): p for p in sorted(PKG.rglob("*.py"))}
 
@@ -101,6 +103,7 @@ class _Imports(ast.NodeVisitor):
             self._add(sub if sub in self.known else module, node.lineno)
 
 
+@functools.lru_cache(maxsize=1)
 def _imports() -> dict[str, list[tuple[str, int, bool]]]:
     mods = _modules()
     known = set(mods)
