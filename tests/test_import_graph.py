@@ -24,10 +24,9 @@ PKG = ROOT / "k3"
 # Third-party packages a k3 install may lack, and why. A k3 module that imports one of them at module level may be
 # imported from inside a function (the caller then works without the package until that path is taken).
 OPTIONAL = {
-    "triton": "the GPU kernels; no wheel for macOS or with CPU-only torch, where the PyTorch references run",
+    "triton": "the GPU kernels, Gluon included; no wheel for macOS, where the PyTorch references run",
     "fastapi": "the `serve` extra: the HTTP server",
     "uvicorn": "the `serve` extra: the HTTP server",
-    "matplotlib": "the `plot` extra: the loss curve of a run",
 }
 
 
