@@ -95,7 +95,7 @@ class K3Model(nn.Module):
         self.layers = nn.ModuleList(K3DecoderLayer(config, i) for i in range(config.num_layers))
         self.norm = RMSNorm(d, config.rms_norm_eps)
         self.output_attn_res_norm, self.output_attn_res_proj = new_res_pair(d)
-        self.gradient_checkpointing = "none"  # or "full" / "selective" (see K3ForCausalLM.gradient_checkpointing_enable)
+        self.gradient_checkpointing = "none"  # "full" / "selective": K3ForCausalLM.gradient_checkpointing_enable
 
     def forward(self, input_ids: torch.Tensor, state: K3State | None = None) -> torch.Tensor:
         """``input_ids [B, T]`` (validated by ``K3ForCausalLM``) → final-normed hidden states ``[B, T, d]``.

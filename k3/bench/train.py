@@ -30,7 +30,6 @@ from __future__ import annotations
 import copy
 import gc
 import json
-import math
 import platform
 import re
 import statistics
