@@ -1,40 +1,33 @@
 """`k3 train` under torchrun (gloo, CPU, real process groups): FSDP2 ranks reproduce one process on the same global
 batch, and checkpoints move between layouts (2 ranks → 1 process → 2 ranks) with the same losses."""
 
+import contextlib
 import importlib.util
+import io
 import json
 import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import k3_runs
 from k3.ckpt.run import load_checkpoint
+from k3.cli import main
 
 _spec = importlib.util.spec_from_file_location("k3_tests_gloo", Path(__file__).with_name("_gloo.py"))
 _gloo = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(_gloo)
 
-REPO = Path(__file__).resolve().parents[2]
 ARGS = ["--batch-size", "4", "--seq-len", "16", "--no-plot", "--sample-tokens", "0", "--eval-batches", "1",
         "--log-every", "1", "--warmup", "2"]
 
 
-def torchrun(nproc: int, *argv: str, cwd: Path) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    env.pop("WORLD_SIZE", None)
-    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
-                           str(nproc), "-m", "k3", *argv], cwd=cwd, env=env, capture_output=True, text=True,
-                          timeout=300)
-
-
 def _cli_rank(rank: int, world: int, argv: list[str]) -> None:
     """``k3 ARGV`` on one rank of a forked gloo group (torchrun's environment, without its start-up cost)."""
-    from k3.cli import main
-
     os.environ.update(WORLD_SIZE=str(world), RANK=str(rank), LOCAL_RANK=str(rank))
-    assert main(argv) == 0
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main(argv) == 0
+    assert rank > 0 or "× 2 ranks (dp_shard 2)" in out.getvalue() or "resuming" in out.getvalue(), out.getvalue()
 
 
 def metric(run: Path, key: str) -> list[float]:
@@ -50,10 +43,8 @@ def test_dp_shard_2_equals_one_process_and_checkpoints_reshard(tmp_path: Path) -
     with k3_runs.one_thread():
         code, _, err = k3_runs.run_cli("train", "--out", str(one), "--steps", "10", "--save-every", "5", *ARGS)
     assert code == 0, err
-    r = torchrun(2, "train", "--out", str(dp2), "--steps", "10", "--save-every", "5", "--dp-shard", "2", *ARGS,
-                 cwd=tmp_path)
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert "× 2 ranks (dp_shard 2)" in r.stdout
+    _gloo.run_ranks(_cli_rank, 2, ["train", "--out", str(dp2), "--steps", "10", "--save-every", "5",
+                                   "--dp-shard", "2", *ARGS])
     # the first 10 losses (and gradient norms: the reduced gradient is the global batch's) of 2 FSDP ranks
     for key in ("loss", "grad_norm"):
         assert close(metric(dp2, key), metric(one, key)), (key, metric(dp2, key), metric(one, key))

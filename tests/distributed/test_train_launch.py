@@ -37,33 +37,38 @@ def launch(world: int, *argv: str, cwd: Path) -> list[subprocess.Popen]:
     return procs
 
 
-def test_a_parallel_flag_outside_torchrun_is_refused(tmp_path: Path) -> None:
+def test_bad_degrees_are_refused_before_any_collective(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Outside torchrun, and on any rank of a launch: the degrees are checked against WORLD_SIZE first (the same
+    deterministic check on every rank, before a process group exists: nothing to wait for)."""
     code, _, err = k3_runs.run_cli("train", "--out", str(tmp_path / "r"), "--dp-shard", "2", *FAST)
     assert code == 2 and err.count("\n") == 1 and "--dp-shard" in err and "torchrun --nproc_per_node 2" in err
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    for flags, named in ((["--dp-shard", "3"], "--dp-shard 3"), (["--ep", "3"], "--ep 3 must divide"),
+                         (["--cp", "3"], "--cp 3")):
+        code, _, err = k3_runs.run_cli("train", "--out", str(tmp_path / "r"), *FAST, *flags)
+        assert code == 2 and err.count("\n") == 1 and named in err, err
     assert not (tmp_path / "r").exists()
 
 
-@pytest.mark.parametrize("flags, named", [
-    (["--dp-shard", "3"], "--dp-shard 3"),  # rejected before the process group exists
-    (["--cp", "2", "--seq-len", "15"], "--cp 2 must divide --seq-len"),  # rejected after it, once the model is known
-])
-def test_bad_layout_is_one_line_and_exit_2_on_every_rank(tmp_path: Path, flags: list[str], named: str) -> None:
-    procs = launch(2, "train", "--out", str(tmp_path / "r"), *FAST, *flags, cwd=tmp_path)
+def test_a_layout_refused_once_the_model_is_known_exits_2_on_every_rank(tmp_path: Path) -> None:
+    """After the process group exists (the sequence length against --cp needs the run's data): every rank prints
+    the one line and exits 2, none is left waiting in a collective."""
+    procs = launch(2, "train", "--out", str(tmp_path / "r"), *FAST, "--cp", "2", "--seq-len", "15", cwd=tmp_path)
     for p in procs:
         _, err = p.communicate(timeout=180)  # a rank left waiting in a collective would time out here
         assert p.returncode == 2, err[-2000:]
         lines = [line for line in err.splitlines() if line.startswith("k3: error:")]
-        assert len(lines) == 1 and named in lines[0] and "Traceback" not in err, err[-2000:]
+        assert len(lines) == 1 and "--cp 2 must divide --seq-len" in lines[0] and "Traceback" not in err, err[-2000:]
     assert not (tmp_path / "r").exists()
 
 
 def test_sigkill_of_a_rank_leaves_the_last_checkpoint_loadable(tmp_path: Path) -> None:
     run = tmp_path / "run"
-    procs = launch(2, "train", "--out", str(run), "--steps", "400", "--save-every", "3", "--log-every", "1",
+    procs = launch(2, "train", "--out", str(run), "--steps", "400", "--save-every", "2", "--log-every", "1",
                    *FAST, cwd=tmp_path)
     try:
         deadline = time.time() + 240
-        first = run / "checkpoints" / "step-00000003" / "checkpoint.json"
+        first = run / "checkpoints" / "step-00000002" / "checkpoint.json"
         while not first.exists():  # wait for one published checkpoint, then for training to be under way again
             assert time.time() < deadline and all(p.poll() is None for p in procs), "no checkpoint was published"
             time.sleep(0.2)

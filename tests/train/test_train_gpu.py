@@ -76,4 +76,4 @@ def test_gpu_run_resumes_its_dcp_checkpoint_exactly(tmp_path) -> None:
     code, out, err = k3_runs.run_cli("train", "--resume", str(half), "--steps", "6")
     assert code == 0 and "resuming from step 3" in out, err
     a, b = k3_runs.losses(tmp_path / "full"), k3_runs.losses(half)
-    assert max(abs(a[s] - b[s]) for s in range(4, 7)) < 1e-5, (a, b)
+    assert max(abs(a[s] - b[s]) for s in range(4, 7)) < 1e-4, (a, b)
