@@ -1,0 +1,106 @@
+"""Triton kernels of RMSNorm: fp32 statistics, x.dtype in and out, a whole row per program (any width ≤ 16384).
+
+    y = x · r · w,  r = rsqrt(mean(x²) + eps)          (x, w upcast to fp32; y cast back to x.dtype)
+    ∂x = r (w ⊙ dy − x̂ · mean(x̂ ⊙ w ⊙ dy)),  x̂ = x · r        ∂w = Σ_rows x̂ ⊙ dy
+
+The forward keeps r ([T] fp32) for the backward. Each backward program walks a run of consecutive rows and writes one
+fp32 partial ∂w row (at most about 4 programs per SM), summed after: no [T, D] fp32 buffer.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["rms_norm_fwd", "rms_norm_bwd", "MAX_D"]
+
+MAX_D = 16384
+
+
+def _configs() -> list[triton.Config]:
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return [triton.Config({"BT": 2}, num_warps=4)]
+    return [triton.Config({"BT": bt}, num_warps=w) for bt, w in ((1, 4), (2, 4), (4, 8), (8, 8), (1, 16), (2, 16))]
+
+
+def _prune(configs: list[triton.Config], named_args: dict, **kwargs) -> list[triton.Config]:
+    """Keep configs whose [BT, BD] fp32 tile is 4..64 values per thread."""
+    bd = kwargs.get("BD", named_args.get("BD"))
+    keep = [c for c in configs if 4 * 32 * c.num_warps <= c.kwargs["BT"] * bd <= 64 * 32 * c.num_warps]
+    return keep or [min(configs, key=lambda c: c.kwargs["BT"] * c.num_warps)]
+
+
+@triton.autotune(configs=_configs(), key=["BD"], prune_configs_by={"early_config_prune": _prune})
+@triton.jit
+def rms_norm_fwd_kernel(x, w, y, rstd, T, eps, D: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr):
+    o_t = tl.program_id(0).to(tl.int64) * BT + tl.arange(0, BT)
+    o_d = tl.arange(0, BD)
+    m_t = o_t < T
+    m_d = o_d < D
+    m_td = m_t[:, None] & m_d[None, :]
+    o_td = o_t[:, None] * D + o_d[None, :]
+    b_x = tl.load(x + o_td, mask=m_td, other=0.0).to(tl.float32)
+    b_r = tl.rsqrt(tl.sum(b_x * b_x, 1) / D + eps)
+    b_w = tl.load(w + o_d, mask=m_d, other=0.0).to(tl.float32)
+    tl.store(rstd + o_t, b_r, mask=m_t)
+    tl.store(y + o_td, (b_x * b_r[:, None] * b_w[None, :]).to(y.dtype.element_ty), mask=m_td)
+
+
+@triton.autotune(configs=_configs(), key=["BD"], prune_configs_by={"early_config_prune": _prune})
+@triton.jit
+def rms_norm_bwd_kernel(x, w, rstd, dy, dx, dw, T, D: tl.constexpr, ROWS: tl.constexpr, BT: tl.constexpr,
+                        BD: tl.constexpr):
+    i_p = tl.program_id(0)
+    o_d = tl.arange(0, BD)
+    m_d = o_d < D
+    b_w = tl.load(w + o_d, mask=m_d, other=0.0).to(tl.float32)
+    b_dw = tl.zeros([BD], tl.float32)
+    for i_j in range(ROWS // BT):  # rows past T load zeros and add nothing
+        o_t = i_p.to(tl.int64) * ROWS + i_j * BT + tl.arange(0, BT)
+        m_t = o_t < T
+        m_td = m_t[:, None] & m_d[None, :]
+        o_td = o_t[:, None] * D + o_d[None, :]
+        b_r = tl.load(rstd + o_t, mask=m_t, other=0.0)
+        b_xh = tl.load(x + o_td, mask=m_td, other=0.0).to(tl.float32) * b_r[:, None]
+        b_dy = tl.load(dy + o_td, mask=m_td, other=0.0).to(tl.float32)
+        b_gw = b_dy * b_w[None, :]
+        b_dx = (b_gw - b_xh * (tl.sum(b_xh * b_gw, 1) / D)[:, None]) * b_r[:, None]
+        tl.store(dx + o_td, b_dx.to(dx.dtype.element_ty), mask=m_td)
+        b_dw += tl.sum(b_xh * b_dy, 0)
+    tl.store(dw + i_p * D + o_d, b_dw, mask=m_d)
+
+
+@functools.lru_cache(maxsize=8)
+def _num_programs_cap(device: torch.device) -> int:
+    return 4 * torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+
+
+def rms_norm_fwd(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x [T, D]`` contiguous, ``weight [D]`` → ``(y [T, D] in x.dtype, rstd [T] fp32)``."""
+    T, D = x.shape
+    y = torch.empty_like(x)
+    rstd = torch.empty(T, dtype=torch.float32, device=x.device)
+    if T > 0:
+        rms_norm_fwd_kernel[lambda meta: (triton.cdiv(T, meta["BT"]),)](
+            x, weight, y, rstd, T, float(eps), D=D, BD=triton.next_power_of_2(D))
+    return y, rstd
+
+
+def rms_norm_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``dy [T, D]`` → ``(∂x [T, D] in x.dtype, ∂w [D] fp32)``."""
+    T, D = x.shape
+    dx = torch.empty_like(x)
+    # ROWS (a power of two ≥ every tuned BT): at most ``cap`` programs, a grid independent of the tuned BT
+    rows = max(8, triton.next_power_of_2(triton.cdiv(max(T, 1), _num_programs_cap(x.device))))
+    n_p = triton.cdiv(max(T, 1), rows)
+    dw = torch.empty(n_p, D, dtype=torch.float32, device=x.device)
+    if T == 0:
+        dw.zero_()
+    else:
+        rms_norm_bwd_kernel[(n_p,)](x, weight, rstd, dy, dx, dw, T, D=D, ROWS=rows, BD=triton.next_power_of_2(D))
+    return dx, dw.sum(0)
