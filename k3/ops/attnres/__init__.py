@@ -11,5 +11,7 @@ and the exact two-phase form for inference.
 
 from k3.ops.attnres.naive import attn_res_reference, naive_attnres
 from k3.ops.attnres.op import attn_res, attn_res_fused, fused_attnres
+from k3.ops.attnres.two_phase import attn_res_merge, attn_res_phase1
 
-__all__ = ["attn_res", "attn_res_fused", "attn_res_reference", "fused_attnres", "naive_attnres"]
+__all__ = ["attn_res", "attn_res_fused", "attn_res_merge", "attn_res_phase1", "attn_res_reference", "fused_attnres",
+           "naive_attnres"]
