@@ -15,6 +15,9 @@ Backward (``attn_res_bwd_kernel``), with g = ∂L/∂o (through the output norm 
     ∂s_i = p_i (⟨g, v_i⟩ − δ) · c
     ∂v_i = p_i g + ∂s_i · r_i (qw − v_i · r_i ⟨qw, v_i⟩ / D)        ∂qw = Σ_tokens Σ_i ∂s_i r_i v_i
 
+(∂qw subtracts (Σ_i ∂s_i) · Σ_i p_i r_i v_i, zero in exact arithmetic, so that it does not carry the rounding
+residue of δ: the same as taking δ = Σ_i p_i ⟨g, v_i⟩.)
+
 δ and g need o before the first ∂v_i, so the backward either reads the saved o (``save_pre``: sources read once) or
 recomputes it from the sources and lse first (sources read twice, no [T, D] activation kept). r_i and s_i are
 recomputed from v_i, which is loaded anyway. Each backward program walks a run of consecutive rows (at most about
@@ -141,6 +144,10 @@ def attn_res_bwd_kernel(
         else:
             b_g = b_do
         b_delta = tl.sum(b_g * b_op, 1)
+        # Σ_i ∂s_i is 0 in exact arithmetic; with δ from the fp32 mix it is a rounding residue that, times the keys,
+        # would swamp a small ∂qw (peaked weights): remove it, i.e. use δ' = Σ_i p_i ⟨g, v_i⟩ for ∂qw
+        b_sds = tl.zeros([BT], tl.float32)
+        b_kbar = tl.zeros([BT, BD], tl.float32)
         for i in tl.static_range(NS):
             b_v = tl.load(src[i] + o_td, mask=m_td, other=0.0, eviction_policy="evict_first").to(tl.float32)
             if NS == 1:  # p ≡ 1: the logit gets no gradient (exactly zero, not a rounding residue)
@@ -153,7 +160,10 @@ def attn_res_bwd_kernel(
                 b_dsr = b_ds * b_r
                 b_dv = b_p[:, None] * b_g + b_dsr[:, None] * (b_qw[None, :] - b_v * (b_r * b_l / D)[:, None])
                 b_dqw += tl.sum(b_dsr[:, None] * b_v, 0)
+                b_sds += b_ds
+                b_kbar += (b_p * b_r)[:, None] * b_v
             tl.store(dsrc[i] + o_td, b_dv.to(dsrc[i].dtype.element_ty), mask=m_td)
+        b_dqw -= tl.sum(b_sds[:, None] * b_kbar, 0)
     tl.store(dqw + i_p * D + o_d, b_dqw, mask=m_d)
     if HAS_ONORM:
         tl.store(dow + i_p * D + o_d, b_dow, mask=m_d)

@@ -31,7 +31,7 @@ def _acc(t: torch.Tensor) -> torch.dtype:
 def attn_res_phase1(scores: torch.Tensor, sources: Sequence[torch.Tensor], eps: float, scale: float = 1.0
                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """``scores [Q, D]`` (each γ ⊙ w), ``sources`` N equally shaped ``[..., D]`` closed blocks →
-    ``(o¹ [Q, ..., D] in the sources' dtype, ℓ¹ [Q, ...] fp32)``."""
+    ``(o¹ [Q, ..., D] in the sources' dtype, ℓ¹ [Q, ...] fp32 (fp64 for fp64 sources))``."""
     shape, D = sources[0].shape, sources[0].shape[-1]
     acc = _acc(sources[0])
     flat = [s.reshape(-1, D) for s in sources]
@@ -48,7 +48,7 @@ def attn_res_phase1(scores: torch.Tensor, sources: Sequence[torch.Tensor], eps: 
         p = torch.exp(s - lse_c[:, None])
         o1[:, t0:t0 + step] = torch.einsum("qnc,ncd->qcd", p, v).to(o1.dtype)
         lse[:, t0:t0 + step] = lse_c
-    return o1.view(Q, *shape), lse.view(Q, *shape[:-1]).float()
+    return o1.view(Q, *shape), lse.view(Q, *shape[:-1])
 
 
 def attn_res_merge(o1: torch.Tensor, lse1: torch.Tensor, partial: torch.Tensor, score: torch.Tensor, eps: float,
