@@ -54,7 +54,17 @@ def _prune(configs: list[triton.Config], named_args: dict, **kwargs) -> list[tri
 def _configs() -> list[triton.Config]:
     if _interpreting():  # the interpreter runs every config when autotuning: one is enough there
         return [triton.Config({"BT": 2}, num_warps=4)]
-    return [triton.Config({"BT": bt}, num_warps=w) for bt, w in ((1, 8), (1, 16), (2, 8), (2, 16), (4, 16))]
+    return [triton.Config({"BT": bt}, num_warps=w) for bt, w in ((1, 8), (1, 16), (2, 16), (4, 4))]
+
+
+@triton.jit
+def _add2(a0, a1, b0, b1):
+    return a0 + b0, a1 + b1
+
+
+@triton.jit
+def _add3(a0, a1, a2, b0, b1, b2):
+    return a0 + b0, a1 + b1, a2 + b2
 
 
 @triton.autotune(configs=_configs(), key=["NS", "BD", "HAS_ONORM", "SAVE_PRE"],
@@ -74,11 +84,16 @@ def attn_res_fwd_kernel(
     o_td = o_t[:, None] * D + o_d[None, :]
     b_qw = tl.load(qw + o_d, mask=m_d, other=0.0)
 
-    # online softmax over the sources; rows past T load zeros and stay finite (p = 1 over zero vectors)
+    # online softmax over the sources; rows past T load zeros and stay finite (p = 1 over zero vectors). The next
+    # source's tile is loaded before this one's reductions so a load is always in flight.
+    b_vn = tl.load(src[0] + o_td, mask=m_td, other=0.0, eviction_policy="evict_first")
     for i in tl.static_range(NS):
-        b_v = tl.load(src[i] + o_td, mask=m_td, other=0.0, eviction_policy="evict_first").to(tl.float32)
-        b_r = tl.rsqrt(tl.sum(b_v * b_v, 1) / D + eps)
-        b_s = tl.sum(b_v * b_qw[None, :], 1) * b_r * scale
+        b_v = b_vn.to(tl.float32)
+        if i + 1 < NS:
+            b_vn = tl.load(src[i + 1] + o_td, mask=m_td, other=0.0, eviction_policy="evict_first")
+        b_ss, b_vq = tl.reduce((b_v * b_v, b_v * b_qw[None, :]), 1, _add2)
+        b_r = tl.rsqrt(b_ss / D + eps)
+        b_s = b_vq * b_r * scale
         tl.store(logit + i * T + o_t, b_s, mask=m_t)
         if i == 0:
             b_m = b_s
@@ -130,10 +145,13 @@ def attn_res_bwd_kernel(
             b_op = tl.load(o_pre + o_td, mask=m_td, other=0.0).to(tl.float32)
         else:  # first pass: the mix o = Σ p_i v_i from the forward's lse
             b_op = tl.zeros([BT, BD], tl.float32)
+            b_vn = tl.load(src[0] + o_td, mask=m_td, other=0.0)
             for i in tl.static_range(NS):
-                b_v = tl.load(src[i] + o_td, mask=m_td, other=0.0).to(tl.float32)
-                b_r = tl.rsqrt(tl.sum(b_v * b_v, 1) / D + eps)
-                b_p = tl.exp(tl.sum(b_v * b_qw[None, :], 1) * b_r * scale - b_lse)
+                b_v = b_vn.to(tl.float32)
+                if i + 1 < NS:
+                    b_vn = tl.load(src[i + 1] + o_td, mask=m_td, other=0.0)
+                b_ss, b_vq = tl.reduce((b_v * b_v, b_v * b_qw[None, :]), 1, _add2)
+                b_p = tl.exp(b_vq * tl.rsqrt(b_ss / D + eps) * scale - b_lse)
                 b_op += b_p[:, None] * b_v
         if HAS_ONORM:  # through y = o · ro · ow: g = ro (ow ⊙ dy − x̂ mean(x̂ ⊙ ow ⊙ dy)), x̂ = o · ro
             b_ro = tl.rsqrt(tl.sum(b_op * b_op, 1) / D + eps)
@@ -148,15 +166,19 @@ def attn_res_bwd_kernel(
         # would swamp a small ∂qw (peaked weights): remove it, i.e. use δ' = Σ_i p_i ⟨g, v_i⟩ for ∂qw
         b_sds = tl.zeros([BT], tl.float32)
         b_kbar = tl.zeros([BT, BD], tl.float32)
+        b_vn = tl.load(src[0] + o_td, mask=m_td, other=0.0, eviction_policy="evict_first")
         for i in tl.static_range(NS):
-            b_v = tl.load(src[i] + o_td, mask=m_td, other=0.0, eviction_policy="evict_first").to(tl.float32)
+            b_v = b_vn.to(tl.float32)
+            if i + 1 < NS:
+                b_vn = tl.load(src[i + 1] + o_td, mask=m_td, other=0.0, eviction_policy="evict_first")
             if NS == 1:  # p ≡ 1: the logit gets no gradient (exactly zero, not a rounding residue)
                 b_dv = b_g
             else:
-                b_r = tl.rsqrt(tl.sum(b_v * b_v, 1) / D + eps)
-                b_l = tl.sum(b_v * b_qw[None, :], 1) * b_r
+                b_ss, b_vq, b_vg = tl.reduce((b_v * b_v, b_v * b_qw[None, :], b_v * b_g), 1, _add3)
+                b_r = tl.rsqrt(b_ss / D + eps)
+                b_l = b_vq * b_r
                 b_p = tl.exp(b_l * scale - b_lse)
-                b_ds = b_p * (tl.sum(b_v * b_g, 1) - b_delta) * scale
+                b_ds = b_p * (b_vg - b_delta) * scale
                 b_dsr = b_ds * b_r
                 b_dv = b_p[:, None] * b_g + b_dsr[:, None] * (b_qw[None, :] - b_v * (b_r * b_l / D)[:, None])
                 b_dqw += tl.sum(b_dsr[:, None] * b_v, 0)
