@@ -1,4 +1,4 @@
-"""Triton kernels of the AttnRes mix: one read of every source per pass, the mix math in fp32 registers.
+"""Triton kernels of the AttnRes mix: each source read once from HBM per pass, the mix math in fp32 registers.
 
 Per token (one row of D channels), with sources v_1..v_N, score vector qw = γ ⊙ w (fp32) and logit scale c:
 
@@ -10,18 +10,21 @@ so any D works) and streams the N sources once with an online softmax, keeping o
 [N, tokens, D] is ever written. Outputs: y, lse = log Σ exp(s) (fp32, [T]), the logits s ([N, T] fp32, tiny; read
 back only for ``return_weights``) and, when asked (``save_pre``), the pre-norm mix o in the sources' dtype.
 
-Backward (``attn_res_bwd_kernel``), with g = ∂L/∂o (through the output norm when there is one) and δ = ⟨g, o⟩:
+Backward (``attn_res_bwd_kernel``), with g = ∂L/∂o (= dy, or through the output norm
+g = ro (ow ⊙ dy − x̂ · mean(x̂ ⊙ ow ⊙ dy)), x̂ = o · ro) and δ = Σ_i p_i ⟨g, v_i⟩:
 
     ∂s_i = p_i (⟨g, v_i⟩ − δ) · c
     ∂v_i = p_i g + ∂s_i · r_i (qw − v_i · r_i ⟨qw, v_i⟩ / D)        ∂qw = Σ_tokens Σ_i ∂s_i r_i v_i
 
-(∂qw subtracts (Σ_i ∂s_i) · Σ_i p_i r_i v_i, zero in exact arithmetic, so that it does not carry the rounding
-residue of δ: the same as taking δ = Σ_i p_i ⟨g, v_i⟩.)
+Per row: (only with the output norm) o again from the sources and the forward's lse, or read back when it was
+saved; then the per-source scalars r_i, ⟨qw, v_i⟩, p_i, ⟨g, v_i⟩ (δ from these same values, so Σ_i ∂s_i vanishes to
+rounding — δ = ⟨g, o⟩ would leave a residue that swamps a small ∂qw when the depth weights are peaked); then ∂v_i.
+A row's source tiles come from HBM once; the later passes over the same row find them in L1/L2. Each backward
+program walks a run of consecutive rows (at most about 4 programs per SM), so the ∂qw / ∂ow partial sums are one
+fp32 [D] row per program, summed after, not [T, D].
 
-δ and g need o before the first ∂v_i, so the backward either reads the saved o (``save_pre``: sources read once) or
-recomputes it from the sources and lse first (sources read twice, no [T, D] activation kept). r_i and s_i are
-recomputed from v_i, which is loaded anyway. Each backward program walks a run of consecutive rows (at most about
-4 programs per SM), so the ∂qw / ∂ow partial sums are one fp32 [D] row per program, summed after, not [T, D].
+The loops over the sources are runtime loops (``_pick`` selects the source's pointer): unrolled, the compiler
+hoists every source's load to the top and spills. Register counts at D 7168 on sm_90 are in the config lists.
 """
 
 from __future__ import annotations
@@ -45,16 +48,31 @@ def _interpreting() -> bool:
 
 
 def _prune(configs: list[triton.Config], named_args: dict, **kwargs) -> list[triton.Config]:
-    """Keep configs whose [BT, BD] fp32 tile is 8..64 values per thread (register pressure vs. bytes in flight)."""
+    """Keep configs whose fp32 [BT, BD] row vectors are 8..32 values per thread (one tile in registers at most 32
+    wide, enough bytes in flight); narrow rows take the config that comes closest."""
     bd = kwargs.get("BD", named_args.get("BD"))
-    keep = [c for c in configs if 8 * 32 * c.num_warps <= c.kwargs["BT"] * bd <= 64 * 32 * c.num_warps]
-    return keep or [min(configs, key=lambda c: c.kwargs["BT"] * c.num_warps)]
+
+    def per_thread(c: triton.Config) -> int:
+        return c.kwargs["BT"] * bd // (32 * c.num_warps)
+
+    keep = [c for c in configs if 8 <= per_thread(c) <= 32]
+    return keep or [max((c for c in configs if per_thread(c) <= 32), key=per_thread, default=configs[0])]
 
 
-def _configs() -> list[triton.Config]:
+def _fwd_configs() -> list[triton.Config]:
+    """Measured on sm_90 at D 7168 (compile-time register counts, no spills): (1 row, 8 warps) 128 registers, two
+    programs per SM; (1, 16, prefetch) ~105; (2, 32, prefetch) 64 — four tiles in flight per SM. The GPU picks."""
     if _interpreting():  # the interpreter runs every config when autotuning: one is enough there
+        return [triton.Config({"BT": 2, "PF": True}, num_warps=4)]
+    return [triton.Config({"BT": bt, "PF": pf}, num_warps=w)
+            for bt, w, pf in ((1, 8, False), (1, 16, True), (2, 32, True), (4, 4, False), (8, 4, False))]
+
+
+def _bwd_configs() -> list[triton.Config]:
+    """At D 7168: (1, 8) 177–255 registers, (1, 16) 128 (a few spilled with the output norm), (1, 32) ~64."""
+    if _interpreting():
         return [triton.Config({"BT": 2}, num_warps=4)]
-    return [triton.Config({"BT": bt}, num_warps=w) for bt, w in ((1, 8), (1, 16), (2, 16), (4, 4))]
+    return [triton.Config({"BT": bt}, num_warps=w) for bt, w in ((1, 8), (1, 16), (1, 32), (4, 4), (8, 4))]
 
 
 @triton.jit
@@ -67,13 +85,23 @@ def _add3(a0, a1, a2, b0, b1, b2):
     return a0 + b0, a1 + b1, a2 + b2
 
 
-@triton.autotune(configs=_configs(), key=["NS", "BD", "HAS_ONORM", "SAVE_PRE"],
+@triton.jit
+def _pick(ptrs, i, NS: tl.constexpr):
+    """``ptrs[i]`` for a runtime ``i``. The source loops are runtime loops on purpose: unrolled, the compiler hoists
+    every source's tile load to the top and runs out of registers."""
+    p = ptrs[0]
+    for j in tl.static_range(1, NS):
+        p = tl.where(i == j, ptrs[j], p)
+    return p
+
+
+@triton.autotune(configs=_fwd_configs(), key=["NS", "BD", "HAS_ONORM", "SAVE_PRE"],
                  prune_configs_by={"early_config_prune": _prune})
 @triton.jit
 def attn_res_fwd_kernel(
     src, qw, ow, o, o_pre, lse, logit, T, eps, scale,
     D: tl.constexpr, NS: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
-    HAS_ONORM: tl.constexpr, SAVE_PRE: tl.constexpr,
+    HAS_ONORM: tl.constexpr, SAVE_PRE: tl.constexpr, PF: tl.constexpr,
 ):
     i_t = tl.program_id(0)
     o_t = i_t.to(tl.int64) * BT + tl.arange(0, BT)
@@ -84,28 +112,28 @@ def attn_res_fwd_kernel(
     o_td = o_t[:, None] * D + o_d[None, :]
     b_qw = tl.load(qw + o_d, mask=m_d, other=0.0)
 
-    # online softmax over the sources; rows past T load zeros and stay finite (p = 1 over zero vectors). The next
-    # source's tile is loaded before this one's reductions so a load is always in flight.
+    # online softmax over the sources; rows past T load zeros and stay finite (p = 1 over zero vectors)
+    b_m = tl.full([BT], float("-inf"), tl.float32)
+    b_z = tl.zeros([BT], tl.float32)
+    b_o = tl.zeros([BT, BD], tl.float32)
     b_vn = tl.load(src[0] + o_td, mask=m_td, other=0.0, eviction_policy="evict_first")
-    for i in tl.static_range(NS):
+    for i in range(NS):
         b_v = b_vn.to(tl.float32)
-        if i + 1 < NS:
-            b_vn = tl.load(src[i + 1] + o_td, mask=m_td, other=0.0, eviction_policy="evict_first")
+        if PF:  # the next source's tile is requested before this one's reductions: two tiles in flight
+            b_vn = tl.load(_pick(src, i + 1, NS) + o_td, mask=m_td & (i + 1 < NS), other=0.0,
+                           eviction_policy="evict_first")
         b_ss, b_vq = tl.reduce((b_v * b_v, b_v * b_qw[None, :]), 1, _add2)
-        b_r = tl.rsqrt(b_ss / D + eps)
-        b_s = b_vq * b_r * scale
+        b_s = b_vq * tl.rsqrt(b_ss / D + eps) * scale
         tl.store(logit + i * T + o_t, b_s, mask=m_t)
-        if i == 0:
-            b_m = b_s
-            b_z = tl.full([BT], 1.0, tl.float32)
-            b_o = b_v
-        else:
-            b_mn = tl.maximum(b_m, b_s)
-            b_a = tl.exp(b_m - b_mn)
-            b_p = tl.exp(b_s - b_mn)
-            b_z = b_z * b_a + b_p
-            b_o = b_o * b_a[:, None] + b_p[:, None] * b_v
-            b_m = b_mn
+        b_mn = tl.maximum(b_m, b_s)
+        b_a = tl.exp(b_m - b_mn)
+        b_p = tl.exp(b_s - b_mn)
+        b_z = b_z * b_a + b_p
+        b_o = b_o * b_a[:, None] + b_p[:, None] * b_v
+        b_m = b_mn
+        if not PF:
+            b_vn = tl.load(_pick(src, i + 1, NS) + o_td, mask=m_td & (i + 1 < NS), other=0.0,
+                           eviction_policy="evict_first")
     tl.store(lse + o_t, b_m + tl.log(b_z), mask=m_t)
     b_o = b_o / b_z[:, None]
     if SAVE_PRE:
@@ -117,20 +145,21 @@ def attn_res_fwd_kernel(
     tl.store(o + o_td, b_o.to(o.dtype.element_ty), mask=m_td)
 
 
-@triton.autotune(configs=_configs(), key=["NS", "BD", "HAS_ONORM", "SAVE_PRE"],
+@triton.autotune(configs=_bwd_configs(), key=["NS", "BD", "HAS_ONORM", "SAVE_PRE"],
                  prune_configs_by={"early_config_prune": _prune})
 @triton.jit
 def attn_res_bwd_kernel(
     src, dsrc, qw, ow, o_pre, do, lse, dqw, dow, T, eps, scale,
-    D: tl.constexpr, NS: tl.constexpr, ROWS: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
+    D: tl.constexpr, NS: tl.constexpr, NSP: tl.constexpr, ROWS: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
     HAS_ONORM: tl.constexpr, SAVE_PRE: tl.constexpr,
 ):
+    # A row's N source tiles are read up to three times (o for the output norm, the per-source scalars, ∂v), the
+    # first from HBM and the others while they are still in L1/L2. Registers are the constraint (rows of up to 8192
+    # lanes): qw and ow are re-read from the cache where used rather than held, so at most six row vectors are live.
     i_p = tl.program_id(0)
     o_d = tl.arange(0, BD)
     m_d = o_d < D
-    b_qw = tl.load(qw + o_d, mask=m_d, other=0.0)
-    if HAS_ONORM:
-        b_ow = tl.load(ow + o_d, mask=m_d, other=0.0).to(tl.float32)
+    o_s = tl.arange(0, NSP)
     b_dqw = tl.zeros([BD], tl.float32)
     b_dow = tl.zeros([BD], tl.float32)
     # ROWS consecutive rows per program, BT at a time (rows past T load zeros and add nothing)
@@ -140,52 +169,55 @@ def attn_res_bwd_kernel(
         m_td = m_t[:, None] & m_d[None, :]
         o_td = o_t[:, None] * D + o_d[None, :]
         b_lse = tl.load(lse + o_t, mask=m_t, other=0.0)
-        b_do = tl.load(do + o_td, mask=m_td, other=0.0).to(tl.float32)
-        if SAVE_PRE:
-            b_op = tl.load(o_pre + o_td, mask=m_td, other=0.0).to(tl.float32)
-        else:  # first pass: the mix o = Σ p_i v_i from the forward's lse
-            b_op = tl.zeros([BT, BD], tl.float32)
-            b_vn = tl.load(src[0] + o_td, mask=m_td, other=0.0)
-            for i in tl.static_range(NS):
-                b_v = b_vn.to(tl.float32)
-                if i + 1 < NS:
-                    b_vn = tl.load(src[i + 1] + o_td, mask=m_td, other=0.0)
-                b_ss, b_vq = tl.reduce((b_v * b_v, b_v * b_qw[None, :]), 1, _add2)
-                b_p = tl.exp(b_vq * tl.rsqrt(b_ss / D + eps) * scale - b_lse)
-                b_op += b_p[:, None] * b_v
+        b_g = tl.load(do + o_td, mask=m_td, other=0.0).to(tl.float32)
         if HAS_ONORM:  # through y = o · ro · ow: g = ro (ow ⊙ dy − x̂ mean(x̂ ⊙ ow ⊙ dy)), x̂ = o · ro
+            if SAVE_PRE:
+                b_op = tl.load(o_pre + o_td, mask=m_td, other=0.0).to(tl.float32)
+            else:  # the fp32 mix o = Σ p_i v_i again, from the forward's lse
+                b_op = tl.zeros([BT, BD], tl.float32)
+                for i in range(NS):
+                    b_v = tl.load(_pick(src, i, NS) + o_td, mask=m_td, other=0.0).to(tl.float32)
+                    b_qw = tl.load(qw + o_d, mask=m_d, other=0.0)
+                    b_ss, b_vq = tl.reduce((b_v * b_v, b_v * b_qw[None, :]), 1, _add2)
+                    b_op += tl.exp(b_vq * tl.rsqrt(b_ss / D + eps) * scale - b_lse)[:, None] * b_v
             b_ro = tl.rsqrt(tl.sum(b_op * b_op, 1) / D + eps)
             b_xh = b_op * b_ro[:, None]
-            b_dow += tl.sum(b_xh * b_do, 0)
-            b_gw = b_do * b_ow[None, :]
-            b_g = (b_gw - b_xh * (tl.sum(b_xh * b_gw, 1) / D)[:, None]) * b_ro[:, None]
+            b_dow += tl.sum(b_xh * b_g, 0)
+            b_g = b_g * tl.load(ow + o_d, mask=m_d, other=0.0).to(tl.float32)[None, :]
+            b_g = (b_g - b_xh * (tl.sum(b_xh * b_g, 1) / D)[:, None]) * b_ro[:, None]
+        if NS == 1:  # p ≡ 1: the score gets no gradient (exactly zero, not a rounding residue)
+            tl.store(dsrc[0] + o_td, b_g.to(dsrc[0].dtype.element_ty), mask=m_td)
         else:
-            b_g = b_do
-        b_delta = tl.sum(b_g * b_op, 1)
-        # Σ_i ∂s_i is 0 in exact arithmetic; with δ from the fp32 mix it is a rounding residue that, times the keys,
-        # would swamp a small ∂qw (peaked weights): remove it, i.e. use δ' = Σ_i p_i ⟨g, v_i⟩ for ∂qw
-        b_sds = tl.zeros([BT], tl.float32)
-        b_kbar = tl.zeros([BT, BD], tl.float32)
-        b_vn = tl.load(src[0] + o_td, mask=m_td, other=0.0, eviction_policy="evict_first")
-        for i in tl.static_range(NS):
-            b_v = b_vn.to(tl.float32)
-            if i + 1 < NS:
-                b_vn = tl.load(src[i + 1] + o_td, mask=m_td, other=0.0, eviction_policy="evict_first")
-            if NS == 1:  # p ≡ 1: the logit gets no gradient (exactly zero, not a rounding residue)
-                b_dv = b_g
-            else:
+            # per-source row scalars r_i, ⟨qw, v_i⟩ r_i, p_i, ⟨g, v_i⟩ in [BT, NSP] tables; δ = Σ_i p_i ⟨g, v_i⟩ from
+            # the same values, so Σ_i ∂s_i vanishes to rounding (δ = ⟨g, o⟩ would leave a residue that swamps a
+            # small ∂qw when the depth weights are peaked)
+            b_R = tl.zeros([BT, NSP], tl.float32)
+            b_L = tl.zeros([BT, NSP], tl.float32)
+            b_P = tl.zeros([BT, NSP], tl.float32)
+            b_G = tl.zeros([BT, NSP], tl.float32)
+            for i in range(NS):
+                b_v = tl.load(_pick(src, i, NS) + o_td, mask=m_td, other=0.0).to(tl.float32)
+                b_qw = tl.load(qw + o_d, mask=m_d, other=0.0)
                 b_ss, b_vq, b_vg = tl.reduce((b_v * b_v, b_v * b_qw[None, :], b_v * b_g), 1, _add3)
                 b_r = tl.rsqrt(b_ss / D + eps)
-                b_l = b_vq * b_r
-                b_p = tl.exp(b_l * scale - b_lse)
-                b_ds = b_p * (b_vg - b_delta) * scale
-                b_dsr = b_ds * b_r
+                m_i = (o_s == i)[None, :]
+                b_R = tl.where(m_i, b_r[:, None], b_R)
+                b_L = tl.where(m_i, (b_vq * b_r)[:, None], b_L)
+                b_P = tl.where(m_i, tl.exp(b_vq * b_r * scale - b_lse)[:, None], b_P)
+                b_G = tl.where(m_i, b_vg[:, None], b_G)
+            b_DS = b_P * (b_G - tl.sum(b_P * b_G, 1)[:, None]) * scale
+            for i in range(NS):
+                b_v = tl.load(_pick(src, i, NS) + o_td, mask=m_td, other=0.0, eviction_policy="evict_first").to(tl.float32)
+                m_i = (o_s == i)[None, :]
+                b_r = tl.sum(tl.where(m_i, b_R, 0.0), 1)
+                b_l = tl.sum(tl.where(m_i, b_L, 0.0), 1)
+                b_p = tl.sum(tl.where(m_i, b_P, 0.0), 1)
+                b_dsr = tl.sum(tl.where(m_i, b_DS, 0.0), 1) * b_r
+                b_qw = tl.load(qw + o_d, mask=m_d, other=0.0)
                 b_dv = b_p[:, None] * b_g + b_dsr[:, None] * (b_qw[None, :] - b_v * (b_r * b_l / D)[:, None])
+                p_dv = _pick(dsrc, i, NS)
+                tl.store(p_dv + o_td, b_dv.to(p_dv.dtype.element_ty), mask=m_td)
                 b_dqw += tl.sum(b_dsr[:, None] * b_v, 0)
-                b_sds += b_ds
-                b_kbar += (b_p * b_r)[:, None] * b_v
-            tl.store(dsrc[i] + o_td, b_dv.to(dsrc[i].dtype.element_ty), mask=m_td)
-        b_dqw -= tl.sum(b_sds[:, None] * b_kbar, 0)
     tl.store(dqw + i_p * D + o_d, b_dqw, mask=m_d)
     if HAS_ONORM:
         tl.store(dow + i_p * D + o_d, b_dow, mask=m_d)
@@ -232,7 +264,7 @@ def attn_res_bwd(
     has_onorm = out_norm_weight is not None
     # ROWS (a power of two ≥ every tuned BT) rows per program, enough that the programs number at most ``cap``:
     # the ∂qw / ∂ow partials are ``cap`` rows at most, and the grid does not depend on the tuned BT
-    rows = max(4, triton.next_power_of_2(triton.cdiv(max(T, 1), cap)))
+    rows = max(8, triton.next_power_of_2(triton.cdiv(max(T, 1), cap)))
     n_p = triton.cdiv(max(T, 1), rows)
     dqw = torch.empty(n_p, D, dtype=torch.float32, device=s0.device)
     dow = torch.empty(n_p if has_onorm else 0, D, dtype=torch.float32, device=s0.device)
@@ -242,5 +274,5 @@ def attn_res_bwd(
         attn_res_bwd_kernel[(n_p,)](
             tuple(sources), tuple(dsrc), qw, out_norm_weight if has_onorm else qw, o_pre if save_pre else do, do,
             lse, dqw, dow, T, float(eps), float(scale),
-            D=D, NS=len(sources), ROWS=rows, BD=triton.next_power_of_2(D), HAS_ONORM=has_onorm, SAVE_PRE=save_pre)
+            D=D, NS=len(sources), NSP=triton.next_power_of_2(len(sources)), ROWS=rows, BD=triton.next_power_of_2(D), HAS_ONORM=has_onorm, SAVE_PRE=save_pre)
     return dsrc, dqw.sum(0), (dow.sum(0) if has_onorm else dow.new_empty(0))

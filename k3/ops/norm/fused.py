@@ -21,20 +21,33 @@ __all__ = ["rms_norm_fwd", "rms_norm_bwd", "MAX_D"]
 MAX_D = 16384
 
 
-def _configs() -> list[triton.Config]:
+def _per_thread(c: triton.Config, bd: int) -> int:
+    return c.kwargs["BT"] * bd // (32 * c.num_warps)
+
+
+def _pruner(most: int):
+    """Keep configs whose fp32 [BT, BD] tiles are 4..``most`` values per thread; else the closest one below."""
+    def prune(configs: list[triton.Config], named_args: dict, **kwargs) -> list[triton.Config]:
+        bd = kwargs.get("BD", named_args.get("BD"))
+        keep = [c for c in configs if 4 <= _per_thread(c, bd) <= most]
+        return keep or [max((c for c in configs if _per_thread(c, bd) <= most), key=lambda c: _per_thread(c, bd),
+                            default=configs[0])]
+    return prune
+
+
+def _configs(pairs: tuple[tuple[int, int], ...]) -> list[triton.Config]:
     if os.environ.get("TRITON_INTERPRET") == "1":
         return [triton.Config({"BT": 2}, num_warps=4)]
-    return [triton.Config({"BT": bt}, num_warps=w) for bt, w in ((1, 4), (2, 4), (4, 8), (8, 8), (1, 16), (2, 16))]
+    return [triton.Config({"BT": bt}, num_warps=w) for bt, w in pairs]
 
 
-def _prune(configs: list[triton.Config], named_args: dict, **kwargs) -> list[triton.Config]:
-    """Keep configs whose [BT, BD] fp32 tile is 4..64 values per thread."""
-    bd = kwargs.get("BD", named_args.get("BD"))
-    keep = [c for c in configs if 4 * 32 * c.num_warps <= c.kwargs["BT"] * bd <= 64 * 32 * c.num_warps]
-    return keep or [min(configs, key=lambda c: c.kwargs["BT"] * c.num_warps)]
+# sm_90, D 7168 (BD 8192): forward (1, 8) / (1, 16) 52–95 registers; backward (1, 16) 128 without spills (wider
+# tiles per thread spill there: the backward keeps five row vectors live)
+_FWD = _configs(((1, 4), (2, 8), (4, 8), (1, 8), (1, 16), (16, 4)))
+_BWD = _configs(((1, 8), (2, 4), (4, 8), (1, 16), (16, 4)))
 
 
-@triton.autotune(configs=_configs(), key=["BD"], prune_configs_by={"early_config_prune": _prune})
+@triton.autotune(configs=_FWD, key=["BD"], prune_configs_by={"early_config_prune": _pruner(32)})
 @triton.jit
 def rms_norm_fwd_kernel(x, w, y, rstd, T, eps, D: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr):
     o_t = tl.program_id(0).to(tl.int64) * BT + tl.arange(0, BT)
@@ -50,14 +63,13 @@ def rms_norm_fwd_kernel(x, w, y, rstd, T, eps, D: tl.constexpr, BT: tl.constexpr
     tl.store(y + o_td, (b_x * b_r[:, None] * b_w[None, :]).to(y.dtype.element_ty), mask=m_td)
 
 
-@triton.autotune(configs=_configs(), key=["BD"], prune_configs_by={"early_config_prune": _prune})
+@triton.autotune(configs=_BWD, key=["BD"], prune_configs_by={"early_config_prune": _pruner(16)})
 @triton.jit
 def rms_norm_bwd_kernel(x, w, rstd, dy, dx, dw, T, D: tl.constexpr, ROWS: tl.constexpr, BT: tl.constexpr,
                         BD: tl.constexpr):
     i_p = tl.program_id(0)
     o_d = tl.arange(0, BD)
     m_d = o_d < D
-    b_w = tl.load(w + o_d, mask=m_d, other=0.0).to(tl.float32)
     b_dw = tl.zeros([BD], tl.float32)
     for i_j in range(ROWS // BT):  # rows past T load zeros and add nothing
         o_t = i_p.to(tl.int64) * ROWS + i_j * BT + tl.arange(0, BT)
@@ -67,7 +79,7 @@ def rms_norm_bwd_kernel(x, w, rstd, dy, dx, dw, T, D: tl.constexpr, ROWS: tl.con
         b_r = tl.load(rstd + o_t, mask=m_t, other=0.0)
         b_xh = tl.load(x + o_td, mask=m_td, other=0.0).to(tl.float32) * b_r[:, None]
         b_dy = tl.load(dy + o_td, mask=m_td, other=0.0).to(tl.float32)
-        b_gw = b_dy * b_w[None, :]
+        b_gw = b_dy * tl.load(w + o_d, mask=m_d, other=0.0).to(tl.float32)[None, :]  # re-read: one register row less
         b_dx = (b_gw - b_xh * (tl.sum(b_xh * b_gw, 1) / D)[:, None]) * b_r[:, None]
         tl.store(dx + o_td, b_dx.to(dx.dtype.element_ty), mask=m_td)
         b_dw += tl.sum(b_xh * b_dy, 0)
@@ -96,7 +108,7 @@ def rms_norm_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: 
     T, D = x.shape
     dx = torch.empty_like(x)
     # ROWS (a power of two ≥ every tuned BT): at most ``cap`` programs, a grid independent of the tuned BT
-    rows = max(8, triton.next_power_of_2(triton.cdiv(max(T, 1), _num_programs_cap(x.device))))
+    rows = max(16, triton.next_power_of_2(triton.cdiv(max(T, 1), _num_programs_cap(x.device))))
     n_p = triton.cdiv(max(T, 1), rows)
     dw = torch.empty(n_p, D, dtype=torch.float32, device=x.device)
     if T == 0:
