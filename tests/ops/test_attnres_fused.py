@@ -31,20 +31,23 @@ def _inputs(n: int, shape: tuple[int, ...], onorm: bool, seed: int):
     (16, (3, 33), False, True), (2, (1, 64), True, False),
 ])
 def test_fused_matches_reference(n, shape, onorm, save_pre, nan_empty) -> None:
+    """Against the reference in fp64 on the same inputs. The score gradients (query, gain) sum over tokens with
+    cancellation, so fp32 itself — the fp32 reference included — is only good to ~1e-5 there."""
     srcs, q, w, ow = _inputs(n, shape, onorm, n * 7 + len(shape))
     leaves = [q, w, *srcs] + ([ow] if onorm else [])
     y = attn_res_fused(q, srcs, w, 1e-5, ow, 0.7, save_pre)
-    do = torch.randn_like(y)
-    got = torch.autograd.grad(y, leaves, do)
-    want_y = attn_res_reference(q, srcs, w, 1e-5, ow, 0.7)
-    want = torch.autograd.grad(want_y, leaves, do)
-    assert y.shape == want_y.shape and y.dtype == want_y.dtype
-    assert rel(y, want_y) < 1e-5
-    for a, b in zip(got, want):
-        if n == 1 and b is want[0] or n == 1 and b is want[1]:  # one source: the scores get no gradient at all
+    dy = torch.randn(y.shape, generator=torch.Generator().manual_seed(n)).to(DEV)
+    got = torch.autograd.grad(y, leaves, dy)
+    ref = [t.detach().cpu().double().requires_grad_() for t in leaves]
+    want_y = attn_res_reference(ref[0], ref[2:2 + n], ref[1], 1e-5, ref[-1] if onorm else None, 0.7)
+    want = torch.autograd.grad(want_y, ref, dy.cpu().double())
+    assert y.shape == want_y.shape and y.dtype == torch.float32
+    assert rel(y, want_y) < 1e-6
+    for i, (a, b) in enumerate(zip(got, want)):
+        if n == 1 and i < 2:  # one source: the scores get no gradient at all
             assert torch.count_nonzero(a) == 0 and torch.count_nonzero(b) == 0
         else:
-            assert rel(a, b) < 1e-5
+            assert rel(a, b) < (1e-4 if i < 2 else 1e-5), i
 
 
 def test_peaked_weights_stay_accurate() -> None:
