@@ -5,19 +5,27 @@
     k3 eval       --run DIR [--batches N]
     k3 tokenize   FILES… --out shard.bin [--tokenizer SPEC]
 
-A user mistake (bad flag value, missing or corrupt run directory, empty data, …) prints ONE line
-``k3: error: <what is wrong>; <what to do>`` on stderr and exits with status 2, before anything on disk changes.
+A user mistake (bad flag value, missing or corrupt run directory, empty data, a model too large for the device, …)
+prints ONE line ``k3: error: <what is wrong>; <what to do>`` on stderr and exits with status 2, before anything on
+disk changes. Anything unexpected prints one line naming the exception and the file holding its full traceback,
+and exits with status 1.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+import tempfile
+import time
+import traceback
 from typing import Any, NoReturn, Sequence
 
 __all__ = ["main", "build_parser"]
 
 EXIT_USAGE = 2
+EXIT_FAILURE = 1
+MAX_INT = 2**31 - 1  # no count k3 takes means anything past int32 (k3.config.MAX_INT; not imported: startup speed)
 
 
 class _UsageError(Exception):
@@ -31,21 +39,25 @@ class _Parser(argparse.ArgumentParser):
         raise _UsageError(f"{self.prog}: {message} (see {self.prog} --help)")
 
 
-def _positive_int(s: str) -> int:
+def _int(s: str, what: str) -> int:
     try:
         v = int(s)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {s!r}") from None
+        raise argparse.ArgumentTypeError(f"expected {what}, got {s[:40]!r}") from None
+    if v > MAX_INT:
+        raise argparse.ArgumentTypeError(f"must be <= {MAX_INT:,}, got {s[:40]}")
+    return v
+
+
+def _positive_int(s: str) -> int:
+    v = _int(s, "a positive integer")
     if v <= 0:
         raise argparse.ArgumentTypeError(f"must be a positive integer, got {v}")
     return v
 
 
 def _nonneg_int(s: str) -> int:
-    try:
-        v = int(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {s!r}") from None
+    v = _int(s, "a non-negative integer")
     if v < 0:
         raise argparse.ArgumentTypeError(f"must be >= 0, got {v}")
     return v
@@ -59,6 +71,10 @@ def _positive_float(s: str) -> float:
     if not v > 0 or v == float("inf"):
         raise argparse.ArgumentTypeError(f"must be a positive number, got {s}")
     return v
+
+
+_FORCE_HELP = ("build the model even when k3's memory estimate says it cannot fit the device (the estimate is a "
+               "lower bound, so this rarely helps)")
 
 
 def _add_train(sub: Any) -> None:
@@ -102,6 +118,7 @@ def _add_train(sub: Any) -> None:
                    "whose ops are too small to split)")
     g.add_argument("--activation-checkpointing", action="store_true", help="recompute each layer in the backward "
                    "pass (less memory for long sequences / big models)")
+    g.add_argument("--force-memory", action="store_true", help=_FORCE_HELP)
     g = p.add_argument_group("run directory")
     g.add_argument("--out", metavar="DIR", help="run directory (default runs/<name>/; must be new or empty)")
     g.add_argument("--name", help="run name: the directory runs/NAME (default: the preset, made unique)")
@@ -138,6 +155,7 @@ def _add_generate(sub: Any) -> None:
     p.add_argument("--system", default=None, help="with --chat: a system message")
     p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default=None,
                    help="with --model: weight dtype (default: the checkpoint's)")
+    p.add_argument("--force-memory", action="store_true", help=_FORCE_HELP)
     p.set_defaults(func=_cmd_generate)
 
 
@@ -149,6 +167,7 @@ def _add_eval(sub: Any) -> None:
     p.add_argument("--batch-size", type=_positive_int, metavar="N", default=None, help="default: the run's")
     p.add_argument("--device", default="auto", help="auto (default), cpu, cuda, cuda:N")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--force-memory", action="store_true", help=_FORCE_HELP)
     p.set_defaults(func=_cmd_eval)
 
 
@@ -203,7 +222,7 @@ def _cmd_generate(ns: argparse.Namespace) -> int:
             raise ValueError("--chat, --system and --dtype apply to --model only; drop them with --run")
         from k3.ckpt.run import load_checkpoint
 
-        ck = load_checkpoint(ns.run, device=device)
+        ck = load_checkpoint(ns.run, device=device, force_memory=ns.force_memory)
         model, tok = ck["model"], ck["tokenizer"]
         prompt: Any = ns.prompt
     else:
@@ -226,7 +245,7 @@ def _load_released(ns: argparse.Namespace, device: Any) -> tuple[Any, Any, Any]:
         raise ValueError(f"--model needs k3's released-checkpoint support, not importable here ({e})") from None
     tok = k3_tokenizer.load_k3_tokenizer(ns.model)
     dtype = getattr(torch, ns.dtype) if ns.dtype else None
-    model = K3ForCausalLM.from_pretrained(ns.model, device=device, dtype=dtype)
+    model = K3ForCausalLM.from_pretrained(ns.model, device=device, dtype=dtype, force_memory=ns.force_memory)
     if not ns.chat:
         if ns.system is not None:
             raise ValueError("--system needs --chat")
@@ -243,7 +262,7 @@ def _cmd_eval(ns: argparse.Namespace) -> int:
     from k3.infer.evaluate import evaluate_run
 
     evaluate_run(ns.run, device=ns.device, batches=ns.batches, batch_size=ns.batch_size, stream=sys.stdout,
-                 as_json=ns.json)
+                 as_json=ns.json, force_memory=ns.force_memory)
     return 0
 
 
@@ -279,8 +298,29 @@ def _fail(message: str) -> int:
     return EXIT_USAGE
 
 
+def _crash(e: BaseException) -> int:
+    """One line for an exception nobody expected; the full traceback goes to a file the line names."""
+    try:
+        fd, path = tempfile.mkstemp(prefix=f"k3-error-{time.strftime('%Y%m%d-%H%M%S')}-", suffix=".txt")
+        with os.fdopen(fd, "w") as f:
+            f.write(f"k3 {' '.join(sys.argv[1:])}\n\n")
+            traceback.print_exception(e, file=f)
+        where = f"full traceback in {path}"
+    except OSError:
+        where = "no traceback file could be written"
+    _fail(f"unexpected {type(e).__name__}: {str(e)[:300]} ({where}; please report it)")
+    return EXIT_FAILURE
+
+
+def _is_oom(e: BaseException) -> bool:
+    if isinstance(e, MemoryError):
+        return True
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(e, getattr(torch, "OutOfMemoryError", ()))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the ``k3`` command line; returns the exit status (0 ok, 2 user error, 130 interrupted)."""
+    """Run the ``k3`` command line; returns the exit status (0 ok, 2 user error, 1 failure, 130 interrupted)."""
     parser = build_parser()
     try:
         ns = parser.parse_args(argv)
@@ -305,3 +345,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         sys.stderr.write("\nk3: interrupted; the newest complete checkpoint is intact (continue with "
                          "k3 train --resume DIR)\n")
         return 130
+    except Exception as e:  # noqa: BLE001 - the last resort: one line, the traceback in a file
+        if _is_oom(e):
+            _fail(f"out of memory ({type(e).__name__}) although k3's estimate said it would fit; lower "
+                  "--batch-size / --seq-len, or use a smaller model")
+            return EXIT_FAILURE
+        return _crash(e)

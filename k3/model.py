@@ -246,7 +246,7 @@ class K3ForCausalLM(nn.Module):
         B, T = self._check_inputs(input_ids, labels, state)
         hidden = self.model(input_ids, state)
         if state is not None:
-            state.position += T
+            state.advance(T)
         if labels is not None and hidden.is_cuda:
             targets = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)  # the last position has no next token
             loss = linear_cross_entropy(hidden, self.lm_head.weight, targets, IGNORE_INDEX)
@@ -297,6 +297,9 @@ class K3ForCausalLM(nn.Module):
             dev = first.recurrent.device if hasattr(first, "recurrent") else first.buf.device
             if dev != input_ids.device:
                 raise ValueError(f"state lives on {dev} but input_ids on {input_ids.device}")
+            cap = min((s.capacity for s in state.layers if hasattr(s, "capacity")), default=None)
+            if cap is not None and state.position + T > cap:
+                raise ValueError(f"state holds {state.position} tokens + {T} new exceed its MLA cache capacity {cap}")
         return B, T
 
     # --- decode state ---------------------------------------------------------------------------------------------

@@ -28,9 +28,10 @@ from __future__ import annotations
 
 import base64
 import binascii
-import json
 from pathlib import Path
 from typing import Any, Iterator, Sequence
+
+from k3.utils import confined, read_json
 
 __all__ = ["K3Tokenizer", "load_k3_tokenizer", "K3_PAT_STR", "SPECIAL_NAMES", "NUM_SPECIALS"]
 
@@ -78,7 +79,7 @@ def _read_ranks(path: Path) -> dict[bytes, int]:
                 raise ValueError
             ranks[base64.b64decode(parts[0], validate=True)] = int(parts[1])
         except (ValueError, binascii.Error):
-            raise ValueError(f"{path}:{lineno}: expected '<base64 token> <rank>', got {line[:80]!r}") from None
+            raise ValueError(f"{path}:{lineno}: expected '<base64 token> <rank>'") from None
     if not ranks:
         raise ValueError(f"{path} holds no BPE ranks")
     if sorted(ranks.values()) != list(range(len(ranks))):
@@ -95,10 +96,10 @@ def _special_names(folder: Path | None, n_base: int) -> dict[int, str]:
     names = {n_base + off: name for off, name in SPECIAL_NAMES.items()}
     cfg = folder / "tokenizer_config.json" if folder is not None else None
     if cfg is not None and cfg.is_file():
-        try:
-            decoder = json.loads(cfg.read_text()).get("added_tokens_decoder") or {}
-        except (OSError, json.JSONDecodeError) as e:
-            raise ValueError(f"{cfg} is not valid JSON: {e}") from None
+        raw = read_json(confined(cfg.parent, cfg.name, "tokenizer_config.json"), str(cfg))
+        decoder = (raw.get("added_tokens_decoder") if isinstance(raw, dict) else None) or {}
+        if not isinstance(decoder, dict) or not all(k.isdigit() for k in decoder):
+            raise ValueError(f"{cfg} added_tokens_decoder must map token ids to tokens")
         for k, v in decoder.items():
             i = int(k)
             content = v.get("content") if isinstance(v, dict) else v
@@ -253,5 +254,9 @@ def load_k3_tokenizer(path: str | Path) -> K3Tokenizer:
     model = p / "tiktoken.model" if p.is_dir() else p
     if not model.is_file():
         raise ValueError(f"no tiktoken.model at {p}: expected a K3 checkpoint folder or the tiktoken.model file")
+    if p.is_dir():  # a folder's tokenizer is the folder's own file, not a symlink out of it
+        model = confined(p, "tiktoken.model", "the tokenizer file")
+    if model.stat().st_size > 512 << 20:
+        raise ValueError(f"{model} is over 512 MiB: not a tiktoken BPE file (the release's is 2.5 MB)")
     ranks = _read_ranks(model)
     return K3Tokenizer(ranks, _special_names(model.parent, len(ranks)), name=model.name)

@@ -16,7 +16,7 @@ import shutil
 from pathlib import Path
 from typing import Any, Iterable
 
-from k3.utils import sha256_file
+from k3.utils import confined, sha256_file
 
 __all__ = [
     "Tokenizer",
@@ -30,6 +30,7 @@ __all__ = [
 ]
 
 TOKENIZER_SPEC = "tokenizer_spec.json"
+TOKENIZER_MAX_BYTES = 512 << 20  # real vocabularies: a few MB (tiktoken.model) to tens of MB (tokenizer.json)
 
 # A GPT-style pre-tokenisation regex (contractions, letter runs, digit runs of ≤ 3, punctuation, whitespace).
 # Used for tiktoken files that do not come with their own pattern.
@@ -104,18 +105,19 @@ def read_tiktoken_ranks(path: str | Path) -> dict[bytes, int]:
     try:
         text = path.read_text(encoding="ascii")
     except (OSError, UnicodeDecodeError) as e:
-        raise ValueError(f"tokenizer file {path} cannot be read as a tiktoken BPE file: {e}") from None
+        raise ValueError(f"tokenizer file {path} cannot be read as a tiktoken BPE file "
+                         f"({getattr(e, 'strerror', None) or type(e).__name__})") from None
     ranks: dict[bytes, int] = {}
     for n, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
         parts = line.split()
         if len(parts) != 2 or not parts[1].isdigit():
-            raise ValueError(f"tokenizer file {path} line {n}: expected '<base64> <rank>', got {line[:60]!r}")
+            raise ValueError(f"tokenizer file {path} line {n}: expected '<base64> <rank>'")
         try:
             tok = base64.b64decode(parts[0], validate=True)
         except ValueError:
-            raise ValueError(f"tokenizer file {path} line {n}: {parts[0][:40]!r} is not base64") from None
+            raise ValueError(f"tokenizer file {path} line {n}: the token is not base64") from None
         ranks[tok] = int(parts[1])
     if not ranks:
         raise ValueError(f"tokenizer file {path} holds no tokens")
@@ -268,11 +270,20 @@ def load_tokenizer(spec: str | Path | None) -> Tokenizer:
     if p.is_dir():
         for name, cls in (("tokenizer.json", HFTokenizer), ("tiktoken.model", TiktokenTokenizer)):
             if (p / name).is_file():
-                return cls(p / name)
+                return cls(_bounded(confined(p, name, f"tokenizer directory {p}: {name}")))
         raise ValueError(f"tokenizer directory {p} holds neither tokenizer.json nor tiktoken.model")
     if not p.is_file():
         raise ValueError(f"tokenizer {str(spec)!r} is neither 'byte' nor an existing file or directory")
+    _bounded(p)
     return HFTokenizer(p) if p.suffix == ".json" else TiktokenTokenizer(p)
+
+
+def _bounded(path: Path) -> Path:
+    size = path.stat().st_size
+    if size > TOKENIZER_MAX_BYTES:
+        raise ValueError(f"tokenizer file {path} is {size:,} bytes, over the {TOKENIZER_MAX_BYTES:,}-byte limit "
+                         "(real vocabularies take a few MB)")
+    return path
 
 
 def tokenizer_from_dict(d: dict[str, Any], root: str | Path | None = None) -> Tokenizer:
@@ -284,15 +295,20 @@ def tokenizer_from_dict(d: dict[str, Any], root: str | Path | None = None) -> To
         return ByteTokenizer()
     if kind not in ("tiktoken", "hf"):
         raise ValueError(f"tokenizer spec kind must be 'byte', 'tiktoken' or 'hf', got {kind!r}")
-    path = Path(d["path"])
-    if root is not None and not path.is_absolute():
-        path = Path(root) / path
+    if root is not None:  # a spec inside a checkpoint names a file of that checkpoint, nothing else
+        path = confined(root, d.get("path"), f"{TOKENIZER_SPEC} path")
+    else:
+        path = Path(str(d.get("path")))
     if not path.is_file():
         raise ValueError(f"tokenizer file {path} named by the tokenizer spec is missing")
+    _bounded(path)
+    specials = d.get("specials", {})
+    if not isinstance(specials, dict) or not all(isinstance(k, str) and isinstance(v, int) and not isinstance(v, bool)
+                                                 for k, v in specials.items()):
+        raise ValueError(f"{TOKENIZER_SPEC} specials must map token names to integer ids")
     if d.get("sha256") and sha256_file(path) != d["sha256"]:
         raise ValueError(f"tokenizer file {path} differs from the one the run trained with (sha256 mismatch)")
     if kind == "hf":
         return HFTokenizer(path, bos=d.get("bos"), eos=d.get("eos"), pad=d.get("pad"))
-    specials = {str(k): int(v) for k, v in d.get("specials", {}).items()}
     return TiktokenTokenizer(path, specials=specials, pattern=d.get("pattern", DEFAULT_BPE_PATTERN),
                              bos=d.get("bos"), eos=d.get("eos"), pad=d.get("pad"))

@@ -1,6 +1,7 @@
 """Every kind of bad input: exit code 2, ONE line on stderr saying what is wrong, and nothing on disk changed."""
 
 import json
+import os
 
 import pytest
 
@@ -131,3 +132,26 @@ def test_bench_bad_input(tmp_path, argv, needle):
     assert r.returncode == 2, r.stderr
     assert r.stderr.count("\n") == 1 and "Traceback" not in r.stderr and needle in r.stderr, repr(r.stderr)
     assert not any(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("exc,code,needles", [
+    (RuntimeError("boom"), 1, ["unexpected RuntimeError: boom", "full traceback in", "please report it"]),
+    (RecursionError("deep"), 1, ["unexpected RecursionError: deep", "full traceback in"]),
+    (MemoryError(), 1, ["out of memory", "--batch-size"]),
+])
+def test_unexpected_failure_is_one_line_with_the_traceback_in_a_file(tmp_path, monkeypatch, exc, code, needles):
+    import k3.infer.evaluate
+
+    def broken(*a, **kw):
+        raise exc
+
+    monkeypatch.setattr(k3.infer.evaluate, "evaluate_run", broken)
+    got, _, err = k3_runs.run_cli("eval", "--run", str(tmp_path))
+    assert got == code and err.startswith("k3: error: ") and err.count("\n") == 1, err
+    for n in needles:
+        assert n in err, (n, err)
+    if "full traceback in" in err:
+        path = err.split("full traceback in ")[1].split(";")[0]
+        text = open(path).read()
+        assert "Traceback" in text and type(exc).__name__ in text and "broken" in text
+        os.unlink(path)
