@@ -145,3 +145,15 @@ def test_registered_ops_pass_opcheck() -> None:
     for save_pre in (False, True):
         torch.library.opcheck(torch.ops.k3.attn_res_fwd.default, (flat, qw.requires_grad_(), ow, 1e-5, 1.0, save_pre),
                               test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
+
+
+def test_fla_signatures() -> None:
+    """fla 0.6.0's ``fla.ops.attnres`` signatures: names, order and defaults."""
+    import inspect
+
+    fla_fused = [("query", None), ("residuals", None), ("rms_weight", None), ("output_rms_weight", None),
+                 ("rms_eps", 1e-6), ("scale", 1.0), ("return_weights", False), ("checkpoint_level", 1)]
+    for fn, want in ((fused_attnres, fla_fused), (naive_attnres, fla_fused[:-1])):
+        got = [(p.name, None if p.default is inspect.Parameter.empty else p.default)
+               for p in inspect.signature(fn).parameters.values()]
+        assert got == want
