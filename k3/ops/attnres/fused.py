@@ -60,8 +60,8 @@ def _prune(configs: list[triton.Config], named_args: dict, **kwargs) -> list[tri
 
 
 def _fwd_configs() -> list[triton.Config]:
-    """Measured on sm_90 at D 7168 (compile-time register counts, no spills): (1 row, 8 warps) 128 registers, two
-    programs per SM; (1, 16, prefetch) ~105; (2, 32, prefetch) 64 — four tiles in flight per SM. The GPU picks."""
+    """sm_90 at D 7168 (ptxas register counts): (1 row, 8 warps) 126 registers, two programs per SM; (1, 16,
+    prefetch) 84–93; (2, 32, prefetch) 64 with 8–16 spilled bytes, four tiles in flight per SM. The GPU picks."""
     if _interpreting():  # the interpreter runs every config when autotuning: one is enough there
         return [triton.Config({"BT": 2, "PF": True}, num_warps=4)]
     return [triton.Config({"BT": bt, "PF": pf}, num_warps=w)
@@ -69,7 +69,8 @@ def _fwd_configs() -> list[triton.Config]:
 
 
 def _bwd_configs() -> list[triton.Config]:
-    """At D 7168: (1, 8) 177–255 registers, (1, 16) 128 (a few spilled with the output norm), (1, 32) ~64."""
+    """sm_90 at D 7168: (1, 8) 219 registers (255 and ~50 spilled bytes with the output norm), (1, 16) 127 (~120
+    spilled bytes with the output norm), (1, 32) 64 (70–180 spilled bytes)."""
     if _interpreting():
         return [triton.Config({"BT": 2}, num_warps=4)]
     return [triton.Config({"BT": bt}, num_warps=w) for bt, w in ((1, 8), (1, 16), (1, 32), (4, 4), (8, 4))]
@@ -106,10 +107,10 @@ def attn_res_fwd_kernel(
     i_t = tl.program_id(0)
     o_t = i_t.to(tl.int64) * BT + tl.arange(0, BT)
     m_t = o_t < T
-    o_d = tl.arange(0, BD)
+    o_d = tl.arange(0, BD)[None, :]  # row vectors as [1, BD]: the tiles' own layout, no conversions
     m_d = o_d < D
-    m_td = m_t[:, None] & m_d[None, :]
-    o_td = o_t[:, None] * D + o_d[None, :]
+    m_td = m_t[:, None] & m_d
+    o_td = o_t[:, None] * D + o_d
     b_qw = tl.load(qw + o_d, mask=m_d, other=0.0)
 
     # online softmax over the sources; rows past T load zeros and stay finite (p = 1 over zero vectors)
@@ -122,7 +123,7 @@ def attn_res_fwd_kernel(
         if PF:  # the next source's tile is requested before this one's reductions: two tiles in flight
             b_vn = tl.load(_pick(src, i + 1, NS) + o_td, mask=m_td & (i + 1 < NS), other=0.0,
                            eviction_policy="evict_first")
-        b_ss, b_vq = tl.reduce((b_v * b_v, b_v * b_qw[None, :]), 1, _add2)
+        b_ss, b_vq = tl.reduce((b_v * b_v, b_v * b_qw), 1, _add2)
         b_s = b_vq * tl.rsqrt(b_ss / D + eps) * scale
         tl.store(logit + i * T + o_t, b_s, mask=m_t)
         b_mn = tl.maximum(b_m, b_s)
@@ -141,7 +142,7 @@ def attn_res_fwd_kernel(
     if HAS_ONORM:
         b_ro = tl.rsqrt(tl.sum(b_o * b_o, 1) / D + eps)  # masked lanes hold zeros
         b_ow = tl.load(ow + o_d, mask=m_d, other=0.0).to(tl.float32)
-        b_o = b_o * b_ro[:, None] * b_ow[None, :]
+        b_o = b_o * b_ro[:, None] * b_ow
     tl.store(o + o_td, b_o.to(o.dtype.element_ty), mask=m_td)
 
 
@@ -157,17 +158,18 @@ def attn_res_bwd_kernel(
     # first from HBM and the others while they are still in L1/L2. Registers are the constraint (rows of up to 8192
     # lanes): qw and ow are re-read from the cache where used rather than held, so at most six row vectors are live.
     i_p = tl.program_id(0)
-    o_d = tl.arange(0, BD)
+    o_d = tl.arange(0, BD)[None, :]  # row vectors as [1, BD]: the tiles' own layout, no conversions
     m_d = o_d < D
     o_s = tl.arange(0, NSP)
-    b_dqw = tl.zeros([BD], tl.float32)
-    b_dow = tl.zeros([BD], tl.float32)
+    # per-row partial sums, reduced over the rows once at the end (no cross-row reduction per step)
+    b_dqw = tl.zeros([BT, BD], tl.float32)
+    b_dow = tl.zeros([BT, BD], tl.float32)
     # ROWS consecutive rows per program, BT at a time (rows past T load zeros and add nothing)
     for i_j in range(ROWS // BT):
         o_t = i_p.to(tl.int64) * ROWS + i_j * BT + tl.arange(0, BT)
         m_t = o_t < T
-        m_td = m_t[:, None] & m_d[None, :]
-        o_td = o_t[:, None] * D + o_d[None, :]
+        m_td = m_t[:, None] & m_d
+        o_td = o_t[:, None] * D + o_d
         b_lse = tl.load(lse + o_t, mask=m_t, other=0.0)
         b_g = tl.load(do + o_td, mask=m_td, other=0.0).to(tl.float32)
         if HAS_ONORM:  # through y = o · ro · ow: g = ro (ow ⊙ dy − x̂ mean(x̂ ⊙ ow ⊙ dy)), x̂ = o · ro
@@ -178,12 +180,12 @@ def attn_res_bwd_kernel(
                 for i in range(NS):
                     b_v = tl.load(_pick(src, i, NS) + o_td, mask=m_td, other=0.0).to(tl.float32)
                     b_qw = tl.load(qw + o_d, mask=m_d, other=0.0)
-                    b_ss, b_vq = tl.reduce((b_v * b_v, b_v * b_qw[None, :]), 1, _add2)
+                    b_ss, b_vq = tl.reduce((b_v * b_v, b_v * b_qw), 1, _add2)
                     b_op += tl.exp(b_vq * tl.rsqrt(b_ss / D + eps) * scale - b_lse)[:, None] * b_v
             b_ro = tl.rsqrt(tl.sum(b_op * b_op, 1) / D + eps)
             b_xh = b_op * b_ro[:, None]
-            b_dow += tl.sum(b_xh * b_g, 0)
-            b_g = b_g * tl.load(ow + o_d, mask=m_d, other=0.0).to(tl.float32)[None, :]
+            b_dow += b_xh * b_g
+            b_g = b_g * tl.load(ow + o_d, mask=m_d, other=0.0).to(tl.float32)
             b_g = (b_g - b_xh * (tl.sum(b_xh * b_g, 1) / D)[:, None]) * b_ro[:, None]
         if NS == 1:  # p ≡ 1: the score gets no gradient (exactly zero, not a rounding residue)
             tl.store(dsrc[0] + o_td, b_g.to(dsrc[0].dtype.element_ty), mask=m_td)
@@ -198,7 +200,7 @@ def attn_res_bwd_kernel(
             for i in range(NS):
                 b_v = tl.load(_pick(src, i, NS) + o_td, mask=m_td, other=0.0).to(tl.float32)
                 b_qw = tl.load(qw + o_d, mask=m_d, other=0.0)
-                b_ss, b_vq, b_vg = tl.reduce((b_v * b_v, b_v * b_qw[None, :], b_v * b_g), 1, _add3)
+                b_ss, b_vq, b_vg = tl.reduce((b_v * b_v, b_v * b_qw, b_v * b_g), 1, _add3)
                 b_r = tl.rsqrt(b_ss / D + eps)
                 m_i = (o_s == i)[None, :]
                 b_R = tl.where(m_i, b_r[:, None], b_R)
@@ -214,13 +216,13 @@ def attn_res_bwd_kernel(
                 b_p = tl.sum(tl.where(m_i, b_P, 0.0), 1)
                 b_dsr = tl.sum(tl.where(m_i, b_DS, 0.0), 1) * b_r
                 b_qw = tl.load(qw + o_d, mask=m_d, other=0.0)
-                b_dv = b_p[:, None] * b_g + b_dsr[:, None] * (b_qw[None, :] - b_v * (b_r * b_l / D)[:, None])
+                b_dv = b_p[:, None] * b_g + b_dsr[:, None] * (b_qw - b_v * (b_r * b_l / D)[:, None])
                 p_dv = _pick(dsrc, i, NS)
                 tl.store(p_dv + o_td, b_dv.to(p_dv.dtype.element_ty), mask=m_td)
-                b_dqw += tl.sum(b_dsr[:, None] * b_v, 0)
-    tl.store(dqw + i_p * D + o_d, b_dqw, mask=m_d)
+                b_dqw += b_dsr[:, None] * b_v
+    tl.store(dqw + i_p * D + o_d, tl.sum(b_dqw, 0)[None, :], mask=m_d)
     if HAS_ONORM:
-        tl.store(dow + i_p * D + o_d, b_dow, mask=m_d)
+        tl.store(dow + i_p * D + o_d, tl.sum(b_dow, 0)[None, :], mask=m_d)
 
 
 @functools.lru_cache(maxsize=8)

@@ -51,16 +51,16 @@ _BWD = _configs(((1, 8), (2, 4), (4, 8), (1, 16), (16, 4)))
 @triton.jit
 def rms_norm_fwd_kernel(x, w, y, rstd, T, eps, D: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr):
     o_t = tl.program_id(0).to(tl.int64) * BT + tl.arange(0, BT)
-    o_d = tl.arange(0, BD)
+    o_d = tl.arange(0, BD)[None, :]  # row vectors as [1, BD]: the tiles' own layout, no conversions
     m_t = o_t < T
     m_d = o_d < D
-    m_td = m_t[:, None] & m_d[None, :]
-    o_td = o_t[:, None] * D + o_d[None, :]
+    m_td = m_t[:, None] & m_d
+    o_td = o_t[:, None] * D + o_d
     b_x = tl.load(x + o_td, mask=m_td, other=0.0).to(tl.float32)
     b_r = tl.rsqrt(tl.sum(b_x * b_x, 1) / D + eps)
     b_w = tl.load(w + o_d, mask=m_d, other=0.0).to(tl.float32)
     tl.store(rstd + o_t, b_r, mask=m_t)
-    tl.store(y + o_td, (b_x * b_r[:, None] * b_w[None, :]).to(y.dtype.element_ty), mask=m_td)
+    tl.store(y + o_td, (b_x * b_r[:, None] * b_w).to(y.dtype.element_ty), mask=m_td)
 
 
 @triton.autotune(configs=_BWD, key=["BD"], prune_configs_by={"early_config_prune": _pruner(16)})
@@ -68,22 +68,22 @@ def rms_norm_fwd_kernel(x, w, y, rstd, T, eps, D: tl.constexpr, BT: tl.constexpr
 def rms_norm_bwd_kernel(x, w, rstd, dy, dx, dw, T, D: tl.constexpr, ROWS: tl.constexpr, BT: tl.constexpr,
                         BD: tl.constexpr):
     i_p = tl.program_id(0)
-    o_d = tl.arange(0, BD)
+    o_d = tl.arange(0, BD)[None, :]
     m_d = o_d < D
-    b_dw = tl.zeros([BD], tl.float32)
+    b_dw = tl.zeros([BT, BD], tl.float32)  # per-row partials, reduced over the rows once at the end
     for i_j in range(ROWS // BT):  # rows past T load zeros and add nothing
         o_t = i_p.to(tl.int64) * ROWS + i_j * BT + tl.arange(0, BT)
         m_t = o_t < T
-        m_td = m_t[:, None] & m_d[None, :]
-        o_td = o_t[:, None] * D + o_d[None, :]
+        m_td = m_t[:, None] & m_d
+        o_td = o_t[:, None] * D + o_d
         b_r = tl.load(rstd + o_t, mask=m_t, other=0.0)
         b_xh = tl.load(x + o_td, mask=m_td, other=0.0).to(tl.float32) * b_r[:, None]
         b_dy = tl.load(dy + o_td, mask=m_td, other=0.0).to(tl.float32)
-        b_gw = b_dy * tl.load(w + o_d, mask=m_d, other=0.0).to(tl.float32)[None, :]  # re-read: one register row less
+        b_gw = b_dy * tl.load(w + o_d, mask=m_d, other=0.0).to(tl.float32)  # re-read: one register row less
         b_dx = (b_gw - b_xh * (tl.sum(b_xh * b_gw, 1) / D)[:, None]) * b_r[:, None]
         tl.store(dx + o_td, b_dx.to(dx.dtype.element_ty), mask=m_td)
-        b_dw += tl.sum(b_xh * b_dy, 0)
-    tl.store(dw + i_p * D + o_d, b_dw, mask=m_d)
+        b_dw += b_xh * b_dy
+    tl.store(dw + i_p * D + o_d, tl.sum(b_dw, 0)[None, :], mask=m_d)
 
 
 @functools.lru_cache(maxsize=8)
