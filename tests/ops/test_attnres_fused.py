@@ -8,6 +8,7 @@ import torch.nn.functional as F
 
 from k3.ops import attn_res, fused_attnres, naive_attnres
 from k3.ops.attnres import attn_res_fused, attn_res_merge, attn_res_phase1, attn_res_reference
+from k3.ops.attnres.two_phase import attn_res_merge_fused
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -157,3 +158,16 @@ def test_fla_signatures() -> None:
         got = [(p.name, None if p.default is inspect.Parameter.empty else p.default)
                for p in inspect.signature(fn).parameters.values()]
         assert got == want
+
+
+@pytest.mark.parametrize("onorm", [False, True])
+def test_merge_kernel_matches_the_reference(onorm: bool, nan_empty) -> None:
+    """The Triton merge (forward kernel started from phase 1's state) equals the per-layer mix."""
+    torch.manual_seed(4)
+    closed = [torch.randn(3, 5, 40, device=DEV) * (i + 1) for i in range(3)]
+    q, g = torch.randn(40, device=DEV) * 0.5, torch.rand(40, device=DEV) + 0.5
+    p = torch.randn(3, 5, 40, device=DEV) * 2
+    ow = torch.rand(40, device=DEV) + 0.5 if onorm else None
+    o1, lse = attn_res_phase1((q * g)[None], closed, 1e-5)
+    got = attn_res_merge_fused(o1[0], lse[0], p, q * g, 1e-5, ow)
+    assert got.shape == p.shape and rel(got, attn_res_reference(q, [*closed, p], g, 1e-5, ow)) < 1e-6

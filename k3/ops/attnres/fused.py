@@ -96,13 +96,13 @@ def _pick(ptrs, i, NS: tl.constexpr):
     return p
 
 
-@triton.autotune(configs=_fwd_configs(), key=["NS", "BD", "HAS_ONORM", "SAVE_PRE"],
+@triton.autotune(configs=_fwd_configs(), key=["NS", "BD", "HAS_ONORM", "SAVE_PRE", "HAS_PRIOR"],
                  prune_configs_by={"early_config_prune": _prune})
 @triton.jit
 def attn_res_fwd_kernel(
-    src, qw, ow, o, o_pre, lse, logit, T, eps, scale,
+    src, qw, ow, o, o_pre, lse, logit, o1, lse1, T, eps, scale,
     D: tl.constexpr, NS: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
-    HAS_ONORM: tl.constexpr, SAVE_PRE: tl.constexpr, PF: tl.constexpr,
+    HAS_ONORM: tl.constexpr, SAVE_PRE: tl.constexpr, HAS_PRIOR: tl.constexpr, PF: tl.constexpr,
 ):
     i_t = tl.program_id(0)
     o_t = i_t.to(tl.int64) * BT + tl.arange(0, BT)
@@ -114,9 +114,14 @@ def attn_res_fwd_kernel(
     b_qw = tl.load(qw + o_d, mask=m_d, other=0.0)
 
     # online softmax over the sources; rows past T load zeros and stay finite (p = 1 over zero vectors)
-    b_m = tl.full([BT], float("-inf"), tl.float32)
-    b_z = tl.zeros([BT], tl.float32)
-    b_o = tl.zeros([BT, BD], tl.float32)
+    if HAS_PRIOR:  # two-phase merge: start from a mix o¹ (normalised) of earlier sources and its lse ℓ¹
+        b_m = tl.load(lse1 + o_t, mask=m_t, other=0.0)
+        b_z = tl.full([BT], 1.0, tl.float32)
+        b_o = tl.load(o1 + o_td, mask=m_td, other=0.0).to(tl.float32)
+    else:
+        b_m = tl.full([BT], float("-inf"), tl.float32)
+        b_z = tl.zeros([BT], tl.float32)
+        b_o = tl.zeros([BT, BD], tl.float32)
     b_vn = tl.load(src[0] + o_td, mask=m_td, other=0.0, eviction_policy="evict_first")
     for i in range(NS):
         b_v = b_vn.to(tl.float32)
@@ -234,10 +239,11 @@ def _num_programs_cap(device: torch.device) -> int:
 
 def attn_res_fwd(
     sources: Sequence[torch.Tensor], qw: torch.Tensor, out_norm_weight: torch.Tensor | None, eps: float,
-    scale: float, save_pre: bool,
+    scale: float, save_pre: bool, prior: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``sources``: N contiguous ``[T, D]`` tensors of one dtype; ``qw [D]`` fp32 → ``(y [T, D], o_pre [T, D] or
-    [0], lse [T] fp32, logits [N, T] fp32)``."""
+    [0], lse [T] fp32, logits [N, T] fp32)``. ``prior = (o¹ [T, D], ℓ¹ [T] fp32)``: continue the softmax of an
+    earlier normalised mix (two-phase inference; forward only)."""
     s0 = sources[0]
     T, D = s0.shape
     y = torch.empty_like(s0)
@@ -247,10 +253,11 @@ def attn_res_fwd(
     if T == 0:
         return y, o_pre, lse, logit
     ow = out_norm_weight if out_norm_weight is not None else qw
+    o1, lse1 = prior if prior is not None else (y, lse)  # placeholders when there is no prior (never read)
     attn_res_fwd_kernel[lambda meta: (triton.cdiv(T, meta["BT"]),)](
-        tuple(sources), qw, ow, y, o_pre, lse, logit, T, float(eps), float(scale),
+        tuple(sources), qw, ow, y, o_pre, lse, logit, o1, lse1, T, float(eps), float(scale),
         D=D, NS=len(sources), BD=triton.next_power_of_2(D),
-        HAS_ONORM=out_norm_weight is not None, SAVE_PRE=save_pre)
+        HAS_ONORM=out_norm_weight is not None, SAVE_PRE=save_pre, HAS_PRIOR=prior is not None)
     return y, o_pre, lse, logit
 
 

@@ -10,7 +10,9 @@ online-softmax merge of (o¹, ℓ¹) with p's own score s_p:
     m = max(ℓ¹, s_p),   h = (e^{ℓ¹−m} o¹ + e^{s_p−m} p) / (e^{ℓ¹−m} + e^{s_p−m})
 
 which is the per-layer mix exactly (up to rounding); the RMSNorm that follows is fused in as in ``attn_res``.
-Math in fp32 (fp64 for fp64 inputs); o¹ is stored in the sources' dtype.
+Math in fp32 (fp64 for fp64 inputs); o¹ is stored in the sources' dtype. On CUDA without autograd (inference) the
+merge is one launch of the fused forward kernel started from the state (m = ℓ¹, Σ = 1, o = o¹) — registered as
+``k3::attn_res_merge``; elsewhere it runs in PyTorch.
 """
 
 from __future__ import annotations
@@ -19,7 +21,9 @@ from typing import Sequence
 
 import torch
 
-__all__ = ["attn_res_phase1", "attn_res_merge"]
+from k3.ops.attnres.fused import MAX_D, attn_res_fwd
+
+__all__ = ["attn_res_phase1", "attn_res_merge", "attn_res_merge_fused", "attn_res_merge_reference"]
 
 _CHUNK_ELEMS = 1 << 26  # fp32 elements of one token chunk's stacked sources (256 MiB)
 
@@ -51,10 +55,44 @@ def attn_res_phase1(scores: torch.Tensor, sources: Sequence[torch.Tensor], eps: 
     return o1.view(Q, *shape), lse.view(Q, *shape[:-1])
 
 
+@torch.library.custom_op("k3::attn_res_merge", mutates_args=())
+def _merge_op(o1: torch.Tensor, lse1: torch.Tensor, partial: torch.Tensor, score: torch.Tensor, eps: float,
+              out_norm_weight: torch.Tensor | None, scale: float) -> torch.Tensor:
+    y, _, _, _ = attn_res_fwd([partial], score, out_norm_weight, eps, scale, False, (o1, lse1))
+    return y
+
+
+@_merge_op.register_fake
+def _(o1, lse1, partial, score, eps, out_norm_weight, scale):
+    return torch.empty_like(partial)
+
+
+def attn_res_merge_fused(o1: torch.Tensor, lse1: torch.Tensor, partial: torch.Tensor, score: torch.Tensor, eps: float,
+                         out_norm_weight: torch.Tensor | None = None, scale: float = 1.0) -> torch.Tensor:
+    """The Triton merge (forward only) on any device the kernel runs on (CPU needs ``TRITON_INTERPRET=1``)."""
+    D = partial.shape[-1]
+    y = _merge_op(o1.reshape(-1, D).to(partial.dtype).contiguous(), lse1.reshape(-1).float().contiguous(),
+                  partial.reshape(-1, D).contiguous(), score.float().contiguous(), float(eps), out_norm_weight,
+                  float(scale))
+    return y.view(partial.shape)
+
+
 def attn_res_merge(o1: torch.Tensor, lse1: torch.Tensor, partial: torch.Tensor, score: torch.Tensor, eps: float,
                    out_norm_weight: torch.Tensor | None = None, scale: float = 1.0) -> torch.Tensor:
     """Phase 2 for one query: ``o1 [..., D]``, ``lse1 [...]`` from phase 1, the partial sum ``partial [..., D]``,
     this query's ``score [D]`` (γ ⊙ w) → the mix (normed by ``out_norm_weight`` when given) in partial's dtype."""
+    grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad
+                                           for t in (o1, lse1, partial, score, out_norm_weight))
+    if (partial.is_cuda and not grad and partial.dtype in (torch.float32, torch.bfloat16, torch.float16)
+            and partial.shape[-1] <= MAX_D):
+        return attn_res_merge_fused(o1, lse1, partial, score, eps, out_norm_weight, scale)
+    return attn_res_merge_reference(o1, lse1, partial, score, eps, out_norm_weight, scale)
+
+
+def attn_res_merge_reference(o1: torch.Tensor, lse1: torch.Tensor, partial: torch.Tensor, score: torch.Tensor,
+                             eps: float, out_norm_weight: torch.Tensor | None = None, scale: float = 1.0
+                             ) -> torch.Tensor:
+    """``attn_res_merge`` in PyTorch (differentiable)."""
     acc = _acc(partial)
     p = partial.to(acc)
     s = (p * score.to(acc)).sum(-1) * torch.rsqrt(p.pow(2).mean(-1) + eps) * scale
