@@ -1,10 +1,10 @@
 """The Kimi K3 decoder (SPEC §1–§5) in plain PyTorch; module names mirror the released checkpoint.
 
 Data path: token ids → ``embed_tokens`` (= b_0) → for each decoder layer l:
-AttnRes mix → ``input_layernorm`` (fused into the mix) → KDA or Gated MLA → add to the open block's partial sum → (l % block_size == 0:
+AttnRes mix → ``input_layernorm`` → KDA or Gated MLA → add to the open block's partial sum → (l % block_size == 0:
 the previous partial sum closes into a block, before the add) → AttnRes mix → ``post_attention_layernorm`` → dense
 SiTU-GLU MLP (l < first_k_dense) or Latent MoE → add → … → output AttnRes mix → ``norm`` → ``lm_head``.
-See ``k3.layers.attnres`` for the exact order.
+See ``k3.layers.attnres`` for the exact order; each norm that follows a mix is fused into it.
 """
 
 from __future__ import annotations
@@ -133,9 +133,9 @@ class K3Model(nn.Module):
     def two_phase_mixer(self) -> TwoPhaseMixer:
         """Every mix of the model grouped by the closed blocks it sees (layer 0's attention pair is never read)."""
         S, L = self.config.attn_res_block_size, len(self.layers)
-        pairs = [(closed_blocks_seen(l, S, "attn"), m.self_attention_res_norm, m.self_attention_res_proj)
-                 for l, m in enumerate(self.layers) if l > 0]
-        pairs += [(closed_blocks_seen(l, S, "mlp"), m.mlp_res_norm, m.mlp_res_proj) for l, m in enumerate(self.layers)]
+        pairs = [(closed_blocks_seen(i, S, "attn"), m.self_attention_res_norm, m.self_attention_res_proj)
+                 for i, m in enumerate(self.layers) if i > 0]
+        pairs += [(closed_blocks_seen(i, S, "mlp"), m.mlp_res_norm, m.mlp_res_proj) for i, m in enumerate(self.layers)]
         pairs.append((closed_blocks_seen(L, S, "output"), self.output_attn_res_norm, self.output_attn_res_proj))
         return TwoPhaseMixer(pairs)
 

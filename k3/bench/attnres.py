@@ -206,12 +206,14 @@ def _markdown(res: dict) -> str:
     for r in res["attnres"]:
         L.append(f"| {r['name']} | {r['fwd_ms']:.3f} ms ({r['fwd_tbps']:.2f} TB/s) | {r['fwd_bwd_ms']:.3f} ms | "
                  f"{r['rel_err_vs_eager']:.1e} |")
-    L += ["", "## RMSNorm, bf16", "", "| d | tokens | implementation | forward | forward+backward |", "|---|---|---|---|---|"]
+    L += ["", "## RMSNorm, bf16", "", "| d | tokens | implementation | forward | forward+backward |",
+          "|---|---|---|---|---|"]
     for r in res["rmsnorm"]:
         L.append(f"| {r['d']} | {r['tokens']} | {r['name']} | {r['fwd_ms']:.3f} ms ({r['fwd_tbps']:.2f} TB/s) | "
                  f"{r['fwd_bwd_ms']:.3f} ms |")
     L += ["", "## Linear + cross-entropy, bf16, forward+backward", "",
-          "| tokens | d | vocab | implementation | time | peak extra memory | rel. err |", "|---|---|---|---|---|---|---|"]
+          "| tokens | d | vocab | implementation | time | peak extra memory | rel. err |",
+          "|---|---|---|---|---|---|---|"]
     for r in res["loss"]:
         L.append(f"| {r['tokens']} | {r['d']} | {r['vocab']} | {r['name']} | {r['fwd_bwd_ms']:.2f} ms | "
                  f"{r['peak_gib']:.2f} GiB | {r['rel_err_vs_eager']:.1e} |")
@@ -239,7 +241,10 @@ def main(argv: list[str] | None = None) -> int:
     torch.cuda.empty_cache()
     res["rmsnorm"] = [r for D in (1024, 7168) for r in bench_norm(args.tokens, D, notes)]
     torch.cuda.empty_cache()
-    res["loss"] = [] if args.skip_loss else bench_loss(32768, 1024, 32768, notes) + bench_loss(8192, 7168, 163840, notes)
+    if args.skip_loss:
+        res["loss"] = []
+    else:
+        res["loss"] = bench_loss(32768, 1024, 32768, notes) + bench_loss(8192, 7168, 163840, notes)
     res["notes"] = sorted(set(notes))
     res["seconds"] = time.time() - t0
     out = Path(args.out)

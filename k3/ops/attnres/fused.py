@@ -214,7 +214,8 @@ def attn_res_bwd_kernel(
                 b_G = tl.where(m_i, b_vg[:, None], b_G)
             b_DS = b_P * (b_G - tl.sum(b_P * b_G, 1)[:, None]) * scale
             for i in range(NS):
-                b_v = tl.load(_pick(src, i, NS) + o_td, mask=m_td, other=0.0, eviction_policy="evict_first").to(tl.float32)
+                p_v = _pick(src, i, NS) + o_td
+                b_v = tl.load(p_v, mask=m_td, other=0.0, eviction_policy="evict_first").to(tl.float32)
                 m_i = (o_s == i)[None, :]
                 b_r = tl.sum(tl.where(m_i, b_R, 0.0), 1)
                 b_l = tl.sum(tl.where(m_i, b_L, 0.0), 1)
@@ -228,6 +229,9 @@ def attn_res_bwd_kernel(
     tl.store(dqw + i_p * D + o_d, tl.sum(b_dqw, 0)[None, :], mask=m_d)
     if HAS_ONORM:
         tl.store(dow + i_p * D + o_d, tl.sum(b_dow, 0)[None, :], mask=m_d)
+
+
+_BWD_MAX_BT = max(c.kwargs["BT"] for c in _bwd_configs())
 
 
 @functools.lru_cache(maxsize=8)
@@ -273,7 +277,7 @@ def attn_res_bwd(
     has_onorm = out_norm_weight is not None
     # ROWS (a power of two ≥ every tuned BT) rows per program, enough that the programs number at most ``cap``:
     # the ∂qw / ∂ow partials are ``cap`` rows at most, and the grid does not depend on the tuned BT
-    rows = max(8, triton.next_power_of_2(triton.cdiv(max(T, 1), cap)))
+    rows = max(_BWD_MAX_BT, triton.next_power_of_2(triton.cdiv(max(T, 1), cap)))
     n_p = triton.cdiv(max(T, 1), rows)
     dqw = torch.empty(n_p, D, dtype=torch.float32, device=s0.device)
     dow = torch.empty(n_p if has_onorm else 0, D, dtype=torch.float32, device=s0.device)
@@ -283,5 +287,6 @@ def attn_res_bwd(
         attn_res_bwd_kernel[(n_p,)](
             tuple(sources), tuple(dsrc), qw, out_norm_weight if has_onorm else qw, o_pre if save_pre else do, do,
             lse, dqw, dow, T, float(eps), float(scale),
-            D=D, NS=len(sources), NSP=triton.next_power_of_2(len(sources)), ROWS=rows, BD=triton.next_power_of_2(D), HAS_ONORM=has_onorm, SAVE_PRE=save_pre)
+            D=D, NS=len(sources), NSP=triton.next_power_of_2(len(sources)), ROWS=rows, BD=triton.next_power_of_2(D),
+            HAS_ONORM=has_onorm, SAVE_PRE=save_pre)
     return dsrc, dqw.sum(0), (dow.sum(0) if has_onorm else dow.new_empty(0))

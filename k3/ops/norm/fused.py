@@ -45,6 +45,7 @@ def _configs(pairs: tuple[tuple[int, int], ...]) -> list[triton.Config]:
 # tiles per thread spill there: the backward keeps five row vectors live)
 _FWD = _configs(((1, 4), (2, 8), (4, 8), (1, 8), (1, 16), (16, 4)))
 _BWD = _configs(((1, 8), (2, 4), (4, 8), (1, 16), (16, 4)))
+_BWD_MAX_BT = max(c.kwargs["BT"] for c in _BWD)
 
 
 @triton.autotune(configs=_FWD, key=["BD"], prune_configs_by={"early_config_prune": _pruner(32)})
@@ -108,7 +109,7 @@ def rms_norm_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: 
     T, D = x.shape
     dx = torch.empty_like(x)
     # ROWS (a power of two ≥ every tuned BT): at most ``cap`` programs, a grid independent of the tuned BT
-    rows = max(16, triton.next_power_of_2(triton.cdiv(max(T, 1), _num_programs_cap(x.device))))
+    rows = max(_BWD_MAX_BT, triton.next_power_of_2(triton.cdiv(max(T, 1), _num_programs_cap(x.device))))
     n_p = triton.cdiv(max(T, 1), rows)
     dw = torch.empty(n_p, D, dtype=torch.float32, device=x.device)
     if T == 0:
