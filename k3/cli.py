@@ -3,6 +3,7 @@
     k3 train      [--preset tiny] [--data embedded|PATH|hf:NAME] [--steps N] … (see ``k3 train --help``)
     k3 generate   --run DIR | --model PATH  [--prompt TEXT] [--max-new-tokens N] [--temperature T] …
     k3 eval       --run DIR [--batches N]
+    k3 serve      --run DIR | --model PATH  [--host 127.0.0.1] [--port 8000] [--max-batch N] …
     k3 tokenize   FILES… --out shard.bin [--tokenizer SPEC]
 
 A user mistake (bad flag value, missing or corrupt run directory, empty data, a model too large for the device, …)
@@ -183,13 +184,40 @@ def _add_tokenize(sub: Any) -> None:
     p.set_defaults(func=_cmd_tokenize)
 
 
+def _add_serve(sub: Any) -> None:
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server with continuous batching",
+                       description="Serve a run (or a released checkpoint) over HTTP: /v1/models, /v1/completions, "
+                       "/v1/chat/completions (streaming with stream: true), /health. Binds to 127.0.0.1 unless --host "
+                       "says otherwise.")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--run", metavar="DIR", help="a run directory from `k3 train` (its newest checkpoint)")
+    src.add_argument("--model", metavar="PATH", help="a released K3 checkpoint folder (safetensors + tiktoken.model)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=_nonneg_int, metavar="N", default=8000, help="port (default 8000; 0: any free one)")
+    p.add_argument("--max-batch", type=_positive_int, metavar="N", default=8, help="sequences decoded together "
+                   "(default 8); more requests wait in a queue")
+    p.add_argument("--max-queue", type=_nonneg_int, metavar="N", default=64, help="requests that may wait for a "
+                   "slot (default 64); beyond it: HTTP 429")
+    p.add_argument("--max-seq-len", type=_positive_int, metavar="N", default=None, help="tokens per sequence, prompt "
+                   "+ output (default: the model's max_seq_len, lowered to fit half the free GPU memory)")
+    p.add_argument("--prefill-chunk", type=_positive_int, metavar="N", default=None, help="prompt tokens per prefill "
+                   "forward (default: from free memory)")
+    p.add_argument("--served-model-name", metavar="NAME", default=None, help="the model id clients pass (default: "
+                   "the run's or checkpoint's folder name)")
+    p.add_argument("--device", default="auto", help="auto (default), cpu, cuda, cuda:N")
+    p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default=None,
+                   help="with --model: weight dtype (default: the checkpoint's)")
+    p.add_argument("--force-memory", action="store_true", help=_FORCE_HELP)
+    p.set_defaults(func=_cmd_serve)
+
+
 def build_parser() -> argparse.ArgumentParser:
     import k3
 
     parser = _Parser(prog="k3", description="Kimi K3 in PyTorch: train, sample, evaluate.")
     parser.add_argument("--version", action="version", version=f"k3 {k3.__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
-    for add in (_add_train, _add_generate, _add_eval, _add_tokenize):
+    for add in (_add_train, _add_generate, _add_eval, _add_tokenize, _add_serve):
         add(sub)
     return parser
 
@@ -264,6 +292,19 @@ def _cmd_eval(ns: argparse.Namespace) -> int:
     evaluate_run(ns.run, device=ns.device, batches=ns.batches, batch_size=ns.batch_size, stream=sys.stdout,
                  as_json=ns.json, force_memory=ns.force_memory)
     return 0
+
+
+def _cmd_serve(ns: argparse.Namespace) -> int:
+    from k3.train.trainer import resolve_device
+
+    try:
+        from k3.serve.server import serve
+    except ImportError as e:  # the serve extra is not installed
+        raise ValueError(f"k3 serve needs FastAPI and uvicorn ({e}): pip install 'k3[serve]'") from None
+
+    return serve(ns.run, ns.model, host=ns.host, port=ns.port, max_batch=ns.max_batch, max_queue=ns.max_queue,
+                 max_seq_len=ns.max_seq_len, prefill_chunk=ns.prefill_chunk, name=ns.served_model_name,
+                 device=resolve_device(ns.device), dtype=ns.dtype, force_memory=ns.force_memory)
 
 
 def _cmd_tokenize(ns: argparse.Namespace) -> int:

@@ -8,7 +8,7 @@ import torch
 import k3_runs
 from k3.ckpt.run import load_checkpoint
 from k3.data.tokenizers import ByteTokenizer
-from k3.infer.generate import StreamDecoder, generate, generate_ids, sample_next
+from k3.infer.generate import StreamDecoder, generate, generate_ids
 
 
 def test_greedy_decode_matches_full_recompute(tiny_run):
@@ -56,21 +56,6 @@ def test_stream_decoder_holds_back_partial_utf8():
 
     dec = StreamDecoder(NoBytes())
     assert "".join(dec.feed(b) for b in "né🦊".encode()) + dec.flush() == "né🦊"
-
-
-def test_sampling_filters():
-    logits = torch.tensor([[0.0, 3.0, 2.9, -1.0]])
-    g = torch.Generator().manual_seed(0)
-    assert int(sample_next(logits, 0.0)) == 1
-    assert all(int(sample_next(logits, 1.0, top_k=1, generator=g)) == 1 for _ in range(20))
-    assert all(int(sample_next(logits, 1.0, top_p=0.01, generator=g)) == 1 for _ in range(20))
-    draws = {int(sample_next(logits, 1.0, top_k=2, generator=g)) for _ in range(200)}
-    assert draws == {1, 2}
-    draws = torch.stack([sample_next(logits, 1.0, generator=g) for _ in range(4000)]).flatten()
-    freq = torch.bincount(draws, minlength=4).float() / 4000  # the race trick samples from softmax(logits)
-    assert torch.allclose(freq, torch.softmax(logits[0], -1), atol=0.03)
-    with pytest.raises(ValueError, match="temperature"):
-        sample_next(logits, -1.0)
 
 
 def test_generate_bad_input(tiny_run):
