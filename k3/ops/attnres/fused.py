@@ -37,6 +37,8 @@ import torch
 import triton
 import triton.language as tl
 
+from k3.ops._device import on_device_of
+
 __all__ = ["attn_res_fwd", "attn_res_bwd", "MAX_D"]
 
 # Widest row kept in registers (BD lanes per row); wider rows take the reference path.
@@ -258,10 +260,11 @@ def attn_res_fwd(
         return y, o_pre, lse, logit
     ow = out_norm_weight if out_norm_weight is not None else qw
     o1, lse1 = prior if prior is not None else (y, lse)  # placeholders when there is no prior (never read)
-    attn_res_fwd_kernel[lambda meta: (triton.cdiv(T, meta["BT"]),)](
-        tuple(sources), qw, ow, y, o_pre, lse, logit, o1, lse1, T, float(eps), float(scale),
-        D=D, NS=len(sources), BD=triton.next_power_of_2(D),
-        HAS_ONORM=out_norm_weight is not None, SAVE_PRE=save_pre, HAS_PRIOR=prior is not None)
+    with on_device_of(s0):
+        attn_res_fwd_kernel[lambda meta: (triton.cdiv(T, meta["BT"]),)](
+            tuple(sources), qw, ow, y, o_pre, lse, logit, o1, lse1, T, float(eps), float(scale),
+            D=D, NS=len(sources), BD=triton.next_power_of_2(D),
+            HAS_ONORM=out_norm_weight is not None, SAVE_PRE=save_pre, HAS_PRIOR=prior is not None)
     return y, o_pre, lse, logit
 
 
@@ -284,9 +287,10 @@ def attn_res_bwd(
     if T == 0:
         dqw.zero_(), dow.zero_()
     else:
-        attn_res_bwd_kernel[(n_p,)](
-            tuple(sources), tuple(dsrc), qw, out_norm_weight if has_onorm else qw, o_pre if save_pre else do, do,
-            lse, dqw, dow, T, float(eps), float(scale),
-            D=D, NS=len(sources), NSP=triton.next_power_of_2(len(sources)), ROWS=rows, BD=triton.next_power_of_2(D),
-            HAS_ONORM=has_onorm, SAVE_PRE=save_pre)
+        with on_device_of(s0):
+            attn_res_bwd_kernel[(n_p,)](
+                tuple(sources), tuple(dsrc), qw, out_norm_weight if has_onorm else qw, o_pre if save_pre else do, do,
+                lse, dqw, dow, T, float(eps), float(scale),
+                D=D, NS=len(sources), NSP=triton.next_power_of_2(len(sources)), ROWS=rows,
+                BD=triton.next_power_of_2(D), HAS_ONORM=has_onorm, SAVE_PRE=save_pre)
     return dsrc, dqw.sum(0), (dow.sum(0) if has_onorm else dow.new_empty(0))

@@ -13,6 +13,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from k3.ops._device import on_device_of
+
 __all__ = ["cross_entropy_chunk_"]
 
 
@@ -48,5 +50,6 @@ def cross_entropy_chunk_(logits, targets, n_valid, loss, ignore_index: int, grad
     one-element device tensor, ``loss [C]`` fp32 (written)."""
     C, V = logits.shape
     BV = min(8192, triton.next_power_of_2(V))
-    ce_chunk_kernel[(C,)](logits, targets, n_valid, loss, ignore_index, V=V, BV=BV, HAS_GRAD=grad,
-                          num_warps=16 if BV >= 4096 else 4)
+    with on_device_of(logits):
+        ce_chunk_kernel[(C,)](logits, targets, n_valid, loss, ignore_index, V=V, BV=BV, HAS_GRAD=grad,
+                              num_warps=16 if BV >= 4096 else 4)

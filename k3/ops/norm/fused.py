@@ -16,6 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
+from k3.ops._device import on_device_of
+
 __all__ = ["rms_norm_fwd", "rms_norm_bwd", "MAX_D"]
 
 MAX_D = 16384
@@ -98,8 +100,9 @@ def rms_norm_fwd(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[tor
     y = torch.empty_like(x)
     rstd = torch.empty(T, dtype=torch.float32, device=x.device)
     if T > 0:
-        rms_norm_fwd_kernel[lambda meta: (triton.cdiv(T, meta["BT"]),)](
-            x, weight, y, rstd, T, float(eps), D=D, BD=triton.next_power_of_2(D))
+        with on_device_of(x):
+            rms_norm_fwd_kernel[lambda meta: (triton.cdiv(T, meta["BT"]),)](
+                x, weight, y, rstd, T, float(eps), D=D, BD=triton.next_power_of_2(D))
     return y, rstd
 
 
@@ -115,5 +118,6 @@ def rms_norm_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: 
     if T == 0:
         dw.zero_()
     else:
-        rms_norm_bwd_kernel[(n_p,)](x, weight, rstd, dy, dx, dw, T, D=D, ROWS=rows, BD=triton.next_power_of_2(D))
+        with on_device_of(x):
+            rms_norm_bwd_kernel[(n_p,)](x, weight, rstd, dy, dx, dw, T, D=D, ROWS=rows, BD=triton.next_power_of_2(D))
     return dx, dw.sum(0)
