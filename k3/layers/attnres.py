@@ -22,6 +22,7 @@ when those blocks change, then merges each layer's partial sum in (exact: ``k3.o
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
@@ -73,7 +74,12 @@ def new_res_pair(dim: int) -> AttnResPair:
 
 def attn_res_mix(norm: RMSNorm, proj: nn.Linear, sources: list[torch.Tensor], eps: float,
                  out_norm: RMSNorm | None = None) -> torch.Tensor:
-    """Σ_i softmax_i(⟨γ ⊙ w, RMS(v_i)⟩) v_i in fp32, then ``out_norm`` (fused), cast back to the sources' dtype."""
+    """Σ_i softmax_i(⟨γ ⊙ w, RMS(v_i)⟩) v_i in fp32, then ``out_norm`` (fused), cast back to the sources' dtype.
+
+    Under autocast the embedding (b_0) stays fp32 while sublayer outputs are bf16: the sources are brought to their
+    common (promoted) dtype first, since the op takes one dtype."""
+    dt = functools.reduce(torch.promote_types, (s.dtype for s in sources))
+    sources = [s if s.dtype == dt else s.to(dt) for s in sources]
     return attn_res(proj.weight[0], sources, norm.weight, eps, None if out_norm is None else out_norm.weight)
 
 

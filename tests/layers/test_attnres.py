@@ -167,3 +167,15 @@ def test_stream_never_aliases_block_and_partial() -> None:
     s.add(a)
     assert torch.equal(s.partial, 2 * a) and s.partial is not a
     assert len(s.sources()) == 2
+
+
+def test_mix_of_mixed_dtype_sources_promotes() -> None:
+    """Autocast leaves b_0 (the embedding) in fp32 and sublayer outputs in bf16: the layer's mix promotes."""
+    from k3.layers.attnres import attn_res_mix, new_res_pair
+    from k3.ops.attnres import attn_res_reference
+
+    norm, proj = new_res_pair(8)
+    a, b = torch.randn(2, 8), torch.randn(2, 8).to(torch.bfloat16)
+    out = attn_res_mix(norm, proj, [a, b], 1e-5)
+    assert out.dtype == torch.float32
+    assert torch.equal(out, attn_res_reference(proj.weight[0], [a, b.float()], norm.weight, 1e-5))
