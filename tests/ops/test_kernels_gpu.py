@@ -27,9 +27,9 @@ def _fp32_leaves(leaves: list[torch.Tensor]) -> list[torch.Tensor]:
 @pytest.mark.parametrize("n,T,D,onorm,save_pre,dtype", [
     (1, 333, 1024, False, False, torch.bfloat16), (1, 333, 1024, True, True, torch.bfloat16),
     (9, 333, 7168, False, False, torch.bfloat16), (9, 333, 7168, True, False, torch.bfloat16),
-    (9, 257, 7168, True, True, torch.bfloat16), (16, 101, 1000, True, False, torch.bfloat16),
-    (16, 101, 1000, False, True, torch.float16), (3, 77, 7168, True, False, torch.float32),
-])
+    (9, 257, 7168, False, True, torch.bfloat16), (16, 101, 1000, True, False, torch.bfloat16),
+    (16, 101, 1000, False, True, torch.float16), (3, 77, 1000, True, False, torch.float32),
+])  # the d-7168 cases share their compiled kernels with the benchmark (same sources count, flags and dtype)
 def test_attn_res_fused(n, T, D, onorm, save_pre, dtype, nan_empty) -> None:
     torch.manual_seed(n * T)
     srcs = [(torch.randn(T, D, device="cuda") * (i + 1)).to(dtype).requires_grad_() for i in range(n)]
