@@ -1,4 +1,4 @@
-"""The Kimi K3 decoder (SPEC §1–§5) in plain PyTorch; module names mirror the released checkpoint.
+"""The Kimi K3 decoder (docs/architecture.md) in plain PyTorch; module names mirror the released checkpoint.
 
 Data path: token ids → ``embed_tokens`` (= b_0) → for each decoder layer l:
 AttnRes mix → ``input_layernorm`` → KDA or Gated MLA → add to the open block's partial sum → (l % block_size == 0:
@@ -191,7 +191,8 @@ class K3ForCausalLM(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        self.reset_parameters()
+        if self.lm_head.weight.device.type != "meta":  # meta tensors hold no values (and their init is slow)
+            self.reset_parameters()
         self._cast(config.torch_dtype)
 
     # --- construction -------------------------------------------------------------------------------------------
@@ -377,16 +378,3 @@ class K3ForCausalLM(nn.Module):
             return float("nan")
         L = torch.stack(loads)
         return float((L.max(1).values / L.mean(1).clamp(min=1e-9)).max())
-
-    # --- released checkpoints (k3.ckpt.released) ------------------------------------------------------------------
-    @classmethod
-    def from_pretrained(cls, path: str, device: torch.device | str | None = None, dtype: torch.dtype | None = None,
-                        **kw: Any) -> "K3ForCausalLM":
-        from k3.ckpt.released import load_pretrained
-
-        return load_pretrained(path, device=device, dtype=dtype, **kw)
-
-    def save_pretrained(self, path: str, **kw: Any) -> None:
-        from k3.ckpt.released import save_pretrained
-
-        save_pretrained(self, path, **kw)

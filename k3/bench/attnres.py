@@ -25,15 +25,17 @@ from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
+import triton
 
 from k3.bench import BenchParser
+from k3.ops.attnres import attn_res_fused
+from k3.ops.loss import linear_cross_entropy
+from k3.ops.norm import rms_norm, rms_norm_reference
 
 IGNORE = -100
 
 
 def _bench(fn: Callable[[], Any]) -> float:
-    import triton
-
     return float(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median"))
 
 
@@ -68,8 +70,6 @@ def _lib(name: str, notes: list[str]) -> Any:
 
 
 def bench_attnres(T: int, D: int, N: int, notes: list[str]) -> list[dict]:
-    from k3.ops.attnres import attn_res_fused
-
     dev, bf = "cuda", torch.bfloat16
     srcs = [torch.randn(T, D, device=dev, dtype=bf, requires_grad=True) for _ in range(N)]
     w = (torch.randn(D, device=dev) / D ** 0.5).requires_grad_()
@@ -116,8 +116,6 @@ def bench_attnres(T: int, D: int, N: int, notes: list[str]) -> list[dict]:
 
 
 def bench_norm(T: int, D: int, notes: list[str]) -> list[dict]:
-    from k3.ops.norm import rms_norm, rms_norm_reference
-
     x = torch.randn(T, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     w = torch.rand(D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     dy = torch.randn_like(x)
@@ -147,8 +145,6 @@ def bench_norm(T: int, D: int, notes: list[str]) -> list[dict]:
 
 
 def bench_loss(N: int, d: int, V: int, notes: list[str]) -> list[dict]:
-    from k3.ops.loss import linear_cross_entropy
-
     h = torch.randn(N, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     W = (torch.randn(V, d, device="cuda") * 0.02).to(torch.bfloat16).requires_grad_()
     t = torch.randint(0, V, (N,), device="cuda")
@@ -186,8 +182,6 @@ def bench_loss(N: int, d: int, V: int, notes: list[str]) -> list[dict]:
 
 
 def _versions() -> dict[str, str]:
-    import triton
-
     v = {"torch": torch.__version__, "triton": triton.__version__, "python": platform.python_version()}
     for mod in ("fla", "liger_kernel"):
         try:

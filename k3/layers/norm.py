@@ -1,5 +1,5 @@
-"""RMSNorm with fp32 statistics: y = x / sqrt(mean(x²) + eps) · γ, computed in fp32, cast back to x.dtype (the fused
-Triton kernels of ``k3.ops.norm`` on CUDA)."""
+"""RMSNorm with fp32 statistics: y = x / sqrt(mean(x²) + eps) · γ, computed in fp32, cast back to x.dtype
+(docs/architecture.md#numerics); the fused Triton kernels of ``k3.ops.norm`` on CUDA."""
 
 from __future__ import annotations
 

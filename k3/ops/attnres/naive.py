@@ -1,4 +1,5 @@
-"""Block Attention Residuals mix, the plain fp32 reference (and fla's ``naive_attnres`` entry over it).
+"""Block Attention Residuals mix (docs/architecture.md#block-attention-residuals), the plain fp32 reference (and fla's
+``naive_attnres`` entry over it).
 
     mix(w, γ; v_1..v_N) = Σ_i softmax_i(c · ⟨γ ⊙ w, RMS(v_i)⟩) · v_i,    RMS(v) = v / sqrt(mean(v²) + eps)
 
