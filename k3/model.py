@@ -268,7 +268,8 @@ class K3ForCausalLM(nn.Module):
 
     # --- forward ------------------------------------------------------------------------------------------------
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
-                state: K3State | None = None, logits_to_keep: int = 0) -> K3Output:
+                state: K3State | None = None, logits_to_keep: int = 0, targets: torch.Tensor | None = None
+                ) -> K3Output:
         """``input_ids [B, T]`` integer → ``K3Output(logits [B, T, vocab], loss, state)``.
 
         ``labels [B, T]`` are aligned with ``input_ids`` (pass ``labels=input_ids`` for language modelling): the
@@ -278,20 +279,32 @@ class K3ForCausalLM(nn.Module):
         ``logits`` are then computed only if read. ``state`` (from ``init_state``) makes the call continue the
         sequences it holds and is updated in place: one call, several pieces, or one token at a time give the same
         logits. ``logits_to_keep`` > 0: logits of the last that many positions only (a prefill needs one row of the
-        vocabulary-wide projection, not T).
+        vocabulary-wide projection, not T). ``targets [B, T]`` instead of ``labels``: position t is scored on
+        ``targets[:, t]`` itself (already shifted, as a data loader's next tokens are; every position can be scored,
+        and a sequence cut into slices across ranks needs nothing from its neighbours).
         """
-        B, T = self._check_inputs(input_ids, labels, state)
+        if labels is not None and targets is not None:
+            raise ValueError("pass labels (shifted inside) or targets (already shifted), not both")
+        B, T = self._check_inputs(input_ids, labels if targets is None else targets, state,
+                                  "labels" if targets is None else "targets")
         if isinstance(logits_to_keep, bool) or not isinstance(logits_to_keep, int) or logits_to_keep < 0:
             raise ValueError(f"logits_to_keep must be a non-negative integer (0 = all), got {logits_to_keep!r}")
-        if labels is not None and logits_to_keep:
+        if (labels is not None or targets is not None) and logits_to_keep:
             raise ValueError("logits_to_keep applies without labels only (the loss needs every position)")
         hidden = self.model(input_ids, state)
-        if labels is not None and hidden.is_cuda:
-            targets = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)  # the last position has no next token
+        if (labels is not None or targets is not None) and hidden.is_cuda:
+            if targets is None:
+                targets = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)  # the last position has no next token
             loss = linear_cross_entropy(hidden, self.lm_head.weight, targets, IGNORE_INDEX)
             return K3Output(loss=loss, state=state, hidden=hidden, lm_head=self.lm_head)
         logits = self.lm_head(hidden[:, -logits_to_keep:] if logits_to_keep else hidden)
-        loss = self.loss(logits, labels) if labels is not None else None
+        loss = None
+        if labels is not None:
+            loss = self.loss(logits, labels)
+        elif targets is not None:
+            total = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1),
+                                    ignore_index=IGNORE_INDEX, reduction="sum")
+            loss = total / (targets != IGNORE_INDEX).sum().clamp(min=1)
         return K3Output(logits=logits, loss=loss, state=state)
 
     @staticmethod
@@ -303,7 +316,7 @@ class K3ForCausalLM(nn.Module):
                                 reduction="sum")
         return total / (targets != IGNORE_INDEX).sum().clamp(min=1)
 
-    def _check_inputs(self, input_ids: Any, labels: Any, state: Any) -> tuple[int, int]:
+    def _check_inputs(self, input_ids: Any, labels: Any, state: Any, name: str = "labels") -> tuple[int, int]:
         if not isinstance(input_ids, torch.Tensor):
             raise ValueError(f"input_ids must be a torch.Tensor [B, T] of token ids, got {type(input_ids).__name__}")
         if input_ids.dtype.is_floating_point or input_ids.dtype.is_complex or input_ids.dtype == torch.bool:
@@ -318,14 +331,14 @@ class K3ForCausalLM(nn.Module):
                 raise ValueError(f"input_ids must lie in [0, vocab_size={V}), got values in [{int(lo)}, {int(hi)}]")
         if labels is not None:
             if not isinstance(labels, torch.Tensor) or labels.shape != input_ids.shape:
-                raise ValueError(f"labels must be a tensor shaped like input_ids {tuple(input_ids.shape)}, got "
+                raise ValueError(f"{name} must be a tensor shaped like input_ids {tuple(input_ids.shape)}, got "
                                  f"{tuple(getattr(labels, 'shape', ())) or type(labels).__name__}")
             if labels.dtype.is_floating_point or labels.dtype.is_complex or labels.dtype == torch.bool:
-                raise ValueError(f"labels must be an integer tensor, got {labels.dtype}")
+                raise ValueError(f"{name} must be an integer tensor, got {labels.dtype}")
             if _can_sync(labels):
                 bad = ((labels < 0) | (labels >= V)) & (labels != IGNORE_INDEX)
                 if bool(bad.any()):
-                    raise ValueError(f"labels must lie in [0, vocab_size={V}) or be {IGNORE_INDEX} (ignored), got "
+                    raise ValueError(f"{name} must lie in [0, vocab_size={V}) or be {IGNORE_INDEX} (ignored), got "
                                      f"{labels[bad][0].item()}")
         if state is not None:
             if not isinstance(state, K3State) or len(state.layers) != len(self.model.layers):

@@ -27,7 +27,6 @@ from pathlib import Path
 from typing import Any, Iterator, TextIO
 
 import torch
-import torch.nn.functional as F
 
 from k3.ckpt.run import (
     MANIFEST,
@@ -328,15 +327,6 @@ def build_data(args: TrainArgs, tok: Tokenizer, config: K3Config) -> _Data:
     return _Data(WindowLoader(train, args.batch_size, args.seq_len, args.seed), val, None)
 
 
-def _loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Summed cross entropy (fp32) of ``logits [B, T, V]`` against aligned ``targets [B, T]`` (IGNORE skipped), and
-    the number of scored targets (int64 tensor; no host sync)."""
-    V = logits.shape[-1]
-    total = F.cross_entropy(logits.reshape(-1, V).float(), targets.reshape(-1), ignore_index=IGNORE,
-                            reduction="sum")
-    return total, (targets != IGNORE).sum()
-
-
 @torch.no_grad()
 def evaluate_model(model: torch.nn.Module, data: _Data, args: TrainArgs, device: torch.device,
                    d: Distributed | None = None) -> dict[str, float]:
@@ -357,13 +347,13 @@ def evaluate_model(model: torch.nn.Module, data: _Data, args: TrainArgs, device:
             if d is not None:
                 x, y = local_batch(x, d), local_batch(y, d)
             x, y = x.to(device), y.to(device)
-            logits = model(x).logits
-            total, n = _loss_sum(logits, y)
-            sums[0] += total
+            out = model(x, targets=y)
+            n = (y != IGNORE).sum()
+            sums[0] += out.loss * n
             sums[1] += n
             if data.task is not None:
                 mask = y != IGNORE
-                sums[2] += (logits.argmax(-1)[mask] == y[mask]).sum()
+                sums[2] += (out.logits.argmax(-1)[mask] == y[mask]).sum()
                 sums[3] += mask.sum()
     finally:
         model.train(was_training)
@@ -695,18 +685,20 @@ def _train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, data: _Data,
     for _ in range(args.grad_accum):
         x, y = (local_batch(t, d) for t in data.loader.next_batch())  # every rank draws the global batch
         x, y = x.to(d.device, non_blocking=True), y.to(d.device, non_blocking=True)
-        logits = model(x).logits
-        total, n = _loss_sum(logits, y)
+        out = model(x, targets=y)  # on CUDA the fused linear + cross entropy: no [tokens, vocab] logits
+        n = (y != IGNORE).sum()
+        total = out.loss * n  # this rank's summed cross entropy
+        if data.task is not None:  # before the backward: FSDP reshards the head's weight after it
+            mask = y != IGNORE
+            with torch.no_grad():
+                sums[2] += (out.logits.argmax(-1)[mask] == y[mask]).sum()
+            sums[3] += mask.sum()
         n_all = n.float()
         if ranks > 1:
             torch.distributed.all_reduce(n_all, group=d.group("dp_cp"))
         (total * (ranks / (n_all.clamp(min=1) * args.grad_accum))).backward()
         sums[0] += total.detach()
         sums[1] += n
-        if data.task is not None:
-            mask = y != IGNORE
-            sums[2] += (logits.detach().argmax(-1)[mask] == y[mask]).sum()
-            sums[3] += mask.sum()
     sync_replicated_grads(model)
     grad_norm = clip_grad_norm(model.parameters(), args.grad_clip)
     opt.step()
