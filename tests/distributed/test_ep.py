@@ -10,7 +10,8 @@ import pathlib
 import pytest
 import torch
 import torch.distributed as dist
-import torch.distributed.tensor  # noqa: F401  (imported once here, not after the fork in every rank: ~6 s each)
+import torch._dynamo  # noqa: F401  (DTensor imports it on first use: once here, not after the fork in every rank)
+import torch.distributed.tensor  # noqa: F401
 
 from k3.config import K3Config
 from k3.distributed.expert_parallel import (apply_expert_parallel, default_n_hot, plan_rows, recv_splits,
