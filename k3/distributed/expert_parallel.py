@@ -357,6 +357,9 @@ class ExpertParallelMoE:
         _shard_experts(moe.experts, E, M, rank, mesh)
         moe.expert_parallel = self
         moe.routed = self.routed  # LatentMoE.forward calls self.routed(z, idx, p, record)
+        # The expert-parallel work runs as the experts module's forward, so that whatever wraps that module (FSDP2
+        # unsharding its parameters, their gradient reduction) sees an ordinary call.
+        moe.experts.forward = self._experts_forward
 
     @property
     def tokens(self) -> str:
@@ -371,16 +374,22 @@ class ExpertParallelMoE:
     def routed(self, z: torch.Tensor, idx: torch.Tensor, p: torch.Tensor, record: bool = False) -> torch.Tensor:
         """``z [m, ℓ]``, ``idx/p [m, k]`` → ``RMSNorm(Σ_j p_j E_j(z)) [m, ℓ]``, the experts spread over the group."""
         moe = self.moe
-        experts = _ExpertTensors(moe.experts)
         if self.tokens == "replicated":
-            u = replicated_expert_sum(z, idx, p, experts, self.n_experts, self.group)
-            return moe.routed_expert_norm(u.to(z.dtype))
-        y, stats = ep_expert_rows(z, idx, experts, self.n_experts, self.group, self.n_hot)
-        self.last_stats = stats
+            return moe.routed_expert_norm(moe.experts(z, idx, p).to(z.dtype))
+        y = moe.experts(z, idx, p)
         if record:
-            moe.last_load = stats.load.detach()
+            moe.last_load = self.last_stats.load.detach()
         rows = torch.arange(idx.numel(), device=z.device).view(idx.shape)
         return combine_norm_rows(y, rows, p, moe.routed_expert_norm.weight, moe.eps)
+
+    def _experts_forward(self, z: torch.Tensor, idx: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+        """The experts module's forward under expert parallel: the rows ``[m·k, ℓ]`` in (token, slot) order
+        (sharded tokens) or Σ_j p_j E_j(z) ``[m, ℓ]`` fp32 (replicated tokens)."""
+        experts = _ExpertTensors(self.moe.experts)
+        if self.tokens == "replicated":
+            return replicated_expert_sum(z, idx, p, experts, self.n_experts, self.group)
+        y, self.last_stats = ep_expert_rows(z, idx, experts, self.n_experts, self.group, self.n_hot)
+        return y
 
     def check(self) -> None:
         """Raise if the last forward's plan was infeasible (rows were dropped)."""
