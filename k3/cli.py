@@ -51,6 +51,16 @@ def _nonneg_int(s: str) -> int:
     return v
 
 
+def _shard_degree(s: str) -> int:
+    try:
+        v = int(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer or -1, got {s!r}") from None
+    if v <= 0 and v != -1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer or -1 (fill the world), got {v}")
+    return v
+
+
 def _positive_float(s: str) -> float:
     try:
         v = float(s)
@@ -100,8 +110,18 @@ def _add_train(sub: Any) -> None:
     g.add_argument("--device", help="auto (default: cuda if available), cpu, cuda, cuda:N")
     g.add_argument("--threads", type=_nonneg_int, metavar="N", help="CPU threads (default 0 = auto: 1 for tiny-class models, "
                    "whose ops are too small to split)")
-    g.add_argument("--activation-checkpointing", action="store_true", help="recompute each layer in the backward "
-                   "pass (less memory for long sequences / big models)")
+    g.add_argument("--activation-checkpointing", nargs="?", const="full", choices=["none", "full", "selective"],
+                   metavar="POLICY", help="recompute activations in the backward pass: full (the flag alone: each "
+                   "whole layer), selective (all but matmul/attention outputs) or none (default)")
+    g.add_argument("--compile", choices=["auto", "on", "off"], help="torch.compile each decoder layer (default auto: "
+                   "on CUDA)")
+    g = p.add_argument_group("parallelism (under torchrun; see docs/training.md)")
+    g.add_argument("--dp-replicate", type=_positive_int, metavar="N", help="data-parallel replicas (HSDP; default 1)")
+    g.add_argument("--dp-shard", type=_shard_degree, metavar="N", help="ranks sharding parameters, gradients and "
+                   "optimizer state (FSDP2; default -1: what the other degrees leave of the world)")
+    g.add_argument("--cp", type=_positive_int, metavar="N", help="context-parallel ranks per sequence (default 1)")
+    g.add_argument("--ep", type=_positive_int, metavar="N", help="expert-parallel ranks, taken from --dp-shard × --cp "
+                   "(default 1)")
     g = p.add_argument_group("run directory")
     g.add_argument("--out", metavar="DIR", help="run directory (default runs/<name>/; must be new or empty)")
     g.add_argument("--name", help="run name: the directory runs/NAME (default: the preset, made unique)")

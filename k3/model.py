@@ -95,7 +95,7 @@ class K3Model(nn.Module):
         self.layers = nn.ModuleList(K3DecoderLayer(config, i) for i in range(config.num_layers))
         self.norm = RMSNorm(d, config.rms_norm_eps)
         self.output_attn_res_norm, self.output_attn_res_proj = new_res_pair(d)
-        self.gradient_checkpointing = False
+        self.gradient_checkpointing = "none"  # or "full" / "selective" (see K3ForCausalLM.gradient_checkpointing_enable)
 
     def forward(self, input_ids: torch.Tensor, state: K3State | None = None) -> torch.Tensor:
         """``input_ids [B, T]`` (validated by ``K3ForCausalLM``) → final-normed hidden states ``[B, T, d]``."""
@@ -103,8 +103,8 @@ class K3Model(nn.Module):
         partial = self.embed_tokens(input_ids)  # layer 0 closes it as b_0
         for i, layer in enumerate(self.layers):
             s = state.layers[i] if state is not None else None
-            if self.gradient_checkpointing and s is None and self.training and torch.is_grad_enabled():
-                blocks, partial = _checkpointed(layer, blocks, partial)
+            if self.gradient_checkpointing != "none" and s is None and self.training and torch.is_grad_enabled():
+                blocks, partial = _checkpointed(layer, blocks, partial, self.gradient_checkpointing == "selective")
             else:
                 blocks, partial = layer(blocks, partial, s)
         h = attn_res_mix(self.output_attn_res_norm, self.output_attn_res_proj, [*blocks, partial],
@@ -132,7 +132,27 @@ def _qb_recording(layer: nn.Module, enabled: bool) -> Iterator[None]:
         moe.qb_enabled = before
 
 
-def _checkpointed(layer: K3DecoderLayer, blocks: list[torch.Tensor], partial: torch.Tensor
+# Selective checkpointing keeps what is expensive to recompute (matmuls, attention, k3's own kernels) and recomputes
+# the cheap elementwise work (norms, gates, activations) around it.
+_SAVED_OPS = {getattr(torch.ops.aten, n).default for n in (
+    "mm", "addmm", "bmm", "_grouped_mm", "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention") if hasattr(torch.ops.aten, n)}
+
+
+def _selective_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    save = op in _SAVED_OPS or getattr(op, "namespace", None) == "k3"
+    return CheckpointPolicy.MUST_SAVE if save else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _selective_context() -> Any:
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+    return create_selective_checkpoint_contexts(_selective_policy)
+
+
+def _checkpointed(layer: K3DecoderLayer, blocks: list[torch.Tensor], partial: torch.Tensor, selective: bool = False
                   ) -> tuple[list[torch.Tensor], torch.Tensor]:
     """Run ``layer`` under activation checkpointing; only the first call (not the backward recompute) feeds QB."""
     calls = [0]
@@ -142,6 +162,8 @@ def _checkpointed(layer: K3DecoderLayer, blocks: list[torch.Tensor], partial: to
         with _qb_recording(layer, calls[0] == 1):
             return layer(blocks, partial, None)
 
+    if selective:
+        return checkpoint(run, blocks, partial, use_reentrant=False, context_fn=_selective_context)
     return checkpoint(run, blocks, partial, use_reentrant=False)
 
 
@@ -190,9 +212,15 @@ class K3ForCausalLM(nn.Module):
             if p.dtype != want:
                 p.data = p.data.to(want)
 
-    def gradient_checkpointing_enable(self, enabled: bool = True) -> None:
-        """Recompute each decoder layer in the backward pass (training forwards without a state)."""
-        self.model.gradient_checkpointing = bool(enabled)
+    def gradient_checkpointing_enable(self, policy: bool | str = True) -> None:
+        """Activation checkpointing of training forwards without a state, per decoder layer: ``"full"`` (or True)
+        recomputes the whole layer in the backward, ``"selective"`` keeps the matmul / attention / k3-kernel outputs
+        and recomputes the rest, ``"none"`` (or False) stores everything."""
+        if isinstance(policy, bool):
+            policy = "full" if policy else "none"
+        if policy not in ("none", "full", "selective"):
+            raise ValueError(f"policy must be 'none', 'full' or 'selective', got {policy!r}")
+        self.model.gradient_checkpointing = policy
 
     def set_kda_impl(self, impl: str) -> None:
         """"auto" (chunk / fused-recurrent ops) or "reference" (fp32 token loop) for every KDA layer."""

@@ -9,6 +9,9 @@ Layout of a run directory::
         config.json                  K3Config
         model.safetensors            weights + persistent buffers (the Quantile Balancing biases are buffers)
         trainer.pt                   optimizer, RNG states (torch/cuda/numpy/python), data position, step
+        (a run with a process group — any GPU run, torchrun on CPUs — writes instead, through
+        ``k3.distributed.checkpoint``: dcp/ = model + optimizer as torch.distributed.checkpoint shards, loadable
+        by any layout; trainer.pt without the optimizer; rng/rank-NNNNN.pt = each rank's RNG states)
         run.json                     the arguments the run was started with
         tokenizer_spec.json          which tokenizer (its file copied to tokenizer_files/ when it has one)
         checkpoint.json              manifest, written LAST: step, and size + sha256 of every other file
@@ -39,6 +42,8 @@ from k3.utils import atomic_write_text, atomic_write_with, sha256_file
 __all__ = [
     "CheckpointError",
     "save_checkpoint",
+    "stage_checkpoint",
+    "publish_checkpoint",
     "find_checkpoint",
     "verify_checkpoint",
     "load_checkpoint",
@@ -46,9 +51,11 @@ __all__ = [
     "rng_state",
     "set_rng_state",
     "MANIFEST",
+    "DCP_DIR",
 ]
 
 MANIFEST = "checkpoint.json"
+DCP_DIR = "dcp"  # a distributed run's model + optimizer, as torch.distributed.checkpoint wrote them
 FORMAT = "k3-run-checkpoint"
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 _HASH_LIMIT = 1 << 30  # files above 1 GiB are checked by size only (hashing them on every load costs seconds)
@@ -120,26 +127,42 @@ def save_checkpoint(run_dir: str | Path, step: int, model: torch.nn.Module, conf
         raise ValueError(f"keep must be >= 1, got {keep}")
     from safetensors.torch import save_model
 
+    tmp = stage_checkpoint(run_dir, step)
+    # save_model (not save_file) drops aliases of shared tensors (tied embeddings) and records them.
+    atomic_write_with(tmp / "model.safetensors", lambda p: save_model(model, p, metadata={"step": str(step)}))
+    atomic_write_with(tmp / "trainer.pt", lambda p: torch.save(trainer_state, p))
+    return publish_checkpoint(tmp, step, config, tokenizer, run_args, keep)
+
+
+def stage_checkpoint(run_dir: str | Path, step: int, unique: bool = True) -> Path:
+    """Create the hidden directory checkpoint ``step`` is written into (leftovers of killed saves removed first).
+
+    ``unique=False``: a name every rank of a distributed save can compute on its own (one writer job per run)."""
     root = Path(run_dir) / "checkpoints"
     root.mkdir(parents=True, exist_ok=True)
     for stale in root.glob(".tmp-step-*"):  # leftovers of a save that was killed: never a valid checkpoint
         shutil.rmtree(stale, ignore_errors=True)
-    final = root / f"step-{step:08d}"
-    tmp = root / f".tmp-step-{step:08d}-{os.getpid()}"
+    tmp = root / (f".tmp-step-{step:08d}-{os.getpid()}" if unique else f".tmp-step-{step:08d}")
     tmp.mkdir()
+    return tmp
 
+
+def publish_checkpoint(tmp: Path, step: int, config: Any, tokenizer: Any, run_args: dict[str, Any],
+                       keep: int) -> Path:
+    """Add the shared files and the manifest (last) to staged directory ``tmp``, rename it to ``step-…`` in one
+    atomic step, and prune all but the newest ``keep`` checkpoints. Returns the published directory."""
+    root = tmp.parent
     atomic_write_text(tmp / "config.json", _json(config.to_dict()))
     atomic_write_text(tmp / "run.json", _json(run_args))
     atomic_write_text(tmp / "tokenizer_spec.json", _json(tokenizer.save(tmp)))
-    # save_model (not save_file) drops aliases of shared tensors (tied embeddings) and records them.
-    atomic_write_with(tmp / "model.safetensors", lambda p: save_model(model, p, metadata={"step": str(step)}))
-    atomic_write_with(tmp / "trainer.pt", lambda p: torch.save(trainer_state, p))
     files = {str(f.relative_to(tmp)): _file_entry(f) for f in sorted(tmp.rglob("*")) if f.is_file()}
     manifest = {"format": FORMAT, "version": 1, "step": step, "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
                 "files": files}
     atomic_write_text(tmp / MANIFEST, _json(manifest))  # last: a directory without it is incomplete
-    _fsync_dir(tmp)
+    for d in sorted({f.parent for f in tmp.rglob("*") if f.is_file()}, key=lambda d: -len(d.parts)):
+        _fsync_dir(d)
 
+    final = root / f"step-{step:08d}"
     if final.exists():  # the same step saved again (e.g. the final save right after a periodic one)
         shutil.rmtree(final)
     os.replace(tmp, final)
@@ -241,17 +264,34 @@ def load_checkpoint(path: str | Path, device: str | torch.device = "cpu",
         model_factory = K3ForCausalLM
     with torch.device(device):
         model = model_factory(config)
-    try:
-        missing, unexpected = load_model(model, str(ckpt / "model.safetensors"), strict=False,
-                                         device=str(device))
-    except Exception as e:  # safetensors raises its own error types for malformed files
-        raise CheckpointError(f"checkpoint {ckpt}: model.safetensors cannot be loaded: {e}") from None
+    if (ckpt / DCP_DIR / ".metadata").is_file():  # written by a distributed run: any layout loads here
+        _load_dcp_weights(model, ckpt)
+        missing = unexpected = []
+    else:
+        try:
+            missing, unexpected = load_model(model, str(ckpt / "model.safetensors"), strict=False,
+                                             device=str(device))
+        except Exception as e:  # safetensors raises its own error types for malformed files
+            raise CheckpointError(f"checkpoint {ckpt}: model.safetensors cannot be loaded: {e}") from None
     if missing or unexpected:
         raise CheckpointError(f"checkpoint {ckpt}: weights do not match the model (missing {sorted(missing)[:3]}, "
                               f"unexpected {sorted(unexpected)[:3]}); was it written by another k3 version?")
     model.eval()
     return {"dir": ckpt, "step": int(manifest["step"]), "config": config, "model": model, "tokenizer": tokenizer,
             "run_args": _read_json(ckpt, "run.json"), "manifest": manifest}
+
+
+def _load_dcp_weights(model: torch.nn.Module, ckpt: Path) -> None:
+    """Read the model part of a ``torch.distributed.checkpoint`` directory into ``model`` in one process (DCP
+    reassembles every saved shard layout into the full tensors)."""
+    import torch.distributed.checkpoint as dcp
+
+    state = model.state_dict()
+    try:
+        dcp.load({"model": state}, checkpoint_id=str(ckpt / DCP_DIR), no_dist=True)
+    except Exception as e:  # DCP reports missing keys and unreadable shards with several exception types
+        raise CheckpointError(f"checkpoint {ckpt}: {DCP_DIR}/ cannot be loaded into this model "
+                              f"({type(e).__name__}: {str(e)[:200]})") from None
 
 
 def load_trainer_state(ckpt: str | Path) -> dict[str, Any]:

@@ -1,101 +1,141 @@
-"""Data parallel training over a ``torch.distributed`` group (``torchrun --nproc_per_node N k3 train …``).
+"""Where a training process sits in a run, and the data side of parallel training.
 
-The model stays a plain single-device module (so ``qb_step``, ``num_parameters`` and checkpointing see the same
-object on one process or many); after each step's backward, :func:`all_reduce_grads` averages the gradients over
-the group in a few flat buckets. Every rank draws the same global batch from an identically seeded loader and keeps
-its own rows (:func:`rank_rows`), so the loader state — and therefore a checkpoint written by rank 0 — is the same
-on every rank, and N ranks × B rows reproduce one process with N·B rows.
+``init_distributed`` joins (or, for one process on a GPU, creates) the process group and builds the run's
+``DeviceMesh`` from a validated ``ParallelDims``. Every rank draws the same global batch from an identically seeded
+loader and keeps its own part (:func:`local_batch`): its rows (``mesh["dp"]``) and, with context parallel, its
+contiguous slice of every sequence (``mesh["cp"]``). The loader state is therefore the same on every rank, and N
+ranks reproduce one process on the same global batch. Gradients are reduced by FSDP2 (``k3.distributed.parallelize``),
+overlapped with the backward.
 """
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any, Callable, TypeVar
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["DataParallel", "init_from_env", "all_reduce_grads", "rank_rows", "mean_over"]
+from k3.distributed.parallel_dims import ParallelDims, ParallelMesh
 
-_BUCKET_BYTES = 64 << 20
+__all__ = ["Distributed", "init_distributed", "world_size_from_env", "local_batch", "all_mean", "agree",
+           "destroy_distributed"]
+
+T = TypeVar("T")
 
 
-@dataclass(frozen=True)
-class DataParallel:
-    """Where this process sits: ``group`` is None for a single process."""
+@dataclass
+class Distributed:
+    """This process's place in the run. ``mesh`` is None for a single CPU process (no process group)."""
 
-    group: Any = None
+    dims: ParallelDims
+    device: torch.device
+    mesh: ParallelMesh | None = None
     rank: int = 0
-    world_size: int = 1
+    owns_group: bool = False  # the process group was created here (destroy it at the end)
+
+    @property
+    def world_size(self) -> int:
+        return self.dims.world_size
 
     @property
     def is_main(self) -> bool:
         return self.rank == 0
 
+    def local_rank(self, view: str) -> int:
+        return self.mesh.local_rank(view) if self.mesh is not None else 0
 
-def init_from_env(device: torch.device) -> tuple[DataParallel, torch.device]:
-    """Join the process group torchrun describes (``WORLD_SIZE`` > 1), NCCL on CUDA and gloo on CPU.
+    def group(self, view: str) -> Any:
+        return self.mesh.group(view) if self.mesh is not None else None
 
-    Returns the layout and this rank's device (``cuda:LOCAL_RANK`` when ``device`` is CUDA). A single process
-    (no ``WORLD_SIZE`` or 1) gets ``DataParallel()`` and ``device`` unchanged.
+
+def world_size_from_env() -> int:
+    """``WORLD_SIZE`` as torchrun sets it (1 outside torchrun)."""
+    raw = os.environ.get("WORLD_SIZE", "1")
+    try:
+        world = int(raw)
+    except ValueError:
+        raise ValueError(f"WORLD_SIZE must be an integer, got {raw!r}") from None
+    if world < 1:
+        raise ValueError(f"WORLD_SIZE must be >= 1, got {world}")
+    return world
+
+
+def init_distributed(device: torch.device, dims: ParallelDims) -> Distributed:
+    """Join the process group torchrun describes (NCCL on CUDA, gloo on CPU) and build the mesh.
+
+    One process on a GPU gets a world-size-1 NCCL group of its own, so it runs the same FSDP2 code path as N ranks.
+    One process on the CPU gets none (``mesh=None``): the plain fp32 module, no collective overhead.
     """
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world <= 1:
-        return DataParallel(), device
+    world = dims.world_size
+    if world == 1 and device.type == "cpu":
+        return Distributed(dims=dims, device=device)
     if device.type == "cuda":
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        index = int(os.environ.get("LOCAL_RANK", "0")) if world > 1 else (device.index or 0)
+        device = torch.device("cuda", index)
         torch.cuda.set_device(device)
+    owns = False
     if not dist.is_initialized():
         os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-    return DataParallel(dist.group.WORLD, dist.get_rank(), dist.get_world_size()), device
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        if world == 1:
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+        else:
+            dist.init_process_group(backend)
+        owns = True
+    if dist.get_world_size() != world:
+        raise ValueError(f"the process group has {dist.get_world_size()} ranks but WORLD_SIZE says {world}")
+    mesh = dims.build_mesh(device.type)
+    return Distributed(dims=dims, device=device, mesh=mesh, rank=dist.get_rank(), owns_group=owns)
 
 
-def _buckets(grads: list[torch.Tensor]) -> Iterable[list[torch.Tensor]]:
-    """Consecutive same-dtype gradients, at most ~64 MiB per bucket."""
-    bucket: list[torch.Tensor] = []
-    size = 0
-    for g in grads:
-        if bucket and (g.dtype != bucket[0].dtype or size + g.numel() * g.element_size() > _BUCKET_BYTES):
-            yield bucket
-            bucket, size = [], 0
-        bucket.append(g)
-        size += g.numel() * g.element_size()
-    if bucket:
-        yield bucket
+def destroy_distributed(d: Distributed) -> None:
+    if d.owns_group and dist.is_initialized():
+        dist.destroy_process_group()
 
 
-def all_reduce_grads(params: Iterable[torch.nn.Parameter], dp: DataParallel) -> None:
-    """Average ``.grad`` over the group, in place. Parameters without a gradient are skipped: which ones have none
-    is fixed by the model's structure (e.g. layer 0's unused AttnRes pair), so it is the same on every rank."""
-    if dp.group is None:
-        return
-    grads = [p.grad for p in params if p.grad is not None]
-    for bucket in _buckets(grads):
-        flat = torch.cat([g.reshape(-1) for g in bucket])
-        dist.all_reduce(flat, group=dp.group)
-        flat /= dp.world_size
-        offset = 0
-        for g in bucket:
-            g.copy_(flat[offset:offset + g.numel()].view_as(g))
-            offset += g.numel()
+def local_batch(t: torch.Tensor, d: Distributed) -> torch.Tensor:
+    """This rank's part of a global batch ``[B, T, …]``: rows ``dp_rank·B/dp …``, tokens ``cp_rank·T/cp …``."""
+    dp, cp = d.dims.dp, d.dims.cp
+    if dp > 1:
+        b = t.shape[0] // dp
+        i = d.local_rank("dp")
+        t = t[i * b:(i + 1) * b]
+    if cp > 1:
+        n = t.shape[1] // cp
+        j = d.local_rank("cp")
+        t = t[:, j * n:(j + 1) * n]
+    return t
 
 
-def rank_rows(x: torch.Tensor, dp: DataParallel) -> torch.Tensor:
-    """This rank's rows of a global batch ``[world·B, …]``."""
-    if dp.group is None:
+def all_mean(x: torch.Tensor, d: Distributed, view: str = "dp_cp") -> torch.Tensor:
+    """Mean of a per-rank tensor over ``mesh[view]`` (the ranks that see different tokens by default)."""
+    size = d.mesh[view].size() if d.mesh is not None else 1
+    if size == 1:
         return x
-    b = x.shape[0] // dp.world_size
-    return x[dp.rank * b:(dp.rank + 1) * b]
+    x = x.clone()
+    dist.all_reduce(x, group=d.group(view))
+    return x / size
 
 
-def mean_over(value: float, dp: DataParallel) -> float:
-    """The mean of a per-rank scalar over the group (for logging)."""
-    if dp.group is None:
-        return value
-    t = torch.tensor([float(value)], dtype=torch.float64)
-    if dist.get_backend(dp.group) == "nccl":
-        t = t.cuda()
-    dist.all_reduce(t, group=dp.group)
-    return float(t.item()) / dp.world_size
+def agree(fn: Callable[[], T], d: Distributed) -> T:
+    """Run ``fn`` on every rank; if it raises ``ValueError`` on any rank, raise it on every rank.
+
+    A setup error seen by one rank only (a file it cannot read) would otherwise leave the others waiting in the next
+    collective; this way each rank prints the same one-line error and exits 2."""
+    mine: ValueError | None = None
+    result: Any = None
+    try:
+        result = fn()
+    except ValueError as e:
+        mine = e
+    if d.mesh is not None and d.world_size > 1:
+        errors: list[Any] = [None] * d.world_size
+        dist.all_gather_object(errors, None if mine is None else (str(mine) or type(mine).__name__))
+        if mine is None and any(e is not None for e in errors):
+            r, e = next((r, e) for r, e in enumerate(errors) if e is not None)
+            raise ValueError(f"rank {r}: {e}")
+    if mine is not None:
+        raise mine
+    return result

@@ -13,15 +13,21 @@ import math
 from typing import Iterable
 
 import torch
+from torch.distributed.tensor import DTensor, distribute_tensor
 
-__all__ = ["Muon", "build_optimizer", "lr_factor", "newton_schulz", "SCHEDULES", "is_matrix"]
+__all__ = ["Muon", "build_optimizer", "lr_factor", "newton_schulz", "SCHEDULES", "is_matrix", "clip_grad_norm"]
 
 SCHEDULES = ("cosine", "wsd", "constant")
 _NS_COEFFS = (3.4445, -4.7750, 2.0315)  # quintic iteration that pushes singular values towards ~1 in 5 steps
+_NS_BATCH_ELEMENTS = 1 << 27  # matrices stacked per batched Newton–Schulz call (bounds its temporary memory)
 
 
-def newton_schulz(g: torch.Tensor, steps: int = 5, eps: float = 1e-7) -> torch.Tensor:
-    """Approximately orthogonalise the trailing 2 dims of ``g`` ``[..., m, n]`` (≈ U Vᵀ of its SVD), in fp32."""
+def newton_schulz(g: torch.Tensor, steps: int = 5, eps: float = 1e-7, dtype: torch.dtype = torch.float32
+                  ) -> torch.Tensor:
+    """Approximately orthogonalise the trailing 2 dims of ``g`` ``[..., m, n]`` (≈ U Vᵀ of its SVD).
+
+    The normalisation is fp32; the iteration runs in ``dtype`` (fp32, or bf16 on GPUs as in Muon's reference: the
+    iteration is self-correcting and bf16 matmuls run ~10× faster). Returns ``dtype``."""
     if g.dim() < 2:
         raise ValueError(f"g must have at least 2 dims, got shape {tuple(g.shape)}")
     a, b, c = _NS_COEFFS
@@ -29,7 +35,7 @@ def newton_schulz(g: torch.Tensor, steps: int = 5, eps: float = 1e-7) -> torch.T
     tall = x.shape[-2] > x.shape[-1]
     if tall:  # iterate on the smaller Gram matrix
         x = x.mT
-    x = x / (x.norm(dim=(-2, -1), keepdim=True) + eps)  # spectral norm <= Frobenius norm <= 1
+    x = (x / (x.norm(dim=(-2, -1), keepdim=True) + eps)).to(dtype)  # spectral norm <= Frobenius norm <= 1
     for _ in range(steps):
         A = x @ x.mT
         B = b * A + c * (A @ A)
@@ -46,12 +52,61 @@ def is_matrix(name: str, p: torch.Tensor) -> bool:
     return p.dim() == 3 and name.rsplit(".", 1)[-1] in ("w1", "w2", "w3")
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """The tensor this rank holds: an FSDP/EP shard's local part, or ``t`` itself."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _whole_matrices(t: torch.Tensor) -> bool:
+    """Whether each rank's shard of ``t`` consists of whole trailing-2-D matrices (stacked experts sharded along the
+    expert dim), so orthogonalising the shard is orthogonalising those matrices."""
+    return t.dim() == 3 and all(p.is_replicate() or (p.is_shard() and p.dim == 0) for p in t.placements)
+
+
+def _orthogonalise(looks: list[torch.Tensor], steps: int, dtype: torch.dtype) -> list[torch.Tensor]:
+    """``NS(look)`` per parameter, as this rank's local part (fp32).
+
+    A sharded 2-D matrix is gathered whole (``full_tensor``), orthogonalised, and this rank's shard taken back
+    (``distribute_tensor`` with no source rank slices locally): the same update as one process. Matrices of one
+    shape are stacked and orthogonalised in one batched call."""
+    mats: list[torch.Tensor] = []
+    gathered: list[bool] = []
+    for look in looks:
+        full = isinstance(look, DTensor) and not _whole_matrices(look)
+        m = look.full_tensor() if full else _local(look)
+        mats.append(m)
+        gathered.append(full)
+    out: list[torch.Tensor | None] = [None] * len(looks)
+    by_shape: dict[tuple[int, int], list[int]] = {}
+    for i, m in enumerate(mats):
+        by_shape.setdefault(tuple(m.shape[-2:]), []).append(i)
+    for shape, idx in by_shape.items():
+        per = max(1, _NS_BATCH_ELEMENTS // (shape[0] * shape[1]))
+        flat = [(i, mats[i].reshape(-1, *shape)) for i in idx]
+        stack = torch.cat([m for _, m in flat]) if len(flat) > 1 else flat[0][1]
+        ortho = torch.cat([newton_schulz(stack[j:j + per], steps, dtype=dtype).float()
+                           for j in range(0, stack.shape[0], per)]) if stack.shape[0] else stack.float()
+        offset = 0
+        for i, m in flat:
+            out[i] = ortho[offset:offset + m.shape[0]].view(mats[i].shape)
+            offset += m.shape[0]
+    for i, look in enumerate(looks):
+        if gathered[i]:
+            out[i] = distribute_tensor(out[i], look.device_mesh, look.placements, src_data_rank=None).to_local()
+    return out  # type: ignore[return-value]
+
+
 class Muon(torch.optim.Optimizer):
-    """Muon for groups with ``use_muon=True``; AdamW (decoupled weight decay) for the others."""
+    """Muon for groups with ``use_muon=True``; AdamW (decoupled weight decay) for the others.
+
+    Works on plain tensors and on FSDP2/EP DTensor shards alike: momentum and AdamW state live in each parameter's
+    layout, updates are ``torch._foreach_*`` over the local shards, and Newton–Schulz sees whole matrices.
+    ``ns_dtype``: the iteration's dtype (None: bf16 on CUDA, fp32 elsewhere).
+    """
 
     def __init__(self, params: Iterable[dict], lr: float = 1e-3, momentum: float = 0.95,
                  betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8, weight_decay: float = 0.0,
-                 ns_steps: int = 5) -> None:
+                 ns_steps: int = 5, ns_dtype: torch.dtype | None = None) -> None:
         if not lr > 0:
             raise ValueError(f"lr must be > 0, got {lr}")
         if not 0 <= momentum < 1:
@@ -59,6 +114,7 @@ class Muon(torch.optim.Optimizer):
         defaults = dict(lr=lr, momentum=momentum, betas=betas, eps=eps, weight_decay=weight_decay,
                         ns_steps=ns_steps, use_muon=False)
         super().__init__(params, defaults)
+        self.ns_dtype = ns_dtype
 
     @torch.no_grad()
     def step(self, closure=None):  # noqa: ANN001 - torch's signature
@@ -72,38 +128,87 @@ class Muon(torch.optim.Optimizer):
 
     def _muon(self, group: dict) -> None:
         lr, mu, wd = group["lr"], group["momentum"], group["weight_decay"]
-        for p in group["params"]:
-            if p.grad is None:
-                continue
-            state = self.state[p]
-            if "momentum_buffer" not in state:
-                state["momentum_buffer"] = torch.zeros_like(p, dtype=torch.float32)
-            buf = state["momentum_buffer"]
-            g = p.grad.float()
-            buf.mul_(mu).add_(g)
-            o = newton_schulz(g.add(buf, alpha=mu), group["ns_steps"])  # Nesterov look-ahead
-            scale = 0.2 * math.sqrt(max(p.shape[-2], p.shape[-1]))
-            p.mul_(1 - lr * wd)
-            p.add_(o.to(p.dtype), alpha=-lr * scale)
+        params = [p for p in group["params"] if p.grad is not None]
+        if not params:
+            return
+        for p in params:
+            if "momentum_buffer" not in self.state[p]:
+                self.state[p]["momentum_buffer"] = torch.zeros_like(p, dtype=torch.float32)
+        grads = [p.grad if p.grad.dtype == torch.float32 else p.grad.float() for p in params]
+        bufs = [_local(self.state[p]["momentum_buffer"]) for p in params]
+        torch._foreach_mul_(bufs, mu)
+        torch._foreach_add_(bufs, [_local(g) for g in grads])
+        looks = [g.add(self.state[p]["momentum_buffer"], alpha=mu) for p, g in zip(params, grads)]  # Nesterov
+        dtype = self.ns_dtype or (torch.bfloat16 if params[0].is_cuda else torch.float32)
+        updates = _orthogonalise(looks, group["ns_steps"], dtype)
+        # the update's RMS matched to AdamW's: 0.2·sqrt(max(rows, cols)) of the full matrix
+        torch._foreach_mul_(updates, [-lr * 0.2 * math.sqrt(max(p.shape[-2], p.shape[-1])) for p in params])
+        local = [_local(p) for p in params]
+        torch._foreach_mul_(local, 1 - lr * wd)
+        torch._foreach_add_(local, [u.to(x.dtype) for u, x in zip(updates, local)])
 
     def _adamw(self, group: dict) -> None:
         lr, (b1, b2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
+        by_step: dict[float, list[torch.Tensor]] = {}
         for p in group["params"]:
             if p.grad is None:
                 continue
             state = self.state[p]
             if "step" not in state:
-                state["step"] = torch.zeros((), dtype=torch.float32)
+                state["step"] = torch.zeros((), dtype=torch.float32)  # on the CPU: bias corrections need no sync
                 state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32)
                 state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32)
             state["step"] += 1
-            t = float(state["step"])
-            g = p.grad.float()
-            state["exp_avg"].lerp_(g, 1 - b1)
-            state["exp_avg_sq"].mul_(b2).addcmul_(g, g, value=1 - b2)
-            denom = (state["exp_avg_sq"] / (1 - b2**t)).sqrt_().add_(eps)
-            p.mul_(1 - lr * wd)
-            p.add_((state["exp_avg"] / (1 - b1**t) / denom).to(p.dtype), alpha=-lr)
+            by_step.setdefault(float(state["step"]), []).append(p)
+        for t, params in by_step.items():
+            P = [_local(p) for p in params]
+            G = [_local(p.grad).float() for p in params]
+            M = [_local(self.state[p]["exp_avg"]) for p in params]
+            V = [_local(self.state[p]["exp_avg_sq"]) for p in params]
+            torch._foreach_lerp_(M, G, 1 - b1)
+            torch._foreach_mul_(V, b2)
+            torch._foreach_addcmul_(V, G, G, value=1 - b2)
+            denom = torch._foreach_div(V, 1 - b2**t)
+            torch._foreach_sqrt_(denom)
+            torch._foreach_add_(denom, eps)
+            torch._foreach_mul_(P, 1 - lr * wd)
+            upd = torch._foreach_div(M, 1 - b1**t)
+            torch._foreach_div_(upd, denom)
+            torch._foreach_add_(P, [u.to(x.dtype) for u, x in zip(upd, P)], alpha=-lr)
+
+
+@torch.no_grad()
+def clip_grad_norm(params: Iterable[torch.Tensor], max_norm: float) -> torch.Tensor:
+    """Scale the gradients so their global L2 norm is at most ``max_norm``; returns the norm before clipping.
+
+    Plain gradients: ``torch.nn.utils.clip_grad_norm_``. DTensor gradients (FSDP2 / expert parallel, possibly on
+    different meshes): each rank sums the squares of its local shards, each divided by how many ranks hold a copy
+    of that shard, and one all-reduce over the world gives the exact global sum.
+    """
+    params = [p for p in params if p.grad is not None]
+    if not any(isinstance(p.grad, DTensor) for p in params):
+        return torch.nn.utils.clip_grad_norm_(params, max_norm)
+    import torch.distributed as dist
+
+    world = dist.get_world_size()
+    by_copies: dict[int, list[torch.Tensor]] = {}
+    for p in params:
+        g = p.grad
+        shards = 1
+        if isinstance(g, DTensor):
+            shards = math.prod(g.device_mesh.size(i) for i, pl in enumerate(g.placements) if pl.is_shard())
+        by_copies.setdefault(world // shards, []).append(_local(g))
+    local = [g for gs in by_copies.values() for g in gs]
+    dev = local[0].device
+    sq = torch.zeros((), dtype=torch.float32, device=dev)
+    for copies, gs in by_copies.items():
+        norms = torch._foreach_norm([g.float() for g in gs])
+        sq += torch.stack(norms).pow(2).sum() / copies
+    dist.all_reduce(sq)
+    total = sq.sqrt()
+    coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
+    torch._foreach_mul_(local, coef)
+    return total
 
 
 def _groups(model: torch.nn.Module, weight_decay: float, split_muon: bool) -> list[dict]:
@@ -127,7 +232,8 @@ def _groups(model: torch.nn.Module, weight_decay: float, split_muon: bool) -> li
 
 def build_optimizer(model: torch.nn.Module, name: str, lr: float, weight_decay: float = 0.1,
                     betas: tuple[float, float] = (0.9, 0.95)) -> torch.optim.Optimizer:
-    """``name``: ``"adamw"`` (torch's AdamW) or ``"muon"`` (our Muon + AdamW). Every group remembers its base lr."""
+    """``name``: ``"adamw"`` (torch's AdamW: fused on CUDA) or ``"muon"`` (our Muon + AdamW). Every group remembers
+    its base lr."""
     if name not in ("adamw", "muon"):
         raise ValueError(f"optimizer must be 'adamw' or 'muon', got {name!r}")
     if not (isinstance(lr, (int, float)) and math.isfinite(lr) and lr > 0):
@@ -138,7 +244,9 @@ def build_optimizer(model: torch.nn.Module, name: str, lr: float, weight_decay: 
     if name == "muon":
         opt: torch.optim.Optimizer = Muon(groups, lr=lr, betas=betas, weight_decay=weight_decay)
     else:
-        opt = torch.optim.AdamW(groups, lr=lr, betas=betas, weight_decay=weight_decay, foreach=False)
+        cuda = next(model.parameters()).is_cuda
+        opt = torch.optim.AdamW(groups, lr=lr, betas=betas, weight_decay=weight_decay, foreach=False,
+                                fused=True if cuda else None)
     for g in opt.param_groups:
         g["base_lr"] = lr
     return opt

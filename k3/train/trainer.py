@@ -4,6 +4,12 @@ One optimizer step = ``grad_accum`` micro-batches → clip the gradient norm →
 ``model.qb_step()`` (Quantile Balancing applies the histograms that the step's training forwards accumulated) →
 metrics. Everything a step depends on — weights and QB biases, optimizer state, RNG states, the data position —
 is in the checkpoint, so a resumed run computes the same losses as an uninterrupted one (bit-exact on a CPU).
+
+Parallel runs (``torchrun … -m k3 train --dp-shard/--dp-replicate/--ep/--cp``) and every GPU run go through
+``k3.distributed``: the degrees are validated on every rank before anything else, the single-device model is
+parallelized from outside (``parallelize_k3``: FSDP2 with bf16 compute and fp32 master weights, even on one GPU),
+each rank trains on its part of the same global batch, and checkpoints are ``torch.distributed.checkpoint``
+directories that any other layout resumes from.
 """
 
 from __future__ import annotations
@@ -37,19 +43,26 @@ from k3.config import K3Config
 from k3.data import EMBEDDED, IGNORE, RecallLoader, RecallTask, WindowLoader, load_tokenizer, text_streams
 from k3.data.loader import TokenStream, eval_windows
 from k3.data.tokenizers import Tokenizer
-from k3.distributed.data_parallel import DataParallel, all_reduce_grads, init_from_env, mean_over, rank_rows
-from k3.train.optim import SCHEDULES, build_optimizer, lr_factor
+from k3.distributed.checkpoint import (is_distributed_checkpoint, load_distributed_checkpoint,
+                                      save_distributed_checkpoint, shard_optimizer_state)
+from k3.distributed.data_parallel import (Distributed, agree, destroy_distributed, init_distributed, local_batch,
+                                          world_size_from_env)
+from k3.distributed.parallel_dims import ParallelDims
+from k3.distributed.parallelize import AC_POLICIES, parallelize_k3, sync_replicated_grads
+from k3.train.optim import SCHEDULES, build_optimizer, clip_grad_norm, lr_factor
 from k3.train.plot import plot_loss
 from k3.train.progress import Progress
 from k3.utils import atomic_write_text
 
 __all__ = ["TrainArgs", "TrainResult", "train", "prepare_args", "resolve_device", "cpu_threads", "default_lr",
-           "RESUMABLE", "RECALL_EVAL_SEED"]
+           "compute_dtype", "parallel_dims", "evaluate_model", "RESUMABLE", "RECALL_EVAL_SEED"]
 
 RECALL_EVAL_SEED = 20_250_707  # the recall task's evaluation stream: never the training stream, same for every run
 # Flags that may differ when resuming without changing what the continued steps compute.
-RESUMABLE = ("steps", "device", "threads", "activation_checkpointing", "log_every", "save_every", "keep",
-             "eval_every", "eval_batches", "sample_tokens", "prompt", "out", "name", "plot")
+RESUMABLE = ("steps", "device", "threads", "activation_checkpointing", "compile", "log_every", "save_every", "keep",
+             "eval_every", "eval_batches", "sample_tokens", "prompt", "out", "name", "plot",
+             "dp_replicate", "dp_shard", "cp", "ep")  # the layout may change: checkpoints reshard
+COMPILE = ("auto", "on", "off")
 
 
 @dataclass(kw_only=True)
@@ -65,7 +78,7 @@ class TrainArgs:
     max_tokens: int = 0  # 0: all of the text data (hf: datasets: 10M tokens)
     tokenizer: str = "byte"
     steps: int = 400
-    batch_size: int = 8
+    batch_size: int = 8  # the global batch: sequences per micro-batch over all data-parallel ranks
     seq_len: int = 64
     grad_accum: int = 1
     lr: float | None = None  # None: default_lr(config)
@@ -78,7 +91,13 @@ class TrainArgs:
     seed: int = 0
     device: str = "auto"
     threads: int = 0  # CPU intra-op threads; 0 = auto (1 for tiny-class models, see cpu_threads)
-    activation_checkpointing: bool = False  # recompute each layer in the backward: less memory, ~1.3x compute
+    activation_checkpointing: str = "none"  # "full": recompute each layer in the backward; "selective": all but
+    # the matmuls / attention / k3 kernels (see K3ForCausalLM.gradient_checkpointing_enable)
+    compile: str = "auto"  # torch.compile each decoder layer: "auto" (on CUDA), "on", "off"
+    dp_replicate: int = 1  # parallel degrees (torchrun): see k3.distributed.parallel_dims
+    dp_shard: int = -1
+    cp: int = 1
+    ep: int = 1
     out: str | None = None
     name: str | None = None
     log_every: int = 10
@@ -116,6 +135,13 @@ class TrainArgs:
             raise ValueError(f"--schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
         if self.optimizer not in ("adamw", "muon"):
             raise ValueError(f"--optimizer must be 'adamw' or 'muon', got {self.optimizer!r}")
+        if isinstance(self.activation_checkpointing, bool):  # run.json files that stored the on/off flag
+            self.activation_checkpointing = "full" if self.activation_checkpointing else "none"
+        if self.activation_checkpointing not in AC_POLICIES:
+            raise ValueError(f"--activation-checkpointing must be one of {', '.join(AC_POLICIES)}, got "
+                             f"{self.activation_checkpointing!r}")
+        if self.compile not in COMPILE:
+            raise ValueError(f"--compile must be one of {', '.join(COMPILE)}, got {self.compile!r}")
         if self.name is not None and (not self.name or "/" in self.name or self.name in (".", "..")):
             raise ValueError(f"--name must be a plain directory name, got {self.name!r}")
 
@@ -157,14 +183,11 @@ def resolve_device(device: str) -> torch.device:
     return dev
 
 
-def autocast_dtype(config: K3Config, device: torch.device) -> torch.dtype | None:
-    """Mixed precision: weights and optimizer stay fp32 (bf16 weights lose small updates); on CUDA the forward runs
-    under autocast in the config's dtype. On the CPU everything is fp32."""
+def compute_dtype(config: K3Config, device: torch.device) -> torch.dtype | None:
+    """The precision policy: fp32 master weights and optimizer state everywhere; on CUDA the forward and backward
+    run on ``config.dtype`` (bf16) copies that FSDP2 casts once per layer and step (``parallelize_k3``), no autocast.
+    On the CPU everything is fp32 (None)."""
     return config.torch_dtype if device.type == "cuda" and config.dtype != "float32" else None
-
-
-def _autocast(dtype: torch.dtype | None, device: torch.device) -> contextlib.AbstractContextManager:
-    return torch.autocast(device.type, dtype=dtype) if dtype is not None else contextlib.nullcontext()
 
 
 def _fp32_model(config: K3Config) -> torch.nn.Module:
@@ -243,36 +266,40 @@ class _Data:
     task: RecallTask | None  # recall task
 
 
-def build_data(args: TrainArgs, tok: Tokenizer, config: K3Config, world_size: int = 1) -> _Data:
+def build_data(args: TrainArgs, tok: Tokenizer, config: K3Config) -> _Data:
     """Loaders for ``args`` (raises ``ValueError`` for empty or too-small data, before anything is written).
 
-    With data parallel the loader draws the global batch (``batch_size × world_size`` rows) on every rank."""
+    Every rank draws the global batch (``batch_size`` rows) and keeps its part (``local_batch``)."""
     if args.seq_len > config.max_seq_len:
         raise ValueError(f"--seq-len {args.seq_len} exceeds the model's max_seq_len {config.max_seq_len}")
     if args.task == "recall":
         if args.data != EMBEDDED:
             raise ValueError("--task recall generates its own data; drop --data")
         task = RecallTask.for_seq_len(args.seq_len, config.vocab_size, tok.bos_id)
-        return _Data(RecallLoader(task, args.batch_size * world_size, args.seed), None, task)
+        return _Data(RecallLoader(task, args.batch_size, args.seed), None, task)
     train, val = text_streams(args.data, tok, args.seq_len, args.val_data, args.text_field, args.max_tokens or None)
-    return _Data(WindowLoader(train, args.batch_size * world_size, args.seq_len, args.seed), val, None)
+    return _Data(WindowLoader(train, args.batch_size, args.seq_len, args.seed), val, None)
 
 
-def _loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean cross entropy (fp32) of ``logits [B, T, V]`` against aligned ``targets [B, T]`` (IGNORE skipped)."""
+def _loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Summed cross entropy (fp32) of ``logits [B, T, V]`` against aligned ``targets [B, T]`` (IGNORE skipped), and
+    the number of scored targets (int64 tensor; no host sync)."""
     V = logits.shape[-1]
-    return F.cross_entropy(logits.reshape(-1, V).float(), targets.reshape(-1), ignore_index=IGNORE)
+    total = F.cross_entropy(logits.reshape(-1, V).float(), targets.reshape(-1), ignore_index=IGNORE,
+                            reduction="sum")
+    return total, (targets != IGNORE).sum()
 
 
 @torch.no_grad()
-def evaluate_model(model: torch.nn.Module, data: _Data, args: TrainArgs, device: torch.device) -> dict[str, float]:
+def evaluate_model(model: torch.nn.Module, data: _Data, args: TrainArgs, device: torch.device,
+                   d: Distributed | None = None) -> dict[str, float]:
     """Validation loss (text) or recall loss + accuracy (recall) over ``args.eval_batches`` fixed batches.
 
-    The model is put in eval mode (so Quantile Balancing is not fed) and restored afterwards.
-    """
+    The model is put in eval mode (so Quantile Balancing is not fed) and restored afterwards. In a parallel run
+    every rank scores its part of each batch and the sums are reduced over the data ranks."""
     was_training = model.training
     model.eval()
-    total, count, correct, scored = 0.0, 0, 0, 0
+    sums = torch.zeros(4, dtype=torch.float64, device=device)  # loss sum, targets, correct, scored
     try:
         if data.task is not None:
             batches = (data.task.batch(args.batch_size, RECALL_EVAL_SEED, i) for i in range(args.eval_batches))
@@ -280,19 +307,23 @@ def evaluate_model(model: torch.nn.Module, data: _Data, args: TrainArgs, device:
             assert data.val is not None
             batches = eval_windows(data.val, args.batch_size, args.seq_len, args.eval_batches)
         for x, y in batches:
+            if d is not None:
+                x, y = local_batch(x, d), local_batch(y, d)
             x, y = x.to(device), y.to(device)
-            with _autocast(autocast_dtype(model.config, device), device):
-                logits = model(x).logits
-            n = int((y != IGNORE).sum())
-            total += float(_loss(logits, y)) * n
-            count += n
+            logits = model(x).logits
+            total, n = _loss_sum(logits, y)
+            sums[0] += total
+            sums[1] += n
             if data.task is not None:
                 mask = y != IGNORE
-                correct += int((logits.argmax(-1)[mask] == y[mask]).sum())
-                scored += int(mask.sum())
+                sums[2] += (logits.argmax(-1)[mask] == y[mask]).sum()
+                sums[3] += mask.sum()
     finally:
         model.train(was_training)
-    out: dict[str, float] = {"val_loss": total / max(count, 1), "val_tokens": count}
+    if d is not None and d.mesh is not None and d.dims.dp_cp > 1:
+        torch.distributed.all_reduce(sums, group=d.group("dp_cp"))
+    loss_sum, count, correct, scored = sums.tolist()
+    out: dict[str, float] = {"val_loss": loss_sum / max(count, 1), "val_tokens": int(count)}
     out["val_ppl"] = math.exp(min(out["val_loss"], 50.0))
     if data.task is not None:
         out["val_accuracy"] = correct / max(scored, 1)
@@ -361,12 +392,23 @@ def _read_metrics(path: Path) -> list[dict[str, Any]]:
 def train(args: TrainArgs, resume_from: Path | None = None, stdout: TextIO | None = None) -> TrainResult:
     """Run (or continue) training as ``args`` says. Raises ``ValueError`` on bad input before touching the disk."""
     args.validate()
-    dp, device = init_from_env(resolve_device(args.device))  # torchrun: data parallel over WORLD_SIZE ranks
+    device = resolve_device(args.device)
+    d = init_distributed(device, parallel_dims(args))
     out = stdout if stdout is not None else sys.stdout
-    with contextlib.ExitStack() as stack:  # holds the thread setting, entered once the model size is known
-        if not dp.is_main:  # only rank 0 prints and writes; the others compute and all-reduce
-            out = stack.enter_context(open(os.devnull, "w"))
-        return _train(args, device, resume_from, out, stack, dp)
+    try:
+        with contextlib.ExitStack() as stack:  # holds the thread setting, entered once the model size is known
+            if not d.is_main:  # only rank 0 prints and writes; the others compute
+                out = stack.enter_context(open(os.devnull, "w"))
+            return _train(args, d, resume_from, out, stack)
+    finally:
+        destroy_distributed(d)
+
+
+def parallel_dims(args: TrainArgs) -> ParallelDims:
+    """The run's degrees against ``WORLD_SIZE``: validated on every rank before any collective, so a bad flag is
+    the same one-line error on every rank and nobody waits for anybody."""
+    return ParallelDims(dp_replicate=args.dp_replicate, dp_shard=args.dp_shard, cp=args.cp, ep=args.ep,
+                        world_size=world_size_from_env())
 
 
 @dataclass
@@ -380,68 +422,105 @@ class _Session:
     run_dir: Path
     start: int
     state: dict[str, Any] | None  # trainer.pt of the checkpoint resumed from
-    dp: DataParallel = field(default_factory=DataParallel)
+    ckpt: Path | None = None
 
 
-def _resume_session(args: TrainArgs, ckpt: Path, device: torch.device, dp: DataParallel) -> _Session:
+def _resume_session(args: TrainArgs, ckpt: Path, device: torch.device) -> _Session:
     state = load_trainer_state(ckpt)
-    loaded = load_checkpoint(ckpt, device=device, model_factory=_fp32_model)
+    if is_distributed_checkpoint(ckpt):  # the weights are loaded once the model is parallelized
+        loaded = load_checkpoint_config(ckpt)
+        with torch.device(device):
+            loaded["model"] = _fp32_model(loaded["config"])
+    else:
+        loaded = load_checkpoint(ckpt, device=device, model_factory=_fp32_model)
     start = int(state["step"])
     if args.steps <= start:
         raise ValueError(f"--steps {args.steps} must exceed the checkpoint's step {start} to continue; "
                          f"pass e.g. --steps {start + args.steps}")
-    data = build_data(args, loaded["tokenizer"], loaded["config"], dp.world_size)
+    data = build_data(args, loaded["tokenizer"], loaded["config"])
     data.loader.load_state_dict(state["data"])
-    return _Session(loaded["model"], loaded["config"], loaded["tokenizer"], data, Path(args.out), start, state, dp)
+    return _Session(loaded["model"], loaded["config"], loaded["tokenizer"], data, Path(args.out), start, state, ckpt)
 
 
-def _fresh_session(args: TrainArgs, device: torch.device, dp: DataParallel) -> _Session:
+def load_checkpoint_config(ckpt: Path) -> dict[str, Any]:
+    """Config and tokenizer of a verified checkpoint directory (without its weights)."""
+    from k3.data.tokenizers import tokenizer_from_dict
+
+    try:
+        config = K3Config.from_dict(json.loads((ckpt / "config.json").read_text()))
+        spec = json.loads((ckpt / "tokenizer_spec.json").read_text())
+    except (OSError, ValueError, TypeError) as e:
+        raise CheckpointError(f"checkpoint {ckpt}: config.json / tokenizer_spec.json unreadable ({e})") from None
+    return {"config": config, "tokenizer": tokenizer_from_dict(spec, root=ckpt)}
+
+
+def _fresh_session(args: TrainArgs, device: torch.device) -> _Session:
     tok = load_tokenizer(args.tokenizer)
     config = _model_config(args, tok)
-    data = build_data(args, tok, config, dp.world_size)
+    data = build_data(args, tok, config)
     run_dir = _new_run_dir(args)
     with torch.device(device):
         model = _fp32_model(config)  # same seed on every rank: identical initial weights
-    return _Session(model, config, tok, data, run_dir, 0, None, dp)
+    return _Session(model, config, tok, data, run_dir, 0, None)
 
 
-def _train(args: TrainArgs, device: torch.device, resume_from: Path | None, out: TextIO,
-           stack: contextlib.ExitStack, dp: DataParallel) -> TrainResult:
-    torch.manual_seed(args.seed)
-    s = (_resume_session(args, resume_from, device, dp) if resume_from is not None
-         else _fresh_session(args, device, dp))
-    stack.enter_context(cpu_threads(device, s.config.hidden_size, args.threads))
-    if args.activation_checkpointing:
-        s.model.gradient_checkpointing_enable()
+def _setup(args: TrainArgs, d: Distributed, resume_from: Path | None) -> tuple[_Session, torch.optim.Optimizer]:
+    """Session, parallelized model and optimizer (restored when resuming). Raises on every rank or on none."""
+    def session() -> _Session:
+        s = _resume_session(args, resume_from, d.device) if resume_from is not None else _fresh_session(args, d.device)
+        d.dims.check_run(n_experts=s.config.n_experts if s.config.num_layers > s.config.first_k_dense else None,
+                         seq_len=s.data.task.seq_len if s.data.task else args.seq_len, batch_size=args.batch_size)
+        return s
+
+    s = agree(session, d)
+    compile_ = args.compile == "on" or (args.compile == "auto" and d.device.type == "cuda")
+    parallelize_k3(s.model, d.dims, d.mesh, compile=compile_, activation_checkpointing=args.activation_checkpointing,
+                   mixed_precision=compute_dtype(s.config, d.device))
     s.model.train()
     opt = build_optimizer(s.model, args.optimizer, args.lr or default_lr(s.config), args.weight_decay)
     if s.state is not None:
-        opt.load_state_dict(s.state["optimizer"])
-        set_rng_state(s.state["rng"])
+        assert s.ckpt is not None
+        if is_distributed_checkpoint(s.ckpt):
+            load_distributed_checkpoint(s.ckpt, s.model, opt, d)
+        else:
+            opt.load_state_dict(s.state["optimizer"])
+            shard_optimizer_state(opt)  # a single-process checkpoint resumed by a sharded layout
+            set_rng_state(s.state["rng"])
+    return s, opt
+
+
+def _train(args: TrainArgs, d: Distributed, resume_from: Path | None, out: TextIO,
+           stack: contextlib.ExitStack) -> TrainResult:
+    torch.manual_seed(args.seed)
+    s, opt = _setup(args, d, resume_from)
+    stack.enter_context(cpu_threads(d.device, s.config.hidden_size, args.threads))
 
     # Nothing was written until here: every ValueError above leaves the disk as it was.
     run_args = {**args.to_dict(), "out": str(s.run_dir)}
-    metrics_path = s.run_dir / "metrics.jsonl" if dp.is_main else Path(os.devnull)
-    if dp.is_main:
+    metrics_path = s.run_dir / "metrics.jsonl" if d.is_main else Path(os.devnull)
+    if d.is_main:
         s.run_dir.mkdir(parents=True, exist_ok=True)
         atomic_write_text(s.run_dir / "run.json", json.dumps(run_args, indent=2) + "\n")
         atomic_write_text(s.run_dir / "config.json", s.config.to_json() + "\n")
         _rewind_metrics(metrics_path, s.start)
-    out.write(_headline(args, s.config, s.model, s.tok, s.run_dir, s.start, device, dp.world_size) + "\n")
+    out.write(_headline(args, s.config, s.model, s.tok, s.run_dir, s.start, d) + "\n")
     out.flush()
 
-    save = _saver(s.run_dir, s.model, s.config, s.tok, opt, s.data, run_args, args.keep, dp.is_main)
+    save = _saver(s.run_dir, s.model, s.config, s.tok, opt, s.data, run_args, args.keep, d)
     result = TrainResult(run_dir=s.run_dir, step=args.steps)
-    final = _loop(s, opt, args, device, metrics_path, save, out, result)
+    final = _loop(s, opt, args, d, metrics_path, save, out, result)
     save(args.steps)
     result.val_loss, result.val_accuracy = final["val_loss"], final.get("val_accuracy")
     acc = f", recall accuracy {final['val_accuracy']:.1%}" if "val_accuracy" in final else ""
     out.write(f"k3: validation loss {final['val_loss']:.4f} (perplexity {final['val_ppl']:.2f}){acc}\n")
-    if args.plot and dp.is_main:
+    if args.plot and d.is_main:
         _plot(s.run_dir, metrics_path)
-    if args.sample_tokens and args.task == "text" and dp.is_main:
-        result.sample = _sample(s.model, s.tok, args, device, out)
     run = shlex.quote(str(s.run_dir))
+    if args.sample_tokens and args.task == "text":
+        if d.world_size == 1:
+            result.sample = _sample(s.model, s.tok, args, d.device, out)
+        else:  # the decode loop is a one-process affair: sample from the checkpoint instead
+            out.write(f"k3: sample: k3 generate --run {run} (decoding runs in one process)\n")
     nxt = (f"k3 eval --run {run}" if args.task == "recall" else
            f"k3 generate --run {run} --prompt {shlex.quote(args.prompt.strip() or 'The')}")
     out.write(f"k3: checkpoint in {s.run_dir}/checkpoints/step-{args.steps:08d}/ — next: {nxt}\n")
@@ -449,24 +528,23 @@ def _train(args: TrainArgs, device: torch.device, resume_from: Path | None, out:
     return result
 
 
-def _loop(s: _Session, opt: torch.optim.Optimizer, args: TrainArgs, device: torch.device, metrics_path: Path,
+def _loop(s: _Session, opt: torch.optim.Optimizer, args: TrainArgs, d: Distributed, metrics_path: Path,
           save: Any, out: TextIO, result: TrainResult) -> dict[str, Any]:
     """Steps ``s.start+1 … args.steps``: one metrics line each (the last with the validation numbers)."""
     progress = Progress(args.steps, args.log_every, out, start=s.start)
-    tokens_per_step = (args.batch_size * args.grad_accum * s.dp.world_size
-                       * (s.data.task.seq_len if s.data.task else args.seq_len))
+    tokens_per_step = args.batch_size * args.grad_accum * (s.data.task.seq_len if s.data.task else args.seq_len)
     m: dict[str, Any] = {}
     try:
         with open(metrics_path, "a") as log:
             t_last = time.perf_counter()
             for step in range(s.start, args.steps):
-                m = _train_step(s.model, opt, s.data, args, step, device, s.dp)
+                m = _train_step(s.model, opt, s.data, args, step, d)
                 m["tok_per_s"] = tokens_per_step / max(time.perf_counter() - t_last, 1e-9)
                 m["tokens"] = tokens_per_step * (step + 1)
                 result.losses.append(m["loss"])
                 done = step + 1
                 if done == args.steps or (args.eval_every and done % args.eval_every == 0):
-                    m.update(evaluate_model(s.model, s.data, args, device))
+                    m.update(evaluate_model(s.model, s.data, args, d.device, d))
                 log.write(json.dumps(m) + "\n")
                 log.flush()
                 progress.update(done, m["loss"], m["tok_per_s"], m["lr"], m.get("load_imbalance"))
@@ -479,7 +557,7 @@ def _loop(s: _Session, opt: torch.optim.Optimizer, args: TrainArgs, device: torc
 
 
 def _headline(args: TrainArgs, config: K3Config, model: torch.nn.Module, tok: Tokenizer, run_dir: Path, start: int,
-              device: torch.device, world_size: int = 1) -> str:
+              d: Distributed) -> str:
     """``k3: training in runs/tiny/ — 4-layer tiny model, 0.40M params (0.27M active), …``"""
     verb = f"resuming from step {start}" if start else "training"
     name = "custom" if args.config else args.preset
@@ -487,54 +565,67 @@ def _headline(args: TrainArgs, config: K3Config, model: torch.nn.Module, tok: To
         data = "synthetic recall"
     else:
         data = "embedded corpus" if args.data == EMBEDDED else args.data
+    dtype = compute_dtype(config, d.device)
     return (f"k3: {verb} in {run_dir}/ — {config.num_layers}-layer {name} model, "
             f"{model.num_parameters() / 1e6:.2f}M params ({model.num_parameters(active=True) / 1e6:.2f}M active), "
-            f"{args.task} task, {data}, {tok.kind} tokenizer, {args.optimizer}, {device.type}"
-            + (f" × {world_size} ranks (data parallel)" if world_size > 1 else ""))
+            f"{args.task} task, {data}, {tok.kind} tokenizer, {args.optimizer}, {d.device.type}"
+            + (f" ({str(dtype).removeprefix('torch.')} compute, fp32 master)" if dtype is not None else "")
+            + (f" × {d.world_size} ranks ({d.dims.describe()})" if d.world_size > 1 else ""))
 
 
 def _train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, data: _Data, args: TrainArgs, step: int,
-                device: torch.device, dp: DataParallel = DataParallel()) -> dict[str, Any]:
-    """One optimizer step; returns its metrics (``step`` is 1-based in the log)."""
+                d: Distributed) -> dict[str, Any]:
+    """One optimizer step; returns its metrics (``step`` is 1-based in the log).
+
+    Each rank's loss is its summed cross entropy divided by the global batch's mean per-rank target count, so the
+    FSDP gradient average over the ranks is the gradient of the global batch's mean loss (exact with padding
+    targets too). Metrics stay on the device until one read at the end of the step."""
     factor = lr_factor(step, args.steps, args.warmup, args.schedule, args.min_lr_ratio)
     for g in opt.param_groups:
         g["lr"] = g["base_lr"] * factor
-    loss_sum, correct, scored = 0.0, 0, 0
+    ranks = d.dims.dp_cp
+    sums = torch.zeros(4, dtype=torch.float64, device=d.device)  # loss sum, targets, correct, scored
     for _ in range(args.grad_accum):
-        x, y = (rank_rows(t, dp) for t in data.loader.next_batch())  # every rank draws the global batch
-        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-        with _autocast(autocast_dtype(model.config, device), device):
-            logits = model(x).logits
-        loss = _loss(logits, y)
-        (loss / args.grad_accum).backward()
-        loss_sum += float(loss.detach())
+        x, y = (local_batch(t, d) for t in data.loader.next_batch())  # every rank draws the global batch
+        x, y = x.to(d.device, non_blocking=True), y.to(d.device, non_blocking=True)
+        logits = model(x).logits
+        total, n = _loss_sum(logits, y)
+        n_all = n.float()
+        if ranks > 1:
+            torch.distributed.all_reduce(n_all, group=d.group("dp_cp"))
+        (total * (ranks / (n_all.clamp(min=1) * args.grad_accum))).backward()
+        sums[0] += total.detach()
+        sums[1] += n
         if data.task is not None:
             mask = y != IGNORE
-            correct += int((logits.detach().argmax(-1)[mask] == y[mask]).sum())
-            scored += int(mask.sum())
-    all_reduce_grads(model.parameters(), dp)  # data parallel: the mean gradient of the global batch
-    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
+            sums[2] += (logits.detach().argmax(-1)[mask] == y[mask]).sum()
+            sums[3] += mask.sum()
+    sync_replicated_grads(model)
+    grad_norm = clip_grad_norm(model.parameters(), args.grad_clip)
     opt.step()
     opt.zero_grad(set_to_none=True)
-    model.qb_step(group=dp.group)  # once per optimizer step (pooled histograms): the bias used from the next step on
-    loss_sum = mean_over(loss_sum, dp)
-    m: dict[str, Any] = {"step": step + 1, "loss": loss_sum / args.grad_accum, "lr": opt.param_groups[0]["lr"],
+    model.qb_step(group=d.group("dp_cp"))  # once per optimizer step (pooled histograms): the bias from the next step on
+    if ranks > 1:
+        torch.distributed.all_reduce(sums, group=d.group("dp_cp"))
+    loss_sum, count, correct, scored = sums.tolist()
+    m: dict[str, Any] = {"step": step + 1, "loss": loss_sum / max(count, 1), "lr": opt.param_groups[0]["lr"],
                          "grad_norm": float(grad_norm), "load_imbalance": model.load_imbalance()}
     if data.task is not None:
-        m["accuracy"] = mean_over(correct, dp) / max(mean_over(scored, dp), 1e-9)
+        m["accuracy"] = correct / max(scored, 1e-9)
     if not math.isfinite(m["loss"]):
         raise FloatingPointError(f"loss became {m['loss']} at step {step + 1}; lower --lr or raise --warmup")
     return m
 
 
 def _saver(run_dir: Path, model: torch.nn.Module, config: K3Config, tok: Tokenizer, opt: torch.optim.Optimizer,
-           data: _Data, run_args: dict[str, Any], keep: int, is_main: bool = True):  # noqa: ANN202 - a closure
+           data: _Data, run_args: dict[str, Any], keep: int, d: Distributed):  # noqa: ANN202 - a closure
     def save(step: int) -> Path:
-        if not is_main:  # every rank holds the same weights, optimizer and loader state: rank 0 writes them
-            return run_dir
-        state = {"step": step, "optimizer": opt.state_dict(), "rng": rng_state(), "data": data.loader.state_dict(),
+        state = {"step": step, "rng": rng_state(), "data": data.loader.state_dict(),
                  "torch_version": str(torch.__version__)}
-        return save_checkpoint(run_dir, step, model, config, tok, state, run_args, keep=keep)
+        if d.mesh is not None:  # every rank writes its shards
+            return save_distributed_checkpoint(run_dir, step, model, opt, config, tok, state, run_args, keep, d)
+        return save_checkpoint(run_dir, step, model, config, tok, {**state, "optimizer": opt.state_dict()},
+                               run_args, keep=keep)
 
     return save
 

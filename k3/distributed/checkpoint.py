@@ -1,0 +1,122 @@
+"""Checkpoints of runs with a process group (any GPU run, torchrun on CPUs): ``torch.distributed.checkpoint``.
+
+Layout of ``checkpoints/step-NNNNNNNN/`` (published by ``k3.ckpt.run.publish_checkpoint``: staged in a hidden
+directory, manifest written last, one atomic rename — a rank killed mid-save leaves the previous step intact)::
+
+    dcp/                 model + optimizer state, each rank writing its own shards (``dcp.save``); any layout —
+                         other degrees, another world size, one process without a process group — reads them back
+                         (``dcp.load`` reshards), and ``k3.ckpt.run.load_checkpoint`` (``k3 generate --run``)
+                         reads the model part in one process
+    trainer.pt           step, data position, rank 0's RNG states (the loader state is the same on every rank)
+    rng/rank-NNNNN.pt    every rank's RNG states (a resumed rank takes its own, or rank 0's when the world grew)
+    config.json, run.json, tokenizer_spec.json, checkpoint.json (manifest)
+
+Model and optimizer state go through ``get_state_dict`` / ``set_state_dict`` (FQN-keyed, DTensor shards as they are
+on this rank), so FSDP2 shards, expert-parallel shards and plain tensors are all handled by PyTorch's own code.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from k3.ckpt.run import (DCP_DIR, CheckpointError, publish_checkpoint, rng_state, set_rng_state,
+                         stage_checkpoint)
+from k3.distributed.data_parallel import Distributed
+from k3.utils import atomic_write_with
+
+__all__ = ["is_distributed_checkpoint", "save_distributed_checkpoint", "load_distributed_checkpoint",
+           "shard_optimizer_state"]
+
+
+def is_distributed_checkpoint(ckpt: Path) -> bool:
+    return (Path(ckpt) / DCP_DIR / ".metadata").is_file()
+
+
+def _barrier(d: Distributed) -> None:
+    if d.mesh is not None and d.world_size > 1:
+        dist.barrier()
+
+
+def save_distributed_checkpoint(run_dir: Path, step: int, model: torch.nn.Module, opt: torch.optim.Optimizer,
+                                config: Any, tokenizer: Any, trainer_state: dict[str, Any],
+                                run_args: dict[str, Any], keep: int, d: Distributed) -> Path:
+    """Collective: every rank calls it. ``trainer_state`` (rank 0's) must not hold the optimizer."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    tmp = Path(run_dir) / "checkpoints" / f".tmp-step-{step:08d}"
+    if d.is_main:
+        tmp = stage_checkpoint(run_dir, step, unique=False)
+    _barrier(d)  # the staging directory exists (and stale ones are gone) before anyone writes
+    model_sd, optim_sd = get_state_dict(model, opt)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp / DCP_DIR))
+    (tmp / "rng").mkdir(exist_ok=True)
+    atomic_write_with(tmp / "rng" / f"rank-{d.rank:05d}.pt", lambda p: torch.save(rng_state(), p))
+    _barrier(d)  # every rank's files are complete before the manifest hashes them
+    final = Path(run_dir) / "checkpoints" / f"step-{step:08d}"
+    if d.is_main:
+        atomic_write_with(tmp / "trainer.pt", lambda p: torch.save(trainer_state, p))
+        final = publish_checkpoint(tmp, step, config, tokenizer, run_args, keep)
+    _barrier(d)  # nobody moves on (or exits) before the checkpoint is published
+    return final
+
+
+def _saved_keys(path: Path) -> set[str]:
+    from torch.distributed.checkpoint import FileSystemReader
+
+    return set(FileSystemReader(str(path)).read_metadata().state_dict_metadata)
+
+
+def _only_saved(state: dict[str, Any], saved: set[str], prefix: str) -> dict[str, Any]:
+    """The optimizer state entries the checkpoint holds. Parameters that never received a gradient (the first
+    layer's unused AttnRes pair) have no optimizer state in a run, but ``get_state_dict`` initialises one for every
+    parameter; those entries are dropped so the optimizer resumes exactly as it was."""
+    kept = {}
+    for fqn, entries in state["state"].items():
+        entries = {k: v for k, v in entries.items() if f"{prefix}.state.{fqn}.{k}" in saved}
+        if entries:
+            kept[fqn] = entries
+    return {**state, "state": kept}
+
+
+def load_distributed_checkpoint(ckpt: Path, model: torch.nn.Module, opt: torch.optim.Optimizer,
+                                d: Distributed) -> None:
+    """Load a ``dcp/`` checkpoint into this rank's (parallelized) model and optimizer, whatever layout wrote it;
+    restore this rank's RNG states. Collective when there is a process group."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+
+    path = Path(ckpt) / DCP_DIR
+    model_sd, optim_sd = get_state_dict(model, opt)
+    optim_sd = _only_saved(optim_sd, _saved_keys(path), "optim")
+    try:
+        dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(path), no_dist=d.mesh is None)
+    except Exception as e:  # DCP raises several types for missing keys and unreadable shards
+        raise CheckpointError(f"checkpoint {ckpt}: {DCP_DIR}/ does not match this model and optimizer "
+                              f"({type(e).__name__}: {str(e)[:300]})") from None
+    # not strict: parameters that never had a gradient keep no optimizer state (see _only_saved)
+    set_state_dict(model, opt, model_state_dict=model_sd, optim_state_dict=optim_sd,
+                   options=StateDictOptions(strict=False))
+    rng = Path(ckpt) / "rng" / f"rank-{d.rank:05d}.pt"
+    if not rng.is_file():
+        rng = Path(ckpt) / "rng" / "rank-00000.pt"
+    if rng.is_file():
+        set_rng_state(torch.load(rng, map_location="cpu", weights_only=True))
+
+
+@torch.no_grad()
+def shard_optimizer_state(opt: torch.optim.Optimizer) -> None:
+    """After ``opt.load_state_dict`` of a single-process checkpoint: turn the full state tensors of sharded
+    (DTensor) parameters into this rank's shards, laid out like the parameter (local slicing, no communication)."""
+    for p, state in opt.state.items():
+        if not isinstance(p, DTensor):
+            continue
+        for k, v in list(state.items()):
+            if isinstance(v, torch.Tensor) and not isinstance(v, DTensor) and tuple(v.shape) == tuple(p.shape):
+                state[k] = distribute_tensor(v.to(p.to_local().device), p.device_mesh, p.placements,
+                                             src_data_rank=None)

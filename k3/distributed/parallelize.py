@@ -1,0 +1,141 @@
+"""``parallelize_k3``: turn the single-device ``K3ForCausalLM`` into the distributed one, from outside.
+
+The order is torchtitan's: expert parallel (the MoE layers' experts split over ``mesh["ep"]``), context parallel
+(KDA ``cp_context`` and the MLA latent all-gather over ``mesh["cp"]``), activation checkpointing (a policy per
+decoder layer), ``torch.compile`` per decoder layer (regional: one graph per distinct layer), then FSDP2:
+``fully_shard`` per decoder layer and once at the root, over ``mesh["fsdp"]`` (HSDP when dp_replicate > 1), with
+``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``: the optimizer sees fp32 master weights and fp32
+gradients, the forward and backward run on bf16 copies that FSDP casts once per layer and step — no per-op casts.
+
+The same function runs for one process on a GPU (a world-size-1 process group: FSDP's unshard is then a cast, its
+reduce-scatter a copy) and for N ranks, so one GPU and many share one precision policy and one code path. A single
+CPU process (``mesh is None``) keeps the plain fp32 module: no process group, nothing to shard.
+
+Parameters that K3 keeps in fp32 (``k3.model.keeps_fp32``: KDA's ``A_log``, ``dt_bias``, short-conv kernels and
+``o_norm``) are left out of FSDP (``ignored_params``): a bf16 copy would round the gate constants. They are tiny and
+replicated; :func:`sync_replicated_grads` averages their gradients over the data ranks once per optimizer step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from k3.distributed.parallel_dims import ParallelDims, ParallelMesh
+
+__all__ = ["AC_POLICIES", "ParallelModel", "parallelize_k3", "sync_replicated_grads", "replicated_params"]
+
+AC_POLICIES = ("none", "full", "selective")
+
+
+@dataclass
+class ParallelModel:
+    """What ``parallelize_k3`` did to a model (kept on the model as ``model.parallel``)."""
+
+    dims: ParallelDims
+    mesh: ParallelMesh | None
+    param_dtype: torch.dtype | None
+    replicated: list[nn.Parameter] = field(default_factory=list)  # outside FSDP: grads averaged by hand
+    fsdp: bool = False
+    compiled: bool = False
+
+
+def replicated_params(model: nn.Module) -> list[nn.Parameter]:
+    """The parameters K3 keeps in fp32 (never cast to a bf16 compute copy)."""
+    from k3.model import keeps_fp32
+
+    return [p for n, p in model.named_parameters() if keeps_fp32(n)]
+
+
+def parallelize_k3(model: nn.Module, dims: ParallelDims, mesh: ParallelMesh | None = None, *, compile: bool = False,
+                   activation_checkpointing: str = "none", mixed_precision: torch.dtype | None = None) -> nn.Module:
+    """Apply expert/context parallel, activation checkpointing, regional compile and FSDP2 to ``model`` in place.
+
+    ``model``: a ``K3ForCausalLM`` in fp32 (the master weights) on this rank's device, the same initial weights on
+    every rank. ``mesh``: ``dims.build_mesh(device_type)``, or None for a single process without a process group
+    (then only checkpointing and compile apply). ``mixed_precision``: the compute dtype (bf16 on CUDA) or None
+    (fp32 compute, CPU). Returns ``model`` (its parameters become DTensor shards when sharded).
+    """
+    if activation_checkpointing not in AC_POLICIES:
+        raise ValueError(f"activation_checkpointing must be one of {AC_POLICIES}, got {activation_checkpointing!r}")
+    if mesh is None and dims.world_size > 1:
+        raise ValueError(f"a {dims.world_size}-rank layout needs its mesh: pass dims.build_mesh(device_type)")
+    state = ParallelModel(dims=dims, mesh=mesh, param_dtype=mixed_precision)
+    if dims.ep > 1:
+        from k3.distributed.expert_parallel import apply_expert_parallel
+
+        apply_expert_parallel(model, mesh["ep"])
+    if dims.cp > 1:
+        from k3.distributed.context_parallel import apply_context_parallel
+
+        apply_context_parallel(model, mesh["cp"])
+    if activation_checkpointing != "none":
+        model.gradient_checkpointing_enable(activation_checkpointing)
+    if compile:
+        _compile_layers(model)
+        state.compiled = True
+    if mesh is not None:
+        state.replicated = replicated_params(model)
+        _apply_fsdp(model, dims, mesh, mixed_precision, state.replicated)
+        state.fsdp = True
+    model.parallel = state
+    return model
+
+
+def _compile_layers(model: nn.Module) -> None:
+    """``torch.compile`` each decoder layer in place (``Module.compile``: names and state-dict keys unchanged).
+
+    Layers differ (KDA or MLA, dense MLP or MoE, how many AttnRes blocks are closed), so each distinct one is its own
+    graph; the cache limit is raised to hold them all. FSDP's hooks stay outside the compiled region.
+    """
+    import torch._dynamo
+
+    n = len(model.model.layers)
+    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 4 * n)
+    torch._dynamo.config.accumulated_cache_size_limit = max(torch._dynamo.config.accumulated_cache_size_limit,
+                                                            8 * n)
+    for layer in model.model.layers:
+        layer.compile()
+
+
+def _apply_fsdp(model: nn.Module, dims: ParallelDims, mesh: ParallelMesh, param_dtype: torch.dtype | None,
+                ignored: list[nn.Parameter]) -> None:
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    ignored_set = set(ignored)
+    # One rank holds everything anyway: keep the bf16 copies from forward to backward instead of casting twice.
+    last = len(model.model.layers) - 1
+    common: dict[str, Any] = dict(mesh=mesh["fsdp"], mp_policy=mp, ignored_params=ignored_set)
+    for i, layer in enumerate(model.model.layers):
+        moe = getattr(layer, "block_sparse_moe", None)
+        if dims.ep > 1 and moe is not None:
+            experts = fully_shard(moe.experts, mesh=mesh["expert_fsdp"], mp_policy=mp,
+                                  reshard_after_forward=dims.world_size > 1, ignored_params=ignored_set)
+            # expert gradients arrive summed over the ep ranks by the all-to-all's backward: divide by every data
+            # rank, not only the expert-FSDP ones, to get the global batch's mean
+            experts.set_gradient_divide_factor(float(dims.dp_cp))
+        fully_shard(layer, reshard_after_forward=dims.world_size > 1 and i < last, **common)
+    fully_shard(model, reshard_after_forward=False, **common)
+
+
+@torch.no_grad()
+def sync_replicated_grads(model: nn.Module) -> None:
+    """Average the gradients of the parameters outside FSDP over the ranks that saw different tokens (one packed
+    all-reduce; call once per optimizer step, after the last micro-batch's backward, on every rank)."""
+    state: ParallelModel | None = getattr(model, "parallel", None)
+    if state is None or state.mesh is None or not state.replicated or state.dims.dp_cp == 1:
+        return
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in state.replicated]
+    flat = torch.cat([g.reshape(-1).float() for g in grads])
+    dist.all_reduce(flat, group=state.mesh.group("dp_cp"))
+    flat /= state.dims.dp_cp
+    offset = 0
+    for p, g in zip(state.replicated, grads):
+        n = g.numel()
+        p.grad = flat[offset:offset + n].view_as(p).to(p.dtype)
+        offset += n
