@@ -219,6 +219,11 @@ def _cmd_generate(ns: argparse.Namespace) -> int:
 
     device = resolve_device(ns.device)
     if ns.run is not None:
+        from k3.distributed.data_parallel import world_size_from_env
+
+        if world_size_from_env() > 1:
+            raise ValueError("under torchrun, k3 generate runs a released checkpoint expert-sharded (--model PATH); "
+                             "generate from a run directory with one process")
         if ns.chat or ns.system is not None or ns.dtype is not None:
             raise ValueError("--chat, --system and --dtype apply to --model only; drop them with --run")
         from k3.ckpt.run import load_checkpoint
@@ -228,10 +233,17 @@ def _cmd_generate(ns: argparse.Namespace) -> int:
         prompt: Any = ns.prompt
     else:
         model, tok, prompt = _load_released(ns, device)
+        device = model.lm_head.weight.device  # under torchrun: this rank's GPU
+    import io
+
+    import torch.distributed as dist
+
+    main_rank = not dist.is_initialized() or dist.get_rank() == 0  # under torchrun every rank decodes, rank 0 prints
+    out, report = (sys.stdout, sys.stderr) if main_rank else (io.StringIO(), io.StringIO())
     with cpu_threads(device, model.config.hidden_size):
         generate(model, tok, prompt, max_new_tokens=ns.max_new_tokens, temperature=ns.temperature, top_k=ns.top_k,
-                 top_p=ns.top_p, seed=ns.seed, stream=sys.stdout, device=device, report=sys.stderr)
-    sys.stdout.write("\n")
+                 top_p=ns.top_p, seed=ns.seed, stream=out, device=device, report=report)
+    out.write("\n")
     return 0
 
 
@@ -246,7 +258,14 @@ def _load_released(ns: argparse.Namespace, device: Any) -> tuple[Any, Any, Any]:
         raise ValueError(f"--model needs k3's released-checkpoint support, not importable here ({e})") from None
     tok = k3_tokenizer.load_k3_tokenizer(ns.model)
     dtype = getattr(torch, ns.dtype) if ns.dtype else None
-    model = K3ForCausalLM.from_pretrained(ns.model, device=device, dtype=dtype)
+    from k3.distributed.data_parallel import world_size_from_env
+
+    if world_size_from_env() > 1:  # torchrun: each rank loads only its share of the experts
+        from k3.distributed.release import load_released_distributed
+
+        model = load_released_distributed(ns.model, device, dtype)
+    else:
+        model = K3ForCausalLM.from_pretrained(ns.model, device=device, dtype=dtype)
     if not ns.chat:
         if ns.system is not None:
             raise ValueError("--system needs --chat")

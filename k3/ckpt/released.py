@@ -335,8 +335,9 @@ class _Slot:
     part: str | None = None  # "packed" / "scale" when a dequantising load needs both halves
 
 
-def _plan(model: nn.Module, ckpt_dtype: torch.dtype, quantized: bool) -> dict[str, _Slot]:
-    """Every checkpoint name the model needs → its slot (derived from the meta model's state_dict)."""
+def _plan(model: nn.Module, ckpt_dtype: torch.dtype, quantized: bool, first_expert: int = 0) -> dict[str, _Slot]:
+    """Every checkpoint name the model needs → its slot (derived from the meta model's state_dict); the model's
+    expert stacks hold experts ``first_expert, first_expert + 1, …``."""
     from k3.layers.experts_mxfp4 import MXFP4GroupedExperts
 
     plan: dict[str, _Slot] = {}
@@ -350,7 +351,7 @@ def _plan(model: nn.Module, ckpt_dtype: torch.dtype, quantized: bool) -> dict[st
             mod = model.get_submodule(base)
             E = t.shape[0]
             for e in range(E):
-                stem = f"{PREFIX}{base}.{e}.{w}"
+                stem = f"{PREFIX}{base}.{first_expert + e}.{w}"
                 if isinstance(mod, MXFP4GroupedExperts):
                     plan[f"{stem}.weight{part}"] = _Slot(key, tuple(t.shape[1:]), torch.uint8, e)
                 elif quantized:  # dequantise into the stacked dense parameter
@@ -502,13 +503,33 @@ def _swap_in_mxfp4(model: nn.Module) -> None:
         moe.experts = MXFP4GroupedExperts(e.n_experts, e.latent_dim, e.expert_dim, e.beta1, e.beta2, device="meta")
 
 
+def _keep_experts(model: nn.Module, experts: range) -> None:
+    """Shrink every (meta) expert stack to the experts in ``experts``."""
+    from k3.layers.moe import LatentMoE
+
+    for moe in (m for m in model.modules() if isinstance(m, LatentMoE)):
+        e = moe.experts
+        if not isinstance(experts, range) or experts.step != 1 or not 0 <= experts.start < experts.stop <= e.n_experts:
+            raise ValueError(f"experts must be a range within [0, {e.n_experts}) with step 1, got {experts!r}")
+        with torch.device("meta"):
+            moe.experts = type(e)(len(experts), e.latent_dim, e.expert_dim, e.beta1, e.beta2)
+
+
+def _other_expert(name: str, experts: range) -> bool:
+    """Whether checkpoint tensor ``name`` belongs to a routed expert outside ``experts``."""
+    m = _EXPERT_RE.match(name[len(PREFIX):]) if name.startswith(PREFIX) else None
+    return m is not None and int(m.group(3)) not in experts
+
+
 def load_pretrained(path: str | Path, device: torch.device | str | None = None, dtype: torch.dtype | None = None,
-                    dequantize: bool = False, verbose: bool = True) -> nn.Module:
+                    dequantize: bool = False, verbose: bool = True, experts: range | None = None) -> nn.Module:
     """Build ``K3ForCausalLM`` from a released-layout folder (see the module docstring) and return it in eval mode.
 
     ``device``: where the weights go (default CPU).  ``dtype``: the dtype of the bf16-class weights (default: the
     checkpoint's); fp32 tensors stay fp32, MXFP4 experts stay uint8.  ``dequantize``: turn MXFP4 experts into dense
     ``dtype`` weights (``GroupedExperts``, trainable) instead of keeping them 4-bit (``MXFP4GroupedExperts``).
+    ``experts``: load only these routed experts of every MoE layer (an expert-parallel rank's share: see
+    ``k3.distributed.release``); the expert stacks hold just them, in order, and no other expert's bytes are read.
     """
     from k3.model import K3ForCausalLM
 
@@ -526,7 +547,10 @@ def load_pretrained(path: str | Path, device: torch.device | str | None = None, 
         model = K3ForCausalLM(config)
     if info.quantized and not dequantize:
         _swap_in_mxfp4(model)
-    plan = _plan(model, ckpt_dtype, info.quantized)
+    if experts is not None:
+        _keep_experts(model, experts)
+        wm = {n: s for n, s in wm.items() if not _other_expert(n, experts)}  # never opened, not "unused"
+    plan = _plan(model, ckpt_dtype, info.quantized, experts.start if experts is not None else 0)
     _check_names(wm, plan, config.num_layers, info.mtp_layers, verbose)
     dtype_of = {k: t.dtype for k, t in model.state_dict(keep_vars=True).items()}
     filler = _Filler(model, dev, dtype_of)
