@@ -4,6 +4,7 @@
     k3 generate   --run DIR | --model PATH  [--prompt TEXT] [--max-new-tokens N] [--temperature T] …
     k3 eval       --run DIR [--batches N]
     k3 tokenize   FILES… --out shard.bin [--tokenizer SPEC]
+    k3 plan       --gpus N [--preset k3] [--gpu-memory 141GB] [--dp-shard/--ep/--cp N] [--serve] …
 
 A user mistake (bad flag value, missing or corrupt run directory, empty data, …) prints ONE line
 ``k3: error: <what is wrong>; <what to do>`` on stderr and exits with status 2, before anything on disk changes.
@@ -184,13 +185,49 @@ def _add_tokenize(sub: Any) -> None:
     p.set_defaults(func=_cmd_tokenize)
 
 
+def _add_plan(sub: Any) -> None:
+    p = sub.add_parser("plan", help="per-GPU memory, FLOPs, traffic and step time of a model on N GPUs",
+                       description="Estimate training (FSDP2 x expert parallel x context parallel; searches the "
+                       "layouts unless --dp-shard is given) or serving (--serve) of a model on N GPUs, from stated "
+                       "assumptions (printed with the result).")
+    p.add_argument("--preset", default="k3", help="model preset (default k3)")
+    p.add_argument("--config", metavar="FILE.json", default=None, help="K3Config JSON file (instead of --preset)")
+    p.add_argument("--gpus", type=_positive_int, required=True, metavar="N", help="number of GPUs")
+    p.add_argument("--gpu-memory", default="141GB", metavar="SIZE", help="memory per GPU (default 141GB)")
+    p.add_argument("--seq-len", type=_positive_int, default=8192, metavar="N", help="tokens per sequence (default 8192)")
+    p.add_argument("--global-batch", type=_positive_int, default=2048, metavar="N",
+                   help="sequences per optimizer step (default 2048)")
+    p.add_argument("--micro-batch", type=_positive_int, default=1, metavar="N",
+                   help="sequences per data rank per micro-batch (default 1)")
+    for flag in ("--dp-replicate", "--dp-shard", "--cp", "--ep"):
+        p.add_argument(flag, type=_positive_int, default=None, metavar="N", help="fix this degree (default: search)")
+    p.add_argument("--activation-checkpointing", choices=["full", "none"], default="full",
+                   help="per-layer recompute (default full)")
+    p.add_argument("--optimizer", choices=["muon", "adamw"], default="muon", help="default muon")
+    p.add_argument("--serve", action="store_true", help="serving the release instead of training")
+    p.add_argument("--batch", type=_positive_int, default=1, metavar="N", help="with --serve: sequences decoded "
+                   "together (default 1)")
+    p.add_argument("--context", type=_positive_int, default=131072, metavar="N", help="with --serve: tokens per "
+                   "sequence (default 131072)")
+    p.add_argument("--peak-tflops", type=_positive_float, default=None, metavar="X", help="bf16 peak per GPU "
+                   "(default 989, H200)")
+    p.add_argument("--efficiency", type=_positive_float, default=None, metavar="X",
+                   help="achieved fraction of the peak (default 0.40)")
+    p.add_argument("--hbm-gbps", type=_positive_float, default=None, metavar="X", help="default 4800")
+    p.add_argument("--nvlink-gbps", type=_positive_float, default=None, metavar="X", help="default 450")
+    p.add_argument("--net-gbps", type=_positive_float, default=None, metavar="X", help="per GPU, default 50")
+    p.add_argument("--gpus-per-node", type=_positive_int, default=None, metavar="N", help="default 8")
+    p.add_argument("--top", type=_positive_int, default=10, metavar="N", help="layouts shown (default 10)")
+    p.set_defaults(func=_cmd_plan)
+
+
 def build_parser() -> argparse.ArgumentParser:
     import k3
 
     parser = _Parser(prog="k3", description="Kimi K3 in PyTorch: train, sample, evaluate.")
     parser.add_argument("--version", action="version", version=f"k3 {k3.__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
-    for add in (_add_train, _add_generate, _add_eval, _add_tokenize):
+    for add in (_add_train, _add_generate, _add_eval, _add_tokenize, _add_plan):
         add(sub)
     return parser
 
@@ -276,6 +313,12 @@ def _load_released(ns: argparse.Namespace, device: Any) -> tuple[Any, Any, Any]:
     if render is None:
         raise ValueError("--chat needs k3.data.k3_tokenizer.chat_prompt, which this version lacks")
     return model, tok, list(render(messages))
+
+
+def _cmd_plan(ns: argparse.Namespace) -> int:
+    from k3.distributed.plan import run_plan
+
+    return run_plan(ns, sys.stdout)
 
 
 def _cmd_eval(ns: argparse.Namespace) -> int:
