@@ -352,7 +352,8 @@ def serve_estimate(ms: ModelStats, hw: Hardware, gpus: int, batch: int, context:
     per_seq = len(c.kda_layers) * (c.kda_num_heads * c.kda_head_dim ** 2 * 4
                                    + 3 * (c.kda_conv_size - 1) * c.kda_num_heads * c.kda_head_dim * 2)
     per_tok = len(c.mla_layers) * (c.kv_lora_rank + c.qk_rope_head_dim) * 2
-    mem = {"dense weights (bf16)": 2.0 * (ms.dense_params - ms.fp32_kept) + 4.0 * ms.fp32_kept,
+    dense_b = {"bfloat16": 2, "float16": 2, "float32": 4}[c.dtype]
+    mem = {"dense weights (bf16)": float(dense_b) * (ms.dense_params - ms.fp32_kept) + 4.0 * ms.fp32_kept,
            "experts (MXFP4)": mx * ms.expert_params / ep,
            "states": batch * (per_seq + context * per_tok),
            "prefill working set": max(_layer_activations(c, k, chunk, 1) for k in _kinds(c)) / 2,
