@@ -247,7 +247,7 @@ def ep_expert_rows(z: torch.Tensor, idx: torch.Tensor, experts: _ExpertTensors, 
     E, L, C, H = n_experts, z.shape[1], idx.numel(), n_hot
     M = E // R
     dev = z.device
-    head = torch.cat([expert_counts(idx, E), torch.tensor([S], device=dev)])
+    head = torch.cat([expert_counts(idx, E), torch.full((1,), S, dtype=torch.int64, device=dev)])
     gathered = gather_tensor(head, group)  # [R, E + 1]
     counts = gathered[:, :E]
     plan = plan_rows(counts, C, H)
