@@ -245,7 +245,7 @@ class K3ForCausalLM(nn.Module):
         hidden = self.model(input_ids, state)
         logits = self.lm_head(hidden)
         if state is not None:
-            state.position += T
+            state.advance(T)
         loss = self.loss(logits, labels) if labels is not None else None
         return K3Output(logits=logits, loss=loss, state=state)
 
@@ -291,6 +291,9 @@ class K3ForCausalLM(nn.Module):
             dev = first.recurrent.device if hasattr(first, "recurrent") else first.buf.device
             if dev != input_ids.device:
                 raise ValueError(f"state lives on {dev} but input_ids on {input_ids.device}")
+            cap = min((s.capacity for s in state.layers if hasattr(s, "capacity")), default=None)
+            if cap is not None and state.position + T > cap:
+                raise ValueError(f"state holds {state.position} tokens + {T} new exceed its MLA cache capacity {cap}")
         return B, T
 
     # --- decode state ---------------------------------------------------------------------------------------------
@@ -339,10 +342,12 @@ class K3ForCausalLM(nn.Module):
 
     def load_imbalance(self) -> float:
         """max / mean expert load of the last training forward, worst MoE layer (NaN before any)."""
-        loads = [m.last_load.float() for m in self.moe_layers() if m.last_load is not None]
+        loads = [m.last_load.float() for m in self.moe_layers()]
         if not loads:
             return float("nan")
         L = torch.stack(loads)
+        if not bool(L.sum(1).gt(0).any()):  # no training forward yet
+            return float("nan")
         return float((L.max(1).values / L.mean(1).clamp(min=1e-9)).max())
 
     # --- released checkpoints (k3.ckpt.released) ------------------------------------------------------------------

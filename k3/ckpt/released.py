@@ -564,6 +564,10 @@ def load_pretrained(path: str | Path, device: torch.device | str | None = None, 
         model.lm_head.weight = model.model.embed_tokens.weight
     left = [k for k, t in model.state_dict(keep_vars=True).items() if t.is_meta]
     assert not left and not filler.pending, f"unfilled after load: {left[:3]} {list(filler.pending)[:3]}"
+    for mod in model.modules():  # non-persistent buffers (training accumulators) are not in the checkpoint
+        for name, b in mod._buffers.items():
+            if b is not None and b.is_meta:
+                mod._buffers[name] = torch.zeros(b.shape, dtype=b.dtype, device=dev)
     model._k3_released_config = info.raw  # lets save_pretrained keep the wrapper's other fields (vision_config…)
     return model.eval()
 

@@ -31,6 +31,7 @@ import random
 import re
 import shutil
 import time
+import warnings
 from pathlib import Path
 from typing import Any, Callable
 
@@ -288,7 +289,9 @@ def _load_dcp_weights(model: torch.nn.Module, ckpt: Path) -> None:
 
     state = model.state_dict()
     try:
-        dcp.load({"model": state}, checkpoint_id=str(ckpt / DCP_DIR), no_dist=True)
+        with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.load({"model": state}, checkpoint_id=str(ckpt / DCP_DIR), no_dist=True)
     except Exception as e:  # DCP reports missing keys and unreadable shards with several exception types
         raise CheckpointError(f"checkpoint {ckpt}: {DCP_DIR}/ cannot be loaded into this model "
                               f"({type(e).__name__}: {str(e)[:200]})") from None

@@ -17,6 +17,7 @@ on this rank), so FSDP2 shards, expert-parallel shards and plain tensors are all
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -95,7 +96,9 @@ def load_distributed_checkpoint(ckpt: Path, model: torch.nn.Module, opt: torch.o
     model_sd, optim_sd = get_state_dict(model, opt)
     optim_sd = _only_saved(optim_sd, _saved_keys(path), "optim")
     try:
-        dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(path), no_dist=d.mesh is None)
+        with warnings.catch_warnings():  # one process without a group: DCP warns that it loads locally
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(path), no_dist=d.mesh is None)
     except Exception as e:  # DCP raises several types for missing keys and unreadable shards
         raise CheckpointError(f"checkpoint {ckpt}: {DCP_DIR}/ does not match this model and optimizer "
                               f"({type(e).__name__}: {str(e)[:300]})") from None

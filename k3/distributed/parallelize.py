@@ -2,7 +2,7 @@
 
 The order is torchtitan's: expert parallel (the MoE layers' experts split over ``mesh["ep"]``), context parallel
 (KDA ``cp_context`` and the MLA latent all-gather over ``mesh["cp"]``), activation checkpointing (a policy per
-decoder layer), ``torch.compile`` per decoder layer (regional: one graph per distinct layer), then FSDP2:
+decoder layer), ``torch.compile`` of each decoder layer's two sublayers (regional), then FSDP2:
 ``fully_shard`` per decoder layer and once at the root, over ``mesh["fsdp"]`` (HSDP when dp_replicate > 1), with
 ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``: the optimizer sees fp32 master weights and fp32
 gradients, the forward and backward run on bf16 copies that FSDP casts once per layer and step — no per-op casts.
@@ -87,19 +87,19 @@ def parallelize_k3(model: nn.Module, dims: ParallelDims, mesh: ParallelMesh | No
 
 
 def _compile_layers(model: nn.Module) -> None:
-    """``torch.compile`` each decoder layer in place (``Module.compile``: names and state-dict keys unchanged).
+    """``torch.compile`` the two sublayers of every decoder layer in place (``Module.compile``: module names and
+    state-dict keys unchanged; FSDP's hooks, registered on the decoder layers, stay outside the compiled regions).
 
-    Layers differ (KDA or MLA, dense MLP or MoE, how many AttnRes blocks are closed), so each distinct one is its own
-    graph; the cache limit is raised to hold them all. FSDP's hooks stay outside the compiled region.
-    """
+    Regional, at the sublayer: every KDA, MLA, MoE and MLP sublayer of the model runs the same code on same-shaped
+    parameters, so the whole model compiles into about four graphs (shared by the layers of a kind), where whole
+    decoder layers differ by their AttnRes block bookkeeping and would compile once each. Between the sublayers run
+    the AttnRes mixes and norms, fused ops of their own."""
     import torch._dynamo
 
-    n = len(model.model.layers)
-    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 4 * n)
-    torch._dynamo.config.accumulated_cache_size_limit = max(torch._dynamo.config.accumulated_cache_size_limit,
-                                                            8 * n)
+    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 32)
     for layer in model.model.layers:
-        layer.compile()
+        layer.self_attn.compile()
+        layer.ffn.compile()
 
 
 def _apply_fsdp(model: nn.Module, dims: ParallelDims, mesh: ParallelMesh, param_dtype: torch.dtype | None,

@@ -9,8 +9,10 @@ Letters: m tokens, d hidden, n experts, k top-k, ℓ latent width, F expert widt
 
 Quantile Balancing: ``gate.e_score_correction_bias`` (fp32 buffer, persistent, no gradient) is the selection
 bias. Training forwards (``module.training and torch.is_grad_enabled()``) add the step's required-bias histogram to
-``gate.qb_hist`` (int32 ``[n, qb_num_bins]``, a plain attribute: not in state_dict, not broadcast by DDP);
-``K3ForCausalLM.qb_step`` turns the pooled histograms into new biases. Eval / no-grad forwards touch neither.
+``gate.qb_hist`` (int32 ``[n, qb_num_bins]``, a non-persistent buffer: not in state_dict) in place, inside a
+registered op, so a compiled forward records it without a graph break; ``K3ForCausalLM.qb_step`` turns the pooled
+histograms into new biases. Eval / no-grad forwards touch neither. ``last_load`` (int64 ``[n]``, non-persistent)
+holds the rows per expert of the last training forward, also written in place.
 """
 
 from __future__ import annotations
@@ -38,12 +40,13 @@ class MoEGate(nn.Module):
         self.n_experts, self.top_k, self.num_bins, self.scaling = n_experts, top_k, num_bins, float(scaling)
         self.weight = nn.Parameter(torch.empty(n_experts, hidden_size))
         self.register_buffer("e_score_correction_bias", torch.zeros(n_experts, dtype=torch.float32), persistent=True)
-        self.qb_hist: torch.Tensor | None = None  # int32 [n, num_bins], accumulated by training forwards
+        # accumulated by training forwards, reset by qb_step
+        self.register_buffer("qb_hist", torch.zeros(n_experts, num_bins, dtype=torch.int32), persistent=False)
 
     def histogram(self, device: torch.device) -> torch.Tensor:
-        """The accumulating QB histogram (created on first use, on ``device``)."""
-        if self.qb_hist is None or self.qb_hist.device != device:
-            self.qb_hist = torch.zeros(self.n_experts, self.num_bins, dtype=torch.int32, device=device)
+        """The accumulating QB histogram (moved to ``device`` if the module is elsewhere)."""
+        if self.qb_hist.device != device:
+            self.qb_hist = self.qb_hist.to(device)
         return self.qb_hist
 
     def forward(self, x: torch.Tensor, record: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
@@ -102,7 +105,8 @@ class LatentMoE(nn.Module):
         self.shared_experts = (SiTUMLP(d, config.shared_dim, config.situ_beta1, config.situ_beta2)
                                if config.n_shared_experts > 0 else None)
         self.qb_enabled = True  # switched off while activation checkpointing recomputes a forward
-        self.last_load: torch.Tensor | None = None  # [n] token-expert rows per expert, last training forward
+        # [n] token-expert rows per expert of the last training forward (all zero before the first)
+        self.register_buffer("last_load", torch.zeros(config.n_experts, dtype=torch.int64), persistent=False)
 
     def recording(self) -> bool:
         """Whether this forward is a training forward that feeds Quantile Balancing."""
@@ -125,5 +129,5 @@ class LatentMoE(nn.Module):
         order, token_of_row, offs = sort_by_expert(idx, self.experts.n_experts)
         rows = self.experts(z[token_of_row], offs)
         if record:
-            self.last_load = torch.diff(offs, prepend=offs.new_zeros(1)).detach()
+            self.last_load.copy_(torch.diff(offs, prepend=offs.new_zeros(1)))
         return combine_norm(rows, order, p, self.routed_expert_norm.weight, self.eps)

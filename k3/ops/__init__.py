@@ -1,6 +1,7 @@
 """Pure functions, each fast path beside its plain reference.
 
 ``kda``       Kimi Delta Attention: recurrent/chunked references, Triton kernels, span summaries, context parallel.
+``mla``       Gated MLA attention: flash (training, prefill segments), absorbed decode over the latent cache.
 ``situ_glu``  the bounded GLU of the experts and dense MLPs.
 ``attn_res``  the Block Attention Residuals mix.
 ``qb_bias_update``  Quantile Balancing by histograms.

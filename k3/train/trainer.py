@@ -62,6 +62,7 @@ RECALL_EVAL_SEED = 20_250_707  # the recall task's evaluation stream: never the 
 RESUMABLE = ("steps", "device", "threads", "activation_checkpointing", "compile", "log_every", "save_every", "keep",
              "eval_every", "eval_batches", "sample_tokens", "prompt", "out", "name", "plot",
              "dp_replicate", "dp_shard", "cp", "ep")  # the layout may change: checkpoints reshard
+LAYOUT = ("dp_replicate", "dp_shard", "cp", "ep")
 COMPILE = ("auto", "on", "off")
 
 
@@ -353,6 +354,8 @@ def prepare_args(overrides: dict[str, Any], resume: str | None = None) -> tuple[
         args = TrainArgs.from_dict(saved)
     except (OSError, ValueError, TypeError) as e:
         raise CheckpointError(f"checkpoint {ckpt}: run.json is unreadable ({e}); cannot resume") from None
+    for k in LAYOUT:  # the layout belongs to the launch, not to the run: the checkpoint reshards to any other
+        setattr(args, k, getattr(TrainArgs(), k))
     for k, v in overrides.items():
         if k not in RESUMABLE and v != getattr(args, k):
             raise ValueError(f"--{k.replace('_', '-')} cannot change on --resume (the run used "
@@ -604,7 +607,8 @@ def _train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, data: _Data,
     grad_norm = clip_grad_norm(model.parameters(), args.grad_clip)
     opt.step()
     opt.zero_grad(set_to_none=True)
-    model.qb_step(group=d.group("dp_cp"))  # once per optimizer step (pooled histograms): the bias from the next step on
+    # once per optimizer step, histograms pooled over the ranks that saw different tokens: the bias from the next step
+    model.qb_step(group=d.group("dp_cp") if ranks > 1 else None)
     if ranks > 1:
         torch.distributed.all_reduce(sums, group=d.group("dp_cp"))
     loss_sum, count, correct, scored = sums.tolist()

@@ -278,7 +278,7 @@ def test_gpu_bf16_kernels_against_references():
 
 
 def test_permute_rows_fused_backward_matches_index():
-    from k3.ops.moe.grouped import _PermuteRows
+    from k3.ops.moe.combine_triton import permute_rows_fused
 
     torch.manual_seed(6)
     m, k, E, L = 13, 3, 5, 19
@@ -287,7 +287,7 @@ def test_permute_rows_fused_backward_matches_index():
     z = torch.randn(m, L, device=DEV)
     g = torch.randn(m * k, L, device=DEV)
     z1, z2 = leaf(z), leaf(z)
-    out = _PermuteRows.apply(z1, order, k)
+    out = permute_rows_fused(z1, order, k)
     ref = z2[tok]
     out.backward(g)
     ref.backward(g)

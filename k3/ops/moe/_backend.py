@@ -15,6 +15,7 @@ import torch
 __all__ = ["use_triton", "triton_available"]
 
 
+@torch.compiler.assume_constant_result  # a compiled forward bakes the answer in instead of tracing the import
 @functools.lru_cache(maxsize=1)
 def triton_available() -> bool:
     try:

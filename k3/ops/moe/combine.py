@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import torch
 
-from k3.ops._device import on_device_of
 from k3.ops.moe._backend import use_triton
 
 __all__ = ["combine_norm", "combine_norm_reference", "combine_norm_rows", "rms_norm"]
@@ -68,8 +67,7 @@ def combine_norm_rows(
     if use_triton(y_rows):
         from k3.ops.moe.combine_triton import combine_norm_fused
 
-        with on_device_of(y_rows):
-            return combine_norm_fused(y_rows, row_of.reshape(m, k).long(), p, norm_weight, eps)
+        return combine_norm_fused(y_rows, row_of.reshape(m, k).long(), p, norm_weight, eps)
     y = y_rows[row_of.reshape(-1).long()]
     u = (y.view(m, k, -1).float() * p.unsqueeze(-1)).sum(1)
     return rms_norm(u.to(y_rows.dtype), norm_weight, eps)

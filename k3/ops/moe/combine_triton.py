@@ -16,9 +16,10 @@ import torch
 import triton
 import triton.language as tl
 
+from k3.ops._device import on_device_of
 from k3.ops.moe._backend import alloc
 
-__all__ = ["combine_norm_fused"]
+__all__ = ["combine_norm_fused", "rows_sum_fused", "permute_rows_fused"]
 
 
 @triton.jit
@@ -76,40 +77,73 @@ def _warps(BL: int) -> int:
 
 _TPB = 16  # tokens per backward program
 
-class _CombineNorm(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, y_rows, row_of, p, weight, eps):
-        m, k = p.shape
-        L = y_rows.shape[1]
-        dev = y_rows.device
-        out = alloc((m, L), y_rows.dtype, dev)
-        u = alloc((m, L), y_rows.dtype, dev)
-        rstd = alloc((m,), torch.float32, dev)
-        BL = triton.next_power_of_2(L)
-        if m:
-            _combine_fwd_kernel[(m,)](y_rows, row_of, p, weight, out, u, rstd, L, y_rows.stride(0), out.stride(0),
-                                      u.stride(0), float(eps), K=k, BL=BL, num_warps=_warps(BL))
-        ctx.save_for_backward(y_rows, row_of, p, weight, u, rstd)
-        return out
+# torch.library ops: one opaque node each under torch.compile; the backward is its own op.
+@torch.library.custom_op("k3::combine_norm", mutates_args=())
+def _combine_op(y_rows: torch.Tensor, row_of: torch.Tensor, p: torch.Tensor, weight: torch.Tensor, eps: float
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """→ ``(out [m, ℓ], u [m, ℓ] (the rounded mix, saved for backward), rstd [m] fp32)``."""
+    m, k = p.shape
+    L = y_rows.shape[1]
+    dev = y_rows.device
+    out = alloc((m, L), y_rows.dtype, dev)
+    u = alloc((m, L), y_rows.dtype, dev)
+    rstd = alloc((m,), torch.float32, dev)
+    BL = triton.next_power_of_2(L)
+    if m:
+        with on_device_of(y_rows):
+            _combine_fwd_kernel[(m,)](y_rows, row_of, p, weight, out, u, rstd, L, y_rows.stride(0),
+                                      out.stride(0), u.stride(0), float(eps), K=k, BL=BL, num_warps=_warps(BL))
+    return out, u, rstd
 
-    @staticmethod
-    def backward(ctx, dout):
-        y_rows, row_of, p, weight, u, rstd = ctx.saved_tensors
-        m, k = p.shape
-        L = y_rows.shape[1]
-        dout = dout.contiguous()
-        # rows no (token, slot) points at get a zero gradient; when every row is used none needs clearing
-        dy = alloc(y_rows.shape, y_rows.dtype, y_rows.device) if y_rows.shape[0] == m * k else torch.zeros_like(y_rows)
-        dp = alloc((m, k), torch.float32, p.device)
-        G = triton.cdiv(m, _TPB)
-        dwp = alloc((G, L), torch.float32, p.device)
-        BL = triton.next_power_of_2(L)
-        if m:
-            _combine_bwd_kernel[(G,)](dout, u, rstd, weight, y_rows, row_of, p, dy, dp, dwp, m, L, dout.stride(0),
-                                      u.stride(0), y_rows.stride(0), dy.stride(0), K=k, BL=BL, TPB=_TPB,
-                                      num_warps=_warps(BL))
-        dw = dwp.sum(0).to(weight.dtype) if m else torch.zeros_like(weight)
-        return dy, None, dp.to(p.dtype), dw, None
+
+@_combine_op.register_fake
+def _(y_rows: torch.Tensor, row_of: torch.Tensor, p: torch.Tensor, weight: torch.Tensor, eps: float):  # noqa: ANN202
+    m, L = p.shape[0], y_rows.shape[1]
+    return y_rows.new_empty(m, L), y_rows.new_empty(m, L), y_rows.new_empty(m, dtype=torch.float32)
+
+
+@torch.library.custom_op("k3::combine_norm_bwd", mutates_args=())
+def _combine_bwd_op(dout: torch.Tensor, y_rows: torch.Tensor, row_of: torch.Tensor, p: torch.Tensor,
+                    weight: torch.Tensor, u: torch.Tensor, rstd: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """→ ``(dy_rows, dp [m, k] fp32, dweight)``."""
+    m, k = p.shape
+    L = y_rows.shape[1]
+    dout = dout.contiguous()
+    # rows no (token, slot) points at get a zero gradient; when every row is used none needs clearing
+    dy = alloc(y_rows.shape, y_rows.dtype, y_rows.device) if y_rows.shape[0] == m * k else torch.zeros_like(y_rows)
+    dp = alloc((m, k), torch.float32, p.device)
+    G = triton.cdiv(m, _TPB)
+    dwp = alloc((G, L), torch.float32, p.device)
+    BL = triton.next_power_of_2(L)
+    if m:
+        with on_device_of(y_rows):
+            _combine_bwd_kernel[(G,)](dout, u, rstd, weight, y_rows, row_of, p, dy, dp, dwp, m, L,
+                                      dout.stride(0), u.stride(0), y_rows.stride(0), dy.stride(0), K=k, BL=BL,
+                                      TPB=_TPB, num_warps=_warps(BL))
+    dw = dwp.sum(0).to(weight.dtype) if m else torch.zeros_like(weight)
+    return dy, dp, dw
+
+
+@_combine_bwd_op.register_fake
+def _(dout, y_rows, row_of, p, weight, u, rstd):  # noqa: ANN001, ANN202
+    return y_rows.new_empty(y_rows.shape), p.new_empty(p.shape, dtype=torch.float32), weight.new_empty(weight.shape)
+
+
+def _combine_setup(ctx, inputs, output) -> None:  # noqa: ANN001 - torch.library's signature
+    y_rows, row_of, p, weight, _ = inputs
+    _, u, rstd = output
+    ctx.save_for_backward(y_rows, row_of, p, weight, u, rstd)
+    ctx.mark_non_differentiable(u, rstd)
+
+
+def _combine_backward(ctx, dout, _du, _drstd):  # noqa: ANN001, ANN202
+    y_rows, row_of, p, weight, u, rstd = ctx.saved_tensors
+    dy, dp, dw = _combine_bwd_op(dout, y_rows, row_of, p, weight, u, rstd)
+    return dy, None, dp.to(p.dtype), dw, None
+
+
+_combine_op.register_autograd(_combine_backward, setup_context=_combine_setup)
 
 
 def combine_norm_fused(y_rows: torch.Tensor, row_of: torch.Tensor, p: torch.Tensor, weight: torch.Tensor,
@@ -117,7 +151,7 @@ def combine_norm_fused(y_rows: torch.Tensor, row_of: torch.Tensor, p: torch.Tens
     """``y_rows [R, ℓ]`` (R ≥ m·k), ``row_of [m, k]`` int64 = the y row of each (token, slot), ``p [m, k]`` fp32,
     ``weight [ℓ]`` → RMSNorm(Σ_j p·y) ``[m, ℓ]`` in y_rows.dtype. Inputs already validated, rows unique."""
     y_rows = y_rows if y_rows.stride(-1) == 1 else y_rows.contiguous()
-    return _CombineNorm.apply(y_rows, row_of.contiguous(), p.float().contiguous(), weight.contiguous(), eps)
+    return _combine_op(y_rows, row_of.contiguous(), p.float().contiguous(), weight.contiguous(), float(eps))[0]
 
 
 @triton.jit
@@ -133,14 +167,53 @@ def _rows_sum_kernel(src_ptr, row_ptr, out_ptr, L, s_src, s_out, K: tl.constexpr
     tl.store(out_ptr + i_t * s_out + o_l, b_acc.to(out_ptr.dtype.element_ty), mask=m_l)
 
 
-def rows_sum_fused(src: torch.Tensor, row_of: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-    """``src [R, ℓ]``, ``row_of [m, k]`` → ``[m, ℓ]`` with row t = Σ_j src[row_of[t, j]] (fp32 sum, no atomics)."""
+@torch.library.custom_op("k3::rows_sum", mutates_args=())
+def _rows_sum_op(src: torch.Tensor, row_of: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     m, k = row_of.shape
     L = src.shape[1]
     src = src if src.stride(-1) == 1 else src.contiguous()
     out = alloc((m, L), out_dtype, src.device)
     if m:
         BL = triton.next_power_of_2(L)
-        _rows_sum_kernel[(m,)](src, row_of.contiguous(), out, L, src.stride(0), out.stride(0), K=k, BL=BL,
-                               num_warps=_warps(BL))
+        with on_device_of(src):
+            _rows_sum_kernel[(m,)](src, row_of.contiguous(), out, L, src.stride(0), out.stride(0), K=k, BL=BL,
+                                   num_warps=_warps(BL))
     return out
+
+
+@_rows_sum_op.register_fake
+def _(src: torch.Tensor, row_of: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    return src.new_empty(row_of.shape[0], src.shape[1], dtype=out_dtype)
+
+
+def rows_sum_fused(src: torch.Tensor, row_of: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """``src [R, ℓ]``, ``row_of [m, k]`` → ``[m, ℓ]`` with row t = Σ_j src[row_of[t, j]] (fp32 sum, no atomics)."""
+    return _rows_sum_op(src, row_of, out_dtype)
+
+
+@torch.library.custom_op("k3::permute_rows", mutates_args=())
+def permute_rows_fused(z: torch.Tensor, order: torch.Tensor, k: int) -> torch.Tensor:
+    """``z[order // k]``: the expert-sorted copy of the tokens, whose backward is the gather-sum ``rows_sum``."""
+    return z.index_select(0, order // k)
+
+
+@permute_rows_fused.register_fake
+def _(z: torch.Tensor, order: torch.Tensor, k: int) -> torch.Tensor:
+    return z.new_empty(order.shape[0], z.shape[1])
+
+
+def _permute_setup(ctx, inputs, output) -> None:  # noqa: ANN001
+    z, order, k = inputs
+    n = order.shape[0]
+    row_of = torch.empty(n, dtype=torch.int64, device=order.device)
+    row_of[order] = torch.arange(n, device=order.device)  # inverse permutation, on device
+    ctx.save_for_backward(row_of)
+    ctx.k, ctx.dtype = k, z.dtype
+
+
+def _permute_backward(ctx, grad: torch.Tensor):  # noqa: ANN001, ANN202
+    (row_of,) = ctx.saved_tensors
+    return _rows_sum_op(grad, row_of.view(-1, ctx.k), ctx.dtype), None, None
+
+
+permute_rows_fused.register_autograd(_permute_backward, setup_context=_permute_setup)

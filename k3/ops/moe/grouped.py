@@ -21,7 +21,7 @@ __all__ = ["grouped_mm", "sort_by_expert", "permute_rows", "grouped_ffn", "group
 _gmm = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
 
 
-def _loop_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+def _loop(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     ends = offs.tolist()
     outs, start = [], 0
     for e, end in enumerate(ends):
@@ -30,6 +30,50 @@ def _loop_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tens
     if start < a.shape[0]:  # rows past the last group: no expert, zero output (keeps the row count static)
         outs.append(a.new_zeros(a.shape[0] - start, b.shape[-1]))
     return torch.cat(outs, 0) if outs else a.new_zeros(0, b.shape[-1])
+
+
+# The per-expert loop reads the group ends on the host; as a torch.library op it is one opaque node, so a compiled
+# layer keeps a single graph on every device (the loop runs where grouped_mm has no kernel: CPU, fp32).
+@torch.library.custom_op("k3::grouped_mm_loop", mutates_args=())
+def _loop_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    return _loop(a, b, offs)
+
+
+@_loop_mm.register_fake
+def _(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    return a.new_empty(a.shape[0], b.shape[-1])
+
+
+@torch.library.custom_op("k3::grouped_mm_loop_bwd", mutates_args=())
+def _loop_mm_bwd(grad: torch.Tensor, a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(da, db)`` of ``out = a·b`` per group: da = grad·b[e]ᵀ, db[e] = a_eᵀ·grad_e (zero for empty groups)."""
+    da = _loop(grad, b.transpose(-2, -1), offs)
+    db = torch.zeros(b.shape, dtype=b.dtype, device=b.device)  # contiguous, as the fake impl says
+    start = 0
+    for e, end in enumerate(offs.tolist()):
+        if end > start:
+            db[e] = a[start:end].t() @ grad[start:end]
+        start = end
+    return da, db
+
+
+@_loop_mm_bwd.register_fake
+def _(grad: torch.Tensor, a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor):  # noqa: ANN202
+    return a.new_empty(a.shape), b.new_empty(b.shape)
+
+
+def _loop_setup(ctx, inputs, output) -> None:  # noqa: ANN001 - torch.library's signature
+    ctx.save_for_backward(*inputs)
+
+
+def _loop_backward(ctx, grad: torch.Tensor):  # noqa: ANN001, ANN202
+    a, b, offs = ctx.saved_tensors
+    da, db = _loop_mm_bwd(grad.contiguous(), a, b, offs)
+    return da, db, None
+
+
+_loop_mm.register_autograd(_loop_backward, setup_context=_loop_setup)
 
 
 def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
@@ -59,33 +103,15 @@ def sort_by_expert(idx: torch.Tensor, n_experts: int) -> tuple[torch.Tensor, tor
     return order, token_of_row, offs
 
 
-class _PermuteRows(torch.autograd.Function):
-    """``z[token_of_row]`` whose backward sums each token's k row gradients by gather (no scatter atomics)."""
-
-    @staticmethod
-    def forward(ctx, z: torch.Tensor, order: torch.Tensor, k: int) -> torch.Tensor:
-        n = order.shape[0]
-        row_of = torch.empty(n, dtype=torch.int64, device=order.device)
-        row_of[order] = torch.arange(n, device=order.device)  # inverse permutation, on device
-        ctx.save_for_backward(row_of)
-        ctx.k, ctx.dtype = k, z.dtype
-        return z.index_select(0, order // k)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        from k3.ops.moe.combine_triton import rows_sum_fused
-
-        (row_of,) = ctx.saved_tensors
-        return rows_sum_fused(grad, row_of.view(-1, ctx.k), ctx.dtype), None, None
-
-
 def permute_rows(z: torch.Tensor, order: torch.Tensor, k: int) -> torch.Tensor:
     """Expert-sorted copy of the tokens: ``z [m, ℓ]``, ``order [m*k]`` from ``sort_by_expert`` → ``[m*k, ℓ]`` with
     row r = z[order[r] // k]. Same as ``z[token_of_row]``; on CUDA its backward is a fused gather-sum."""
     if order.shape[0] != z.shape[0] * k:
         raise ValueError(f"order must have m*k = {z.shape[0] * k} entries, got {order.shape[0]}")
     if use_triton(z):
-        return _PermuteRows.apply(z, order, k)
+        from k3.ops.moe.combine_triton import permute_rows_fused
+
+        return permute_rows_fused(z, order, k)
     return z[order // k]
 
 

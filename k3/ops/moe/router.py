@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import torch
 
-from k3.ops._device import on_device_of
 from k3.ops.moe._backend import use_triton
 from k3.ops.moe.qb import qb_accumulate
 
@@ -83,6 +82,5 @@ def route(
     if use_triton(x):
         from k3.ops.moe.router_triton import route_fused
 
-        with on_device_of(x):
-            return route_fused(x, weight, bias, top_k, hist=hist, scaling=scaling)
+        return route_fused(x, weight, bias, top_k, hist=hist, scaling=scaling)
     return route_reference(x, weight, bias, top_k, hist=hist, scaling=scaling)

@@ -21,9 +21,10 @@ import torch
 import triton
 import triton.language as tl
 
+from k3.ops._device import on_device_of
 from k3.ops.moe._backend import alloc
 
-__all__ = ["route_fused", "qb_histogram_fused", "router_logits"]
+__all__ = ["route_fused", "qb_histogram_fused", "router_logits", "moe_route", "qb_histogram_logits"]
 
 
 @triton.jit
@@ -106,8 +107,8 @@ def _launch(logits: torch.Tensor, bias: torch.Tensor, top_k: int, scaling: float
     return idx, p, ssel
 
 
-def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """fp32 logits ``x [m, d] @ weight[n, d]ᵀ`` (bf16 operands stay bf16 on CUDA: exact products, fp32 sums)."""
+def _logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """fp32 ``x [m, d] @ weight[n, d]ᵀ`` (bf16 operands stay bf16 on CUDA: exact products, fp32 sums)."""
     if x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype:
         try:
             return torch.mm(x, weight.t(), out_dtype=torch.float32)
@@ -116,38 +117,94 @@ def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return x.float() @ weight.float().t()
 
 
-class _FusedRoute(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, weight, bias, top_k, hist, scaling):
-        logits = router_logits(x, weight)
-        idx, p, ssel = _launch(logits, bias.float().contiguous(), top_k, scaling, hist, True, True)
-        ctx.save_for_backward(x, weight, idx, ssel)
-        ctx.scaling, ctx.n = scaling, weight.shape[0]
-        ctx.mark_non_differentiable(idx)
-        return idx, p
+# The ops are registered with torch.library so torch.compile treats each as one opaque node (fake impls give the
+# output shapes, the autograd formulas are plain torch code it can trace). The QB histogram is its own op that
+# mutates the accumulator in place (a mutating op cannot carry an autograd formula); it re-reads the logits.
+@torch.library.custom_op("k3::router_logits", mutates_args=())
+def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return _logits(x, weight)
 
-    @staticmethod
-    def backward(ctx, _didx, dp):
-        x, weight, idx, ssel = ctx.saved_tensors
-        c = ctx.scaling
-        S = ssel.sum(-1, keepdim=True)
-        ds = (c / S) * dp - (c / (S * S)) * (dp * ssel).sum(-1, keepdim=True)
-        dsel = ds * ssel * (1.0 - ssel)
-        dlogits = torch.zeros(x.shape[0], ctx.n, dtype=torch.float32, device=x.device).scatter_(1, idx, dsel)
-        dx = dw = None
-        low = x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)
-        dl = dlogits.to(x.dtype) if low else dlogits
-        if ctx.needs_input_grad[0]:
-            dx = (dl @ (weight if low else weight.float())).to(x.dtype)
-        if ctx.needs_input_grad[1]:
-            dw = (dl.t() @ (x if low else x.float())).to(weight.dtype)
-        return dx, dw, None, None, None, None
+
+@router_logits.register_fake
+def _(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(x.shape[0], weight.shape[0], dtype=torch.float32)
+
+
+def _router_logits_setup(ctx, inputs, output) -> None:  # noqa: ANN001 - torch.library's signature
+    ctx.save_for_backward(*inputs)
+
+
+def _router_logits_bwd(ctx, dlogits: torch.Tensor):  # noqa: ANN001, ANN202
+    x, weight = ctx.saved_tensors
+    low = x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)
+    dl = dlogits.to(x.dtype) if low else dlogits
+    dx = dw = None
+    if ctx.needs_input_grad[0]:
+        dx = (dl @ (weight if low else weight.float())).to(x.dtype)
+    if ctx.needs_input_grad[1]:
+        dw = (dl.t() @ (x if low else x.float())).to(weight.dtype)
+    return dx, dw
+
+
+router_logits.register_autograd(_router_logits_bwd, setup_context=_router_logits_setup)
+
+
+@torch.library.custom_op("k3::moe_route", mutates_args=())
+def moe_route(logits: torch.Tensor, bias: torch.Tensor, top_k: int, scaling: float
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``logits [m, n]`` fp32 → ``(p [m, k] fp32, s_sel [m, k] fp32, idx [m, k] int64)``."""
+    with on_device_of(logits):
+        idx, p, ssel = _launch(logits.contiguous(), bias.float().contiguous(), top_k, scaling, None, True, True)
+    return p, ssel, idx
+
+
+@moe_route.register_fake
+def _(logits: torch.Tensor, bias: torch.Tensor, top_k: int, scaling: float):  # noqa: ANN202
+    m = logits.shape[0]
+    return logits.new_empty(m, top_k), logits.new_empty(m, top_k), logits.new_empty(m, top_k, dtype=torch.int64)
+
+
+def _moe_route_setup(ctx, inputs, output) -> None:  # noqa: ANN001
+    logits, _, _, scaling = inputs
+    _, ssel, idx = output
+    ctx.save_for_backward(idx, ssel)
+    ctx.scaling, ctx.n = scaling, logits.shape[1]
+    ctx.mark_non_differentiable(idx, ssel)
+
+
+def _moe_route_bwd(ctx, dp, _dssel, _didx):  # noqa: ANN001, ANN202
+    idx, ssel = ctx.saved_tensors
+    c = ctx.scaling
+    S = ssel.sum(-1, keepdim=True)
+    ds = (c / S) * dp - (c / (S * S)) * (dp * ssel).sum(-1, keepdim=True)
+    dsel = ds * ssel * (1.0 - ssel)
+    dlogits = torch.zeros(idx.shape[0], ctx.n, dtype=torch.float32, device=idx.device).scatter_(1, idx, dsel)
+    return dlogits, None, None, None
+
+
+moe_route.register_autograd(_moe_route_bwd, setup_context=_moe_route_setup)
+
+
+@torch.library.custom_op("k3::qb_histogram_logits", mutates_args=("hist",))
+def qb_histogram_logits(logits: torch.Tensor, bias: torch.Tensor, top_k: int, hist: torch.Tensor) -> None:
+    """Add the QB histogram of router ``logits [m, n]`` (sigmoid taken in the kernel) into ``hist [n, B]``."""
+    with on_device_of(logits):
+        _launch(logits.contiguous(), bias.float().contiguous(), top_k, 1.0, hist, True, False)
+
+
+@qb_histogram_logits.register_fake
+def _(logits: torch.Tensor, bias: torch.Tensor, top_k: int, hist: torch.Tensor) -> None:
+    return None
 
 
 def route_fused(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, top_k: int,
                 hist: torch.Tensor | None = None, scaling: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     """Same contract as ``k3.ops.moe.router.route_reference`` (inputs already validated)."""
-    return _FusedRoute.apply(x, weight, bias, top_k, hist, scaling)
+    logits = router_logits(x, weight)
+    p, _, idx = moe_route(logits, bias, top_k, float(scaling))
+    if hist is not None:
+        qb_histogram_logits(logits.detach(), bias, top_k, hist)
+    return idx, p
 
 
 def qb_histogram_fused(scores: torch.Tensor, bias: torch.Tensor, top_k: int, hist: torch.Tensor) -> torch.Tensor:

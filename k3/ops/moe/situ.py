@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import torch
 
-from k3.ops._device import on_device_of
 from k3.ops.moe._backend import use_triton
 
 __all__ = ["situ_glu", "situ_glu_packed", "situ_glu_reference", "situ_bound"]
@@ -51,8 +50,7 @@ def situ_glu(gate: torch.Tensor, up: torch.Tensor, beta1: float = 4.0, beta2: fl
     if use_triton(gate):
         from k3.ops.moe.situ_triton import situ_glu_fused
 
-        with on_device_of(gate):
-            return situ_glu_fused(gate, up, beta1, beta2)
+        return situ_glu_fused(gate, up, beta1, beta2)
     return situ_glu_reference(gate, up, beta1, beta2)
 
 
@@ -64,7 +62,6 @@ def situ_glu_packed(gu: torch.Tensor, beta1: float = 4.0, beta2: float = 25.0) -
     if use_triton(gu):
         from k3.ops.moe.situ_triton import situ_glu_fused_packed
 
-        with on_device_of(gu):
-            return situ_glu_fused_packed(gu, beta1, beta2)
+        return situ_glu_fused_packed(gu, beta1, beta2)
     g, u = gu.chunk(2, dim=-1)
     return situ_glu_reference(g, u, beta1, beta2)

@@ -15,6 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
+from k3.ops._device import on_device_of
 from k3.ops.moe._backend import alloc
 from k3.ops.moe.situ import situ_bound
 
@@ -103,47 +104,96 @@ def _bwd(g: torch.Tensor, u: torch.Tensor, dy: torch.Tensor, dg: torch.Tensor, d
             float(beta1), float(beta2), BM=BM, BF=BF, num_warps=nw)
 
 
-class _SituGLU(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, gate: torch.Tensor, up: torch.Tensor, beta1: float, beta2: float) -> torch.Tensor:
-        shape = gate.shape
-        g, u = _rows(gate), _rows(up)
-        ctx.save_for_backward(g, u)
-        ctx.betas, ctx.shape = (beta1, beta2), shape
-        return _fwd(g, u, beta1, beta2).view(shape)
-
-    @staticmethod
-    def backward(ctx, dy: torch.Tensor):
-        g, u = ctx.saved_tensors
-        dg, du = alloc(g.shape, g.dtype, g.device), alloc(u.shape, u.dtype, u.device)
-        _bwd(g, u, _rows(dy), dg, du, *ctx.betas)
-        return dg.view(ctx.shape), du.view(ctx.shape), None, None
+# torch.library ops (one opaque node each under torch.compile; the backward is a second op).
+@torch.library.custom_op("k3::situ_glu", mutates_args=())
+def _situ_op(gate: torch.Tensor, up: torch.Tensor, beta1: float, beta2: float) -> torch.Tensor:
+    g, u = _rows(gate), _rows(up)
+    with on_device_of(gate):
+        return _fwd(g, u, beta1, beta2).view(gate.shape)
 
 
-class _SituGLUPacked(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, gu: torch.Tensor, beta1: float, beta2: float) -> torch.Tensor:
-        shape = gu.shape
-        h = _rows(gu)
-        F = h.shape[1] // 2
-        ctx.save_for_backward(h)
-        ctx.betas, ctx.shape = (beta1, beta2), shape
-        return _fwd(h[:, :F], h[:, F:], beta1, beta2).view(*shape[:-1], F)
+@_situ_op.register_fake
+def _(gate: torch.Tensor, up: torch.Tensor, beta1: float, beta2: float) -> torch.Tensor:
+    return gate.new_empty(gate.shape)
 
-    @staticmethod
-    def backward(ctx, dy: torch.Tensor):
-        (h,) = ctx.saved_tensors
-        F = h.shape[1] // 2
-        dh = alloc(h.shape, h.dtype, h.device)
-        _bwd(h[:, :F], h[:, F:], _rows(dy), dh[:, :F], dh[:, F:], *ctx.betas)
-        return dh.view(ctx.shape), None, None
+
+@torch.library.custom_op("k3::situ_glu_bwd", mutates_args=())
+def _situ_bwd_op(gate: torch.Tensor, up: torch.Tensor, dy: torch.Tensor, beta1: float, beta2: float
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    g, u = _rows(gate), _rows(up)
+    dg, du = alloc(g.shape, g.dtype, g.device), alloc(u.shape, u.dtype, u.device)
+    with on_device_of(gate):
+        _bwd(g, u, _rows(dy), dg, du, beta1, beta2)
+    return dg.view(gate.shape), du.view(up.shape)
+
+
+@_situ_bwd_op.register_fake
+def _(gate: torch.Tensor, up: torch.Tensor, dy: torch.Tensor, beta1: float, beta2: float):  # noqa: ANN202
+    return gate.new_empty(gate.shape), up.new_empty(up.shape)
+
+
+def _situ_setup(ctx, inputs, output) -> None:  # noqa: ANN001 - torch.library's signature
+    gate, up, beta1, beta2 = inputs
+    ctx.save_for_backward(gate, up)
+    ctx.betas = (beta1, beta2)
+
+
+def _situ_backward(ctx, dy: torch.Tensor):  # noqa: ANN001, ANN202
+    gate, up = ctx.saved_tensors
+    dg, du = _situ_bwd_op(gate, up, dy, *ctx.betas)
+    return dg, du, None, None
+
+
+_situ_op.register_autograd(_situ_backward, setup_context=_situ_setup)
+
+
+@torch.library.custom_op("k3::situ_glu_packed", mutates_args=())
+def _situ_packed_op(gu: torch.Tensor, beta1: float, beta2: float) -> torch.Tensor:
+    h = _rows(gu)
+    F = h.shape[1] // 2
+    with on_device_of(gu):
+        return _fwd(h[:, :F], h[:, F:], beta1, beta2).view(*gu.shape[:-1], F)
+
+
+@_situ_packed_op.register_fake
+def _(gu: torch.Tensor, beta1: float, beta2: float) -> torch.Tensor:
+    return gu.new_empty(*gu.shape[:-1], gu.shape[-1] // 2)
+
+
+@torch.library.custom_op("k3::situ_glu_packed_bwd", mutates_args=())
+def _situ_packed_bwd_op(gu: torch.Tensor, dy: torch.Tensor, beta1: float, beta2: float) -> torch.Tensor:
+    h = _rows(gu)
+    F = h.shape[1] // 2
+    dh = alloc(h.shape, h.dtype, h.device)
+    with on_device_of(gu):
+        _bwd(h[:, :F], h[:, F:], _rows(dy), dh[:, :F], dh[:, F:], beta1, beta2)
+    return dh.view(gu.shape)
+
+
+@_situ_packed_bwd_op.register_fake
+def _(gu: torch.Tensor, dy: torch.Tensor, beta1: float, beta2: float) -> torch.Tensor:
+    return gu.new_empty(gu.shape)
+
+
+def _situ_packed_setup(ctx, inputs, output) -> None:  # noqa: ANN001
+    gu, beta1, beta2 = inputs
+    ctx.save_for_backward(gu)
+    ctx.betas = (beta1, beta2)
+
+
+def _situ_packed_backward(ctx, dy: torch.Tensor):  # noqa: ANN001, ANN202
+    (gu,) = ctx.saved_tensors
+    return _situ_packed_bwd_op(gu, dy, *ctx.betas), None, None
+
+
+_situ_packed_op.register_autograd(_situ_packed_backward, setup_context=_situ_packed_setup)
 
 
 def situ_glu_fused(gate: torch.Tensor, up: torch.Tensor, beta1: float = 4.0, beta2: float = 25.0) -> torch.Tensor:
     """SiTU-GLU of ``gate, up [..., F]`` (same shape and dtype) → ``[..., F]``; one fused kernel each way."""
-    return _SituGLU.apply(gate, up, beta1, beta2)
+    return _situ_op(gate, up, float(beta1), float(beta2))
 
 
 def situ_glu_fused_packed(gu: torch.Tensor, beta1: float = 4.0, beta2: float = 25.0) -> torch.Tensor:
     """SiTU-GLU of a packed ``gu [..., 2F]`` (gate = first half, up = second half) → ``[..., F]``."""
-    return _SituGLUPacked.apply(gu, beta1, beta2)
+    return _situ_packed_op(gu, float(beta1), float(beta2))

@@ -1,0 +1,385 @@
+"""``python -m k3.bench mla``: the MLA attention paths on one GPU, ours beside the alternatives in one process.
+
+Sections (``--sections``, in this order by default):
+
+``train``    attention at K3's dims (q·k over 128 nope + 64 rope, v 128), 96 heads, B = 1, T = 8,192, bf16, causal:
+             forward and forward+backward of ours (``k3.ops.mla.attention``, Triton) vs the fp32 SDPA path the
+             layer used before (q, k, v upcast, memory-efficient kernel), PyTorch SDPA's flash backend (v padded to
+             192 and sliced), its cuDNN backend, and FlexAttention (compiled). FLOPs counted as useful work only:
+             forward 2·pairs·H·(Dqk + Dv), backward 2·pairs·H·(3·Dqk + 2·Dv), pairs = T(T+1)/2.
+``decode``   the absorbed decode kernel (``mla_decode``: split-K + merge, timed in a CUDA graph) at ``small``'s and
+             K3's dims, batch 1/8/64, cache 4K/32K/128K: time, the cache-read bandwidth it reaches (cache bytes /
+             time) and that bandwidth over a device copy's (read + write bytes / time) of the same bytes. At batch 1
+             the layer's former eager path (fp32 einsums over an fp32 copy of the cache) is timed beside it.
+``prefill``  one ``GatedMLA`` layer at ``small``'s dims, bf16, chunked prefill of 128K and 1M tokens through an
+             ``MLACache``: total time, attention TFLOP/s and peak memory beyond weights + cache + input.
+
+Results: ``mla_bench.json`` and ``mla_bench.md`` in ``--out`` (default ``$OUT/mla``). ``--smoke`` runs every code
+path on tiny CPU shapes (interpreter kernels; no timing claims) to check the script itself.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import sys
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from k3.bench import BenchParser
+
+__all__ = ["main"]
+
+SECTIONS = ("train", "decode", "prefill")
+
+
+# ------------------------------------------------------------------------------------------------------- timing
+def _ms(fn: Callable[[], object], graph: bool = False, rep: int = 200) -> float:
+    """Median ms: CUDA events (``do_bench``; ``graph`` replays a captured CUDA graph: device time without the
+    host's launch overhead), a host clock on CPU."""
+    if torch.cuda.is_available():
+        import triton
+
+        if graph:
+            return float(triton.testing.do_bench_cudagraph(fn, rep=rep, return_mode="median"))
+        return float(triton.testing.do_bench(fn, warmup=50, rep=rep, return_mode="median"))
+    fn()
+    t0 = time.perf_counter()
+    fn()
+    return (time.perf_counter() - t0) * 1e3
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.detach().double(), b.detach().double()
+    return float((a - b).norm() / b.norm().clamp(min=1e-30))
+
+
+def _free() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+# -------------------------------------------------------------------------------------------------------- train
+def _fp32_sdpa(q, k, v, scale):
+    """The layer's former path: upcast, [B, H, T, D], SDPA causal (no flash backend takes fp32)."""
+    qf, kf, vf = (t.float().transpose(1, 2) for t in (q, k, v))
+    return F.scaled_dot_product_attention(qf, kf, vf, is_causal=True, scale=scale).transpose(1, 2).to(q.dtype)
+
+
+def _sdpa_backend(backend, pad_v: bool):
+    from torch.nn.attention import sdpa_kernel
+
+    def fn(q, k, v, scale):
+        Dv = v.shape[-1]
+        vv = F.pad(v, (0, q.shape[-1] - Dv)) if pad_v else v
+        with sdpa_kernel(backend):
+            o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), vv.transpose(1, 2),
+                                               is_causal=True, scale=scale)
+        return o.transpose(1, 2)[..., :Dv]
+
+    return fn
+
+
+def _flex(T: int, device: str):
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    mask = create_block_mask(lambda b, h, i, j: j <= i, None, None, T, T, device=device)
+    flex = torch.compile(flex_attention)
+
+    def fn(q, k, v, scale):
+        return flex(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), block_mask=mask,
+                    scale=scale).transpose(1, 2)
+
+    return fn
+
+
+def bench_train(T: int, H: int, Dqk: int, Dv: int, device: str, skip: set[str],
+                deadline: float = float("inf")) -> list[dict]:
+    from k3.ops.mla import attention
+
+    dt = torch.bfloat16 if device == "cuda" else torch.float32
+    torch.manual_seed(0)
+    q = torch.randn(1, T, H, Dqk, device=device, dtype=dt, requires_grad=True)
+    k = torch.randn(1, T, H, Dqk, device=device, dtype=dt, requires_grad=True)
+    v = torch.randn(1, T, H, Dv, device=device, dtype=dt, requires_grad=True)
+    do = torch.randn(1, T, H, Dv, device=device, dtype=dt)
+    scale = Dqk**-0.5
+    pairs = T * (T + 1) / 2
+    f_fwd, f_bwd = 2 * pairs * H * (Dqk + Dv), 2 * pairs * H * (3 * Dqk + 2 * Dv)
+    ref_o = _fp32_sdpa(q, k, v, scale)
+    ref_g = torch.autograd.grad(ref_o, [q, k, v], do)
+    variants: list[tuple[str, Callable]] = [("fp32 SDPA (former path)", _fp32_sdpa),
+                                            ("ours (Triton flash)", lambda q, k, v, s: attention(q, k, v, s)[0])]
+    if device == "cuda":
+        from torch.nn.attention import SDPBackend
+
+        variants += [("SDPA flash, v padded to Dqk", _sdpa_backend(SDPBackend.FLASH_ATTENTION, True)),
+                     ("SDPA cuDNN", _sdpa_backend(SDPBackend.CUDNN_ATTENTION, False)),
+                     ("SDPA cuDNN, v padded to Dqk", _sdpa_backend(SDPBackend.CUDNN_ATTENTION, True))]
+        if "flex" not in skip:
+            variants.append(("FlexAttention (compiled)", _flex(T, device)))
+    rows = []
+    for name, fn in variants:
+        row: dict = dict(section="train", variant=name, T=T, H=H, Dqk=Dqk, Dv=Dv, dtype=str(dt))
+        if time.monotonic() > deadline:
+            row["error"] = "skipped: --budget-s reached"
+            rows.append(row)
+            continue
+        try:
+            o = fn(q, k, v, scale)
+            g = torch.autograd.grad(o, [q, k, v], do)
+            row.update(rel_o=_rel(o, ref_o), rel_dq=_rel(g[0], ref_g[0]), rel_dk=_rel(g[1], ref_g[1]),
+                       rel_dv=_rel(g[2], ref_g[2]))
+            del o, g
+            with torch.no_grad():
+                row["fwd_ms"] = _ms(lambda: fn(q, k, v, scale))
+            row["fwd_bwd_ms"] = _ms(lambda: torch.autograd.grad(fn(q, k, v, scale), [q, k, v], do))
+            row["fwd_TFLOPs"] = f_fwd / row["fwd_ms"] * 1e-9
+            row["fwd_bwd_TFLOPs"] = (f_fwd + f_bwd) / row["fwd_bwd_ms"] * 1e-9
+        except Exception as e:  # an unsupported backend/shape is a result too
+            row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+        _free()
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    base = rows[0].get("fwd_bwd_ms")
+    for r in rows:
+        if base and "fwd_bwd_ms" in r:
+            r["speedup_fwd_bwd_vs_fp32"] = base / r["fwd_bwd_ms"]
+    return rows
+
+
+# ------------------------------------------------------------------------------------------------------- decode
+def _eager_absorbed(q_lat, q_pe, buf, L, scale):
+    """The layer's former decode: fp32 copies of the cache, einsums, softmax."""
+    c = q_lat.shape[-1]
+    c_kv, k_pe = buf[:, :L].float().split([c, buf.shape[-1] - c], dim=-1)
+    s = torch.einsum("bthc,blc->bhtl", q_lat.float(), c_kv) + torch.einsum("bthr,blr->bhtl", q_pe.float(), k_pe)
+    return torch.einsum("bhtl,blc->bthc", torch.softmax(s * scale, dim=-1), c_kv)
+
+
+def bench_decode(dims: dict[str, tuple[int, int, int]], batches: list[int], lengths: list[int],
+                 device: str) -> list[dict]:
+    from k3.ops.mla import mla_decode
+
+    dt = torch.bfloat16 if device == "cuda" else torch.float32
+    rows = []
+    for name, (H, c, r) in dims.items():
+        for B in batches:
+            for L in lengths:
+                row: dict = dict(section="decode", dims=name, H=H, c=c, r=r, B=B, L=L)
+                try:
+                    buf = torch.randn(B, L, c + r, device=device, dtype=dt)
+                    q = torch.randn(B, 1, H, c, device=device, dtype=dt) / c**0.25
+                    qp = torch.randn(B, 1, H, r, device=device, dtype=dt)
+                    lens = torch.full((B,), L, dtype=torch.int32, device=device)
+                    scale = (128 + r) ** -0.5
+                    mla_decode(q, qp, buf, None, lens, scale)  # tune + compile outside the graph
+                    row["ms"] = _ms(lambda: mla_decode(q, qp, buf, None, lens, scale), graph=True)
+                    nbytes = buf.numel() * buf.element_size()
+                    row["cache_GBps"] = nbytes / row["ms"] * 1e-6
+                    dst = torch.empty_like(buf)
+                    row["copy_ms"] = _ms(lambda: dst.copy_(buf), graph=True)
+                    row["copy_GBps"] = 2 * nbytes / row["copy_ms"] * 1e-6  # read + write
+                    row["of_copy_bw"] = row["cache_GBps"] / row["copy_GBps"]
+                    del dst
+                    if B == 1:
+                        try:
+                            row["eager_fp32_ms"] = _ms(lambda: _eager_absorbed(q, qp, buf, L, scale))
+                        except torch.OutOfMemoryError:
+                            row["eager_fp32_ms"] = "OOM"
+                    del buf
+                except torch.OutOfMemoryError:
+                    row["error"] = "OOM"
+                _free()
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+    return rows
+
+
+# ------------------------------------------------------------------------------------------------------ prefill
+def bench_prefill(tokens: list[int], chunk: int, device: str, preset: str = "small") -> list[dict]:
+    from k3.config import K3Config
+    from k3.layers.mla import GatedMLA
+
+    dt = torch.bfloat16 if device == "cuda" else torch.float32
+    cfg = K3Config.from_preset(preset)
+    torch.manual_seed(0)
+    layer = GatedMLA(cfg).to(device=device, dtype=dt)
+    H, Dqk, Dv = cfg.mla_num_heads, cfg.qk_nope_head_dim + cfg.qk_rope_head_dim, cfg.v_head_dim
+    rows = []
+    for N in tokens:
+        row: dict = dict(section="prefill", preset=preset, tokens=N, chunk=chunk, H=H, Dqk=Dqk, Dv=Dv)
+        try:
+            cache = layer.init_state(1, dtype=dt, device=device, capacity=N)
+            x = torch.randn(1, chunk, cfg.hidden_size, device=device, dtype=dt)
+            with torch.no_grad():
+                layer(x[:, :256], cache)  # compile/tune on a small piece, then restart the cache
+                cache.start.zero_()
+                if device == "cuda":
+                    torch.cuda.synchronize()
+                    torch.cuda.reset_peak_memory_stats()
+                base = torch.cuda.memory_allocated() if device == "cuda" else 0
+                t0 = time.perf_counter()
+                for s0 in range(0, N, chunk):
+                    layer(x[:, : min(chunk, N - s0)], cache)
+                    cache.advance(min(chunk, N - s0))
+                if device == "cuda":
+                    torch.cuda.synchronize()
+            row["s"] = time.perf_counter() - t0
+            pairs = sum((min(chunk, N - s0)) * s0 + min(chunk, N - s0) * (min(chunk, N - s0) + 1) / 2
+                        for s0 in range(0, N, chunk))
+            row["attn_TFLOPs"] = 2 * pairs * H * (Dqk + Dv) / row["s"] * 1e-12
+            if device == "cuda":
+                row["peak_extra_GiB"] = (torch.cuda.max_memory_allocated() - base) / 2**30
+            row["cache_GiB"] = cache.buf.numel() * cache.buf.element_size() / 2**30
+            del cache, x
+        except torch.OutOfMemoryError:
+            row["error"] = "OOM"
+        _free()
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    return rows
+
+
+def bench_prefill_forms(L: int, T: int, device: str, H: int = 8, n: int = 64, r: int = 32, v: int = 128,
+                        c: int = 256) -> list[dict]:
+    """One piece of T queries at the end of an L-token cache, both forms at ``small``'s dims: expanded (re-expand
+    the cache, flash attention per segment) vs absorbed (the decode kernel with T·H query rows)."""
+    from k3.ops.mla import mla_decode, mla_prefill
+
+    dt = torch.bfloat16 if device == "cuda" else torch.float32
+    torch.manual_seed(0)
+    buf = torch.randn(1, L, c + r, device=device, dtype=dt)
+    w = (torch.randn(H * (n + v), c, device=device) / c**0.5).to(dt)
+    q = torch.randn(1, T, H, n + r, device=device, dtype=dt)
+    start = torch.tensor([L - T], dtype=torch.int32, device=device)
+    lengths = start + T
+    scale = (n + r) ** -0.5
+    wv = w.view(H, n + v, c)
+
+    def absorbed():
+        q_lat = torch.einsum("bthn,hnc->bthc", q[..., :n], wv[:, :n]).contiguous()
+        o_lat = mla_decode(q_lat, q[..., n:].contiguous(), buf, None, lengths, scale)
+        return torch.einsum("bthc,hvc->bthv", o_lat, wv[:, n:])
+
+    def expanded():
+        return mla_prefill(q, buf, None, start, w, n, v, scale)
+
+    pairs = T * (L - T) + T * (T + 1) / 2
+    rows = []
+    with torch.no_grad():
+        err = _rel(absorbed(), expanded())
+        for name, fn, per_pair in (("expanded (ours)", expanded, n + r + v), ("absorbed", absorbed, 2 * c + r)):
+            ms = _ms(fn)
+            row = dict(section="prefill_form", form=name, L=L, T=T, H=H, ms=ms,
+                       TFLOPs=2 * pairs * H * per_pair / ms * 1e-9, rel_vs_other=err)
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    _free()
+    return rows
+
+
+# ------------------------------------------------------------------------------------------------------- report
+def _fmt(v) -> str:
+    if isinstance(v, float):
+        return f"{v:.3g}" if abs(v) < 1000 else f"{v:,.0f}"
+    return str(v)
+
+
+def _table(rows: list[dict], cols: list[str]) -> str:
+    out = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    for r in rows:
+        out.append("| " + " | ".join(_fmt(r.get(c, "")) for c in cols) + " |")
+    return "\n".join(out)
+
+
+def markdown(header: dict, rows: list[dict]) -> str:
+    parts = [f"# MLA attention benchmark\n\n{header['gpu']}, torch {header['torch']}, triton {header['triton']}, "
+             f"{header['date']}.\n\nCommand: `{header['command']}`\n"]
+    train = [r for r in rows if r["section"] == "train"]
+    if train:
+        parts.append("## Training attention (K3 dims, B=1, causal, forward + backward)\n\n" + _table(
+            train, ["variant", "fwd_ms", "fwd_bwd_ms", "fwd_TFLOPs", "fwd_bwd_TFLOPs", "speedup_fwd_bwd_vs_fp32",
+                    "rel_o", "rel_dq", "error"]))
+    dec = [r for r in rows if r["section"] == "decode"]
+    if dec:
+        parts.append("## Decode step (absorbed, one query per row, CUDA-graph replay)\n\n" + _table(
+            dec, ["dims", "B", "L", "ms", "cache_GBps", "copy_GBps", "of_copy_bw", "eager_fp32_ms", "error"]))
+    pre = [r for r in rows if r["section"] == "prefill"]
+    if pre:
+        parts.append("## Chunked prefill, one MLA layer\n\n" + _table(
+            pre, ["preset", "tokens", "chunk", "s", "attn_TFLOPs", "peak_extra_GiB", "cache_GiB", "error"]))
+    form = [r for r in rows if r["section"] == "prefill_form"]
+    if form:
+        parts.append("## One prefill chunk over a cache: expanded vs absorbed form (`small` dims)\n\n" + _table(
+            form, ["form", "L", "T", "ms", "TFLOPs", "rel_vs_other"]))
+    return "\n\n".join(parts) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = BenchParser(prog="python -m k3.bench mla", description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=None, help="folder for mla_bench.json / .md (default $OUT/mla)")
+    ap.add_argument("--sections", default=",".join(SECTIONS), help=f"comma list of: {', '.join(SECTIONS)}")
+    ap.add_argument("--skip", default="", help="comma list of alternatives to leave out (flex)")
+    ap.add_argument("--prefill-tokens", type=int, nargs="+", default=[131072, 1048576])
+    ap.add_argument("--chunk", type=int, default=65536, help="prefill chunk length")
+    ap.add_argument("--smoke", action="store_true", help="tiny CPU shapes: check the script, no timing claims")
+    ap.add_argument("--budget-s", type=float, default=None,
+                    help="start no new section or train variant after this many seconds (rows so far are kept)")
+    a = ap.parse_args(argv)
+    sections = [s for s in a.sections.split(",") if s]
+    if not sections or any(s not in SECTIONS for s in sections):
+        ap.error(f"--sections must be a comma list of {', '.join(SECTIONS)}, got {a.sections!r}")
+    if a.chunk < 1 or min(a.prefill_tokens) < 1:
+        ap.error("--chunk and --prefill-tokens must be positive")
+    device = "cuda" if torch.cuda.is_available() and not a.smoke else "cpu"
+    if device == "cpu" and not a.smoke:
+        print("k3.bench mla needs a CUDA GPU (or --smoke)", file=sys.stderr)
+        return 2
+    if a.smoke:
+        os.environ.setdefault("K3_MLA_BACKEND", "triton")
+    import triton
+
+    header = dict(gpu=torch.cuda.get_device_name() if device == "cuda" else "CPU (smoke)", torch=torch.__version__,
+                  triton=triton.__version__, host=platform.node(),
+                  date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                  command="python -m k3.bench mla " + " ".join(sys.argv[1:] if argv is None else argv))
+    print(json.dumps(header), flush=True)
+    skip = set(a.skip.split(","))
+    rows: list[dict] = []
+    deadline = time.monotonic() + (a.budget_s if a.budget_s is not None else float("inf"))
+    for s in sections:
+        if time.monotonic() > deadline:
+            rows.append(dict(section=s, error="skipped: --budget-s reached"))
+        elif s == "train":
+            rows += bench_train(64, 2, 24, 16, device, skip, deadline) if a.smoke else \
+                bench_train(8192, 96, 192, 128, device, skip, deadline)
+        elif s == "decode":
+            if a.smoke:
+                rows += bench_decode({"tiny": (2, 16, 8)}, [1, 2], [40], device)
+            else:
+                rows += bench_decode({"small": (8, 256, 32), "k3": (96, 512, 64)}, [1, 8, 64],
+                                     [4096, 32768, 131072], device)
+        else:
+            if a.smoke:
+                rows += bench_prefill([40], 16, device, "tiny") + bench_prefill_forms(40, 16, device, 2, 8, 8, 16, 16)
+            else:
+                rows += bench_prefill(a.prefill_tokens, a.chunk, device) + bench_prefill_forms(131072, 4096, device)
+    out = a.out or os.path.join(os.environ.get("OUT", "bench/results"), "mla")
+    os.makedirs(out, exist_ok=True)
+    from k3.utils import atomic_write_text
+
+    atomic_write_text(os.path.join(out, "mla_bench.json"), json.dumps({"header": header, "rows": rows}, indent=1))
+    md = markdown(header, rows)
+    atomic_write_text(os.path.join(out, "mla_bench.md"), md)
+    print(md)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
