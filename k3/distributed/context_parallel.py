@@ -168,7 +168,10 @@ def _kda_core(cp: ContextParallel, layer: nn.Module, q: torch.Tensor, k: torch.T
 
 
 def _mla_forward(cp: ContextParallel, layer: nn.Module, x: torch.Tensor, state: Any = None) -> torch.Tensor:
-    """``GatedMLA.forward`` under context parallel: queries of this slice over the latents of ranks 0…r."""
+    """``GatedMLA.forward`` under context parallel: the queries of this slice over the latents of ranks 0…r, i.e.
+    the T queries at the last T of the (r+1)·T keys (key j visible to query i iff j ≤ i + r·T)."""
+    from k3.ops.mla import attention, expand_latent
+
     if state is not None:
         raise ValueError("context parallel runs without decode states")
     B, T, _ = x.shape
@@ -178,8 +181,10 @@ def _mla_forward(cp: ContextParallel, layer: nn.Module, x: torch.Tensor, state: 
     every = all_gather_rows(lat, cp.group)  # [W, B, T, c + r]
     cp.bytes["mla_latents"] += lat.numel() * lat.element_size()
     mine = every[:cp.rank + 1].permute(1, 0, 2, 3).reshape(B, (cp.rank + 1) * T, lat.shape[-1])
-    o = layer._expanded(q, mine)  # the T queries sit at the last T of the (r+1)·T keys
-    return layer.o_proj((o * torch.sigmoid(layer.g_proj(x).float())).to(x.dtype))
+    k, v = expand_latent(mine, layer.kv_b_proj.weight, H, layer.nope, layer.v_dim)
+    shift = torch.full((B,), cp.rank * T, dtype=torch.int32, device=x.device)
+    o, _ = attention(q, k, v, layer.scale, shift)
+    return layer.o_proj(o.reshape(B, T, H * layer.v_dim) * torch.sigmoid(layer.g_proj(x)))
 
 
 def apply_context_parallel(model: nn.Module, cp_mesh: Any = None) -> ContextParallel:
