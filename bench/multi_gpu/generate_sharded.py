@@ -32,10 +32,12 @@ import torch  # noqa: E402
 from k3.config import K3Config  # noqa: E402
 
 
-def mini_config(layers: int, smoke: bool) -> K3Config:
+def mini_config(layers: int, smoke: bool, vocab: int = 163_840) -> K3Config:
     if smoke:
         return K3Config.from_preset("tiny", vocab_size=512, bos_token_id=256, eos_token_id=258, pad_token_id=511)
-    return K3Config.from_preset("k3", num_layers=layers, mla_layers=[layers - 1], attn_res_block_size=2)
+    specials = {} if vocab == 163_840 else dict(bos_token_id=256, eos_token_id=257, pad_token_id=vocab - 1)
+    return K3Config.from_preset("k3", num_layers=layers, mla_layers=[layers - 1], attn_res_block_size=2,
+                                vocab_size=vocab, **specials)
 
 
 def make(args: argparse.Namespace) -> None:
@@ -44,7 +46,7 @@ def make(args: argparse.Namespace) -> None:
     from k3.layers.moe import LatentMoE
     from k3.model import K3ForCausalLM
 
-    cfg = mini_config(args.layers, args.smoke)
+    cfg = mini_config(args.layers, args.smoke, args.vocab)
     device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
     torch.manual_seed(0)
     with torch.device("meta"):
@@ -131,6 +133,7 @@ def main() -> None:
     m = sub.add_parser("make")
     m.add_argument("--out", required=True)
     m.add_argument("--layers", type=int, default=3)
+    m.add_argument("--vocab", type=int, default=163_840, help="vocabulary (K3's by default; smaller writes faster)")
     m.add_argument("--smoke", action="store_true")
     r = sub.add_parser("run")
     r.add_argument("--model", required=True)
