@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from k3.bench import BenchParser
+from k3.distributed.expert_parallel import apply_expert_parallel
 
 __all__ = ["main", "Shapes", "PlainLayer"]
 
@@ -427,8 +428,6 @@ def check_sync_free(dev: str) -> dict:
         os.environ.setdefault("MASTER_PORT", "29533")
         os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
         dist.init_process_group("nccl", rank=0, world_size=1, device_id=torch.device("cuda", 0))
-        from k3.distributed.expert_parallel import apply_expert_parallel
-
         (ep,) = apply_expert_parallel(moe, dist.group.WORLD)
         moe(x)
         torch.cuda.synchronize()

@@ -39,8 +39,15 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
+import k3.ops.kda as kda_ops
 from k3.distributed.comm import all_gather_rows, gather_tensor
+from k3.layers.kda import KimiDeltaAttention
+from k3.layers.mla import GatedMLA
+from k3.model import IGNORE_INDEX
+from k3.ops.kda import build_cp_context, cp_conv_halo
+from k3.ops.mla import attention, expand_latent
 
 __all__ = ["ContextParallel", "apply_context_parallel"]
 
@@ -49,8 +56,6 @@ class ContextParallel:
     """The handle of a context-parallel model: its group, this rank's slice, and the last forward's bytes."""
 
     def __init__(self, model: nn.Module, mesh_or_group: Any = None) -> None:
-        from torch.distributed.device_mesh import DeviceMesh
-
         if isinstance(mesh_or_group, DeviceMesh):
             if mesh_or_group.ndim != 1:
                 raise ValueError(f"cp_mesh must be a 1-D DeviceMesh, got {mesh_or_group.ndim} dimensions")
@@ -62,6 +67,7 @@ class ContextParallel:
         self._contexts: dict[int, Any] = {}
         self.bytes: dict[str, int] = {}
         self.T_local = 0
+        self.pending_labels: torch.Tensor | None = None  # taken by the model pre-hook, scored after the forward
 
     # --- slicing ---------------------------------------------------------------------------------------------------
     def shard(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor:
@@ -83,8 +89,6 @@ class ContextParallel:
         self.T_local = int(input_ids.shape[1])
         T = self.T_local * self.world
         if T not in self._contexts:
-            from k3.ops.kda import build_cp_context
-
             cfg = self.model.config
             self._contexts[T] = build_cp_context(torch.tensor([0, T]), self.group,
                                                  conv1d_kernel_size=cfg.kda_conv_size)
@@ -94,8 +98,6 @@ class ContextParallel:
     def loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Mean next-token cross entropy over every non-ignored target of all W ranks (see the module docstring
         for its gradient scale). ``labels [B, T/W]``: this rank's slice of the (unshifted) labels."""
-        from k3.model import IGNORE_INDEX
-
         B, T, V = logits.shape
         firsts = gather_tensor(labels[:, 0].contiguous(), self.group)  # [W, B]: each rank's first label
         self.bytes["labels"] = labels.shape[0] * labels.element_size()
@@ -134,8 +136,6 @@ def _post_forward(cp: ContextParallel, module: nn.Module, args: tuple, kwargs: d
 
 def _conv_halo(cp: ContextParallel, conv: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     """ShortConv pre-hook: the previous rank's last ``kernel − 1`` inputs become the convolution's tail."""
-    from k3.ops.kda import cp_conv_halo
-
     x = args[0] if args else kwargs["x"]
     tail = args[1] if len(args) > 1 else kwargs.get("tail")
     if tail is not None:
@@ -150,8 +150,6 @@ def _kda_core(cp: ContextParallel, layer: nn.Module, q: torch.Tensor, k: torch.T
               ) -> tuple[torch.Tensor, None]:
     """``KimiDeltaAttention._core`` under context parallel: the same chunked op and flags, with the context; one
     call per batch row (the op's context describes one packed stream)."""
-    import k3.ops.kda as kda_ops
-
     if S0 is not None or output_final_state:
         raise ValueError("context parallel runs without decode states")
     if layer.impl != "auto":
@@ -170,8 +168,6 @@ def _kda_core(cp: ContextParallel, layer: nn.Module, q: torch.Tensor, k: torch.T
 def _mla_forward(cp: ContextParallel, layer: nn.Module, x: torch.Tensor, state: Any = None) -> torch.Tensor:
     """``GatedMLA.forward`` under context parallel: the queries of this slice over the latents of ranks 0…r, i.e.
     the T queries at the last T of the (r+1)·T keys (key j visible to query i iff j ≤ i + r·T)."""
-    from k3.ops.mla import attention, expand_latent
-
     if state is not None:
         raise ValueError("context parallel runs without decode states")
     B, T, _ = x.shape
@@ -190,13 +186,9 @@ def _mla_forward(cp: ContextParallel, layer: nn.Module, x: torch.Tensor, state: 
 def apply_context_parallel(model: nn.Module, cp_mesh: Any = None) -> ContextParallel:
     """Make ``model`` (a ``K3ForCausalLM``) context parallel over ``cp_mesh`` (a 1-D DeviceMesh or a process group;
     None = the world), in place. Returns the handle (``shard``, ``bytes``)."""
-    from k3.layers.kda import KimiDeltaAttention
-    from k3.layers.mla import GatedMLA
-
     if getattr(model, "context_parallel", None) is not None:
         raise ValueError("this model is already context parallel")
     cp = ContextParallel(model, cp_mesh)
-    cp.pending_labels = None
     model.context_parallel = cp
     model.register_forward_pre_hook(functools.partial(_pre_forward, cp), with_kwargs=True)
     model.register_forward_hook(functools.partial(_post_forward, cp), with_kwargs=True)

@@ -54,8 +54,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
 
 from k3.distributed.comm import all_reduce_sum, all_to_all_v, gather_tensor, reduce_grad
+from k3.layers.experts_mxfp4 import MXFP4GroupedExperts, mxfp4_ffn
+from k3.layers.moe import LatentMoE
 from k3.ops.moe.combine import combine_norm_rows
 from k3.ops.moe.grouped import expert_counts, grouped_ffn, sort_by_expert
 
@@ -181,8 +185,6 @@ def recv_splits(plan: EPPlan, counts: torch.Tensor, prefix: torch.Tensor, rank: 
 
 # ---------------------------------------------------------------------------------------------- expert weights
 def _local(t: torch.Tensor) -> torch.Tensor:
-    from torch.distributed.tensor import DTensor
-
     return t.to_local() if isinstance(t, DTensor) else t
 
 
@@ -191,8 +193,6 @@ class _ExpertTensors:
     one row for the replica transfer, and the FFN over either the home set or received replicas."""
 
     def __init__(self, experts: nn.Module) -> None:
-        from k3.layers.experts_mxfp4 import MXFP4GroupedExperts
-
         self.mxfp4 = isinstance(experts, MXFP4GroupedExperts)
         names = [f"{w}_{p}" for w in ("w1", "w3", "w2") for p in ("packed", "scale")] if self.mxfp4 \
             else ["w1", "w3", "w2"]
@@ -213,8 +213,6 @@ class _ExpertTensors:
     def ffn(self, x: torch.Tensor, offs: torch.Tensor, parts: list[torch.Tensor] | None = None) -> torch.Tensor:
         w = self.parts if parts is None else parts
         if self.mxfp4:
-            from k3.layers.experts_mxfp4 import mxfp4_ffn
-
             return mxfp4_ffn(x, offs, (w[0], w[1]), (w[2], w[3]), (w[4], w[5]), self.beta1, self.beta2)
         return grouped_ffn(x, offs, w[0], w[1], w[2], self.beta1, self.beta2)
 
@@ -319,8 +317,6 @@ def replicated_expert_sum(z: torch.Tensor, idx: torch.Tensor, p: torch.Tensor, e
 # ---------------------------------------------------------------------------------------------- layer wrapper
 def _group_of(mesh_or_group: Any) -> tuple[Any, Any]:
     """``(process group, DeviceMesh or None)`` from a 1-D DeviceMesh or a process group (None = the world)."""
-    from torch.distributed.device_mesh import DeviceMesh
-
     if isinstance(mesh_or_group, DeviceMesh):
         if mesh_or_group.ndim != 1:
             raise ValueError(f"ep_mesh must be a 1-D DeviceMesh, got {mesh_or_group.ndim} dimensions")
@@ -402,8 +398,6 @@ class ExpertParallelMoE:
 def _shard_experts(experts: nn.Module, E: int, M: int, rank: int, mesh: Any) -> None:
     """Keep experts [rank·M, (rank+1)·M) of a module holding all E (or exactly those M, as the expert-sharded
     release loader builds them)."""
-    from k3.layers.experts_mxfp4 import MXFP4GroupedExperts
-
     if isinstance(experts, MXFP4GroupedExperts):
         for name in [f"{w}_{p}" for w in ("w1", "w3", "w2") for p in ("packed", "scale")]:
             setattr(experts, name, _slice(getattr(experts, name), E, M, rank, f"experts.{name}"))
@@ -413,15 +407,11 @@ def _shard_experts(experts: nn.Module, E: int, M: int, rank: int, mesh: Any) -> 
         full = getattr(experts, name)
         local = _slice(full.detach(), E, M, rank, f"experts.{name}")
         if mesh is not None:
-            from torch.distributed.tensor import DTensor, Shard
-
             local = DTensor.from_local(local, mesh, [Shard(0)], run_check=False)
         setattr(experts, name, nn.Parameter(local, requires_grad=full.requires_grad))
 
 
 def _slice(t: torch.Tensor, E: int, M: int, rank: int, what: str) -> torch.Tensor:
-    from torch.distributed.tensor import DTensor
-
     if isinstance(t, DTensor):
         raise ValueError(f"{what} is already a DTensor: apply expert parallel once, before FSDP")
     if t.shape[0] == E:
@@ -437,8 +427,6 @@ def apply_expert_parallel(model: nn.Module, ep_mesh: Any = None, n_hot: int | No
     process group; None = the world). ``tokens``: "sharded" (each rank its own tokens: training, prefill) or
     "replicated" (every rank the same tokens: ``k3 generate`` under torchrun); switch later with
     ``handle.tokens = …``. Returns the per-layer handles (``check()``, ``last_stats``)."""
-    from k3.layers.moe import LatentMoE
-
     if tokens not in TOKENS:
         raise ValueError(f"tokens must be one of {TOKENS}, got {tokens!r}")
     return [ExpertParallelMoE(m, ep_mesh, n_hot, tokens) for m in model.modules() if isinstance(m, LatentMoE)]

@@ -18,6 +18,12 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+from torch import nn
+
+from k3.config import K3Config
+from k3.model import K3DecoderLayer, keeps_fp32
+
 __all__ = ["Hardware", "ModelStats", "Layout", "model_stats", "train_estimate", "serve_estimate", "search_layouts",
            "parse_bytes", "run_plan"]
 
@@ -99,11 +105,6 @@ def _part(name: str) -> str:
 
 def model_stats(config: Any) -> ModelStats:
     """Count parameters by part from one meta layer per kind (fast: nothing allocated, no init)."""
-    import torch
-
-    from k3.model import K3DecoderLayer, keeps_fp32
-    from k3.train.optim import is_matrix
-
     c = config
     parts: dict[str, int] = {"embedding": c.vocab_size * c.hidden_size,
                              "lm_head": 0 if c.tie_word_embeddings else c.vocab_size * c.hidden_size,
@@ -132,7 +133,7 @@ def model_stats(config: Any) -> ModelStats:
                     matmul_active += n * len(idx)
             if keeps_fp32(name):
                 fp32_kept += n * len(idx)
-            if isinstance(t, torch.nn.Parameter) and is_matrix(name, t):
+            if isinstance(t, nn.Parameter) and t.dim() in (2, 3) and min(t.shape[-2:]) > 1:  # what Muon takes
                 muon += n * len(idx)
         layer_dense[kind] = dense
         expert_params += experts * len(idx)
@@ -451,8 +452,6 @@ def _train_assumptions(seq_len: int, global_batch: int, micro_batch: int, checkp
 
 def run_plan(ns: Any, out: Any) -> int:
     """The ``k3 plan`` command (flags validated here: ``ValueError`` names the flag)."""
-    from k3.config import K3Config
-
     if ns.config is not None:
         config = K3Config.from_json(ns.config)
         name = ns.config

@@ -16,9 +16,16 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import atexit
+
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from k3.ckpt.released import load_pretrained, read_released_config
+from k3.distributed.data_parallel import destroy_distributed, init_distributed, world_size_from_env
+from k3.distributed.expert_parallel import _group_of, apply_expert_parallel
+from k3.distributed.parallel_dims import ParallelDims
 
 __all__ = ["load_expert_sharded", "load_released_distributed"]
 
@@ -29,9 +36,6 @@ def load_expert_sharded(path: str | Path, ep_mesh: Any = None, device: torch.dev
     """``K3ForCausalLM`` from a released folder with this rank's share of the experts, expert parallel over
     ``ep_mesh`` (a 1-D DeviceMesh or a process group; None = the world). ``tokens``: see
     ``apply_expert_parallel`` ("replicated" for generation, "sharded" when each rank holds its own tokens)."""
-    from k3.ckpt.released import load_pretrained, read_released_config
-    from k3.distributed.expert_parallel import _group_of, apply_expert_parallel
-
     group, _ = _group_of(ep_mesh)
     R, rank = dist.get_world_size(group), dist.get_rank(group)
     config, _ = read_released_config(path)
@@ -50,11 +54,6 @@ def load_released_distributed(path: str | Path, device: torch.device, dtype: tor
                               ) -> nn.Module:
     """For ``k3 generate --model PATH`` under torchrun (``WORLD_SIZE`` > 1): join the process group (NCCL on CUDA,
     gloo on CPU; left at exit), load expert-sharded over all ranks onto this rank's device."""
-    import atexit
-
-    from k3.distributed.data_parallel import destroy_distributed, init_distributed, world_size_from_env
-    from k3.distributed.parallel_dims import ParallelDims
-
     world = world_size_from_env()
     d = init_distributed(device, ParallelDims(world_size=world, ep=world))
     atexit.register(destroy_distributed, d)
