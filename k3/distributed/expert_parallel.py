@@ -207,8 +207,8 @@ class _ExpertTensors:
         return torch.cat([p.index_select(0, ids).flatten(1) for p in self.parts], 1)
 
     def unpack(self, rows: torch.Tensor) -> list[torch.Tensor]:
-        sizes = [p[0].numel() for p in self.parts]
-        return [c.view(rows.shape[0], *p.shape[1:]) for c, p in zip(rows.split(sizes, 1), self.parts)]
+        sizes = [p[0].numel() for p in self.parts]  # contiguous copies: the grouped GEMMs take dense stacks
+        return [c.reshape(rows.shape[0], *p.shape[1:]).contiguous() for c, p in zip(rows.split(sizes, 1), self.parts)]
 
     def ffn(self, x: torch.Tensor, offs: torch.Tensor, parts: list[torch.Tensor] | None = None) -> torch.Tensor:
         w = self.parts if parts is None else parts
