@@ -137,3 +137,8 @@ def test_expert_sharded_load_equals_one_process(release: Path, tmp_path: Path) -
     (out0, err0), (out1, err1) = (r.split("\x00") for _, r in results)
     assert out0 == out_one and out0.startswith("hi") and "prefill 3 tokens" in err0  # rank 0 prints …
     assert out1 == err1 == ""  # … rank 1 decodes too, silently
+    _gloo.run_ranks(_cli, 3, release, tmp_path)  # 3 ranks cannot split 8 experts: one line, exit 2, every rank
+    for r in range(3):
+        code, rest = (tmp_path / f"rank{r}.txt").read_text().split("\n", 1)
+        err = rest.split("\x00")[1]
+        assert code == "2" and err.count("\n") == 1 and "must divide the checkpoint's 8 experts" in err, err
