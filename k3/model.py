@@ -121,15 +121,16 @@ def _can_sync(t: torch.Tensor) -> bool:
 
 @contextlib.contextmanager
 def _qb_recording(layer: nn.Module, enabled: bool) -> Iterator[None]:
+    """While not ``enabled`` (a checkpointed layer's recompute), the layer's MoE adds 0 to the QB histogram."""
     moe = getattr(layer, "block_sparse_moe", None)
-    if moe is None:
+    if moe is None or enabled:
         yield
         return
-    before, moe.qb_enabled = moe.qb_enabled, enabled
+    moe.qb_count, moe.qb_zero = moe.qb_zero, moe.qb_count
     try:
         yield
     finally:
-        moe.qb_enabled = before
+        moe.qb_count, moe.qb_zero = moe.qb_zero, moe.qb_count
 
 
 # Selective checkpointing keeps what is expensive to recompute (matmuls, attention, k3's own kernels) and recomputes

@@ -132,8 +132,9 @@ def _text_loader(config: K3Config, batch: int, seq: int, seed: int) -> Any:
 class _Run:
     """One path: ``step(i)`` runs optimizer step i and returns its loss (a float: one host read per step)."""
 
-    def __init__(self, name: str, model: torch.nn.Module, step: Callable[[int], float]) -> None:
-        self.name, self.model, self.step = name, model, step
+    def __init__(self, name: str, model: torch.nn.Module, step: Callable[[int], float],
+                 opt: torch.optim.Optimizer | None = None, loader: Any = None) -> None:
+        self.name, self.model, self.step, self.opt, self.loader = name, model, step, opt, loader
 
 
 def _train_args(a: Any, steps: int) -> Any:
@@ -162,7 +163,7 @@ def _fast(name: str, config: K3Config, a: Any, loader: Any, d: Any, steps: int) 
                    mixed_precision=compute_dtype(config, d.device))
     opt = build_optimizer(model, a.optimizer, a.lr)
     data, targs = _Data(loader, None, None), _train_args(a, steps)
-    return _Run(name, model, lambda i: _train_step(model, opt, data, targs, i, d)["loss"])
+    return _Run(name, model, lambda i: _train_step(model, opt, data, targs, i, d)["loss"], opt, loader)
 
 
 def _lr(opt: torch.optim.Optimizer, a: Any, i: int, steps: int) -> None:
@@ -279,6 +280,22 @@ def _time(run: _Run, device: torch.device, warmup: int, steps: int) -> dict[str,
     return out
 
 
+def _optimizer_ms(run: _Run, device: torch.device, n: int = 3) -> float:
+    """Milliseconds of the optimizer step alone (on the gradients of one more forward/backward)."""
+    assert run.opt is not None
+    x, _ = run.loader.next_batch()
+    run.model(x.to(device)).logits.float().mean().backward()
+    times = []
+    for _ in range(n):
+        _sync(device)
+        t0 = time.perf_counter()
+        run.opt.step()
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    run.opt.zero_grad(set_to_none=True)
+    return 1e3 * statistics.median(times)
+
+
 def _profile(run: _Run, device: torch.device, start: int, n: int = 2) -> dict[str, Any]:
     """CUDA kernel time per step by class, and the largest kernels."""
     from torch.profiler import ProfilerActivity, profile
@@ -338,6 +355,8 @@ def bench_paths(config: K3Config, a: Any, d: Any, peak: float, save: Callable[[l
             row["flops"] = flops
             if name == "fast" and d.device.type == "cuda" and not a.no_profile:
                 row["profile"] = _profile(run, d.device, a.warmup + a.steps)
+            if name.startswith("fast"):
+                row["optimizer_ms"] = _optimizer_ms(run, d.device)
             if name == "fast":
                 import torch._dynamo.utils as du
 
@@ -397,15 +416,16 @@ def _markdown(report: dict[str, Any]) -> str:
              f"`{report['command']}`", "",
              f"bf16 matmul peak measured in this run: {report['peak_tflops']:.0f} TFLOP/s. FLOPs per step: "
              f"{report['flops_total'] / 1e12:.1f} TFLOP (see `k3/bench/train.py` for the count).", "",
-             "| path | ms/step | tokens/s | MFU | MFU (6N+MLA) | peak GiB | reserved GiB | note |",
-             "|---|---:|---:|---:|---:|---:|---:|---|"]
+             "| path | ms/step | tokens/s | MFU | MFU (6N+MLA) | peak GiB | reserved GiB | optimizer ms | note |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---|"]
     for r in report["paths"]:
         if "error" in r:
-            lines.append(f"| {r['path']} | | | | | | | {r['error']} |")
+            lines.append(f"| {r['path']} | | | | | | | | {r['error']} |")
             continue
         lines.append(f"| {r['path']} | {r['ms']:.1f} | {r['tokens_per_s']:,.0f} | {100 * r['mfu']:.1f} % | "
                      f"{100 * r['mfu_6n']:.1f} % | {r.get('peak_gib', float('nan')):.1f} | "
-                     f"{r.get('reserved_gib', float('nan')):.1f} | first steps incl. compile {r['warmup_s']:.0f} s |")
+                     f"{r.get('reserved_gib', float('nan')):.1f} | {r.get('optimizer_ms', float('nan')):.1f} | "
+                     f"first steps incl. compile {r['warmup_s']:.0f} s |")
     prof = next((r["profile"] for r in report["paths"] if "profile" in r), None)
     if prof:
         lines += ["", f"CUDA kernel time of the fast path per step: {prof['kernel_ms']:.1f} ms", "",

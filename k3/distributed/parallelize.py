@@ -51,14 +51,16 @@ def replicated_params(model: nn.Module) -> list[nn.Parameter]:
     return [p for n, p in model.named_parameters() if keeps_fp32(n)]
 
 
-def parallelize_k3(model: nn.Module, dims: ParallelDims, mesh: ParallelMesh | None = None, *, compile: bool = False,
-                   activation_checkpointing: str = "none", mixed_precision: torch.dtype | None = None) -> nn.Module:
+def parallelize_k3(model: nn.Module, dims: ParallelDims, mesh: ParallelMesh | None = None, *,
+                   compile: bool | str = False, activation_checkpointing: str = "none",
+                   mixed_precision: torch.dtype | None = None) -> nn.Module:
     """Apply expert/context parallel, activation checkpointing, regional compile and FSDP2 to ``model`` in place.
 
     ``model``: a ``K3ForCausalLM`` in fp32 (the master weights) on this rank's device, the same initial weights on
     every rank. ``mesh``: ``dims.build_mesh(device_type)``, or None for a single process without a process group
     (then only checkpointing and compile apply). ``mixed_precision``: the compute dtype (bf16 on CUDA) or None
-    (fp32 compute, CPU). Returns ``model`` (its parameters become DTensor shards when sharded).
+    (fp32 compute, CPU). ``compile``: True (inductor) or a ``torch.compile`` backend name. Returns ``model`` (its
+    parameters become DTensor shards when sharded).
     """
     if activation_checkpointing not in AC_POLICIES:
         raise ValueError(f"activation_checkpointing must be one of {AC_POLICIES}, got {activation_checkpointing!r}")
@@ -76,7 +78,7 @@ def parallelize_k3(model: nn.Module, dims: ParallelDims, mesh: ParallelMesh | No
     if activation_checkpointing != "none":
         model.gradient_checkpointing_enable(activation_checkpointing)
     if compile:
-        _compile_layers(model)
+        _compile_layers(model, "inductor" if compile is True else compile)
         state.compiled = True
     if mesh is not None:
         state.replicated = replicated_params(model)
@@ -86,7 +88,7 @@ def parallelize_k3(model: nn.Module, dims: ParallelDims, mesh: ParallelMesh | No
     return model
 
 
-def _compile_layers(model: nn.Module) -> None:
+def _compile_layers(model: nn.Module, backend: str) -> None:
     """``torch.compile`` the two sublayers of every decoder layer in place (``Module.compile``: module names and
     state-dict keys unchanged; FSDP's hooks, registered on the decoder layers, stay outside the compiled regions).
 
@@ -98,15 +100,17 @@ def _compile_layers(model: nn.Module) -> None:
 
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 32)
     for layer in model.model.layers:
-        layer.self_attn.compile()
-        layer.ffn.compile()
+        layer.self_attn.compile(backend=backend)
+        layer.ffn.compile(backend=backend)
 
 
 def _apply_fsdp(model: nn.Module, dims: ParallelDims, mesh: ParallelMesh, param_dtype: torch.dtype | None,
                 ignored: list[nn.Parameter]) -> None:
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    # No input casting: activations are bf16 already (the embedding is), and a decode state passed to the forward
+    # (fp32 KDA states, updated in place) must reach the layers as it is, not as a cast copy.
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32, cast_forward_inputs=False)
     ignored_set = set(ignored)
     # One rank holds everything anyway: keep the bf16 copies from forward to backward instead of casting twice.
     last = len(model.model.layers) - 1

@@ -49,10 +49,13 @@ class MoEGate(nn.Module):
             self.qb_hist = self.qb_hist.to(device)
         return self.qb_hist
 
-    def forward(self, x: torch.Tensor, record: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        """``x [m, d]`` → ``(idx [m, k] int64, p [m, k] fp32)``; adds to the QB histogram when ``record``."""
+    def forward(self, x: torch.Tensor, record: bool = False, count: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``x [m, d]`` → ``(idx [m, k] int64, p [m, k] fp32)``; adds ``count`` (int32 ``[1]``, default 1) per token
+        and expert to the QB histogram when ``record``."""
         hist = self.histogram(x.device) if record else None
-        return route(x, self.weight, self.e_score_correction_bias, self.top_k, hist=hist, scaling=self.scaling)
+        return route(x, self.weight, self.e_score_correction_bias, self.top_k, hist=hist, scaling=self.scaling,
+                     count=count)
 
     @torch.no_grad()
     def apply_histogram(self, hist: torch.Tensor) -> None:
@@ -104,20 +107,24 @@ class LatentMoE(nn.Module):
         self.routed_expert_up_proj = nn.Linear(l, d, bias=False)
         self.shared_experts = (SiTUMLP(d, config.shared_dim, config.situ_beta1, config.situ_beta2)
                                if config.n_shared_experts > 0 else None)
-        self.qb_enabled = True  # switched off while activation checkpointing recomputes a forward
+        # what each training forward adds to the QB histogram: 1, and 0 while activation checkpointing recomputes
+        # the forward (``qb_count`` and ``qb_zero`` swap places). A device value rather than a Python flag: the
+        # compiled forward and its recompute run one graph, and no op is issued to switch it.
+        self.register_buffer("qb_count", torch.ones(1, dtype=torch.int32), persistent=False)
+        self.register_buffer("qb_zero", torch.zeros(1, dtype=torch.int32), persistent=False)
         # [n] token-expert rows per expert of the last training forward (all zero before the first)
         self.register_buffer("last_load", torch.zeros(config.n_experts, dtype=torch.int64), persistent=False)
 
     def recording(self) -> bool:
-        """Whether this forward is a training forward that feeds Quantile Balancing."""
-        return self.training and torch.is_grad_enabled() and self.qb_enabled
+        """Whether this forward is a training forward that feeds Quantile Balancing (by ``qb_count``)."""
+        return self.training and torch.is_grad_enabled()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x [..., d]`` (post_attention_layernorm output) → ``[..., d]``."""
         shape = x.shape
         xf = x.reshape(-1, shape[-1])
         record = self.recording()
-        idx, p = self.gate(xf, record=record)
+        idx, p = self.gate(xf, record=record, count=self.qb_count)
         u = self.routed(self.routed_expert_down_proj(xf), idx, p, record)
         y = self.routed_expert_up_proj(u)
         if self.shared_experts is not None:

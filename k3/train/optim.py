@@ -57,25 +57,29 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-def _whole_matrices(t: torch.Tensor) -> bool:
-    """Whether each rank's shard of ``t`` consists of whole trailing-2-D matrices (stacked experts sharded along the
-    expert dim), so orthogonalising the shard is orthogonalising those matrices."""
-    return t.dim() == 3 and all(p.is_replicate() or (p.is_shard() and p.dim == 0) for p in t.placements)
+def _needs_gather(p: torch.Tensor) -> bool:
+    """Whether ``p``'s local part is not made of whole matrices: a DTensor cut along one of its trailing two dims
+    (or along dim 0 of a 2-D matrix) over more than one rank. Stacked experts sharded along the expert dim, and
+    any shard on a one-rank mesh, are orthogonalised as they are."""
+    if not isinstance(p, DTensor):
+        return False
+    for i, pl in enumerate(p.placements):
+        if pl.is_shard() and p.device_mesh.size(i) > 1 and not (p.dim() == 3 and pl.dim == 0):
+            return True
+    return False
 
 
-def _orthogonalise(looks: list[torch.Tensor], steps: int, dtype: torch.dtype) -> list[torch.Tensor]:
-    """``NS(look)`` per parameter, as this rank's local part (fp32).
+def _orthogonalise(params: list[torch.Tensor], looks: list[torch.Tensor], steps: int, dtype: torch.dtype
+                   ) -> list[torch.Tensor]:
+    """``NS(look)`` per parameter, as this rank's local part (fp32). ``looks``: the local parts of the momentum
+    look-ahead, laid out like ``params``.
 
-    A sharded 2-D matrix is gathered whole (``full_tensor``), orthogonalised, and this rank's shard taken back
+    A matrix cut across ranks is gathered whole (``full_tensor``), orthogonalised, and this rank's shard taken back
     (``distribute_tensor`` with no source rank slices locally): the same update as one process. Matrices of one
     shape are stacked and orthogonalised in one batched call."""
-    mats: list[torch.Tensor] = []
-    gathered: list[bool] = []
-    for look in looks:
-        full = isinstance(look, DTensor) and not _whole_matrices(look)
-        m = look.full_tensor() if full else _local(look)
-        mats.append(m)
-        gathered.append(full)
+    gathered = [_needs_gather(p) for p in params]
+    mats = [DTensor.from_local(look, p.device_mesh, p.placements, shape=p.shape, stride=p.stride()).full_tensor()
+            if g else look for p, look, g in zip(params, looks, gathered)]
     out: list[torch.Tensor | None] = [None] * len(looks)
     by_shape: dict[tuple[int, int], list[int]] = {}
     for i, m in enumerate(mats):
@@ -90,9 +94,9 @@ def _orthogonalise(looks: list[torch.Tensor], steps: int, dtype: torch.dtype) ->
         for i, m in flat:
             out[i] = ortho[offset:offset + m.shape[0]].view(mats[i].shape)
             offset += m.shape[0]
-    for i, look in enumerate(looks):
+    for i, p in enumerate(params):
         if gathered[i]:
-            out[i] = distribute_tensor(out[i], look.device_mesh, look.placements, src_data_rank=None).to_local()
+            out[i] = distribute_tensor(out[i], p.device_mesh, p.placements, src_data_rank=None).to_local()
     return out  # type: ignore[return-value]
 
 
@@ -134,13 +138,14 @@ class Muon(torch.optim.Optimizer):
         for p in params:
             if "momentum_buffer" not in self.state[p]:
                 self.state[p]["momentum_buffer"] = torch.zeros_like(p, dtype=torch.float32)
-        grads = [p.grad if p.grad.dtype == torch.float32 else p.grad.float() for p in params]
+        # everything on the local shards: one foreach kernel per op, no DTensor dispatch per parameter
+        grads = [_local(p.grad).float() for p in params]
         bufs = [_local(self.state[p]["momentum_buffer"]) for p in params]
         torch._foreach_mul_(bufs, mu)
-        torch._foreach_add_(bufs, [_local(g) for g in grads])
-        looks = [g.add(self.state[p]["momentum_buffer"], alpha=mu) for p, g in zip(params, grads)]  # Nesterov
+        torch._foreach_add_(bufs, grads)
+        looks = torch._foreach_add(grads, bufs, alpha=mu)  # Nesterov look-ahead
         dtype = self.ns_dtype or (torch.bfloat16 if params[0].is_cuda else torch.float32)
-        updates = _orthogonalise(looks, group["ns_steps"], dtype)
+        updates = _orthogonalise(params, looks, group["ns_steps"], dtype)
         # the update's RMS matched to AdamW's: 0.2·sqrt(max(rows, cols)) of the full matrix
         torch._foreach_mul_(updates, [-lr * 0.2 * math.sqrt(max(p.shape[-2], p.shape[-1])) for p in params])
         local = [_local(p) for p in params]

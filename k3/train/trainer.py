@@ -512,7 +512,7 @@ def _train(args: TrainArgs, d: Distributed, resume_from: Path | None, out: TextI
     save = _saver(s.run_dir, s.model, s.config, s.tok, opt, s.data, run_args, args.keep, d)
     result = TrainResult(run_dir=s.run_dir, step=args.steps)
     final = _loop(s, opt, args, d, metrics_path, save, out, result)
-    save(args.steps)
+    ckpt = save(args.steps)
     result.val_loss, result.val_accuracy = final["val_loss"], final.get("val_accuracy")
     acc = f", recall accuracy {final['val_accuracy']:.1%}" if "val_accuracy" in final else ""
     out.write(f"k3: validation loss {final['val_loss']:.4f} (perplexity {final['val_ppl']:.2f}){acc}\n")
@@ -520,8 +520,9 @@ def _train(args: TrainArgs, d: Distributed, resume_from: Path | None, out: TextI
         _plot(s.run_dir, metrics_path)
     run = shlex.quote(str(s.run_dir))
     if args.sample_tokens and args.task == "text":
-        if d.world_size == 1:
-            result.sample = _sample(s.model, s.tok, args, d.device, out)
+        if d.world_size == 1:  # a GPU run samples from its checkpoint: a plain model, not the FSDP-wrapped one
+            model = s.model if d.mesh is None else load_checkpoint(ckpt, device=d.device)["model"]
+            result.sample = _sample(model, s.tok, args, d.device, out)
         else:  # the decode loop is a one-process affair: sample from the checkpoint instead
             out.write(f"k3: sample: k3 generate --run {run} (decoding runs in one process)\n")
     nxt = (f"k3 eval --run {run}" if args.task == "recall" else

@@ -34,8 +34,18 @@ def test_moe_ops_pass_opcheck() -> None:
     bias = torch.randn(n, device=DEV) * 0.1
     torch.library.opcheck(ops.router_logits.default, (x, w))
     torch.library.opcheck(ops.moe_route.default, (logits.clone().requires_grad_(True), bias, k, 1.5))
-    torch.library.opcheck(ops.qb_histogram_logits.default,
-                          (logits, bias, k, torch.zeros(n, 16, dtype=torch.int32, device=DEV)))
+    for count in (1, 0):  # 0: a checkpointed recompute adds nothing
+        hist = torch.zeros(n, 16, dtype=torch.int32, device=DEV)
+        torch.library.opcheck(ops.qb_histogram_logits.default,
+                              (logits, bias, k, hist, torch.full((1,), count, dtype=torch.int32, device=DEV)))
+    hist = torch.zeros(n, 16, dtype=torch.int32, device=DEV)
+    ops.qb_histogram_logits(logits, bias, k, hist, torch.zeros(1, dtype=torch.int32, device=DEV))
+    assert int(hist.abs().sum()) == 0
+    ops.qb_histogram_logits(logits, bias, k, hist, torch.full((1,), 3, dtype=torch.int32, device=DEV))
+    assert int(hist.sum()) == 3 * m * n
+    b = torch.randn(3, 6, 7, device=DEV).transpose(1, 2)  # the transposed expert views the layer passes
+    offs = torch.tensor([2, 2, 5], dtype=torch.int32, device=DEV)
+    torch.library.opcheck(ops.grouped_mm_loop.default, (_g(5, 7), b.requires_grad_(True), offs))
     g, u, dy = _g(m, F, scale=3.0), _g(m, F, scale=20.0), torch.randn(m, F, device=DEV)
     torch.library.opcheck(ops.situ_glu.default, (g, u, 4.0, 25.0))
     torch.library.opcheck(ops.situ_glu_bwd.default, (g.detach(), u.detach(), dy, 4.0, 25.0))

@@ -73,13 +73,16 @@ def qb_histogram(
     return qb_accumulate(alpha - s, bias, out)
 
 
-def qb_accumulate(r: torch.Tensor, bias: torch.Tensor, hist: torch.Tensor) -> torch.Tensor:
-    """Add the required biases ``r [m, n]`` into ``hist [n, num_bins]`` (int32, in place)."""
+def qb_accumulate(r: torch.Tensor, bias: torch.Tensor, hist: torch.Tensor, count: torch.Tensor | None = None
+                  ) -> torch.Tensor:
+    """Add the required biases ``r [m, n]`` into ``hist [n, num_bins]`` (int32, in place), ``count`` (int32 ``[1]``,
+    default 1) per (token, expert). A scatter-add of static shape (no data-dependent ``bincount`` size): compiles."""
     n, num_bins = hist.shape
     lo, span = qb_range(bias)
     idx = ((r.float() - lo) * (num_bins / span)).floor().clamp_(0, num_bins - 1).long()
     idx += torch.arange(n, device=r.device) * num_bins
-    hist.view(-1).add_(torch.bincount(idx.view(-1), minlength=n * num_bins).to(hist.dtype))
+    ones = torch.ones(idx.numel(), dtype=hist.dtype, device=hist.device)
+    hist.view(-1).index_add_(0, idx.view(-1), ones if count is None else ones * count)
     return hist
 
 

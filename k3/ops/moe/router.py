@@ -48,13 +48,14 @@ def route_reference(
     top_k: int,
     hist: torch.Tensor | None = None,
     scaling: float = 1.0,
+    count: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Plain PyTorch router.
 
     x ``[m, d]``, weight ``[n, d]``, bias ``[n]`` fp32 (no gradient). Returns ``(idx [m, k] int64,
     p [m, k] fp32)`` with ``p`` renormalised over the selected experts from the unbiased sigmoid scores.
     When ``hist [n, num_bins] int32`` is given, the QB histogram of r_ij = α_i − s_ij (α_i = the (k+1)-th largest
-    biased score of token i) is accumulated into it in place.
+    biased score of token i) is accumulated into it in place, ``count`` (int32 ``[1]``, default 1) per entry.
     """
     m = x.shape[0]
     s = torch.sigmoid(x.float() @ weight.float().t())  # [m, n] fp32
@@ -65,7 +66,7 @@ def route_reference(
     p = s.gather(1, idx)
     p = p / p.sum(-1, keepdim=True) * scaling
     if hist is not None and m > 0:
-        qb_accumulate(top.values[:, top_k:top_k + 1] - s.detach(), bias, hist)  # r_ij = α_i − s_ij
+        qb_accumulate(top.values[:, top_k:top_k + 1] - s.detach(), bias, hist, count)  # r_ij = α_i − s_ij
     return idx, p
 
 
@@ -76,11 +77,12 @@ def route(
     top_k: int,
     hist: torch.Tensor | None = None,
     scaling: float = 1.0,
+    count: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The router used by the MoE layer: same contract as ``route_reference``; fused Triton epilogue on CUDA."""
     check_route_inputs(x, weight, bias, top_k, hist, scaling)
     if use_triton(x):
         from k3.ops.moe.router_triton import route_fused
 
-        return route_fused(x, weight, bias, top_k, hist=hist, scaling=scaling)
-    return route_reference(x, weight, bias, top_k, hist=hist, scaling=scaling)
+        return route_fused(x, weight, bias, top_k, hist=hist, scaling=scaling, count=count)
+    return route_reference(x, weight, bias, top_k, hist=hist, scaling=scaling, count=count)

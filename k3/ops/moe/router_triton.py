@@ -28,7 +28,7 @@ __all__ = ["route_fused", "qb_histogram_fused", "router_logits", "moe_route", "q
 
 
 @triton.jit
-def _router_kernel(l_ptr, b_ptr, idx_ptr, p_ptr, ssel_ptr, h_ptr, lo_ptr, scale_ptr, M, N, s_l, scaling,
+def _router_kernel(l_ptr, b_ptr, idx_ptr, p_ptr, ssel_ptr, h_ptr, lo_ptr, scale_ptr, w_ptr, M, N, s_l, scaling,
                    TOP_K: tl.constexpr, K1: tl.constexpr, KP: tl.constexpr, NP: tl.constexpr, BM: tl.constexpr,
                    NUM_BINS: tl.constexpr, APPLY_SIGMOID: tl.constexpr, WRITE_ROUTE: tl.constexpr,
                    HIST: tl.constexpr):
@@ -71,15 +71,16 @@ def _router_kernel(l_ptr, b_ptr, idx_ptr, p_ptr, ssel_ptr, h_ptr, lo_ptr, scale_
     if HIST:
         lo = tl.load(lo_ptr)
         scale = tl.load(scale_ptr)
+        w = tl.load(w_ptr)  # the count each (token, expert) adds: 1, or 0 while a checkpointed forward recomputes
         b_v = ((b_alpha[:, None] - b_s) - lo) * scale
         b_v = tl.minimum(tl.maximum(b_v, 0.0), NUM_BINS - 1.0)  # clamp first: NaN/huge never become wild ints
         b_bin = tl.floor(b_v).to(tl.int32)
-        tl.atomic_add(h_ptr + o_n[None, :].to(tl.int64) * NUM_BINS + b_bin, tl.full([BM, NP], 1, tl.int32),
-                      mask=m_x, sem="relaxed")
+        tl.atomic_add(h_ptr + o_n[None, :].to(tl.int64) * NUM_BINS + b_bin, tl.full([BM, NP], 1, tl.int32) * w,
+                      mask=m_x & (w != 0), sem="relaxed")
 
 
 def _launch(logits: torch.Tensor, bias: torch.Tensor, top_k: int, scaling: float, hist: torch.Tensor | None,
-            apply_sigmoid: bool, write_route: bool):
+            apply_sigmoid: bool, write_route: bool, count: torch.Tensor | None = None):
     M, N = logits.shape
     dev = logits.device
     idx = alloc((M, top_k), torch.int64, dev) if write_route else None
@@ -91,15 +92,16 @@ def _launch(logits: torch.Tensor, bias: torch.Tensor, top_k: int, scaling: float
         lo, span = qb_range(bias)
         scale = hist.shape[1] / span
         lo, scale = lo.reshape(1).float(), scale.reshape(1).float()
+        count = count if count is not None else torch.ones(1, dtype=torch.int32, device=dev)
     else:
-        lo = scale = bias
+        lo = scale = count = bias
     if M:
         NP = triton.next_power_of_2(N)
         BM = max(1, min(16, 4096 // NP))
         dummy = logits
         _router_kernel[(triton.cdiv(M, BM),)](
             logits, bias, idx if write_route else dummy, p if write_route else dummy,
-            ssel if write_route else dummy, hist if hist is not None else dummy, lo, scale,
+            ssel if write_route else dummy, hist if hist is not None else dummy, lo, scale, count,
             M, N, logits.stride(0), float(scaling),
             TOP_K=top_k, K1=top_k + (1 if hist is not None else 0), KP=triton.next_power_of_2(top_k + 1), NP=NP, BM=BM,
             NUM_BINS=hist.shape[1] if hist is not None else 1, APPLY_SIGMOID=apply_sigmoid,
@@ -186,24 +188,29 @@ moe_route.register_autograd(_moe_route_bwd, setup_context=_moe_route_setup)
 
 
 @torch.library.custom_op("k3::qb_histogram_logits", mutates_args=("hist",))
-def qb_histogram_logits(logits: torch.Tensor, bias: torch.Tensor, top_k: int, hist: torch.Tensor) -> None:
-    """Add the QB histogram of router ``logits [m, n]`` (sigmoid taken in the kernel) into ``hist [n, B]``."""
+def qb_histogram_logits(logits: torch.Tensor, bias: torch.Tensor, top_k: int, hist: torch.Tensor,
+                        count: torch.Tensor) -> None:
+    """Add ``count`` (int32 ``[1]``) per (token, expert) to the QB histogram ``hist [n, B]`` of router
+    ``logits [m, n]`` (sigmoid taken in the kernel)."""
     with on_device_of(logits):
-        _launch(logits.contiguous(), bias.float().contiguous(), top_k, 1.0, hist, True, False)
+        _launch(logits.contiguous(), bias.float().contiguous(), top_k, 1.0, hist, True, False, count)
 
 
 @qb_histogram_logits.register_fake
-def _(logits: torch.Tensor, bias: torch.Tensor, top_k: int, hist: torch.Tensor) -> None:
+def _(logits: torch.Tensor, bias: torch.Tensor, top_k: int, hist: torch.Tensor, count: torch.Tensor) -> None:
     return None
 
 
 def route_fused(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, top_k: int,
-                hist: torch.Tensor | None = None, scaling: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+                hist: torch.Tensor | None = None, scaling: float = 1.0, count: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
     """Same contract as ``k3.ops.moe.router.route_reference`` (inputs already validated)."""
     logits = router_logits(x, weight)
     p, _, idx = moe_route(logits, bias, top_k, float(scaling))
     if hist is not None:
-        qb_histogram_logits(logits.detach(), bias, top_k, hist)
+        if count is None:
+            count = torch.ones(1, dtype=torch.int32, device=x.device)
+        qb_histogram_logits(logits.detach(), bias, top_k, hist, count)
     return idx, p
 
 
