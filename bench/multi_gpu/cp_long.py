@@ -40,9 +40,9 @@ def chunked_loss(logits: torch.Tensor, ids: torch.Tensor, chunk: int = 16384) ->
     def part(lg: torch.Tensor, tg: torch.Tensor) -> torch.Tensor:
         return torch.nn.functional.cross_entropy(lg.float(), tg, reduction="sum")
 
-    T = logits.shape[1] - 1
-    total = sum(checkpoint(part, logits[0, a:min(a + chunk, T)], ids[0, a + 1:min(a + chunk, T) + 1],
-                           use_reentrant=False) for a in range(0, T, chunk))
+    T = logits.shape[1] - 1  # split, not slices: the backward concatenates the chunks' gradients once
+    total = sum(checkpoint(part, lg, tg, use_reentrant=False)
+                for lg, tg in zip(logits[0, :-1].split(chunk), ids[0, 1:].split(chunk)))
     return total / T
 
 
