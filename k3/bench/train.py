@@ -40,9 +40,19 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
+import torch.nn.functional as F
+from torch.profiler import ProfilerActivity, profile
 
 from k3.bench import BenchParser
 from k3.config import K3Config
+from k3.data import EMBEDDED, WindowLoader, load_tokenizer, text_streams
+from k3.distributed.data_parallel import destroy_distributed, init_distributed
+from k3.distributed.parallel_dims import ParallelDims
+from k3.distributed.parallelize import parallelize_k3
+from k3.layers.moe import GroupedExperts, MoEGate
+from k3.model import K3ForCausalLM, keeps_fp32
+from k3.train.optim import build_optimizer, lr_factor
+from k3.train.trainer import TrainArgs, _Data, _train_step, compute_dtype, resolve_device
 
 __all__ = ["main", "slice_config", "step_flops", "classify_kernel"]
 
@@ -70,8 +80,6 @@ def slice_config() -> K3Config:
 
 # --- FLOPs -------------------------------------------------------------------------------------------------------
 def _active_matmul_params(model: torch.nn.Module) -> int:
-    from k3.layers.moe import GroupedExperts, MoEGate
-
     n = 0
     for m in model.modules():
         if isinstance(m, torch.nn.Linear):
@@ -121,8 +129,6 @@ class RandomTokens:
 
 def _text_loader(config: K3Config, batch: int, seq: int, seed: int) -> Any:
     """The embedded corpus through the trainer's own loader (real text: the loss curve falls)."""
-    from k3.data import EMBEDDED, WindowLoader, load_tokenizer, text_streams
-
     tok = load_tokenizer("byte")
     train, _ = text_streams(EMBEDDED, tok, seq, None, "text", None)
     return WindowLoader(train, batch, seq, seed)
@@ -137,27 +143,19 @@ class _Run:
         self.name, self.model, self.step, self.opt, self.loader = name, model, step, opt, loader
 
 
-def _train_args(a: Any, steps: int) -> Any:
-    from k3.train.trainer import TrainArgs
-
+def _train_args(a: Any, steps: int) -> TrainArgs:
     return TrainArgs(preset="small", batch_size=a.batch_size, seq_len=a.seq_len, steps=steps, warmup=a.warmup_lr,
                      optimizer=a.optimizer, lr=a.lr, activation_checkpointing=a.ac, schedule="constant",
                      compile="on")
 
 
 def _build(config: K3Config, device: torch.device, seed: int) -> torch.nn.Module:
-    from k3.model import K3ForCausalLM
-
     torch.manual_seed(seed)
     with torch.device(device):
         return K3ForCausalLM(config).float().train()
 
 
 def _fast(name: str, config: K3Config, a: Any, loader: Any, d: Any, steps: int) -> _Run:
-    from k3.distributed.parallelize import parallelize_k3
-    from k3.train.optim import build_optimizer
-    from k3.train.trainer import _Data, _train_step, compute_dtype
-
     model = _build(config, d.device, a.seed)
     parallelize_k3(model, d.dims, d.mesh, compile=name == "fast", activation_checkpointing=a.ac,
                    mixed_precision=compute_dtype(config, d.device))
@@ -167,18 +165,12 @@ def _fast(name: str, config: K3Config, a: Any, loader: Any, d: Any, steps: int) 
 
 
 def _lr(opt: torch.optim.Optimizer, a: Any, i: int, steps: int) -> None:
-    from k3.train.optim import lr_factor
-
     for g in opt.param_groups:
         g["lr"] = g["base_lr"] * lr_factor(i, steps, a.warmup_lr, "constant")
 
 
 def _reference(config: K3Config, a: Any, loader: Any, device: torch.device, steps: int) -> _Run:
     """fp32 weights, eager forward under autocast, logits + fp32 cross entropy (the pre-FSDP trainer's step)."""
-    import torch.nn.functional as F
-
-    from k3.train.optim import build_optimizer
-
     model = _build(config, device, a.seed)
     if a.ac != "none":
         model.gradient_checkpointing_enable(a.ac)
@@ -202,13 +194,6 @@ def _reference(config: K3Config, a: Any, loader: Any, device: torch.device, step
 
 def _bf16copy(config: K3Config, a: Any, loader: Any, device: torch.device, steps: int) -> _Run:
     """A bf16 compute copy refreshed from the fp32 master after every optimizer step (no FSDP, no autocast)."""
-    import torch.nn.functional as F
-
-    from k3.distributed.parallelize import parallelize_k3
-    from k3.distributed.parallel_dims import ParallelDims
-    from k3.model import keeps_fp32
-    from k3.train.optim import build_optimizer
-
     master = _build(config, device, a.seed)
     compute = copy.deepcopy(master)
     for n, p in compute.named_parameters():
@@ -298,8 +283,6 @@ def _optimizer_ms(run: _Run, device: torch.device, n: int = 3) -> float:
 
 def _profile(run: _Run, device: torch.device, start: int, n: int = 2) -> dict[str, Any]:
     """CUDA kernel time per step by class, and the largest kernels."""
-    from torch.profiler import ProfilerActivity, profile
-
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for i in range(n):
             run.step(start + i)
@@ -466,10 +449,6 @@ def main(argv: list[str] | None = None) -> int:
     bad = [p for p in a.paths if p not in PATHS]
     if bad:
         ap.error(f"--paths: unknown {bad}; choose from {','.join(PATHS)}")
-    from k3.distributed.data_parallel import destroy_distributed, init_distributed
-    from k3.distributed.parallel_dims import ParallelDims
-    from k3.train.trainer import resolve_device
-
     device = resolve_device(a.device)
     config = slice_config() if a.slice else K3Config.from_preset(a.preset)
     case = ("K3-width slice" if a.slice else f"preset {a.preset}") + f", batch {a.batch_size} × {a.seq_len}"
@@ -487,8 +466,6 @@ def main(argv: list[str] | None = None) -> int:
             "config": config.to_dict(), "optimizer": a.optimizer, "activation_checkpointing": a.ac,
             "peak_tflops": peak}
         with torch.device("meta"):
-            from k3.model import K3ForCausalLM
-
             meta = K3ForCausalLM(config)
         report["params"] = meta.num_parameters()
         report["active_params"] = meta.num_parameters(active=True)

@@ -23,6 +23,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from k3.ckpt.run import (DCP_DIR, CheckpointError, publish_checkpoint, rng_state, set_rng_state,
@@ -47,9 +50,6 @@ def save_distributed_checkpoint(run_dir: Path, step: int, model: torch.nn.Module
                                 config: Any, tokenizer: Any, trainer_state: dict[str, Any],
                                 run_args: dict[str, Any], keep: int, d: Distributed) -> Path:
     """Collective: every rank calls it. ``trainer_state`` (rank 0's) must not hold the optimizer."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict
-
     tmp = Path(run_dir) / "checkpoints" / f".tmp-step-{step:08d}"
     if d.is_main:
         tmp = stage_checkpoint(run_dir, step, unique=False)
@@ -68,8 +68,6 @@ def save_distributed_checkpoint(run_dir: Path, step: int, model: torch.nn.Module
 
 
 def _saved_keys(path: Path) -> set[str]:
-    from torch.distributed.checkpoint import FileSystemReader
-
     return set(FileSystemReader(str(path)).read_metadata().state_dict_metadata)
 
 
@@ -89,9 +87,6 @@ def load_distributed_checkpoint(ckpt: Path, model: torch.nn.Module, opt: torch.o
                                 d: Distributed) -> None:
     """Load a ``dcp/`` checkpoint into this rank's (parallelized) model and optimizer, whatever layout wrote it;
     restore this rank's RNG states. Collective when there is a process group."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
-
     path = Path(ckpt) / DCP_DIR
     model_sd, optim_sd = get_state_dict(model, opt)
     optim_sd = _only_saved(optim_sd, _saved_keys(path), "optim")

@@ -27,6 +27,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from torch.distributed.device_mesh import init_device_mesh
+
 __all__ = ["ParallelDims", "ParallelMesh"]
 
 _FLAGS = {"dp_replicate": "--dp-replicate", "dp_shard": "--dp-shard", "cp": "--cp", "ep": "--ep", "tp": "--tp"}
@@ -133,8 +135,6 @@ class ParallelDims:
         without context parallel); ``ep``, ``dp_shard_mod_ep`` and ``expert_fsdp`` exist only when ep > 1.
         ``fsdp`` / ``expert_fsdp`` are what ``fully_shard`` takes: 1-D, or 2-D (replicate, shard) for HSDP.
         """
-        from torch.distributed.device_mesh import init_device_mesh
-
         if self.ep > 1:
             names = ("dp_replicate", "dp_shard_mod_ep", "dp_shard_in_ep", "cp")
             shape = (self.dp_replicate, self.dp_shard_mod_ep, self.dp_shard_in_ep, self.cp)

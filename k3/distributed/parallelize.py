@@ -22,10 +22,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch._dynamo
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from k3.distributed.parallel_dims import ParallelDims, ParallelMesh
+from k3.model import keeps_fp32
 
 __all__ = ["AC_POLICIES", "ParallelModel", "parallelize_k3", "sync_replicated_grads", "replicated_params"]
 
@@ -46,8 +49,6 @@ class ParallelModel:
 
 def replicated_params(model: nn.Module) -> list[nn.Parameter]:
     """The parameters K3 keeps in fp32 (never cast to a bf16 compute copy)."""
-    from k3.model import keeps_fp32
-
     return [p for n, p in model.named_parameters() if keeps_fp32(n)]
 
 
@@ -96,8 +97,6 @@ def _compile_layers(model: nn.Module, backend: str) -> None:
     parameters, so the whole model compiles into about four graphs (shared by the layers of a kind), where whole
     decoder layers differ by their AttnRes block bookkeeping and would compile once each. Between the sublayers run
     the AttnRes mixes and norms, fused ops of their own."""
-    import torch._dynamo
-
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 32)
     for layer in model.model.layers:
         layer.self_attn.compile(backend=backend)
@@ -106,8 +105,6 @@ def _compile_layers(model: nn.Module, backend: str) -> None:
 
 def _apply_fsdp(model: nn.Module, dims: ParallelDims, mesh: ParallelMesh, param_dtype: torch.dtype | None,
                 ignored: list[nn.Parameter]) -> None:
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
     # No input casting: activations are bf16 already (the embedding is), and a decode state passed to the forward
     # (fp32 KDA states, updated in place) must reach the layers as it is, not as a cast copy.
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32, cast_forward_inputs=False)

@@ -13,6 +13,7 @@ import math
 from typing import Iterable
 
 import torch
+import torch.distributed as dist
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 __all__ = ["Muon", "build_optimizer", "lr_factor", "newton_schulz", "SCHEDULES", "is_matrix", "clip_grad_norm"]
@@ -193,8 +194,6 @@ def clip_grad_norm(params: Iterable[torch.Tensor], max_norm: float) -> torch.Ten
     params = [p for p in params if p.grad is not None]
     if not any(isinstance(p.grad, DTensor) for p in params):
         return torch.nn.utils.clip_grad_norm_(params, max_norm)
-    import torch.distributed as dist
-
     world = dist.get_world_size()
     by_copies: dict[int, list[torch.Tensor]] = {}
     for p in params:

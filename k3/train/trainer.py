@@ -42,7 +42,7 @@ from k3.ckpt.run import (
 from k3.config import K3Config
 from k3.data import EMBEDDED, IGNORE, RecallLoader, RecallTask, WindowLoader, load_tokenizer, text_streams
 from k3.data.loader import TokenStream, eval_windows
-from k3.data.tokenizers import Tokenizer
+from k3.data.tokenizers import Tokenizer, tokenizer_from_dict
 from k3.distributed.checkpoint import (is_distributed_checkpoint, load_distributed_checkpoint,
                                       save_distributed_checkpoint, shard_optimizer_state)
 from k3.distributed.data_parallel import (Distributed, agree, destroy_distributed, init_distributed, local_batch,
@@ -447,8 +447,6 @@ def _resume_session(args: TrainArgs, ckpt: Path, device: torch.device) -> _Sessi
 
 def load_checkpoint_config(ckpt: Path) -> dict[str, Any]:
     """Config and tokenizer of a verified checkpoint directory (without its weights)."""
-    from k3.data.tokenizers import tokenizer_from_dict
-
     try:
         config = K3Config.from_dict(json.loads((ckpt / "config.json").read_text()))
         spec = json.loads((ckpt / "tokenizer_spec.json").read_text())
