@@ -1,6 +1,7 @@
 """Whole-model context parallel on 2 gloo ranks (preset tiny, fp32) against one process: logits, loss and every
 gradient (averaged over the cp ranks, as FSDP's mean reduction does), alone and with expert parallel over the same
-ranks; the bytes each forward moves; the ValueError cases on every rank (no hang)."""
+ranks under full activation checkpointing; the bytes each forward moves; the ValueError cases on every rank (no
+hang)."""
 
 import copy
 import importlib.util
@@ -53,12 +54,15 @@ def _compare(rank: int, world: int, ep: bool) -> None:
     out_ref = ref(ids, labels=labels)
     out_ref.loss.backward()
     model = copy.deepcopy(_model())
+    if ep:  # with expert parallel also under activation checkpointing: the backward re-runs every collective
+        model.gradient_checkpointing_enable("full")
     if ep:  # expert parallel over the same two ranks (each holds different tokens: its slices)
         from torch.distributed.device_mesh import init_device_mesh
 
         apply_expert_parallel(model, init_device_mesh("cpu", (world,), mesh_dim_names=("ep",)))
     cp = apply_context_parallel(model, dist.group.WORLD)
     out = model(cp.shard(ids), labels=cp.shard(labels))
+    b = dict(cp.bytes)  # the forward's (a checkpointed backward re-runs the collectives and adds to the counts)
     out.loss.backward()
     assert abs(out.loss.item() - out_ref.loss.item()) <= 1e-5 * abs(out_ref.loss.item())
     assert rel(out.logits, cp.shard(out_ref.logits)) <= 1e-5
@@ -77,7 +81,6 @@ def _compare(rank: int, world: int, ep: bool) -> None:
             dist.all_reduce(g)
             g /= world  # FSDP's mean over the data × context ranks
         assert rel(g, want) <= 1e-5, name
-    b = cp.bytes
     if rank == 0:
         print(f"\ncp {world}{' × ep' if ep else ''}: bytes sent per rank per forward {b}")
     assert b["kda_states"] > 0 and b["mla_latents"] == B * (T // world) * 40 * 4 and b["conv_halos"] > 0
