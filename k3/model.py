@@ -1,4 +1,4 @@
-"""The Kimi K3 decoder (SPEC §1–§5) in plain PyTorch; module names mirror the released checkpoint.
+"""The Kimi K3 decoder (docs/architecture.md) in plain PyTorch; module names mirror the released checkpoint.
 
 Data path: token ids → ``embed_tokens`` (= b_0) → for each decoder layer l:
 AttnRes mix → ``input_layernorm`` → KDA or Gated MLA → add to the open block's partial sum → (l % block_size == 0:
@@ -27,7 +27,7 @@ from k3.layers.mlp import SiTUMLP
 from k3.layers.moe import GroupedExperts, LatentMoE, MoEGate
 from k3.layers.norm import RMSNorm
 from k3.ops.moe.qb import qb_all_reduce
-from k3.state import K3State
+from k3.state import K3State, MLACache
 
 __all__ = ["K3ForCausalLM", "K3Model", "K3DecoderLayer", "K3Output", "keeps_fp32", "IGNORE_INDEX"]
 
@@ -98,7 +98,11 @@ class K3Model(nn.Module):
         self.gradient_checkpointing = "none"  # or "full" / "selective" (see K3ForCausalLM.gradient_checkpointing_enable)
 
     def forward(self, input_ids: torch.Tensor, state: K3State | None = None) -> torch.Tensor:
-        """``input_ids [B, T]`` (validated by ``K3ForCausalLM``) → final-normed hidden states ``[B, T, d]``."""
+        """``input_ids [B, T]`` (validated by ``K3ForCausalLM``) → final-normed hidden states ``[B, T, d]``.
+        With ``state``: continues the sequences of its bound pool rows and advances them by T (device-side only:
+        a caller that validated its inputs may call this directly, e.g. inside a CUDA graph)."""
+        if state is not None:
+            state.begin()
         blocks: list[torch.Tensor] = []
         partial = self.embed_tokens(input_ids)  # layer 0 closes it as b_0
         for i, layer in enumerate(self.layers):
@@ -109,6 +113,8 @@ class K3Model(nn.Module):
                 blocks, partial = layer(blocks, partial, s)
         h = attn_res_mix(self.output_attn_res_norm, self.output_attn_res_proj, [*blocks, partial],
                          self.config.rms_norm_eps)
+        if state is not None:
+            state.advance(input_ids.shape[1])
         return self.norm(h)
 
 
@@ -180,7 +186,8 @@ class K3ForCausalLM(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        self.reset_parameters()
+        if self.lm_head.weight.device.type != "meta":  # meta tensors hold no values (and their init is slow)
+            self.reset_parameters()
         self._cast(config.torch_dtype)
 
     # --- construction -------------------------------------------------------------------------------------------
@@ -233,20 +240,23 @@ class K3ForCausalLM(nn.Module):
 
     # --- forward ------------------------------------------------------------------------------------------------
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
-                state: K3State | None = None) -> K3Output:
+                state: K3State | None = None, logits_to_keep: int = 0) -> K3Output:
         """``input_ids [B, T]`` integer → ``K3Output(logits [B, T, vocab], loss, state)``.
 
         ``labels [B, T]`` are aligned with ``input_ids`` (pass ``labels=input_ids`` for language modelling): the
         model shifts them inside, so position t is scored on ``labels[:, t+1]``; ``-100`` targets are ignored and the
         loss is the mean over the remaining ones (0 when there are none). ``state`` (from ``init_state``) makes the
         call continue the sequences it holds and is updated in place: one call, several pieces, or one token at a
-        time give the same logits.
+        time give the same logits. ``logits_to_keep`` > 0: logits of the last that many positions only (a prefill
+        needs one row of the vocabulary-wide projection, not T).
         """
         B, T = self._check_inputs(input_ids, labels, state)
+        if isinstance(logits_to_keep, bool) or not isinstance(logits_to_keep, int) or logits_to_keep < 0:
+            raise ValueError(f"logits_to_keep must be a non-negative integer (0 = all), got {logits_to_keep!r}")
+        if labels is not None and logits_to_keep:
+            raise ValueError("logits_to_keep applies without labels only (the loss needs every position)")
         hidden = self.model(input_ids, state)
-        logits = self.lm_head(hidden)
-        if state is not None:
-            state.advance(T)
+        logits = self.lm_head(hidden[:, -logits_to_keep:] if logits_to_keep else hidden)
         loss = self.loss(logits, labels) if labels is not None else None
         return K3Output(logits=logits, loss=loss, state=state)
 
@@ -288,24 +298,39 @@ class K3ForCausalLM(nn.Module):
                 raise ValueError("state must be a K3State from this model's init_state(batch_size)")
             if state.batch_size != B:
                 raise ValueError(f"state holds {state.batch_size} sequences but input_ids has batch size {B}")
-            first = state.layers[0]
-            dev = first.recurrent.device if hasattr(first, "recurrent") else first.buf.device
-            if dev != input_ids.device:
-                raise ValueError(f"state lives on {dev} but input_ids on {input_ids.device}")
-            cap = min((s.capacity for s in state.layers if hasattr(s, "capacity")), default=None)
-            if cap is not None and state.position + T > cap:
-                raise ValueError(f"state holds {state.position} tokens + {T} new exceed its MLA cache capacity {cap}")
+            if state.device != input_ids.device:
+                raise ValueError(f"state lives on {state.device} but input_ids on {input_ids.device}")
+            if state.capacity is not None and state.position + T > state.capacity:
+                raise ValueError(f"state holds at most {state.capacity} tokens per sequence (its MLA capacity); "
+                                 f"{state.position} are cached and input_ids adds {T}: pass a larger capacity to "
+                                 "init_state")
         return B, T
 
     # --- decode state ---------------------------------------------------------------------------------------------
-    def init_state(self, batch_size: int, device: torch.device | str | None = None) -> K3State:
-        """Empty decode state for ``batch_size`` sequences (KDA: S + conv tails; MLA: latent caches)."""
+    def init_state(self, batch_size: int, device: torch.device | str | None = None,
+                   capacity: int | None = None) -> K3State:
+        """Empty decode state for ``batch_size`` sequences (KDA: S + conv tails; MLA: latent caches of ``capacity``
+        tokens per sequence, default ``config.max_seq_len``). It is a pool of ``batch_size`` rows bound to all of
+        them (``k3.state``): ``model(ids, state=state)`` continues the sequences together."""
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
+        cap = self.config.max_seq_len if capacity is None else capacity
+        if isinstance(cap, bool) or not isinstance(cap, int) or cap < 1:
+            raise ValueError(f"capacity must be a positive integer (tokens per sequence), got {capacity!r}")
         w = self.model.embed_tokens.weight
         device = w.device if device is None else torch.device(device)
-        layers = [layer.self_attn.init_state(batch_size, dtype=w.dtype, device=device) for layer in self.model.layers]
-        return K3State(layers=layers, batch_size=batch_size)
+        layers = []
+        for layer in self.model.layers:
+            mixer = layer.self_attn
+            if isinstance(mixer, GatedMLA):
+                layers.append(MLACache(batch_size, cap, mixer.cache_dim, w.dtype, device))
+            else:
+                layers.append(mixer.init_state(batch_size, dtype=w.dtype, device=device))
+        has_mla = any(isinstance(s, MLACache) for s in layers)
+        state = K3State(layers=layers, lengths=torch.zeros(batch_size, dtype=torch.int32, device=device),
+                        slots=torch.arange(batch_size, device=device), capacity=cap if has_mla else None)
+        state.bind(state.slots)
+        return state
 
     # --- accounting -----------------------------------------------------------------------------------------------
     def moe_layers(self) -> list[LatentMoE]:
@@ -350,16 +375,3 @@ class K3ForCausalLM(nn.Module):
         if not bool(L.sum(1).gt(0).any()):  # no training forward yet
             return float("nan")
         return float((L.max(1).values / L.mean(1).clamp(min=1e-9)).max())
-
-    # --- released checkpoints (k3.ckpt.released) ------------------------------------------------------------------
-    @classmethod
-    def from_pretrained(cls, path: str, device: torch.device | str | None = None, dtype: torch.dtype | None = None,
-                        **kw: Any) -> "K3ForCausalLM":
-        from k3.ckpt.released import load_pretrained
-
-        return load_pretrained(path, device=device, dtype=dtype, **kw)
-
-    def save_pretrained(self, path: str, **kw: Any) -> None:
-        from k3.ckpt.released import save_pretrained
-
-        save_pretrained(self, path, **kw)

@@ -31,10 +31,12 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from k3.ckpt.run import (DCP_DIR, CheckpointError, publish_checkpoint, rng_state, set_rng_state,
                          stage_checkpoint)
 from k3.distributed.data_parallel import Distributed
-from k3.utils import atomic_write_with
+from k3.utils import atomic_write_with, sha256_file
 
 __all__ = ["is_distributed_checkpoint", "save_distributed_checkpoint", "load_distributed_checkpoint",
            "shard_optimizer_state"]
+
+_OWNER = "ranks"  # the staging directory's writer: the run's process group (one per run, under its lock)
 
 
 def is_distributed_checkpoint(ckpt: Path) -> bool:
@@ -50,21 +52,33 @@ def save_distributed_checkpoint(run_dir: Path, step: int, model: torch.nn.Module
                                 config: Any, tokenizer: Any, trainer_state: dict[str, Any],
                                 run_args: dict[str, Any], keep: int, d: Distributed) -> Path:
     """Collective: every rank calls it. ``trainer_state`` (rank 0's) must not hold the optimizer."""
-    tmp = Path(run_dir) / "checkpoints" / f".tmp-step-{step:08d}"
+    tmp = Path(run_dir) / "checkpoints" / f".tmp-step-{step:08d}-{_OWNER}"
     if d.is_main:
-        tmp = stage_checkpoint(run_dir, step, unique=False)
-    _barrier(d)  # the staging directory exists (and stale ones are gone) before anyone writes
+        tmp = stage_checkpoint(run_dir, step, owner=_OWNER)
+    _barrier(d)  # the staging directory exists (and a killed save's is gone) before anyone writes
     model_sd, optim_sd = get_state_dict(model, opt)
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp / DCP_DIR))
     (tmp / "rng").mkdir(exist_ok=True)
-    atomic_write_with(tmp / "rng" / f"rank-{d.rank:05d}.pt", lambda p: torch.save(rng_state(), p))
-    _barrier(d)  # every rank's files are complete before the manifest hashes them
+    rng = tmp / "rng" / f"rank-{d.rank:05d}.pt"
+    atomic_write_with(rng, lambda p: torch.save(rng_state(), p))
+    # each rank hashes the shards it wrote, in parallel; rank 0's manifest reads only the rest
+    mine = {f.relative_to(tmp).as_posix(): sha256_file(f) for f in [*(tmp / DCP_DIR).glob(f"__{d.rank}_*"), rng]}
+    digests = _gather_digests(mine, d)
     final = Path(run_dir) / "checkpoints" / f"step-{step:08d}"
     if d.is_main:
         atomic_write_with(tmp / "trainer.pt", lambda p: torch.save(trainer_state, p))
-        final = publish_checkpoint(tmp, step, config, tokenizer, run_args, keep)
+        final = publish_checkpoint(tmp, step, config, tokenizer, run_args, keep, digests)
     _barrier(d)  # nobody moves on (or exits) before the checkpoint is published
     return final
+
+
+def _gather_digests(mine: dict[str, str], d: Distributed) -> dict[str, str]:
+    """Every rank's file digests, on every rank (the gather is also the barrier: all files are complete)."""
+    if d.mesh is None or d.world_size == 1:
+        return mine
+    every: list[Any] = [None] * d.world_size
+    dist.all_gather_object(every, mine)
+    return {k: v for part in every for k, v in part.items()}
 
 
 def _saved_keys(path: Path) -> set[str]:

@@ -1,4 +1,5 @@
-"""Expert parallel for the Latent MoE: exact volume, targeted transfers, exactly S·k rows of expert FFN per rank.
+"""Expert parallel for the Latent MoE: exact volume, targeted transfers, exactly S·k rows of expert FFN per rank
+(``docs/parallelism.md``).
 
 Letters: R ranks in the EP group, E experts, M = E/R home experts per rank (rank r owns experts [rM, (r+1)M),
 whole), S tokens per rank (the same on every rank), k top-k, C = S·k token-expert rows per rank, ℓ latent width,

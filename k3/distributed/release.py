@@ -32,7 +32,7 @@ __all__ = ["load_expert_sharded", "load_released_distributed"]
 
 def load_expert_sharded(path: str | Path, ep_mesh: Any = None, device: torch.device | str | None = None,
                         dtype: torch.dtype | None = None, dequantize: bool = False, verbose: bool = True,
-                        tokens: str = "replicated") -> nn.Module:
+                        tokens: str = "replicated", force_memory: bool = False) -> nn.Module:
     """``K3ForCausalLM`` from a released folder with this rank's share of the experts, expert parallel over
     ``ep_mesh`` (a 1-D DeviceMesh or a process group; None = the world). ``tokens``: see
     ``apply_expert_parallel`` ("replicated" for generation, "sharded" when each rank holds its own tokens)."""
@@ -45,16 +45,16 @@ def load_expert_sharded(path: str | Path, ep_mesh: Any = None, device: torch.dev
                          f"(torchrun --nproc_per_node)")
     M = E // R
     model = load_pretrained(path, device=device, dtype=dtype, dequantize=dequantize, verbose=verbose and rank == 0,
-                            experts=range(rank * M, (rank + 1) * M))
+                            force_memory=force_memory, experts=range(rank * M, (rank + 1) * M))
     apply_expert_parallel(model, ep_mesh, tokens=tokens)
     return model
 
 
-def load_released_distributed(path: str | Path, device: torch.device, dtype: torch.dtype | None = None
-                              ) -> nn.Module:
+def load_released_distributed(path: str | Path, device: torch.device, dtype: torch.dtype | None = None,
+                              force_memory: bool = False) -> nn.Module:
     """For ``k3 generate --model PATH`` under torchrun (``WORLD_SIZE`` > 1): join the process group (NCCL on CUDA,
     gloo on CPU; left at exit), load expert-sharded over all ranks onto this rank's device."""
     world = world_size_from_env()
     d = init_distributed(device, ParallelDims(world_size=world, ep=world))
     atexit.register(destroy_distributed, d)
-    return load_expert_sharded(path, d.mesh["ep"], device=d.device, dtype=dtype)
+    return load_expert_sharded(path, d.mesh["ep"], device=d.device, dtype=dtype, force_memory=force_memory)

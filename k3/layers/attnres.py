@@ -1,4 +1,4 @@
-"""Block Attention Residuals bookkeeping with K3's rules (SPEC §4, research/attnres.md §1).
+"""Block Attention Residuals bookkeeping with K3's rules (docs/architecture.md#block-attention-residuals).
 
 The residual stream is a list of closed blocks ``b_0 = embedding, b_1, …`` plus the running partial sum ``p`` of
 the open block. Decoder layer ``l`` (0-based), block size S counted in decoder layers:

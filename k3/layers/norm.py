@@ -1,4 +1,5 @@
-"""RMSNorm with fp32 statistics (SPEC §6): y = x / sqrt(mean(x²) + eps) · γ, computed in fp32, cast back to x.dtype."""
+"""RMSNorm with fp32 statistics: y = x / sqrt(mean(x²) + eps) · γ, computed in fp32, cast back to x.dtype
+(docs/architecture.md#numerics)."""
 
 from __future__ import annotations
 

@@ -12,6 +12,8 @@ import torch
 
 from k3.config import K3Config
 from k3.layers.moe import LatentMoE
+from k3.ops.moe.qb import qb_range
+from k3.ops.moe.situ import situ_bound
 
 pytest.importorskip("triton")
 import k3.ops.moe.combine_triton  # noqa: E402,F401  (registers the ops)
@@ -34,23 +36,25 @@ def test_moe_ops_pass_opcheck() -> None:
     bias = torch.randn(n, device=DEV) * 0.1
     torch.library.opcheck(ops.router_logits.default, (x, w))
     torch.library.opcheck(ops.moe_route.default, (logits.clone().requires_grad_(True), bias, k, 1.5))
+    lo, span = qb_range(bias)
     for count in (1, 0):  # 0: a checkpointed recompute adds nothing
         hist = torch.zeros(n, 16, dtype=torch.int32, device=DEV)
-        torch.library.opcheck(ops.qb_histogram_logits.default,
-                              (logits, bias, k, hist, torch.full((1,), count, dtype=torch.int32, device=DEV)))
+        torch.library.opcheck(ops.qb_histogram_logits.default, (logits, bias, k, hist, lo, span,
+                                                                 torch.full((1,), count, dtype=torch.int32,
+                                                                            device=DEV)))
     hist = torch.zeros(n, 16, dtype=torch.int32, device=DEV)
-    ops.qb_histogram_logits(logits, bias, k, hist, torch.zeros(1, dtype=torch.int32, device=DEV))
+    ops.qb_histogram_logits(logits, bias, k, hist, lo, span, torch.zeros(1, dtype=torch.int32, device=DEV))
     assert int(hist.abs().sum()) == 0
-    ops.qb_histogram_logits(logits, bias, k, hist, torch.full((1,), 3, dtype=torch.int32, device=DEV))
+    ops.qb_histogram_logits(logits, bias, k, hist, lo, span, torch.full((1,), 3, dtype=torch.int32, device=DEV))
     assert int(hist.sum()) == 3 * m * n
     b = torch.randn(3, 6, 7, device=DEV).transpose(1, 2)  # the transposed expert views the layer passes
     offs = torch.tensor([2, 2, 5], dtype=torch.int32, device=DEV)
     torch.library.opcheck(ops.grouped_mm_loop.default, (_g(5, 7), b.requires_grad_(True), offs))
     g, u, dy = _g(m, F, scale=3.0), _g(m, F, scale=20.0), torch.randn(m, F, device=DEV)
-    torch.library.opcheck(ops.situ_glu.default, (g, u, 4.0, 25.0))
+    torch.library.opcheck(ops.situ_glu.default, (g, u, 4.0, 25.0, situ_bound(4.0, 25.0, g.dtype)))
     torch.library.opcheck(ops.situ_glu_bwd.default, (g.detach(), u.detach(), dy, 4.0, 25.0))
     gu = _g(m, 2 * F, scale=3.0)
-    torch.library.opcheck(ops.situ_glu_packed.default, (gu, 4.0, 25.0))
+    torch.library.opcheck(ops.situ_glu_packed.default, (gu, 4.0, 25.0, situ_bound(4.0, 25.0, gu.dtype)))
     torch.library.opcheck(ops.situ_glu_packed_bwd.default, (gu.detach(), dy, 4.0, 25.0))
     order = torch.randperm(m * k, device=DEV)
     row_of = torch.empty_like(order)

@@ -1,4 +1,4 @@
-"""Block Attention Residuals mix (SPEC §4), the plain fp32 reference.
+"""Block Attention Residuals mix (docs/architecture.md#block-attention-residuals), the plain fp32 reference.
 
     mix(w, γ; v_1..v_N) = Σ_i softmax_i(⟨γ ⊙ w, RMS(v_i)⟩) · v_i,    RMS(v) = v / sqrt(mean(v²) + eps)
 

@@ -1,4 +1,4 @@
-"""Weighted combine of expert outputs followed by the latent RMSNorm (SPEC §5 step 4):
+"""Weighted combine of expert outputs followed by the latent RMSNorm (docs/architecture.md#latent-rmsnorm):
 u = Σ_{i∈T} p_i E_i(z),  then RMSNorm(u) (with gain, eps 1e-5) — the norm that keeps the four chained matmuls
 W↓ → W1/W3 → W2 → W↑ from blowing up.
 

@@ -8,7 +8,7 @@ with all n experts in registers:
   with a histogram: α = the (k+1)-th biased score, r_ij = α_i − s_ij, and one int32 atomic add per (token, expert)
   into ``hist[j, bin(r_ij)]`` — no ``[tokens, experts]`` bin-index tensor is ever written.
 The bin is ``clamp(floor((r − lo)·scale), 0, B − 1)`` with ``lo, scale`` read from device memory (no host sync),
-the same expression as ``k3.ops.moe.qb.qb_accumulate``.
+the same expression as ``k3.ops.moe.qb.qb_accumulate``; the caller passes ``(lo, span) = qb_range(bias)``.
 
 Backward (torch, cheap): only the k selected logits of each token get a gradient,
   ∂L/∂s_j = (c/S)·dp_j − (c/S²)·Σ_i dp_i s_i  (S = Σ_selected s, c = scaling),  ∂L/∂logit_j = ∂L/∂s_j · s_j(1 − s_j),
@@ -79,17 +79,20 @@ def _router_kernel(l_ptr, b_ptr, idx_ptr, p_ptr, ssel_ptr, h_ptr, lo_ptr, scale_
                       mask=m_x & (w != 0), sem="relaxed")
 
 
+HistRange = tuple[torch.Tensor, torch.Tensor]  # (lo, span) of the histogram: ``k3.ops.moe.qb.qb_range(bias)``
+
+
 def _launch(logits: torch.Tensor, bias: torch.Tensor, top_k: int, scaling: float, hist: torch.Tensor | None,
-            apply_sigmoid: bool, write_route: bool, count: torch.Tensor | None = None):
+            hist_range: HistRange | None, apply_sigmoid: bool, write_route: bool, count: torch.Tensor | None = None):
     M, N = logits.shape
     dev = logits.device
     idx = alloc((M, top_k), torch.int64, dev) if write_route else None
     p = alloc((M, top_k), torch.float32, dev) if write_route else None
     ssel = alloc((M, top_k), torch.float32, dev) if write_route else None
     if hist is not None:
-        from k3.ops.moe.qb import qb_range
-
-        lo, span = qb_range(bias)
+        if hist_range is None:
+            raise ValueError("hist_range (k3.ops.moe.qb.qb_range(bias)) is required with hist")
+        lo, span = hist_range
         scale = hist.shape[1] / span
         lo, scale = lo.reshape(1).float(), scale.reshape(1).float()
         count = count if count is not None else torch.ones(1, dtype=torch.int32, device=dev)
@@ -156,7 +159,8 @@ def moe_route(logits: torch.Tensor, bias: torch.Tensor, top_k: int, scaling: flo
               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``logits [m, n]`` fp32 → ``(p [m, k] fp32, s_sel [m, k] fp32, idx [m, k] int64)``."""
     with on_device_of(logits):
-        idx, p, ssel = _launch(logits.contiguous(), bias.float().contiguous(), top_k, scaling, None, True, True)
+        idx, p, ssel = _launch(logits.contiguous(), bias.float().contiguous(), top_k, scaling, None, None, True,
+                               True)
     return p, ssel, idx
 
 
@@ -189,33 +193,39 @@ moe_route.register_autograd(_moe_route_bwd, setup_context=_moe_route_setup)
 
 @torch.library.custom_op("k3::qb_histogram_logits", mutates_args=("hist",))
 def qb_histogram_logits(logits: torch.Tensor, bias: torch.Tensor, top_k: int, hist: torch.Tensor,
-                        count: torch.Tensor) -> None:
-    """Add ``count`` (int32 ``[1]``) per (token, expert) to the QB histogram ``hist [n, B]`` of router
-    ``logits [m, n]`` (sigmoid taken in the kernel)."""
+                        lo: torch.Tensor, span: torch.Tensor, count: torch.Tensor) -> None:
+    """Add ``count`` (int32 ``[1]``) per (token, expert) to the QB histogram ``hist [n, B]`` over
+    ``[lo, lo + span)`` of router ``logits [m, n]`` (sigmoid taken in the kernel)."""
     with on_device_of(logits):
-        _launch(logits.contiguous(), bias.float().contiguous(), top_k, 1.0, hist, True, False, count)
+        _launch(logits.contiguous(), bias.float().contiguous(), top_k, 1.0, hist, (lo, span), True, False, count)
 
 
 @qb_histogram_logits.register_fake
-def _(logits: torch.Tensor, bias: torch.Tensor, top_k: int, hist: torch.Tensor, count: torch.Tensor) -> None:
+def _(logits: torch.Tensor, bias: torch.Tensor, top_k: int, hist: torch.Tensor, lo: torch.Tensor,
+      span: torch.Tensor, count: torch.Tensor) -> None:
     return None
 
 
 def route_fused(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, top_k: int,
-                hist: torch.Tensor | None = None, scaling: float = 1.0, count: torch.Tensor | None = None
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Same contract as ``k3.ops.moe.router.route_reference`` (inputs already validated)."""
+                hist: torch.Tensor | None = None, scaling: float = 1.0, hist_range: HistRange | None = None,
+                count: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Same contract as ``k3.ops.moe.router.route_reference`` (inputs already validated); with ``hist`` also
+    ``hist_range = qb_range(bias)``."""
     logits = router_logits(x, weight)
     p, _, idx = moe_route(logits, bias, top_k, float(scaling))
     if hist is not None:
+        if hist_range is None:
+            raise ValueError("hist_range (k3.ops.moe.qb.qb_range(bias)) is required with hist")
         if count is None:
             count = torch.ones(1, dtype=torch.int32, device=x.device)
-        qb_histogram_logits(logits.detach(), bias, top_k, hist, count)
+        qb_histogram_logits(logits.detach(), bias, top_k, hist, *hist_range, count)
     return idx, p
 
 
-def qb_histogram_fused(scores: torch.Tensor, bias: torch.Tensor, top_k: int, hist: torch.Tensor) -> torch.Tensor:
-    """Accumulate the QB histogram of sigmoid ``scores [m, n]`` into ``hist [n, B]`` int32 (in place)."""
+def qb_histogram_fused(scores: torch.Tensor, bias: torch.Tensor, top_k: int, hist: torch.Tensor,
+                       hist_range: HistRange) -> torch.Tensor:
+    """Accumulate the QB histogram of sigmoid ``scores [m, n]`` into ``hist [n, B]`` int32 (in place) over
+    ``hist_range = qb_range(bias)``."""
     s = scores if scores.dtype == torch.float32 and scores.stride(-1) == 1 else scores.float().contiguous()
-    _launch(s, bias.float().contiguous(), top_k, 1.0, hist, False, False)
+    _launch(s, bias.float().contiguous(), top_k, 1.0, hist, hist_range, False, False)
     return hist

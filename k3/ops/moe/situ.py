@@ -1,4 +1,5 @@
-"""SiTU-GLU (SPEC §5): [β1·tanh(g/β1)·σ(g)] · [β2·tanh(u/β2)]; every output lies in (−β1·β2, β1·β2).
+"""SiTU-GLU: [β1·tanh(g/β1)·σ(g)] · [β2·tanh(u/β2)]; every output lies in (−β1·β2, β1·β2)
+(docs/architecture.md#situ-glu).
 
 Computed in fp32 and cast back; SwiGLU to first order near 0. ``situ_glu_reference`` is the plain PyTorch ground
 truth; ``situ_glu`` dispatches to the fused Triton forward/backward (``situ_triton.py``) on CUDA tensors
@@ -15,6 +16,7 @@ from k3.ops.moe._backend import use_triton
 __all__ = ["situ_glu", "situ_glu_packed", "situ_glu_reference", "situ_bound"]
 
 
+@torch.compiler.assume_constant_result  # a compiled forward bakes the constant in (no tensor → float graph break)
 def situ_bound(beta1: float, beta2: float, dtype: torch.dtype) -> float:
     """The largest ``dtype`` value strictly below β1·β2. Both tanh factors round to exactly 1 for large inputs, so
     the formula alone would return ±β1·β2 and break the open bound |y| < β1·β2; outputs are clamped to this."""
@@ -50,7 +52,7 @@ def situ_glu(gate: torch.Tensor, up: torch.Tensor, beta1: float = 4.0, beta2: fl
     if use_triton(gate):
         from k3.ops.moe.situ_triton import situ_glu_fused
 
-        return situ_glu_fused(gate, up, beta1, beta2)
+        return situ_glu_fused(gate, up, beta1, beta2, situ_bound(beta1, beta2, gate.dtype))
     return situ_glu_reference(gate, up, beta1, beta2)
 
 
@@ -62,6 +64,6 @@ def situ_glu_packed(gu: torch.Tensor, beta1: float = 4.0, beta2: float = 25.0) -
     if use_triton(gu):
         from k3.ops.moe.situ_triton import situ_glu_fused_packed
 
-        return situ_glu_fused_packed(gu, beta1, beta2)
+        return situ_glu_fused_packed(gu, beta1, beta2, situ_bound(beta1, beta2, gu.dtype))
     g, u = gu.chunk(2, dim=-1)
     return situ_glu_reference(g, u, beta1, beta2)

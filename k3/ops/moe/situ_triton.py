@@ -1,6 +1,7 @@
 """Fused SiTU-GLU forward and backward (Triton): one pass over gate/up in, one pass out.
 
-Math (SPEC §5), in fp32 whatever the storage dtype, with t_g = tanh(g/β1), t_u = tanh(u/β2), σ = sigmoid(g):
+Math (docs/architecture.md#situ-glu), in fp32 whatever the storage dtype, with t_g = tanh(g/β1),
+t_u = tanh(u/β2), σ = sigmoid(g):
     y      = A·B,  A = β1·t_g·σ,  B = β2·t_u
     ∂A/∂g  = (1 − t_g²)·σ + β1·t_g·σ·(1 − σ),   ∂B/∂u = 1 − t_u²
     dg = dy·B·∂A/∂g,  du = dy·A·∂B/∂u
@@ -17,7 +18,6 @@ import triton.language as tl
 
 from k3.ops._device import on_device_of
 from k3.ops.moe._backend import alloc
-from k3.ops.moe.situ import situ_bound
 
 __all__ = ["situ_glu_fused", "situ_glu_fused_packed"]
 
@@ -66,13 +66,8 @@ def _situ_bwd_kernel(g_ptr, u_ptr, dy_ptr, dg_ptr, du_ptr, M, F, s_g, s_u, s_dy,
     tl.store(du_ptr + o_m[:, None] * s_du + o_f[None, :], (b_dy * b_a * b_db).to(du_ptr.dtype.element_ty), mask=m_x)
 
 
-_OVERRIDE: tuple[int, int, int] | None = None  # (BM, BF, num_warps), set only by the benchmark's config sweep
-
-
 def _blocks(F: int) -> tuple[int, int, int]:
     """(BM rows, BF columns, warps) of one program: 4096 elements, 16-byte bf16 vectors per thread."""
-    if _OVERRIDE is not None:
-        return _OVERRIDE
     bf = min(1024, triton.next_power_of_2(max(F, 1)))
     return max(1, 4096 // bf), bf, 4
 
@@ -83,14 +78,14 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
     return t2 if t2.stride(-1) == 1 or t2.shape[-1] == 1 else t2.contiguous()
 
 
-def _fwd(g: torch.Tensor, u: torch.Tensor, beta1: float, beta2: float) -> torch.Tensor:
+def _fwd(g: torch.Tensor, u: torch.Tensor, beta1: float, beta2: float, bound: float) -> torch.Tensor:
     M, F = g.shape
     y = alloc((M, F), g.dtype, g.device)
     if M and F:
         BM, BF, nw = _blocks(F)
         _situ_fwd_kernel[(triton.cdiv(M, BM), triton.cdiv(F, BF))](
             g, u, y, M, F, g.stride(0), u.stride(0), y.stride(0), float(beta1), float(beta2),
-            situ_bound(beta1, beta2, y.dtype), BM=BM, BF=BF, num_warps=nw)
+            float(bound), BM=BM, BF=BF, num_warps=nw)
     return y
 
 
@@ -106,14 +101,14 @@ def _bwd(g: torch.Tensor, u: torch.Tensor, dy: torch.Tensor, dg: torch.Tensor, d
 
 # torch.library ops (one opaque node each under torch.compile; the backward is a second op).
 @torch.library.custom_op("k3::situ_glu", mutates_args=())
-def _situ_op(gate: torch.Tensor, up: torch.Tensor, beta1: float, beta2: float) -> torch.Tensor:
+def _situ_op(gate: torch.Tensor, up: torch.Tensor, beta1: float, beta2: float, bound: float) -> torch.Tensor:
     g, u = _rows(gate), _rows(up)
     with on_device_of(gate):
-        return _fwd(g, u, beta1, beta2).view(gate.shape)
+        return _fwd(g, u, beta1, beta2, bound).view(gate.shape)
 
 
 @_situ_op.register_fake
-def _(gate: torch.Tensor, up: torch.Tensor, beta1: float, beta2: float) -> torch.Tensor:
+def _(gate: torch.Tensor, up: torch.Tensor, beta1: float, beta2: float, bound: float) -> torch.Tensor:
     return gate.new_empty(gate.shape)
 
 
@@ -133,7 +128,7 @@ def _(gate: torch.Tensor, up: torch.Tensor, dy: torch.Tensor, beta1: float, beta
 
 
 def _situ_setup(ctx, inputs, output) -> None:  # noqa: ANN001 - torch.library's signature
-    gate, up, beta1, beta2 = inputs
+    gate, up, beta1, beta2, _ = inputs
     ctx.save_for_backward(gate, up)
     ctx.betas = (beta1, beta2)
 
@@ -141,22 +136,22 @@ def _situ_setup(ctx, inputs, output) -> None:  # noqa: ANN001 - torch.library's 
 def _situ_backward(ctx, dy: torch.Tensor):  # noqa: ANN001, ANN202
     gate, up = ctx.saved_tensors
     dg, du = _situ_bwd_op(gate, up, dy, *ctx.betas)
-    return dg, du, None, None
+    return dg, du, None, None, None
 
 
 _situ_op.register_autograd(_situ_backward, setup_context=_situ_setup)
 
 
 @torch.library.custom_op("k3::situ_glu_packed", mutates_args=())
-def _situ_packed_op(gu: torch.Tensor, beta1: float, beta2: float) -> torch.Tensor:
+def _situ_packed_op(gu: torch.Tensor, beta1: float, beta2: float, bound: float) -> torch.Tensor:
     h = _rows(gu)
     F = h.shape[1] // 2
     with on_device_of(gu):
-        return _fwd(h[:, :F], h[:, F:], beta1, beta2).view(*gu.shape[:-1], F)
+        return _fwd(h[:, :F], h[:, F:], beta1, beta2, bound).view(*gu.shape[:-1], F)
 
 
 @_situ_packed_op.register_fake
-def _(gu: torch.Tensor, beta1: float, beta2: float) -> torch.Tensor:
+def _(gu: torch.Tensor, beta1: float, beta2: float, bound: float) -> torch.Tensor:
     return gu.new_empty(*gu.shape[:-1], gu.shape[-1] // 2)
 
 
@@ -176,24 +171,26 @@ def _(gu: torch.Tensor, dy: torch.Tensor, beta1: float, beta2: float) -> torch.T
 
 
 def _situ_packed_setup(ctx, inputs, output) -> None:  # noqa: ANN001
-    gu, beta1, beta2 = inputs
+    gu, beta1, beta2, _ = inputs
     ctx.save_for_backward(gu)
     ctx.betas = (beta1, beta2)
 
 
 def _situ_packed_backward(ctx, dy: torch.Tensor):  # noqa: ANN001, ANN202
     (gu,) = ctx.saved_tensors
-    return _situ_packed_bwd_op(gu, dy, *ctx.betas), None, None
+    return _situ_packed_bwd_op(gu, dy, *ctx.betas), None, None, None
 
 
 _situ_packed_op.register_autograd(_situ_packed_backward, setup_context=_situ_packed_setup)
 
 
-def situ_glu_fused(gate: torch.Tensor, up: torch.Tensor, beta1: float = 4.0, beta2: float = 25.0) -> torch.Tensor:
-    """SiTU-GLU of ``gate, up [..., F]`` (same shape and dtype) → ``[..., F]``; one fused kernel each way."""
-    return _situ_op(gate, up, float(beta1), float(beta2))
+def situ_glu_fused(gate: torch.Tensor, up: torch.Tensor, beta1: float, beta2: float, bound: float) -> torch.Tensor:
+    """SiTU-GLU of ``gate, up [..., F]`` (same shape and dtype) → ``[..., F]``; one fused kernel each way.
+    Outputs are clamped to ±``bound`` (``k3.ops.moe.situ.situ_bound``: just inside ±β1·β2 in the output dtype)."""
+    return _situ_op(gate, up, float(beta1), float(beta2), float(bound))
 
 
-def situ_glu_fused_packed(gu: torch.Tensor, beta1: float = 4.0, beta2: float = 25.0) -> torch.Tensor:
-    """SiTU-GLU of a packed ``gu [..., 2F]`` (gate = first half, up = second half) → ``[..., F]``."""
-    return _situ_packed_op(gu, float(beta1), float(beta2))
+def situ_glu_fused_packed(gu: torch.Tensor, beta1: float, beta2: float, bound: float) -> torch.Tensor:
+    """SiTU-GLU of a packed ``gu [..., 2F]`` (gate = first half, up = second half) → ``[..., F]``, clamped to
+    ±``bound`` as ``situ_glu_fused``."""
+    return _situ_packed_op(gu, float(beta1), float(beta2), float(bound))
