@@ -16,7 +16,7 @@ import torch.distributed as dist
 import torch.distributed.tensor  # noqa: F401
 
 import k3_runs
-from k3.ckpt.released import load_pretrained
+from k3.ckpt.released import load_pretrained, save_pretrained
 from k3.config import K3Config
 from k3.distributed.release import load_expert_sharded
 from k3.infer.generate import generate_ids
@@ -45,7 +45,7 @@ def release(tmp_path_factory: pytest.TempPathFactory) -> Path:
         for name, p in model.named_parameters():
             if name.endswith("_res_proj.weight") or ".experts." in name:
                 p.normal_(0.0, 0.3)
-    model.save_pretrained(str(folder), quantize=True, max_shard_bytes=64 << 10)
+    save_pretrained(model, folder, quantize=True, max_shard_bytes=64 << 10)
     (folder / "tiktoken.model").write_text("".join(f"{base64.b64encode(bytes([i])).decode()} {i}\n"
                                                    for i in range(256)))
     assert len(list(folder.glob("model-*.safetensors"))) > 3
@@ -53,10 +53,10 @@ def release(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _record_reads(reads: dict[str, int]) -> None:
-    """Wrap ``safetensors.safe_open`` so that every tensor read lands in ``reads`` (name → bytes)."""
-    import safetensors
+    """Wrap ``safe_open`` (as the loader names it) so that every tensor read lands in ``reads`` (name → bytes)."""
+    import k3.ckpt.released as released
 
-    real = safetensors.safe_open
+    real = released.safe_open
 
     class Recording:
         def __init__(self, *a, **kw):
@@ -80,7 +80,7 @@ def _record_reads(reads: dict[str, int]) -> None:
             reads[name] = reads.get(name, 0) + t.numel() * t.element_size()
             return t
 
-    safetensors.safe_open = Recording
+    released.safe_open = Recording
 
 
 def _sharded(rank: int, world: int, folder: Path, ids: torch.Tensor, want: torch.Tensor, greedy: list[int],
