@@ -547,7 +547,7 @@ def _fresh_session(args: TrainArgs, d: Distributed) -> _Session:
     check_fits(_memory(args, config, d.dims), d.device, args.force_memory, config=config,
                extra={"batch_size": args.batch_size, "seq_len": args.seq_len})
     data = build_data(args, tok, config)
-    with torch.device(device):
+    with torch.device(d.device):
         model = _fp32_model(config)  # same seed on every rank: identical initial weights
     return _Session(model, config, tok, data, run_dir, 0, None)
 
