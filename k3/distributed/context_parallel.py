@@ -121,6 +121,8 @@ def _pre_forward(cp: ContextParallel, module: nn.Module, args: tuple, kwargs: di
     input_ids, labels = bound["input_ids"], bound.pop("labels", None)
     if labels is not None and (not isinstance(labels, torch.Tensor) or labels.shape != input_ids.shape):
         raise ValueError(f"labels must be a tensor shaped like input_ids {tuple(input_ids.shape)}")
+    if labels is not None and bound.get("logits_to_keep"):
+        raise ValueError("logits_to_keep: context parallel scores every position of the slice; pass 0 with labels")
     if isinstance(input_ids, torch.Tensor) and input_ids.dim() == 2:
         cp._begin(input_ids)
     cp.pending_labels = labels
