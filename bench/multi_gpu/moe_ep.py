@@ -66,8 +66,8 @@ def skew(moe: LatentMoE) -> None:
     of all tokens); their other choices are kept."""
     orig = moe.gate.forward
 
-    def forward(x: torch.Tensor, record: bool = False):
-        idx, p = orig(x, record)
+    def forward(x: torch.Tensor, *args, **kwargs):
+        idx, p = orig(x, *args, **kwargs)
         k = idx.shape[1]
         hot = torch.tensor([0, 1, 2], device=idx.device)
         keep = ~torch.isin(idx, hot)

@@ -375,7 +375,7 @@ class ExpertParallelMoE:
             return moe.routed_expert_norm(moe.experts(z, idx, p).to(z.dtype))
         y = moe.experts(z, idx, p)
         if record:
-            moe.last_load = self.last_stats.load.detach()
+            moe.last_load.copy_(self.last_stats.load)
         rows = torch.arange(idx.numel(), device=z.device).view(idx.shape)
         return combine_norm_rows(y, rows, p, moe.routed_expert_norm.weight, moe.eps)
 
