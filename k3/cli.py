@@ -5,6 +5,7 @@
     k3 eval       --run DIR [--batches N]
     k3 serve      --run DIR | --model PATH  [--host 127.0.0.1] [--port 8000] [--max-batch N] …
     k3 tokenize   FILES… --out shard.bin [--tokenizer SPEC]
+    k3 plan       --gpus N [--preset k3] [--gpu-memory 141GB] [--dp-shard/--ep/--cp N] [--serve] …
 
 A user mistake (bad flag value, missing or corrupt run directory, empty data, a model too large for the device, …)
 prints ONE line ``k3: error: <what is wrong>; <what to do>`` on stderr and exits with status 2, before anything on
@@ -15,6 +16,7 @@ and exits with status 1.
 from __future__ import annotations
 
 import argparse
+import io
 import os
 import sys
 import tempfile
@@ -25,6 +27,7 @@ from typing import Any, NoReturn, Sequence
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from k3 import __version__
 from k3.ckpt.released import load_pretrained
@@ -32,6 +35,9 @@ from k3.ckpt.run import load_checkpoint
 from k3.data import k3_tokenizer
 from k3.data.files import load_tokens, write_bin_shard
 from k3.data.tokenizers import load_tokenizer
+from k3.distributed.data_parallel import world_size_from_env
+from k3.distributed.plan import run_plan
+from k3.distributed.release import load_released_distributed
 from k3.infer.evaluate import evaluate_run
 from k3.infer.generate import generate
 from k3.train.trainer import cpu_threads, prepare_args, resolve_device, train
@@ -245,11 +251,47 @@ def _add_serve(sub: Any) -> None:
     p.set_defaults(func=_cmd_serve)
 
 
+def _add_plan(sub: Any) -> None:
+    p = sub.add_parser("plan", help="per-GPU memory, FLOPs, traffic and step time of a model on N GPUs",
+                       description="Estimate training (FSDP2 x expert parallel x context parallel; searches the "
+                       "layouts unless --dp-shard is given) or serving (--serve) of a model on N GPUs, from stated "
+                       "assumptions (printed with the result).")
+    p.add_argument("--preset", default="k3", help="model preset (default k3)")
+    p.add_argument("--config", metavar="FILE.json", default=None, help="K3Config JSON file (instead of --preset)")
+    p.add_argument("--gpus", type=_positive_int, required=True, metavar="N", help="number of GPUs")
+    p.add_argument("--gpu-memory", default="141GB", metavar="SIZE", help="memory per GPU (default 141GB)")
+    p.add_argument("--seq-len", type=_positive_int, default=8192, metavar="N", help="tokens per sequence (default 8192)")
+    p.add_argument("--global-batch", type=_positive_int, default=2048, metavar="N",
+                   help="sequences per optimizer step (default 2048)")
+    p.add_argument("--micro-batch", type=_positive_int, default=1, metavar="N",
+                   help="sequences per data rank per micro-batch (default 1)")
+    for flag in ("--dp-replicate", "--dp-shard", "--cp", "--ep"):
+        p.add_argument(flag, type=_positive_int, default=None, metavar="N", help="fix this degree (default: search)")
+    p.add_argument("--activation-checkpointing", choices=["full", "none"], default="full",
+                   help="per-layer recompute (default full)")
+    p.add_argument("--optimizer", choices=["muon", "adamw"], default="muon", help="default muon")
+    p.add_argument("--serve", action="store_true", help="serving the release instead of training")
+    p.add_argument("--batch", type=_positive_int, default=1, metavar="N", help="with --serve: sequences decoded "
+                   "together (default 1)")
+    p.add_argument("--context", type=_positive_int, default=131072, metavar="N", help="with --serve: tokens per "
+                   "sequence (default 131072)")
+    p.add_argument("--peak-tflops", type=_positive_float, default=None, metavar="X", help="bf16 peak per GPU "
+                   "(default 989, H200)")
+    p.add_argument("--efficiency", type=_positive_float, default=None, metavar="X",
+                   help="achieved fraction of the peak (default 0.40)")
+    p.add_argument("--hbm-gbps", type=_positive_float, default=None, metavar="X", help="default 4800")
+    p.add_argument("--nvlink-gbps", type=_positive_float, default=None, metavar="X", help="default 450")
+    p.add_argument("--net-gbps", type=_positive_float, default=None, metavar="X", help="per GPU, default 50")
+    p.add_argument("--gpus-per-node", type=_positive_int, default=None, metavar="N", help="default 8")
+    p.add_argument("--top", type=_positive_int, default=10, metavar="N", help="layouts shown (default 10)")
+    p.set_defaults(func=_cmd_plan)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="k3", description="Kimi K3 in PyTorch: train, sample, evaluate.")
     parser.add_argument("--version", action="version", version=f"k3 {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
-    for add in (_add_train, _add_generate, _add_eval, _add_tokenize, _add_serve):
+    for add in (_add_train, _add_generate, _add_eval, _add_tokenize, _add_serve, _add_plan):
         add(sub)
     return parser
 
@@ -273,6 +315,9 @@ def _cmd_train(ns: argparse.Namespace) -> int:
 def _cmd_generate(ns: argparse.Namespace) -> int:
     device = resolve_device(ns.device)
     if ns.run is not None:
+        if world_size_from_env() > 1:
+            raise ValueError("under torchrun, k3 generate runs a released checkpoint expert-sharded (--model PATH); "
+                             "generate from a run directory with one process")
         if ns.chat or ns.system is not None or ns.dtype is not None:
             raise ValueError("--chat, --system and --dtype apply to --model only; drop them with --run")
         ck = load_checkpoint(ns.run, device=device, force_memory=ns.force_memory)
@@ -280,10 +325,13 @@ def _cmd_generate(ns: argparse.Namespace) -> int:
         prompt: Any = ns.prompt
     else:
         model, tok, prompt = _load_released(ns, device)
+        device = model.lm_head.weight.device  # under torchrun: this rank's GPU
+    main_rank = not dist.is_initialized() or dist.get_rank() == 0  # under torchrun every rank decodes, rank 0 prints
+    out, report = (sys.stdout, sys.stderr) if main_rank else (io.StringIO(), io.StringIO())
     with cpu_threads(device, model.config.hidden_size):
         generate(model, tok, prompt, max_new_tokens=ns.max_new_tokens, temperature=ns.temperature, top_k=ns.top_k,
-                 top_p=ns.top_p, seed=ns.seed, stream=sys.stdout, device=device, report=sys.stderr)
-    sys.stdout.write("\n")
+                 top_p=ns.top_p, seed=ns.seed, stream=out, device=device, report=report)
+    out.write("\n")
     return 0
 
 
@@ -291,7 +339,10 @@ def _load_released(ns: argparse.Namespace, device: Any) -> tuple[Any, Any, Any]:
     """A released checkpoint through ``k3.load_pretrained`` and K3's tokenizer."""
     tok = k3_tokenizer.load_k3_tokenizer(ns.model)
     dtype = getattr(torch, ns.dtype) if ns.dtype else None
-    model = load_pretrained(ns.model, device=device, dtype=dtype, force_memory=ns.force_memory)
+    if world_size_from_env() > 1:  # torchrun: each rank loads only its share of the experts
+        model = load_released_distributed(ns.model, device, dtype, force_memory=ns.force_memory)
+    else:
+        model = load_pretrained(ns.model, device=device, dtype=dtype, force_memory=ns.force_memory)
     if not ns.chat:
         if ns.system is not None:
             raise ValueError("--system needs --chat")
@@ -299,6 +350,10 @@ def _load_released(ns: argparse.Namespace, device: Any) -> tuple[Any, Any, Any]:
     messages = ([{"role": "system", "content": ns.system}] if ns.system else []) + [
         {"role": "user", "content": ns.prompt}]
     return model, tok, list(tok.chat_prompt(messages))
+
+
+def _cmd_plan(ns: argparse.Namespace) -> int:
+    return run_plan(ns, sys.stdout)
 
 
 def _cmd_eval(ns: argparse.Namespace) -> int:

@@ -367,8 +367,9 @@ class _Slot:
     part: str | None = None  # "packed" / "scale" when a dequantising load needs both halves
 
 
-def _plan(model: nn.Module, ckpt_dtype: torch.dtype, quantized: bool) -> dict[str, _Slot]:
-    """Every checkpoint name the model needs → its slot (derived from the meta model's state_dict)."""
+def _plan(model: nn.Module, ckpt_dtype: torch.dtype, quantized: bool, first_expert: int = 0) -> dict[str, _Slot]:
+    """Every checkpoint name the model needs → its slot (derived from the meta model's state_dict); the model's
+    expert stacks hold experts ``first_expert, first_expert + 1, …``."""
     plan: dict[str, _Slot] = {}
     tied = getattr(model.config, "tie_word_embeddings", False)
     for key, t in model.state_dict(keep_vars=True).items():
@@ -380,7 +381,7 @@ def _plan(model: nn.Module, ckpt_dtype: torch.dtype, quantized: bool) -> dict[st
             mod = model.get_submodule(base)
             E = t.shape[0]
             for e in range(E):
-                stem = f"{PREFIX}{base}.{e}.{w}"
+                stem = f"{PREFIX}{base}.{first_expert + e}.{w}"
                 if isinstance(mod, MXFP4GroupedExperts):
                     plan[f"{stem}.weight{part}"] = _Slot(key, tuple(t.shape[1:]), torch.uint8, e)
                 elif quantized:  # dequantise into the stacked dense parameter
@@ -530,8 +531,25 @@ def _swap_in_mxfp4(model: nn.Module) -> None:
         moe.experts = MXFP4GroupedExperts(e.n_experts, e.latent_dim, e.expert_dim, e.beta1, e.beta2, device="meta")
 
 
+def _keep_experts(model: nn.Module, experts: range) -> None:
+    """Shrink every (meta) expert stack to the experts in ``experts``."""
+    for moe in (m for m in model.modules() if isinstance(m, LatentMoE)):
+        e = moe.experts
+        if not isinstance(experts, range) or experts.step != 1 or not 0 <= experts.start < experts.stop <= e.n_experts:
+            raise ValueError(f"experts must be a range within [0, {e.n_experts}) with step 1, got {experts!r}")
+        with torch.device("meta"):
+            moe.experts = type(e)(len(experts), e.latent_dim, e.expert_dim, e.beta1, e.beta2)
+
+
+def _other_expert(name: str, experts: range) -> bool:
+    """Whether checkpoint tensor ``name`` belongs to a routed expert outside ``experts``."""
+    m = _EXPERT_RE.match(name[len(PREFIX):]) if name.startswith(PREFIX) else None
+    return m is not None and int(m.group(3)) not in experts
+
+
 def load_pretrained(path: str | Path, device: torch.device | str | None = None, dtype: torch.dtype | None = None,
-                    dequantize: bool = False, verbose: bool = True, force_memory: bool = False) -> K3ForCausalLM:
+                    dequantize: bool = False, verbose: bool = True, force_memory: bool = False,
+                    experts: range | None = None) -> K3ForCausalLM:
     """Build ``K3ForCausalLM`` from a released-layout folder (see the module docstring) and return it in eval mode.
 
     ``device``: where the weights go (default CPU).  ``dtype``: the dtype of the bf16-class weights (default: the
@@ -539,7 +557,9 @@ def load_pretrained(path: str | Path, device: torch.device | str | None = None, 
     ``dtype`` weights (``GroupedExperts``, trainable) instead of keeping them 4-bit (``MXFP4GroupedExperts``).
     Before anything is allocated, the model's bytes are estimated on ``meta`` and a model that cannot fit
     ``device``'s memory is refused (``ValueError``) unless ``force_memory``. Every file name the folder's index
-    gives is confined to the folder.
+    gives is confined to the folder. ``experts``: load only these routed experts of every MoE layer (an
+    expert-parallel rank's share: see ``k3.distributed.release``); the expert stacks hold just them, in order, and
+    no other expert's bytes are read.
     """
     folder = Path(path)
     config, info = read_released_config(folder, verbose=verbose)
@@ -550,14 +570,19 @@ def load_pretrained(path: str | Path, device: torch.device | str | None = None, 
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)} as a torch.dtype, got {dtype!r}")
         config = K3Config.from_dict({**config.to_dict(), "dtype": names[dtype]})
     dev = torch.device(device) if device is not None else torch.device("cpu")
-    check_fits(model_footprint(config, mxfp4_experts=info.quantized and not dequantize), dev, force_memory,
-               config=config)
+    footprint = model_footprint(config, mxfp4_experts=info.quantized and not dequantize)
+    if experts is not None and "routed experts" in footprint.parts:  # this rank's share of them only
+        footprint.parts["routed experts"] = footprint.parts["routed experts"] * len(experts) // config.n_experts
+    check_fits(footprint, dev, force_memory, config=config)
     wm = _weight_map(folder)
     with torch.device("meta"):
         model = K3ForCausalLM(config)
     if info.quantized and not dequantize:
         _swap_in_mxfp4(model)
-    plan = _plan(model, ckpt_dtype, info.quantized)
+    if experts is not None:
+        _keep_experts(model, experts)
+        wm = {n: s for n, s in wm.items() if not _other_expert(n, experts)}  # never opened, not "unused"
+    plan = _plan(model, ckpt_dtype, info.quantized, experts.start if experts is not None else 0)
     _check_names(wm, plan, config.num_layers, info.mtp_layers, verbose)
     dtype_of = {k: t.dtype for k, t in model.state_dict(keep_vars=True).items()}
     filler = _Filler(model, dev, dtype_of)

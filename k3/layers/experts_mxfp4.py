@@ -23,7 +23,7 @@ from k3.ops.moe.mxfp4 import GROUP, check_mxfp4, dequantize_mxfp4, quantize_mxfp
 from k3.ops.moe.mxfp4_gemm import check_grouped_inputs, mxfp4_grouped_glu, mxfp4_grouped_mm, use_triton
 from k3.ops.moe.situ import situ_glu
 
-__all__ = ["MXFP4GroupedExperts"]
+__all__ = ["MXFP4GroupedExperts", "mxfp4_ffn"]
 
 _NAMES = ("w1", "w3", "w2")
 
@@ -99,24 +99,32 @@ class MXFP4GroupedExperts(nn.Module):
         """``x_sorted [R,L]`` (rows grouped by expert), ``offs [E]`` int32 cumulative ends → ``[R,L]``."""
         if x_sorted.dim() != 2 or x_sorted.shape[1] != self.latent_dim:
             raise ValueError(f"x_sorted must be [R, {self.latent_dim}], got {tuple(x_sorted.shape)}")
-        check_grouped_inputs(x_sorted, *self.pair("w1"), offs)
-        if use_triton(x_sorted):
-            h = mxfp4_grouped_glu(x_sorted, self.pair("w1"), self.pair("w3"), offs, self.beta1, self.beta2)
-            return mxfp4_grouped_mm(h, *self.pair("w2"), offs)
-        return self._forward_dequantized(x_sorted, offs)
+        return mxfp4_ffn(x_sorted, offs, self.pair("w1"), self.pair("w3"), self.pair("w2"), self.beta1, self.beta2)
 
-    def _forward_dequantized(self, x: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-        """CPU path: one expert at a time, dequantised to x.dtype (never all E experts at once)."""
-        y = torch.zeros_like(x)
-        ends = offs.long().tolist()
-        start = 0
-        for e, end in enumerate(ends):
-            if end > start:
-                xe = x[start:end]
-                w1 = dequantize_mxfp4(self.w1_packed[e], self.w1_scale[e], x.dtype)
-                w3 = dequantize_mxfp4(self.w3_packed[e], self.w3_scale[e], x.dtype)
-                w2 = dequantize_mxfp4(self.w2_packed[e], self.w2_scale[e], x.dtype)
-                h = situ_glu(xe @ w1.T, xe @ w3.T, self.beta1, self.beta2)
-                y[start:end] = h @ w2.T
-            start = max(start, end)
-        return y
+
+Pair = tuple[torch.Tensor, torch.Tensor]
+
+
+def mxfp4_ffn(x: torch.Tensor, offs: torch.Tensor, w1: Pair, w3: Pair, w2: Pair, beta1: float, beta2: float
+              ) -> torch.Tensor:
+    """W2·SiTU-GLU(W1 x, W3 x) per expert group with ``(packed, scale)`` weights of any expert count (the module's
+    own, or replicas received by expert parallel). W4A16 Triton kernels on CUDA, else per-expert dequantisation."""
+    check_grouped_inputs(x, *w1, offs)
+    if use_triton(x):
+        h = mxfp4_grouped_glu(x, w1, w3, offs, beta1, beta2)
+        return mxfp4_grouped_mm(h, *w2, offs)
+    return _ffn_dequantized(x, offs, w1, w3, w2, beta1, beta2)
+
+
+def _ffn_dequantized(x: torch.Tensor, offs: torch.Tensor, w1: Pair, w3: Pair, w2: Pair, beta1: float, beta2: float
+                     ) -> torch.Tensor:
+    """CPU path: one expert at a time, dequantised to x.dtype (never all experts at once)."""
+    y = torch.zeros_like(x)
+    start = 0
+    for e, end in enumerate(offs.long().tolist()):
+        if end > start:
+            xe = x[start:end]
+            a, b, c = (dequantize_mxfp4(w[0][e], w[1][e], x.dtype) for w in (w1, w3, w2))
+            y[start:end] = situ_glu(xe @ a.T, xe @ b.T, beta1, beta2) @ c.T
+        start = max(start, end)
+    return y
