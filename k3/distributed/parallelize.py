@@ -27,6 +27,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+from k3.distributed.context_parallel import apply_context_parallel
+from k3.distributed.expert_parallel import apply_expert_parallel
 from k3.distributed.parallel_dims import ParallelDims, ParallelMesh
 from k3.model import keeps_fp32
 
@@ -69,12 +71,8 @@ def parallelize_k3(model: nn.Module, dims: ParallelDims, mesh: ParallelMesh | No
         raise ValueError(f"a {dims.world_size}-rank layout needs its mesh: pass dims.build_mesh(device_type)")
     state = ParallelModel(dims=dims, mesh=mesh, param_dtype=mixed_precision)
     if dims.ep > 1:
-        from k3.distributed.expert_parallel import apply_expert_parallel
-
         apply_expert_parallel(model, mesh["ep"])
     if dims.cp > 1:
-        from k3.distributed.context_parallel import apply_context_parallel
-
         apply_context_parallel(model, mesh["cp"])
     if activation_checkpointing != "none":
         model.gradient_checkpointing_enable(activation_checkpointing)
@@ -120,6 +118,8 @@ def _apply_fsdp(model: nn.Module, dims: ParallelDims, mesh: ParallelMesh, param_
             # expert gradients arrive summed over the ep ranks by the all-to-all's backward: divide by every data
             # rank, not only the expert-FSDP ones, to get the global batch's mean
             experts.set_gradient_divide_factor(float(dims.dp_cp))
+            if mesh["expert_fsdp"].device_type == "cpu":  # gloo has no PREMUL_SUM: sum, then divide
+                experts.set_force_sum_reduction_for_comms(True)
         fully_shard(layer, reshard_after_forward=dims.world_size > 1 and i < last, **common)
     fully_shard(model, reshard_after_forward=False, **common)
 
