@@ -10,7 +10,7 @@ convolution kernels and the AttnRes pseudo-queries go to AdamW.
 from __future__ import annotations
 
 import math
-from typing import Iterable
+from typing import Any, Iterable
 
 import torch
 import torch.distributed as dist
@@ -58,6 +58,12 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
+def _splits(pl: Any) -> bool:
+    """Whether placement ``pl`` splits the tensor over its mesh dim (``Shard``, and the ``_StridedShard`` that FSDP
+    puts over an expert-parallel ``Shard``, which does not report ``is_shard()``)."""
+    return not (pl.is_replicate() or pl.is_partial())
+
+
 def _needs_gather(p: torch.Tensor) -> bool:
     """Whether ``p``'s local part is not made of whole matrices: a DTensor cut along one of its trailing two dims
     (or along dim 0 of a 2-D matrix) over more than one rank. Stacked experts sharded along the expert dim, and
@@ -65,7 +71,7 @@ def _needs_gather(p: torch.Tensor) -> bool:
     if not isinstance(p, DTensor):
         return False
     for i, pl in enumerate(p.placements):
-        if pl.is_shard() and p.device_mesh.size(i) > 1 and not (p.dim() == 3 and pl.dim == 0):
+        if _splits(pl) and p.device_mesh.size(i) > 1 and not (p.dim() == 3 and pl.dim == 0):
             return True
     return False
 
@@ -198,10 +204,12 @@ def clip_grad_norm(params: Iterable[torch.Tensor], max_norm: float) -> torch.Ten
     by_copies: dict[int, list[torch.Tensor]] = {}
     for p in params:
         g = p.grad
-        shards = 1
-        if isinstance(g, DTensor):
-            shards = math.prod(g.device_mesh.size(i) for i, pl in enumerate(g.placements) if pl.is_shard())
-        by_copies.setdefault(world // shards, []).append(_local(g))
+        copies = world  # a plain tensor: every rank holds the same one
+        if isinstance(g, DTensor):  # ranks outside its mesh hold copies, and so do the mesh dims it is replicated on
+            mesh = g.device_mesh
+            copies = world // mesh.size() * math.prod(mesh.size(i) for i, pl in enumerate(g.placements)
+                                                       if not _splits(pl))
+        by_copies.setdefault(copies, []).append(_local(g))
     local = [g for gs in by_copies.values() for g in gs]
     dev = local[0].device
     sq = torch.zeros((), dtype=torch.float32, device=dev)
