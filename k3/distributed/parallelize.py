@@ -118,7 +118,9 @@ def _apply_fsdp(model: nn.Module, dims: ParallelDims, mesh: ParallelMesh, param_
             # expert gradients arrive summed over the ep ranks by the all-to-all's backward: divide by every data
             # rank, not only the expert-FSDP ones, to get the global batch's mean
             experts.set_gradient_divide_factor(float(dims.dp_cp))
-            if mesh["expert_fsdp"].device_type == "cpu":  # gloo has no PREMUL_SUM: sum, then divide
+            # gloo has no PREMUL_SUM for the experts' reduce-scatter: sum, then divide. Only when that reduce-scatter
+            # runs over more than one rank: over one, torch skips it and would divide twice.
+            if mesh["expert_fsdp"].device_type == "cpu" and dims.dp_shard_mod_ep > 1:
                 experts.set_force_sum_reduction_for_comms(True)
         fully_shard(layer, reshard_after_forward=dims.world_size > 1 and i < last, **common)
     fully_shard(model, reshard_after_forward=False, **common)
