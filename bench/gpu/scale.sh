@@ -3,8 +3,8 @@
 # Run from the repository root with $OUT set: logs and results land in $OUT/scale/.
 #   1. tests/train/test_train_gpu.py: the 1-rank FSDP2 step vs the autocast reference, the MoE layer under inductor
 #      in one graph, DCP resume on CUDA (compiled vs eager training is compared by the benchmark's paths below)
-#   2. python -m k3.bench train --preset small --seq-len 4096 --batch-size 8: fast (compiled), fast-nocompile,
-#      bf16copy, reference; the fast path profiled
+#   2. python -m k3.bench train --preset small --seq-len 4096 --batch-size 8: fast (compiled, AdamW as the baseline),
+#      fast-muon, fast-nocompile, bf16copy, reference; the fast path profiled
 #   3. python -m k3.bench train --slice k3 --seq-len 4096 --batch-size 4 (16 K tokens): fast, reference
 # The loss curve (200 steps of fast vs reference) is bench/gpu/scale_curve.sh.
 set -euo pipefail
@@ -14,8 +14,8 @@ status=0
 timeout 75 python -m pytest -q -p no:cacheprovider tests/train/test_train_gpu.py -k "not compiled_sublayers" \
     2>&1 | tee "$OUT/scale/tests.log" || status=$?
 timeout 100 python -m k3.bench train --preset small --seq-len 4096 --batch-size 8 \
-    --paths fast,fast-nocompile,bf16copy,reference --out "$OUT/scale" 2>&1 | tee "$OUT/scale/bench_small.log" \
-    || status=$?
+    --paths fast,fast-muon,fast-nocompile,bf16copy,reference --out "$OUT/scale" 2>&1 \
+    | tee "$OUT/scale/bench_small.log" || status=$?
 timeout 60 python -m k3.bench train --slice k3 --seq-len 4096 --batch-size 4 --warmup 2 --steps 4 \
     --paths fast,reference --no-profile --out "$OUT/scale" 2>&1 | tee "$OUT/scale/bench_slice.log" || status=$?
 echo

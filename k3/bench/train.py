@@ -9,6 +9,8 @@ Paths, each built fresh and timed in the same process (``--paths``):
 ``fast``            what ``k3 train`` runs on a GPU: fp32 master weights, ``parallelize_k3`` on a world-size-1
                     process group (FSDP2 bf16 compute / fp32 reduce, regional ``torch.compile``), the trainer's
                     ``_train_step`` (fused AdamW / foreach Muon, QB step, metrics read once per step)
+``fast-muon``       the same with Muon whatever ``--optimizer`` says (Newton–Schulz on every weight matrix: its cost
+                    grows with the parameters, not the batch — see ``optimizer ms``)
 ``fast-nocompile``  the same without ``torch.compile``
 ``bf16copy``        the alternative precision policy without FSDP: a bf16 compute copy of the model, its gradients
                     cast into the fp32 master, the master copied back into it after each optimizer step (not
@@ -55,7 +57,7 @@ from k3.train.trainer import TrainArgs, _Data, _train_step, compute_dtype, resol
 
 __all__ = ["main", "slice_config", "step_flops", "classify_kernel"]
 
-PATHS = ("fast", "fast-nocompile", "bf16copy", "reference")
+PATHS = ("fast", "fast-muon", "fast-nocompile", "bf16copy", "reference")
 KDA_CHUNK = 64
 _CLASSES = [  # (class, pattern on the lower-cased kernel name), first match wins
     ("kda", r"kda|chunk_|_wy|delta|recurrent|gated_delta|solve_tril|_span"),
@@ -156,10 +158,12 @@ def _build(config: K3Config, device: torch.device, seed: int) -> torch.nn.Module
 
 def _fast(name: str, config: K3Config, a: Any, loader: Any, d: Any, steps: int) -> _Run:
     model = _build(config, d.device, a.seed)
-    parallelize_k3(model, d.dims, d.mesh, compile=name == "fast", activation_checkpointing=a.ac,
+    parallelize_k3(model, d.dims, d.mesh, compile=name != "fast-nocompile", activation_checkpointing=a.ac,
                    mixed_precision=compute_dtype(config, d.device))
-    opt = build_optimizer(model, a.optimizer, a.lr)
+    optimizer = "muon" if name == "fast-muon" else a.optimizer
+    opt = build_optimizer(model, optimizer, a.lr)
     data, targs = _Data(loader, None, None), _train_args(a, steps)
+    targs.optimizer = optimizer
     return _Run(name, model, lambda i: _train_step(model, opt, data, targs, i, d)["loss"], opt, loader)
 
 
@@ -310,7 +314,7 @@ def _free(*objs: Any) -> None:
 
 
 def _build_run(name: str, config: K3Config, a: Any, loader: Any, d: Any, steps: int) -> _Run:
-    if name in ("fast", "fast-nocompile"):
+    if name.startswith("fast"):
         return _fast(name, config, a, loader, d, steps)
     if name == "bf16copy":
         return _bf16copy(config, a, loader, d.device, steps)
@@ -433,7 +437,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=6, help="timed steps per path")
     ap.add_argument("--warmup", type=int, default=3, help="untimed steps first (compile, autotune)")
     ap.add_argument("--paths", default="fast,reference", help=f"comma list of {','.join(PATHS)}")
-    ap.add_argument("--optimizer", choices=["muon", "adamw"], default="muon")
+    ap.add_argument("--optimizer", choices=["muon", "adamw"], default="adamw",
+                    help="of every path but fast-muon (default adamw, as the baseline measurement)")
     ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--warmup-lr", type=int, default=10, help="lr warmup steps of the schedule")
     ap.add_argument("--ac", choices=["none", "full", "selective"], default="none", help="activation checkpointing")
