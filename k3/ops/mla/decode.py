@@ -54,6 +54,19 @@ def _prune(configs: list[triton.Config], named_args: dict, **kwargs) -> list[tri
 
 
 @triton.jit
+def _row(lengths, slots, i_b, P, CAP, HAS_SLOTS: tl.constexpr):
+    """(pool row, valid length) of batch row ``i_b``. A row whose slot is outside the pool or whose length is
+    outside [0, capacity] gets length 0 (it reads nothing; its output is NaN): values the host never checks (they
+    live on the device) must not turn into reads past ``buf``, whose fault would poison the whole CUDA context."""
+    length = tl.load(lengths + i_b)
+    slot = i_b.to(tl.int64)
+    if HAS_SLOTS:
+        slot = tl.load(slots + i_b).to(tl.int64)
+    ok = (slot >= 0) & (slot < P) & (length >= 0) & (length <= CAP)
+    return tl.where(ok, slot, 0), tl.where(ok, length, 0)
+
+
+@triton.jit
 def _split_range(length, i_s, NUM_SPLITS, min_split, ALIGN: tl.constexpr):
     """Tokens [lo, hi) of split i_s for a row of ``length`` cached tokens (same formula in both kernels)."""
     split_len = tl.maximum(tl.cdiv(tl.cdiv(length, NUM_SPLITS), ALIGN) * ALIGN, min_split)
@@ -65,15 +78,12 @@ def _split_range(length, i_s, NUM_SPLITS, min_split, ALIGN: tl.constexpr):
                  prune_configs_by={"early_config_prune": _prune})
 @triton.jit
 def mla_decode_split_kernel(q_lat, q_pe, buf, slots, lengths, o_part, lse_part, T, H, TH, NUM_SPLITS, min_split,
-                            s_qb, s_qt, s_qh, s_pb, s_pt, s_ph, s_bp, s_bn, qk_scale,
+                            P, CAP, s_qb, s_qt, s_qh, s_pb, s_pt, s_ph, s_bp, s_bn, qk_scale,
                             CR: tl.constexpr, RR: tl.constexpr, C: tl.constexpr, R: tl.constexpr,
                             ALIGN: tl.constexpr, HAS_SLOTS: tl.constexpr, PREC: tl.constexpr, BH: tl.constexpr,
                             BN: tl.constexpr):
     i_s, i_g, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    length = tl.load(lengths + i_b)
-    slot = i_b.to(tl.int64)
-    if HAS_SLOTS:
-        slot = tl.load(slots + i_b).to(tl.int64)
+    slot, length = _row(lengths, slots, i_b, P, CAP, HAS_SLOTS)
     lo, hi, _ = _split_range(length, i_s, NUM_SPLITS, min_split, ALIGN)
 
     o_r = i_g * BH + tl.arange(0, BH)  # (t, h) pairs of this batch row, t-major
@@ -117,33 +127,38 @@ def mla_decode_split_kernel(q_lat, q_pe, buf, slots, lengths, o_part, lse_part, 
 
 
 @triton.jit
-def mla_merge_kernel(o_part, lse_part, lengths, out, T, H, TH, NUM_SPLITS, min_split, s_ob, s_ot, s_oh,
-                     CR: tl.constexpr, C: tl.constexpr, ALIGN: tl.constexpr, BR: tl.constexpr):
-    """o = Σ_s 2^{lse_s − lse} o_s over the row's live splits (online in s; split 0 always sees key 0)."""
-    i_g, i_b = tl.program_id(0), tl.program_id(1)
-    length = tl.load(lengths + i_b)
+def mla_merge_kernel(o_part, lse_part, slots, lengths, out, T, H, TH, NUM_SPLITS, min_split, P, CAP, s_ob, s_ot,
+                     s_oh, CR: tl.constexpr, C: tl.constexpr, ALIGN: tl.constexpr, HAS_SLOTS: tl.constexpr,
+                     BS: tl.constexpr, BC: tl.constexpr):
+    """o = Σ_s 2^{lse_s − m} o_s / Σ_s 2^{lse_s − m} over the row's live splits, m = max_s lse_s.
+
+    One program per (column block, query row, batch row), BS splits per step: at batch 1 with a long cache there
+    are hundreds of splits, and one program walking them one by one would take longer than the split kernel.
+    """
+    i_c, i_r, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    _, length = _row(lengths, slots, i_b, P, CAP, HAS_SLOTS)
     _, _, split_len = _split_range(length, 0, NUM_SPLITS, min_split, ALIGN)
     n_splits = tl.cdiv(length, split_len)
-    o_r = i_g * BR + tl.arange(0, BR)
-    m_r = o_r < TH
-    o_c = tl.arange(0, C)
-    acc = tl.zeros([BR, C], dtype=tl.float32)
-    l_i = tl.zeros([BR], dtype=tl.float32)
-    m_i = tl.full([BR], float("-inf"), dtype=tl.float32)
-    for i_s in range(n_splits):
-        part = (i_b.to(tl.int64) * NUM_SPLITS + i_s) * TH
-        lse = tl.load(lse_part + part + o_r, mask=m_r, other=0.0)
-        o = tl.load(o_part + (part + o_r)[:, None] * C + o_c[None, :], mask=m_r[:, None], other=0.0)
-        m_new = tl.maximum(m_i, lse)
-        alpha = tl.exp2(m_i - m_new)
-        w = tl.exp2(lse - m_new)
-        acc = acc * alpha[:, None] + w[:, None] * o
-        l_i = l_i * alpha + w
-        m_i = m_new
-    i_t, i_h = o_r // H, o_r % H
-    dst = out + i_b.to(tl.int64) * s_ob + i_t * s_ot + i_h * s_oh
-    tl.store(dst[:, None] + o_c[None, :], (acc / l_i[:, None]).to(out.dtype.element_ty),
-             mask=m_r[:, None] & (o_c[None, :] < CR))
+    row = i_b.to(tl.int64) * NUM_SPLITS * TH + i_r  # partial s of this row: row + s·TH
+    o_s = tl.arange(0, BS)
+    m = tl.full([BS], float("-inf"), dtype=tl.float32)
+    for s0 in range(0, n_splits, BS):
+        m = tl.maximum(m, tl.load(lse_part + row + (s0 + o_s) * TH, mask=s0 + o_s < n_splits, other=float("-inf")))
+    m_all = tl.max(m, 0)
+    m_all = tl.where(m_all == float("-inf"), 0.0, m_all)  # a query that sees no key: all weights 0 → o = NaN
+    o_c = i_c * BC + tl.arange(0, BC)
+    acc = tl.zeros([BC], dtype=tl.float32)
+    l_s = tl.zeros([BS], dtype=tl.float32)
+    for s0 in range(0, n_splits, BS):
+        m_s = s0 + o_s < n_splits
+        p = row + (s0 + o_s) * TH
+        w = tl.exp2(tl.load(lse_part + p, mask=m_s, other=float("-inf")) - m_all)
+        o = tl.load(o_part + p[:, None] * C + o_c[None, :], mask=m_s[:, None], other=0.0)
+        acc += tl.sum(w[:, None] * o, 0)
+        l_s += w
+    i_t, i_h = i_r // H, i_r % H
+    dst = out + i_b.to(tl.int64) * s_ob + i_t * s_ot + i_h * s_oh + o_c
+    tl.store(dst, (acc / tl.sum(l_s, 0)).to(out.dtype.element_ty), mask=o_c < CR)
 
 
 def _check_decode(q_lat: torch.Tensor, q_pe: torch.Tensor, buf: torch.Tensor, slots: torch.Tensor | None,
@@ -165,10 +180,14 @@ def _check_decode(q_lat: torch.Tensor, q_pe: torch.Tensor, buf: torch.Tensor, sl
                          f"{tuple(slots.shape)} on {slots.device}")
     if buf.stride(-1) != 1 or q_lat.stride(-1) != 1 or q_pe.stride(-1) != 1:
         raise ValueError("buf, q_lat and q_pe must have a contiguous last dimension")
+    if slots is None and B > buf.shape[0]:
+        raise ValueError(f"buf must hold a pool row per batch row without slots: B={B} > {buf.shape[0]} rows")
     if lengths.device.type == "cpu" and B > 0 and not torch.compiler.is_compiling():  # no device sync: CPU only
         lo, hi = int(lengths.min()), int(lengths.max())
         if lo < T or hi > buf.shape[1]:
             raise ValueError(f"lengths must be in [T={T}, capacity={buf.shape[1]}], got {lengths.tolist()}")
+        if slots is not None and not bool(((slots >= 0) & (slots < buf.shape[0])).all()):
+            raise ValueError(f"slots must be in [0, {buf.shape[0]}), got {slots.tolist()}")
 
 
 def num_splits_for(batch: int, rows: int, capacity: int, device: torch.device) -> int:
@@ -189,9 +208,13 @@ def mla_decode(q_lat: torch.Tensor, q_pe: torch.Tensor, buf: torch.Tensor, slots
     tokens per row including this piece's T, all on the device) → ``o_lat [B, T, H, c]`` in q_lat's dtype. Query t
     of row b sits at position ``lengths[b] − T + t`` and sees the cached tokens up to it. ``num_splits`` /
     ``min_split`` override the split-K sizing (tests). No host sync on CUDA; the launch grid depends only on
-    shapes, so the call can be captured in a CUDA graph.
+    shapes, so the call can be captured in a CUDA graph. Lengths and slots are checked on CPU (``ValueError``);
+    on the device, where checking would sync, a row with a slot outside the pool or a length outside
+    [0, capacity] reads nothing and returns NaN.
     """
     _check_decode(q_lat, q_pe, buf, slots, lengths)
+    if min_split < 1 or (num_splits is not None and num_splits < 1):
+        raise ValueError(f"num_splits and min_split must be ≥ 1, got {num_splits} and {min_split}")
     if not use_triton(q_lat):
         return mla_decode_ref(q_lat, q_pe, buf, slots, lengths, scale)
     return _mla_decode_op(q_lat, q_pe, buf, slots, lengths, float(scale), num_splits, int(min_split))
@@ -212,16 +235,18 @@ def _mla_decode_op(q_lat: torch.Tensor, q_pe: torch.Tensor, buf: torch.Tensor, s
     out = torch.empty(B, T, H, CR, dtype=q_lat.dtype, device=q_lat.device)
     prec = "ieee" if q_lat.dtype == torch.float32 else "tf32"
     has_slots = slots is not None
+    slots_t = slots if has_slots else lengths  # a placeholder pointer, never read
+    P, CAP = buf.shape[:2]
     q_pe_t = q_pe if RR > 0 else q_lat
     with on_device_of(q_lat):
         mla_decode_split_kernel[lambda m: (NS, triton.cdiv(TH, m["BH"]), B)](
-            q_lat, q_pe_t, buf, slots if has_slots else lengths, lengths, o_part, lse_part, T, H, TH, NS, min_split,
+            q_lat, q_pe_t, buf, slots_t, lengths, o_part, lse_part, T, H, TH, NS, min_split, P, CAP,
             *q_lat.stride()[:3], *q_pe_t.stride()[:3], buf.stride(0), buf.stride(1), scale * RCP_LN2,
             CR=CR, RR=RR, C=C, R=R, ALIGN=SPLIT_ALIGN, HAS_SLOTS=has_slots, PREC=prec)
-        BR = 16
-        mla_merge_kernel[(triton.cdiv(TH, BR), B)](
-            o_part, lse_part, lengths, out, T, H, TH, NS, min_split, *out.stride()[:3], CR=CR, C=C,
-            ALIGN=SPLIT_ALIGN, BR=BR, num_warps=4)
+        BC = min(64, C)  # divides C (both powers of two): column blocks stay inside a partial's row
+        mla_merge_kernel[(triton.cdiv(CR, BC), TH, B)](
+            o_part, lse_part, slots_t, lengths, out, T, H, TH, NS, min_split, P, CAP, *out.stride()[:3], CR=CR, C=C,
+            ALIGN=SPLIT_ALIGN, HAS_SLOTS=has_slots, BS=32, BC=BC, num_warps=4)
     return out
 
 
