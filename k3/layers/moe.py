@@ -21,8 +21,8 @@ from torch import nn
 from k3.config import K3Config
 from k3.layers.mlp import SiTUMLP
 from k3.layers.norm import RMSNorm
-from k3.ops.moe.combine import combine_norm
-from k3.ops.moe.grouped import grouped_mm, sort_by_expert
+from k3.ops.moe.combine import combine_norm_rows
+from k3.ops.moe.grouped import expert_rows, grouped_mm
 from k3.ops.moe.qb import qb_bias_from_histogram
 from k3.ops.moe.router import route
 from k3.ops.moe.situ import situ_glu
@@ -122,8 +122,8 @@ class LatentMoE(nn.Module):
 
     def routed(self, z: torch.Tensor, idx: torch.Tensor, p: torch.Tensor, record: bool = False) -> torch.Tensor:
         """``z [m, ℓ]``, ``idx/p [m, k]`` → ``RMSNorm(Σ_j p_j E_j(z)) [m, ℓ]``."""
-        order, token_of_row, offs = sort_by_expert(idx, self.experts.n_experts)
+        row_of, token_of_row, offs = expert_rows(idx, self.experts.n_experts)
         rows = self.experts(z[token_of_row], offs)
         if record:
             self.last_load = torch.diff(offs, prepend=offs.new_zeros(1)).detach()
-        return combine_norm(rows, order, p, self.routed_expert_norm.weight, self.eps)
+        return combine_norm_rows(rows, row_of, p, self.routed_expert_norm.weight, self.eps)
