@@ -200,6 +200,15 @@ class K3ForCausalLM(nn.Module):
         """Recompute each decoder layer in the backward pass (training forwards without a state)."""
         self.model.gradient_checkpointing = bool(enabled)
 
+    def fuse_projections(self) -> None:
+        """Serving: inference forwards run each layer's projections of one input as one GEMM (KDA's six input
+        projections; the MoE's down projection with the shared experts' gate and up; a dense MLP's gate and up).
+        Stacked copies of those weights, kept in step with them (``k3.layers.fused``); training is unaffected."""
+        for layer in self.model.layers:
+            for m in (layer.self_attn, layer.ffn):
+                if hasattr(m, "fuse_projections"):
+                    m.fuse_projections()
+
     def set_kda_impl(self, impl: str) -> None:
         """"auto" (chunk / fused-recurrent ops) or "reference" (fp32 token loop) for every KDA layer."""
         if impl not in ("auto", "reference"):

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from k3.config import K3Config
+from k3.layers.fused import FusedProjections
 from k3.layers.mlp import SiTUMLP
 from k3.layers.norm import RMSNorm
 from k3.ops.moe.combine import combine_norm_rows
@@ -103,6 +104,13 @@ class LatentMoE(nn.Module):
                                if config.n_shared_experts > 0 else None)
         self.qb_enabled = True  # switched off while activation checkpointing recomputes a forward
         self.last_load: torch.Tensor | None = None  # [n] token-expert rows per expert, last training forward
+        self.fused: FusedProjections | None = None  # serving: the down projection and the shared gate/up as one GEMM
+
+    def fuse_projections(self) -> None:
+        """Inference forwards run routed_expert_down_proj and the shared experts' gate and up projections from one
+        GEMM (``k3.layers.fused``; the router keeps its own fp32-output GEMM)."""
+        sh = self.shared_experts
+        self.fused = FusedProjections(self.routed_expert_down_proj, *((sh.gate_proj, sh.up_proj) if sh else ()))
 
     def recording(self) -> bool:
         """Whether this forward is a training forward that feeds Quantile Balancing."""
@@ -114,10 +122,13 @@ class LatentMoE(nn.Module):
         xf = x.reshape(-1, shape[-1])
         record = self.recording()
         idx, p = self.gate(xf, record=record)
-        u = self.routed(self.routed_expert_down_proj(xf), idx, p, record)
-        y = self.routed_expert_up_proj(u)
+        if self.fused is not None and not torch.is_grad_enabled():
+            z, *shared = self.fused(xf)
+        else:
+            z, shared = self.routed_expert_down_proj(xf), None
+        y = self.routed_expert_up_proj(self.routed(z, idx, p, record))
         if self.shared_experts is not None:
-            y = y + self.shared_experts(xf)
+            y = y + (self.shared_experts.act_down(*shared) if shared else self.shared_experts(xf))
         return y.reshape(shape)
 
     def routed(self, z: torch.Tensor, idx: torch.Tensor, p: torch.Tensor, record: bool = False) -> torch.Tensor:

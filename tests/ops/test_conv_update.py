@@ -47,6 +47,19 @@ def test_triton_kernel_equals_reference(n, dtype, C):
     assert torch.equal(a, b)
 
 
+def test_triton_kernel_reads_column_slices_of_one_projection():
+    """q, k, v as column slices of one [B, 3C + 5] projection output (FusedProjections): read in place."""
+    xs, tails, slots, convs = _setup(C=40, seed=4, device=DEV)
+    packed = torch.cat([*xs, torch.randn(3, 5, device=DEV)], dim=1)
+    sliced = list(packed.split([40, 40, 40, 5], dim=1)[:3])
+    assert sliced[0].stride() == (125, 1)
+    ws = [c.weight for c in convs]
+    a, b = tails.clone(), tails.clone()
+    y_ref = short_conv_update_reference(xs, a, slots, ws)
+    y = short_conv_update_triton(sliced, b, slots, ws)
+    assert torch.allclose(y, y_ref, atol=1e-6, rtol=1e-6) and torch.equal(a, b)
+
+
 def test_bad_shapes():
     xs, tails, slots, convs = _setup()
     ws = [c.weight for c in convs]
