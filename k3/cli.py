@@ -20,7 +20,21 @@ import sys
 import tempfile
 import time
 import traceback
+from pathlib import Path
 from typing import Any, NoReturn, Sequence
+
+import numpy as np
+import torch
+
+from k3 import __version__
+from k3.ckpt.released import load_pretrained
+from k3.ckpt.run import load_checkpoint
+from k3.data import k3_tokenizer
+from k3.data.files import load_tokens, write_bin_shard
+from k3.data.tokenizers import load_tokenizer
+from k3.infer.evaluate import evaluate_run
+from k3.infer.generate import generate
+from k3.train.trainer import cpu_threads, prepare_args, resolve_device, train
 
 __all__ = ["main", "build_parser"]
 
@@ -212,10 +226,8 @@ def _add_serve(sub: Any) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    import k3
-
     parser = _Parser(prog="k3", description="Kimi K3 in PyTorch: train, sample, evaluate.")
-    parser.add_argument("--version", action="version", version=f"k3 {k3.__version__}")
+    parser.add_argument("--version", action="version", version=f"k3 {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     for add in (_add_train, _add_generate, _add_eval, _add_tokenize, _add_serve):
         add(sub)
@@ -224,8 +236,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 # --- subcommands: translate flags, call the library ----------------------------------------------------------------
 def _cmd_train(ns: argparse.Namespace) -> int:
-    from k3.train.trainer import prepare_args, train
-
     flags = {k: v for k, v in vars(ns).items() if k not in ("func", "command", "resume")}
     resume = getattr(ns, "resume", None)
     if resume is True:  # bare --resume: the run named by --out / --name
@@ -241,15 +251,10 @@ def _cmd_train(ns: argparse.Namespace) -> int:
 
 
 def _cmd_generate(ns: argparse.Namespace) -> int:
-    from k3.infer.generate import generate
-    from k3.train.trainer import cpu_threads, resolve_device
-
     device = resolve_device(ns.device)
     if ns.run is not None:
         if ns.chat or ns.system is not None or ns.dtype is not None:
             raise ValueError("--chat, --system and --dtype apply to --model only; drop them with --run")
-        from k3.ckpt.run import load_checkpoint
-
         ck = load_checkpoint(ns.run, device=device, force_memory=ns.force_memory)
         model, tok = ck["model"], ck["tokenizer"]
         prompt: Any = ns.prompt
@@ -263,40 +268,26 @@ def _cmd_generate(ns: argparse.Namespace) -> int:
 
 
 def _load_released(ns: argparse.Namespace, device: Any) -> tuple[Any, Any, Any]:
-    """A released checkpoint through ``K3ForCausalLM.from_pretrained`` and K3's tokenizer (helper modules)."""
-    import torch
-
-    try:
-        from k3.data import k3_tokenizer
-        from k3.model import K3ForCausalLM
-    except ImportError as e:
-        raise ValueError(f"--model needs k3's released-checkpoint support, not importable here ({e})") from None
+    """A released checkpoint through ``k3.load_pretrained`` and K3's tokenizer."""
     tok = k3_tokenizer.load_k3_tokenizer(ns.model)
     dtype = getattr(torch, ns.dtype) if ns.dtype else None
-    model = K3ForCausalLM.from_pretrained(ns.model, device=device, dtype=dtype, force_memory=ns.force_memory)
+    model = load_pretrained(ns.model, device=device, dtype=dtype, force_memory=ns.force_memory)
     if not ns.chat:
         if ns.system is not None:
             raise ValueError("--system needs --chat")
         return model, tok, ns.prompt
     messages = ([{"role": "system", "content": ns.system}] if ns.system else []) + [
         {"role": "user", "content": ns.prompt}]
-    render = getattr(tok, "chat_prompt", None) or getattr(k3_tokenizer, "chat_prompt", None)
-    if render is None:
-        raise ValueError("--chat needs k3.data.k3_tokenizer.chat_prompt, which this version lacks")
-    return model, tok, list(render(messages))
+    return model, tok, list(tok.chat_prompt(messages))
 
 
 def _cmd_eval(ns: argparse.Namespace) -> int:
-    from k3.infer.evaluate import evaluate_run
-
     evaluate_run(ns.run, device=ns.device, batches=ns.batches, batch_size=ns.batch_size, stream=sys.stdout,
                  as_json=ns.json, force_memory=ns.force_memory)
     return 0
 
 
 def _cmd_serve(ns: argparse.Namespace) -> int:
-    from k3.train.trainer import resolve_device
-
     try:
         from k3.serve.server import serve
     except ImportError as e:  # the serve extra is not installed
@@ -308,13 +299,6 @@ def _cmd_serve(ns: argparse.Namespace) -> int:
 
 
 def _cmd_tokenize(ns: argparse.Namespace) -> int:
-    from pathlib import Path
-
-    import numpy as np
-
-    from k3.data.files import load_tokens, write_bin_shard
-    from k3.data.tokenizers import load_tokenizer
-
     out = Path(ns.out)
     if out.exists():
         raise ValueError(f"--out {out} already exists; choose a new file name")

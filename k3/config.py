@@ -2,13 +2,13 @@
 
 Presets
 -------
-``k3``         the released Kimi K3 (SPEC §1): 93 layers, 69 KDA + 24 Gated MLA, 896 latent experts, top-16.
+``k3``         the released Kimi K3: 93 layers, 69 KDA + 24 Gated MLA, 896 latent experts, top-16.
 ``k3-linear``  the same with every attention layer KDA (no KV cache at all).
 ``small``      every mechanism at ~1B total parameters; trains on one 141 GB GPU.
 ``tiny``       every mechanism at ~0.3M parameters; trains on a 2-core CPU in about a minute.
 
-Layer indices in this class are 0-based (``mla_layers``); the released ``config.json`` uses 1-based lists, which
-``k3.ckpt.released`` translates.
+The mechanisms and their numbers: docs/architecture.md. Layer indices in this class are 0-based (``mla_layers``);
+the released ``config.json`` uses 1-based lists, which ``k3.ckpt.released`` translates.
 """
 
 from __future__ import annotations
@@ -20,6 +20,8 @@ import operator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from k3.utils import atomic_write_text, parse_json, read_json
 
 __all__ = ["K3Config", "PRESETS", "MAX_INT", "MAX_LAYERS"]
 
@@ -46,12 +48,12 @@ class K3Config:
     bos_token_id: int | None = 163_584
     eos_token_id: int | None = 163_586
     pad_token_id: int | None = 163_839
-    # --- KDA (SPEC §2) ---------------------------------------------------------------------------------------
+    # --- KDA (docs/architecture.md#kimi-delta-attention) -----------------------------------------------------------
     kda_num_heads: int = 96
     kda_head_dim: int = 128  # d_k = d_v
     kda_conv_size: int = 4
     kda_gate_lower_bound: float = -5.0
-    # --- Gated MLA (SPEC §3) ---------------------------------------------------------------------------------
+    # --- Gated MLA (docs/architecture.md#gated-mla) ----------------------------------------------------------------
     mla_num_heads: int = 96
     q_lora_rank: int = 1536
     kv_lora_rank: int = 512
@@ -59,7 +61,7 @@ class K3Config:
     qk_rope_head_dim: int = 64  # kept in the dot product, never rotated (NoPE)
     v_head_dim: int = 128
     mla_lowrank_norm_eps: float = 1e-6  # q_a_layernorm / kv_a_layernorm in the HF reference
-    # --- dense MLP (layers < first_k_dense) and Latent MoE (SPEC §5) ------------------------------------------
+    # --- dense MLP (layers < first_k_dense) and Latent MoE (docs/architecture.md#latent-moe) -----------------------
     first_k_dense: int = 1
     dense_intermediate_size: int = 33_792
     n_experts: int = 896
@@ -71,7 +73,7 @@ class K3Config:
     qb_num_bins: int = 1000
     situ_beta1: float = 4.0
     situ_beta2: float = 25.0
-    # --- Block AttnRes (SPEC §4) -----------------------------------------------------------------------------
+    # --- Block AttnRes (docs/architecture.md#block-attention-residuals) --------------------------------------------
     attn_res_block_size: int = 12  # in decoder layers
     # --- numerics --------------------------------------------------------------------------------------------
     dtype: str = "bfloat16"
@@ -183,8 +185,6 @@ class K3Config:
     def to_json(self, path: str | Path | None = None) -> str:
         s = json.dumps(self.to_dict(), indent=2)
         if path is not None:
-            from k3.utils import atomic_write_text
-
             atomic_write_text(Path(path), s + "\n")
         return s
 
@@ -206,8 +206,6 @@ class K3Config:
     @classmethod
     def from_json(cls, text_or_path: str | Path) -> "K3Config":
         """Parse a JSON string, or read a file when given a path (size and nesting bounded: see ``read_json``)."""
-        from k3.utils import parse_json, read_json
-
         s = str(text_or_path)
         if s.lstrip().startswith("{"):
             return cls.from_dict(parse_json(s, "config"))

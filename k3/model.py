@@ -1,16 +1,15 @@
-"""The Kimi K3 decoder (SPEC §1–§5) in plain PyTorch; module names mirror the released checkpoint.
+"""The Kimi K3 decoder (docs/architecture.md) in plain PyTorch; module names mirror the released checkpoint.
 
 Data path: token ids → ``embed_tokens`` (= b_0) → for each decoder layer l:
 AttnRes mix → ``input_layernorm`` → KDA or Gated MLA → add to the open block's partial sum → (l % block_size == 0:
 the previous partial sum closes into a block, before the add) → AttnRes mix → ``post_attention_layernorm`` → dense
 SiTU-GLU MLP (l < first_k_dense) or Latent MoE → add → … → output AttnRes mix → ``norm`` → ``lm_head``.
-See ``k3.layers.attnres`` for the exact order.
+See ``k3.layers.attnres`` for the exact order; each norm that follows a mix is fused into it.
 """
 
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
 from typing import Any, Iterator
 
 import torch
@@ -19,13 +18,15 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from k3.config import K3Config
-from k3.layers.attnres import ResidualStream, attn_input, attn_res_mix, mlp_input, new_res_pair
+from k3.layers.attnres import (Mixer, ResidualStream, TwoPhaseMixer, attn_input, attn_res_mix, closed_blocks_seen,
+                               mlp_input, new_res_pair)
 from k3.layers.conv import ShortConv
 from k3.layers.kda import KimiDeltaAttention
 from k3.layers.mla import GatedMLA
 from k3.layers.mlp import SiTUMLP
 from k3.layers.moe import GroupedExperts, LatentMoE, MoEGate
 from k3.layers.norm import RMSNorm
+from k3.ops.loss import linear_cross_entropy
 from k3.ops.moe.qb import qb_all_reduce
 from k3.state import K3State, MLACache
 
@@ -41,11 +42,26 @@ def keeps_fp32(name: str) -> bool:
     return name.endswith(_FP32_SUFFIXES)
 
 
-@dataclass
 class K3Output:
-    logits: torch.Tensor  # [B, T, vocab] in the model dtype
-    loss: torch.Tensor | None = None  # fp32 scalar: mean next-token cross entropy over non-ignored targets
-    state: K3State | None = None  # the (updated in place) decode state, when one was passed
+    """``logits [B, T, vocab]`` in the model dtype; ``loss``: fp32 scalar, mean next-token cross entropy over
+    non-ignored targets (None without labels); ``state``: the decode state updated in place, when one was passed.
+
+    When the loss was computed by the fused linear + cross-entropy op (CUDA), the logits are not materialised
+    until ``.logits`` is first read (then ``lm_head`` runs on the kept final hidden states, once)."""
+
+    def __init__(self, logits: torch.Tensor | None = None, loss: torch.Tensor | None = None,
+                 state: K3State | None = None, hidden: torch.Tensor | None = None,
+                 lm_head: nn.Module | None = None) -> None:
+        self._logits, self.loss, self.state = logits, loss, state
+        self._hidden, self._lm_head = hidden, lm_head
+
+    @property
+    def logits(self) -> torch.Tensor:
+        if self._logits is None:
+            assert self._hidden is not None and self._lm_head is not None
+            self._logits = self._lm_head(self._hidden)
+            self._hidden = None
+        return self._logits
 
 
 class K3DecoderLayer(nn.Module):
@@ -70,16 +86,17 @@ class K3DecoderLayer(nn.Module):
     def ffn(self) -> nn.Module:
         return self.block_sparse_moe if hasattr(self, "block_sparse_moe") else self.mlp
 
-    def forward(self, blocks: list[torch.Tensor], partial: torch.Tensor, state: Any = None
-                ) -> tuple[list[torch.Tensor], torch.Tensor]:
+    def forward(self, blocks: list[torch.Tensor], partial: torch.Tensor, state: Any = None,
+                mixer: Mixer | None = None) -> tuple[list[torch.Tensor], torch.Tensor]:
         """Closed blocks + partial sum (each ``[B, T, d]``) → the same after this layer (new list; the input list
-        is not mutated, so activation checkpointing can re-run the layer)."""
+        is not mutated, so activation checkpointing can re-run the layer). ``mixer``: how the AttnRes mixes run
+        (default ``attn_res_mix``; the model passes a ``TwoPhaseMixer`` for inference with a decode state)."""
         stream = ResidualStream(list(blocks), partial)
-        h = attn_input(stream, self.layer_idx, self.block_size, self.self_attention_res_norm,
-                       self.self_attention_res_proj, self.eps)
-        stream.add(self.self_attn(self.input_layernorm(h), state))
-        h = mlp_input(stream, self.mlp_res_norm, self.mlp_res_proj, self.eps)
-        stream.add(self.ffn(self.post_attention_layernorm(h)))
+        x = attn_input(stream, self.layer_idx, self.block_size, self.self_attention_res_norm,
+                       self.self_attention_res_proj, self.eps, self.input_layernorm, mixer)
+        stream.add(self.self_attn(x, state))
+        x = mlp_input(stream, self.mlp_res_norm, self.mlp_res_proj, self.eps, self.post_attention_layernorm, mixer)
+        stream.add(self.ffn(x))
         assert stream.partial is not None
         return stream.blocks, stream.partial
 
@@ -100,22 +117,33 @@ class K3Model(nn.Module):
     def forward(self, input_ids: torch.Tensor, state: K3State | None = None) -> torch.Tensor:
         """``input_ids [B, T]`` (validated by ``K3ForCausalLM``) → final-normed hidden states ``[B, T, d]``.
         With ``state``: continues the sequences of its bound pool rows and advances them by T (device-side only:
-        a caller that validated its inputs may call this directly, e.g. inside a CUDA graph)."""
+        a caller that validated its inputs may call this directly, e.g. inside a CUDA graph); the AttnRes mixes then
+        run in the exact two-phase form (``TwoPhaseMixer``)."""
         if state is not None:
             state.begin()
         blocks: list[torch.Tensor] = []
         partial = self.embed_tokens(input_ids)  # layer 0 closes it as b_0
+        mixer = self.two_phase_mixer() if state is not None else attn_res_mix
         for i, layer in enumerate(self.layers):
             s = state.layers[i] if state is not None else None
             if self.gradient_checkpointing and s is None and self.training and torch.is_grad_enabled():
                 blocks, partial = _checkpointed(layer, blocks, partial)
             else:
-                blocks, partial = layer(blocks, partial, s)
-        h = attn_res_mix(self.output_attn_res_norm, self.output_attn_res_proj, [*blocks, partial],
-                         self.config.rms_norm_eps)
+                blocks, partial = layer(blocks, partial, s, mixer)
+        h = mixer(self.output_attn_res_norm, self.output_attn_res_proj, [*blocks, partial], self.config.rms_norm_eps,
+                  self.norm)
         if state is not None:
             state.advance(input_ids.shape[1])
-        return self.norm(h)
+        return h
+
+    def two_phase_mixer(self) -> TwoPhaseMixer:
+        """Every mix of the model grouped by the closed blocks it sees (layer 0's attention pair is never read)."""
+        S, L = self.config.attn_res_block_size, len(self.layers)
+        pairs = [(closed_blocks_seen(i, S, "attn"), m.self_attention_res_norm, m.self_attention_res_proj)
+                 for i, m in enumerate(self.layers) if i > 0]
+        pairs += [(closed_blocks_seen(i, S, "mlp"), m.mlp_res_norm, m.mlp_res_proj) for i, m in enumerate(self.layers)]
+        pairs.append((closed_blocks_seen(L, S, "output"), self.output_attn_res_norm, self.output_attn_res_proj))
+        return TwoPhaseMixer(pairs)
 
 
 def _can_sync(t: torch.Tensor) -> bool:
@@ -163,7 +191,8 @@ class K3ForCausalLM(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        self.reset_parameters()
+        if self.lm_head.weight.device.type != "meta":  # meta tensors hold no values (and their init is slow)
+            self.reset_parameters()
         self._cast(config.torch_dtype)
 
     # --- construction -------------------------------------------------------------------------------------------
@@ -224,10 +253,12 @@ class K3ForCausalLM(nn.Module):
 
         ``labels [B, T]`` are aligned with ``input_ids`` (pass ``labels=input_ids`` for language modelling): the
         model shifts them inside, so position t is scored on ``labels[:, t+1]``; ``-100`` targets are ignored and the
-        loss is the mean over the remaining ones (0 when there are none). ``state`` (from ``init_state``) makes the
-        call continue the sequences it holds and is updated in place: one call, several pieces, or one token at a
-        time give the same logits. ``logits_to_keep`` > 0: logits of the last that many positions only (a prefill
-        needs one row of the vocabulary-wide projection, not T).
+        loss is the mean over the remaining ones (0 when there are none). On CUDA the loss comes from the fused
+        linear + cross-entropy op (``k3.ops.loss``), which never holds the [B·T, vocab] logits: the returned
+        ``logits`` are then computed only if read. ``state`` (from ``init_state``) makes the call continue the
+        sequences it holds and is updated in place: one call, several pieces, or one token at a time give the same
+        logits. ``logits_to_keep`` > 0: logits of the last that many positions only (a prefill needs one row of the
+        vocabulary-wide projection, not T).
         """
         B, T = self._check_inputs(input_ids, labels, state)
         if isinstance(logits_to_keep, bool) or not isinstance(logits_to_keep, int) or logits_to_keep < 0:
@@ -235,6 +266,10 @@ class K3ForCausalLM(nn.Module):
         if labels is not None and logits_to_keep:
             raise ValueError("logits_to_keep applies without labels only (the loss needs every position)")
         hidden = self.model(input_ids, state)
+        if labels is not None and hidden.is_cuda:
+            targets = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)  # the last position has no next token
+            loss = linear_cross_entropy(hidden, self.lm_head.weight, targets, IGNORE_INDEX)
+            return K3Output(loss=loss, state=state, hidden=hidden, lm_head=self.lm_head)
         logits = self.lm_head(hidden[:, -logits_to_keep:] if logits_to_keep else hidden)
         loss = self.loss(logits, labels) if labels is not None else None
         return K3Output(logits=logits, loss=loss, state=state)
@@ -352,16 +387,3 @@ class K3ForCausalLM(nn.Module):
             return float("nan")
         L = torch.stack(loads)
         return float((L.max(1).values / L.mean(1).clamp(min=1e-9)).max())
-
-    # --- released checkpoints (k3.ckpt.released) ------------------------------------------------------------------
-    @classmethod
-    def from_pretrained(cls, path: str, device: torch.device | str | None = None, dtype: torch.dtype | None = None,
-                        **kw: Any) -> "K3ForCausalLM":
-        from k3.ckpt.released import load_pretrained
-
-        return load_pretrained(path, device=device, dtype=dtype, **kw)
-
-    def save_pretrained(self, path: str, **kw: Any) -> None:
-        from k3.ckpt.released import save_pretrained
-
-        save_pretrained(self, path, **kw)

@@ -41,6 +41,9 @@ import torch
 import torch.nn.functional as F
 
 from k3.bench import BenchParser
+from k3.config import K3Config
+from k3.layers.mla import GatedMLA
+from k3.utils import atomic_write_text
 
 __all__ = ["main"]
 
@@ -93,7 +96,6 @@ class Rows(list):
         self.append(row)
         print(json.dumps(row), flush=True)
         if self.path:
-            from k3.utils import atomic_write_text
 
             atomic_write_text(self.path, json.dumps(list(self)))
 
@@ -272,8 +274,6 @@ def _prefill_row(row: dict, layer, hidden: int, N: int, chunk: int, device: str)
 
 def bench_prefill(rows: Rows, tokens: list[int], chunk: int, device: str, preset: str = "small",
                   deadline: float = float("inf")) -> None:
-    from k3.config import K3Config
-    from k3.layers.mla import GatedMLA
 
     dt = torch.bfloat16 if device == "cuda" else torch.float32
     cfg = K3Config.from_preset(preset)
@@ -464,7 +464,6 @@ def main(argv: list[str] | None = None) -> int:
             run_section(rows, s, a, device, deadline)
     out = a.out or os.path.join(os.environ.get("OUT", "bench/results"), "mla")
     os.makedirs(out, exist_ok=True)
-    from k3.utils import atomic_write_text
 
     atomic_write_text(os.path.join(out, "mla_bench.json"),
                       json.dumps({"header": header, "rows": list(rows)}, indent=1))

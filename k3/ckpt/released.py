@@ -35,10 +35,16 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
 from torch import nn
 
-from k3.ckpt.mxfp4 import GROUP, dequantize_mxfp4, quantize_mxfp4
 from k3.config import MAX_INT, MAX_LAYERS, K3Config
+from k3.layers.experts_mxfp4 import MXFP4GroupedExperts
+from k3.layers.moe import LatentMoE
+from k3.memory import check_fits, model_footprint
+from k3.model import K3ForCausalLM, keeps_fp32
+from k3.ops.moe.mxfp4 import GROUP, dequantize_mxfp4, quantize_mxfp4
 from k3.utils import confined, read_json
 
 __all__ = [
@@ -53,7 +59,6 @@ PREFIX = "language_model."
 SKIPPED_PREFIXES = ("vision_tower.", "mm_projector.")
 DEFAULT_SHARD_BYTES = 16 * 2**30
 INDEX_MAX_BYTES = 256 << 20  # the release's index lists ~500k tensors (~50 MB)
-_FP32_SUFFIXES = ("_conv1d.weight", ".A_log", ".dt_bias", ".o_norm.weight", ".e_score_correction_bias")
 _EXPERT_RE = re.compile(r"^(model\.layers\.(\d+)\.block_sparse_moe\.experts)\.(\d+)\.(w[123])\.(weight|weight_packed|weight_scale)$")
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 _ST_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
@@ -347,10 +352,6 @@ def released_name(model_key: str) -> str:
     return PREFIX + model_key
 
 
-def _keeps_fp32(key: str) -> bool:
-    return key.endswith(_FP32_SUFFIXES)
-
-
 def _a_log_size(heads: int) -> int:
     return math.ceil(heads / 128) * 128
 
@@ -368,8 +369,6 @@ class _Slot:
 
 def _plan(model: nn.Module, ckpt_dtype: torch.dtype, quantized: bool) -> dict[str, _Slot]:
     """Every checkpoint name the model needs → its slot (derived from the meta model's state_dict)."""
-    from k3.layers.experts_mxfp4 import MXFP4GroupedExperts
-
     plan: dict[str, _Slot] = {}
     tied = getattr(model.config, "tie_word_embeddings", False)
     for key, t in model.state_dict(keep_vars=True).items():
@@ -394,7 +393,7 @@ def _plan(model: nn.Module, ckpt_dtype: torch.dtype, quantized: bool) -> dict[st
         shape = tuple(t.shape)
         if key.endswith(".self_attn.A_log"):
             shape = (_a_log_size(shape[0]),)
-        plan[released_name(key)] = _Slot(key, shape, torch.float32 if _keeps_fp32(key) else ckpt_dtype)
+        plan[released_name(key)] = _Slot(key, shape, torch.float32 if keeps_fp32(key) else ckpt_dtype)
     return plan
 
 
@@ -418,8 +417,6 @@ def _weight_map(folder: Path) -> dict[str, str]:
         return wm
     single = folder / SINGLE_NAME
     if single.is_file():
-        from safetensors import safe_open
-
         path = confined(folder, SINGLE_NAME, "the weights file")
         try:
             with safe_open(str(path), framework="pt") as f:
@@ -507,8 +504,6 @@ class _Filler:
 
 def _read_shard(folder: Path, shard: str, names: list[str], plan: dict[str, _Slot]) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(name, tensor)`` for ``names`` of one shard, checking dtype and shape before reading the bytes."""
-    from safetensors import safe_open
-
     path = confined(folder, shard, f"{INDEX_NAME} weight_map")
     try:
         handle = safe_open(str(path), framework="pt", device="cpu")
@@ -530,16 +525,13 @@ def _read_shard(folder: Path, shard: str, names: list[str], plan: dict[str, _Slo
 
 
 def _swap_in_mxfp4(model: nn.Module) -> None:
-    from k3.layers.experts_mxfp4 import MXFP4GroupedExperts
-    from k3.layers.moe import LatentMoE
-
     for moe in (m for m in model.modules() if isinstance(m, LatentMoE)):
         e = moe.experts
         moe.experts = MXFP4GroupedExperts(e.n_experts, e.latent_dim, e.expert_dim, e.beta1, e.beta2, device="meta")
 
 
 def load_pretrained(path: str | Path, device: torch.device | str | None = None, dtype: torch.dtype | None = None,
-                    dequantize: bool = False, verbose: bool = True, force_memory: bool = False) -> nn.Module:
+                    dequantize: bool = False, verbose: bool = True, force_memory: bool = False) -> K3ForCausalLM:
     """Build ``K3ForCausalLM`` from a released-layout folder (see the module docstring) and return it in eval mode.
 
     ``device``: where the weights go (default CPU).  ``dtype``: the dtype of the bf16-class weights (default: the
@@ -549,9 +541,6 @@ def load_pretrained(path: str | Path, device: torch.device | str | None = None, 
     ``device``'s memory is refused (``ValueError``) unless ``force_memory``. Every file name the folder's index
     gives is confined to the folder.
     """
-    from k3.memory import check_fits, model_footprint
-    from k3.model import K3ForCausalLM
-
     folder = Path(path)
     config, info = read_released_config(folder, verbose=verbose)
     ckpt_dtype = _DTYPES[config.dtype]
@@ -593,8 +582,6 @@ def _entries(model: nn.Module, save_dtype: torch.dtype, quantize: bool
              ) -> Iterator[tuple[str, tuple[int, ...], torch.dtype, Any]]:
     """``(checkpoint name, shape, dtype, make)`` for every tensor to write, in model order; ``make()`` produces the
     CPU tensor only when its shard is written."""
-    from k3.layers.experts_mxfp4 import MXFP4GroupedExperts
-
     tied = getattr(model.config, "tie_word_embeddings", False)
     seen_experts: set[str] = set()
     for key, t in model.state_dict(keep_vars=True).items():
@@ -609,7 +596,7 @@ def _entries(model: nn.Module, save_dtype: torch.dtype, quantize: bool
             yield from _expert_entries(model.get_submodule(base), base, save_dtype, quantize,
                                        isinstance(model.get_submodule(base), MXFP4GroupedExperts))
             continue
-        want = torch.float32 if _keeps_fp32(key) else save_dtype
+        want = torch.float32 if keeps_fp32(key) else save_dtype
         if key.endswith(".self_attn.A_log"):
             size = _a_log_size(t.shape[0])
             yield (released_name(key), (size,), want,
@@ -663,8 +650,6 @@ def _shard_plan(entries: list[tuple[str, tuple[int, ...], torch.dtype, Any]], ma
 
 
 def _is_quantized(model: nn.Module) -> bool:
-    from k3.layers.experts_mxfp4 import MXFP4GroupedExperts
-
     return any(isinstance(m, MXFP4GroupedExperts) for m in model.modules())
 
 
@@ -680,8 +665,6 @@ def save_pretrained(model: nn.Module, path: str | Path, max_shard_bytes: int = D
     """
     if not isinstance(max_shard_bytes, int) or max_shard_bytes <= 0:
         raise ValueError(f"max_shard_bytes must be a positive integer, got {max_shard_bytes!r}")
-    from safetensors.torch import save_file
-
     config: K3Config = model.config
     held = _is_quantized(model)
     if quantize is None:

@@ -43,9 +43,14 @@ from typing import Any, Callable, Iterator
 
 import numpy as np
 import torch
+from safetensors.torch import load_model, save_model
 
 from k3.ckpt.archive import check_torch_archive
 from k3.ckpt.manifest import MANIFEST, CheckpointError, verify_manifest, write_manifest
+from k3.config import K3Config
+from k3.data.tokenizers import tokenizer_from_dict
+from k3.memory import available_memory, check_fits, model_footprint
+from k3.model import K3ForCausalLM
 from k3.utils import HashingWriter, atomic_write_text, atomic_write_with, read_json
 
 __all__ = [
@@ -241,8 +246,6 @@ def save_checkpoint(run_dir: str | Path, step: int, model: torch.nn.Module, conf
         raise ValueError(f"step must be a non-negative int, got {step!r}")
     if keep < 1:
         raise ValueError(f"keep must be >= 1, got {keep}")
-    from safetensors.torch import save_model
-
     root = Path(run_dir) / "checkpoints"
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step-{step:08d}"
@@ -340,12 +343,6 @@ def load_checkpoint(path: str | Path, device: str | torch.device = "cpu",
 
 def _load(ckpt: Path, device: str | torch.device, model_factory: Callable[[Any], torch.nn.Module] | None,
           force_memory: bool, footprint: Callable[[Any], Any] | None) -> dict[str, Any]:
-    from safetensors.torch import load_model
-
-    from k3.config import K3Config
-    from k3.data.tokenizers import tokenizer_from_dict
-    from k3.memory import check_fits, model_footprint
-
     manifest = verify_checkpoint(ckpt)
     try:
         config = K3Config.from_dict(_read_json(ckpt, "config.json"))
@@ -360,8 +357,6 @@ def _load(ckpt: Path, device: str | torch.device, model_factory: Callable[[Any],
     check_fits((footprint or model_footprint)(config), device, force_memory, config=config)
     tokenizer = tokenizer_from_dict(_read_json(ckpt, "tokenizer_spec.json"), root=ckpt)
     if model_factory is None:
-        from k3.model import K3ForCausalLM
-
         model_factory = K3ForCausalLM
     with torch.device(device):
         model = model_factory(config)
@@ -381,8 +376,6 @@ def _load(ckpt: Path, device: str | torch.device, model_factory: Callable[[Any],
 def load_trainer_state(ckpt: str | Path, force_memory: bool = False) -> dict[str, Any]:
     """``trainer.pt`` of a (verified) checkpoint directory, loaded with ``weights_only=True`` on the CPU, after its
     archive records are checked against the bytes their tensors need (``k3.ckpt.archive``)."""
-    from k3.memory import available_memory
-
     ckpt = Path(ckpt)
     path = ckpt / "trainer.pt"
     hint = "delete that directory to fall back to the previous checkpoint"

@@ -26,17 +26,16 @@ so token boundaries match it.
 
 from __future__ import annotations
 
-import base64
-import binascii
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
+from k3.data.tokenizers import bounded_tokenizer_file, read_tiktoken_ranks
 from k3.utils import confined, read_json
 
 __all__ = ["K3Tokenizer", "load_k3_tokenizer", "K3_PAT_STR", "SPECIAL_NAMES", "NUM_SPECIALS"]
 
 NUM_SPECIALS = 256
-# offset from the first special id → name (k3_layout.md §5)
+# offset from the first special id → name, as in the released tokenizer_config.json
 SPECIAL_NAMES: dict[int, str] = {
     0: "[BOS]", 1: "[EOS]", 2: "<|end_of_msg|>", 3: "<|open|>", 4: "<|close|>", 5: "<|sep|>",
     6: "[start_header_id]", 7: "[end_header_id]", 9: "[EOT]",
@@ -61,34 +60,6 @@ K3_PAT_STR = "|".join([
 
 _MAX_CHARS = 400_000  # tiktoken is fed at most this many characters at a time …
 _MAX_RUN = 25_000  # … and no longer runs of whitespace or of non-whitespace (its regex is slow on them)
-
-
-def _read_ranks(path: Path) -> dict[bytes, int]:
-    """Parse ``tiktoken.model``; ``ValueError`` on a malformed line or ranks that are not exactly 0 … n−1."""
-    try:
-        data = path.read_bytes()
-    except OSError as e:
-        raise ValueError(f"tokenizer file {path} cannot be read: {e.strerror}") from None
-    ranks: dict[bytes, int] = {}
-    for lineno, line in enumerate(data.splitlines(), 1):
-        if not line.strip():
-            continue
-        parts = line.split()
-        try:
-            if len(parts) != 2:
-                raise ValueError
-            ranks[base64.b64decode(parts[0], validate=True)] = int(parts[1])
-        except (ValueError, binascii.Error):
-            raise ValueError(f"{path}:{lineno}: expected '<base64 token> <rank>'") from None
-    if not ranks:
-        raise ValueError(f"{path} holds no BPE ranks")
-    if sorted(ranks.values()) != list(range(len(ranks))):
-        raise ValueError(f"{path}: ranks must be exactly 0 … {len(ranks) - 1} with no gaps or repeats")
-    missing = [b for b in range(256) if bytes([b]) not in ranks]
-    if missing:  # byte-level BPE must be able to fall back to single bytes (tiktoken panics otherwise)
-        raise ValueError(f"{path} lacks {len(missing)} single-byte token(s) (e.g. byte {missing[0]}): not a "
-                         "byte-level BPE file")
-    return ranks
 
 
 def _special_names(folder: Path | None, n_base: int) -> dict[int, str]:
@@ -256,7 +227,5 @@ def load_k3_tokenizer(path: str | Path) -> K3Tokenizer:
         raise ValueError(f"no tiktoken.model at {p}: expected a K3 checkpoint folder or the tiktoken.model file")
     if p.is_dir():  # a folder's tokenizer is the folder's own file, not a symlink out of it
         model = confined(p, "tiktoken.model", "the tokenizer file")
-    if model.stat().st_size > 512 << 20:
-        raise ValueError(f"{model} is over 512 MiB: not a tiktoken BPE file (the release's is 2.5 MB)")
-    ranks = _read_ranks(model)
+    ranks = read_tiktoken_ranks(bounded_tokenizer_file(model))
     return K3Tokenizer(ranks, _special_names(model.parent, len(ranks)), name=model.name)

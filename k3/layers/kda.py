@@ -1,4 +1,4 @@
-"""Kimi Delta Attention layer (SPEC §2) with the released parameter names.
+"""Kimi Delta Attention layer (docs/architecture.md#kimi-delta-attention) with the released parameter names.
 
     q, k, v = SiLU(ShortConv(W_{q,k,v} x))              (conv fp32, kernel 4, no bias)
     q, k    ← L2Norm(q), L2Norm(k)                       (in the kernel; x / sqrt(Σx² + 1e-6))

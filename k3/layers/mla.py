@@ -1,4 +1,5 @@
-"""Gated Multi-head Latent Attention with no positional encoding, released parameter names.
+"""Gated Multi-head Latent Attention with no positional encoding, released parameter names
+(docs/architecture.md#gated-mla).
 
     c_q  = RMSNorm(q_a_proj x)                 q = q_b_proj c_q  → per head [q_nope (n) ‖ q_pe (r)]
     c_kv ‖ k_pe = kv_a_proj_with_mqa x         c_kv ← RMSNorm(c_kv); k_pe shared by all heads, not normalised

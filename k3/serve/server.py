@@ -14,9 +14,9 @@ from typing import Any
 import torch
 import uvicorn
 
+from k3.ckpt.released import load_pretrained
 from k3.ckpt.run import load_checkpoint
 from k3.data.k3_tokenizer import load_k3_tokenizer
-from k3.model import K3ForCausalLM
 from k3.serve.api import create_app
 from k3.serve.chat import chat_format, find_chat_template
 from k3.serve.engine import Engine
@@ -35,8 +35,8 @@ def load_for_serving(run: str | None, model_path: str | None, device: Any, dtype
         folders = [Path(ck["dir"]), Path(ck["dir"]) / "tokenizer_files"]
         return ck["model"], ck["tokenizer"], folders, Path(run).resolve().name
     tok = load_k3_tokenizer(model_path)
-    model = K3ForCausalLM.from_pretrained(model_path, device=device, dtype=getattr(torch, dtype) if dtype else None,
-                                          force_memory=force_memory)
+    model = load_pretrained(model_path, device=device, dtype=getattr(torch, dtype) if dtype else None,
+                            force_memory=force_memory)
     return model.eval(), tok, [Path(model_path)], Path(model_path).resolve().name
 
 

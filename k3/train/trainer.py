@@ -42,7 +42,9 @@ from k3.data import EMBEDDED, IGNORE, RecallLoader, RecallTask, WindowLoader, lo
 from k3.data.loader import TokenStream, eval_windows
 from k3.data.tokenizers import Tokenizer
 from k3.distributed.data_parallel import DataParallel, all_reduce_grads, init_from_env, mean_over, rank_rows
+from k3.infer.generate import generate, prompt_ids
 from k3.memory import check_fits, training_footprint
+from k3.model import K3ForCausalLM
 from k3.train.optim import SCHEDULES, build_optimizer, lr_factor
 from k3.train.plot import plot_loss
 from k3.train.progress import Progress
@@ -203,8 +205,6 @@ def _autocast(dtype: torch.dtype | None, device: torch.device) -> contextlib.Abs
 
 
 def _fp32_model(config: K3Config) -> torch.nn.Module:
-    from k3.model import K3ForCausalLM
-
     return K3ForCausalLM(config).float()  # master weights
 
 
@@ -450,8 +450,6 @@ def _check_prompt(args: TrainArgs, tok: Tokenizer, config: K3Config) -> None:
     """The end-of-run sample's prompt, checked before any work (not after hundreds of steps)."""
     if not args.sample_tokens or args.task != "text":
         return
-    from k3.infer.generate import prompt_ids
-
     try:
         n = len(prompt_ids(tok, args.prompt))
     except ValueError as e:  # UnicodeEncodeError for undecodable bytes in argv is a ValueError
@@ -645,8 +643,6 @@ def _plot(run_dir: Path, metrics_path: Path) -> None:
 
 
 def _sample(model: torch.nn.Module, tok: Tokenizer, args: TrainArgs, device: torch.device, out: TextIO) -> str:
-    from k3.infer.generate import generate
-
     out.write(f"k3: sample ({args.sample_tokens} tokens, temperature 0.8, seed {args.seed}):\n")
     out.flush()
     text = generate(model, tok, args.prompt, max_new_tokens=args.sample_tokens, temperature=0.8, top_k=None,

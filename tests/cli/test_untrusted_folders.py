@@ -19,6 +19,7 @@ import torch
 
 import k3_runs
 from k3.ckpt.manifest import write_manifest
+from k3.ckpt.released import save_pretrained
 from k3.config import K3Config
 from k3.model import K3ForCausalLM
 
@@ -30,7 +31,7 @@ def _released(folder: Path) -> Path:
     """A miniature released folder written by k3's own writer: tiny model (vocab 512), byte-level tiktoken.model."""
     torch.manual_seed(0)
     config = K3Config.from_preset("tiny", vocab_size=512, bos_token_id=256, eos_token_id=258, pad_token_id=511)
-    K3ForCausalLM(config).save_pretrained(str(folder), quantize=False)
+    save_pretrained(K3ForCausalLM(config), folder, quantize=False)
     (folder / "tiktoken.model").write_text("".join(f"{base64.b64encode(bytes([i])).decode()} {i}\n"
                                                    for i in range(256)))
     return folder

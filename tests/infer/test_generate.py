@@ -1,11 +1,13 @@
 """Generation: fixed-size-state decoding matches a full forward, a fixed seed gives fixed text, UTF-8 streams whole."""
 
+import base64
 import io
 
+import k3_runs
 import pytest
 import torch
 
-import k3_runs
+from k3 import K3Config, K3ForCausalLM, save_pretrained
 from k3.ckpt.run import load_checkpoint
 from k3.data.tokenizers import ByteTokenizer
 from k3.infer.generate import StreamDecoder, generate, generate_ids
@@ -71,14 +73,9 @@ def test_generate_bad_input(tiny_run):
 
 
 def test_generate_from_a_released_folder_with_chat(tmp_path):
-    """--model: K3ForCausalLM.from_pretrained + K3's tokenizer; --chat renders a user turn (byte-only BPE here)."""
-    import base64
-
-    from k3.config import K3Config
-    from k3.model import K3ForCausalLM
-
+    """--model: k3.load_pretrained + K3's tokenizer; --chat renders a user turn (byte-only BPE here)."""
     cfg = K3Config.from_preset("tiny", vocab_size=512, bos_token_id=256, eos_token_id=258, pad_token_id=511)
-    K3ForCausalLM(cfg).save_pretrained(str(tmp_path))
+    save_pretrained(K3ForCausalLM(cfg), tmp_path)
     (tmp_path / "tiktoken.model").write_text("".join(f"{base64.b64encode(bytes([i])).decode()} {i}\n"
                                                      for i in range(256)))
     code, out, err = k3_runs.run_cli("generate", "--model", str(tmp_path), "--prompt", "hi", "--max-new-tokens", "4")

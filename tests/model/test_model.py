@@ -165,7 +165,7 @@ def test_released_shape_builds_on_meta_and_counts_2_78T_total_104_2B_active() ->
     assert sd["lm_head.weight"] == ((163840, 7168), torch.bfloat16)
     for k, (_, dt) in sd.items():
         assert (dt == torch.float32) == keeps_fp32(k), k
-    # decode state of one sequence (research/k3_layout.md §3): 69 fp32 KDA states + bf16 conv tails, fixed size
+    # decode state of one sequence: 69 fp32 KDA states [96, 128, 128] + bf16 conv tails, fixed size
     st = model.init_state(1, device="meta")
     kda = [s for s in st.layers if hasattr(s, "recurrent")]
     assert len(kda) == 69 and sum(s.recurrent.numel() * 4 for s in kda) == 434_110_464
