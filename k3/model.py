@@ -118,7 +118,7 @@ class K3Model(nn.Module):
         """``input_ids [B, T]`` (validated by ``K3ForCausalLM``) → final-normed hidden states ``[B, T, d]``.
         With ``state``: continues the sequences of its bound pool rows and advances them by T (device-side only:
         a caller that validated its inputs may call this directly, e.g. inside a CUDA graph); the AttnRes mixes then
-        run in the exact two-phase form (``TwoPhaseMixer``)."""
+        run through ``TwoPhaseMixer`` (exact two-phase form for long pieces, one fused pass per mix for short ones)."""
         if state is not None:
             state.begin()
         blocks: list[torch.Tensor] = []
