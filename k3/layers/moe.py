@@ -127,8 +127,10 @@ class LatentMoE(nn.Module):
         else:
             z, shared = self.routed_expert_down_proj(xf), None
         y = self.routed_expert_up_proj(self.routed(z, idx, p, record))
-        if self.shared_experts is not None:
-            y = y + (self.shared_experts.act_down(*shared) if shared else self.shared_experts(xf))
+        if shared:  # serving: the shared experts' output added inside their down GEMM
+            y = self.shared_experts.act_down(*shared, add=y)
+        elif self.shared_experts is not None:
+            y = y + self.shared_experts(xf)
         return y.reshape(shape)
 
     def routed(self, z: torch.Tensor, idx: torch.Tensor, p: torch.Tensor, record: bool = False) -> torch.Tensor:
