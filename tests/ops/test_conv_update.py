@@ -81,3 +81,12 @@ def test_triton_kernel_bf16_on_gpu():
     y_ref = short_conv_update_reference(xs, a, slots, ws)
     y = short_conv_update_triton(xs, b, slots, ws)
     assert torch.allclose(y.float(), y_ref.float(), atol=1e-2, rtol=1e-2) and torch.equal(a, b)
+
+
+def test_op_is_registered():
+    """``k3::short_conv_update`` (mutates the tails): schema, fake tensor and tracing checks of torch.library."""
+    from k3.ops.conv.update_triton import _conv_update_op
+
+    xs, tails, slots, convs = _setup(n=2, C=16, seed=7, device=DEV)
+    ws = [c.weight.detach() for c in convs]  # forward only (decode)
+    torch.library.opcheck(_conv_update_op, (xs, tails, slots, ws, True))

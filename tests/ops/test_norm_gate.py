@@ -54,3 +54,9 @@ def test_kernel_bf16_on_gpu():
     want = rms_norm_gate_reference(o, gl, w, 1e-5, torch.bfloat16)
     assert torch.allclose(rms_norm_gate_triton(o, gl, w, 1e-5, torch.bfloat16).float(), want.float(), atol=2e-2,
                           rtol=2e-2)
+
+
+def test_op_is_registered():
+    """``k3::rms_norm_gate``: schema, fake tensor and tracing checks of torch.library."""
+    o, gl, w = (t.to(DEV) for t in _inputs(6, 16, torch.float32, seed=3))
+    torch.library.opcheck(rms_norm_gate_triton, (o.view(2, 3, 16), gl.view(2, 3, 16), w, 1e-5, torch.float32))

@@ -51,6 +51,14 @@ def _conv_update(x0, x1, x2, w0, w1, w2, y0, y1, y2, tails, slots, P, C, s_x, W:
 
 def short_conv_update_triton(xs: Sequence[torch.Tensor], tails: torch.Tensor, slots: torch.Tensor,
                              weights: Sequence[torch.Tensor], activation: bool = True) -> torch.Tensor:
+    """One launch for up to three convolutions; ``tails`` updated in place (the ``k3::short_conv_update`` op:
+    ``torch.compile`` keeps it as one graph node that mutates the pool)."""
+    return _conv_update_op(list(xs), tails, slots, list(weights), bool(activation))
+
+
+@torch.library.custom_op("k3::short_conv_update", mutates_args=("tails",))
+def _conv_update_op(xs: list[torch.Tensor], tails: torch.Tensor, slots: torch.Tensor, weights: list[torch.Tensor],
+                    activation: bool) -> torch.Tensor:
     n = len(xs)
     B, C = xs[0].shape
     P, W = tails.shape[1], tails.shape[2] + 1
@@ -67,3 +75,8 @@ def short_conv_update_triton(xs: Sequence[torch.Tensor], tails: torch.Tensor, sl
             _conv_update[(B, triton.cdiv(C, BC), n)](*x, *w, *out, tails, slots, P, C, x[0].stride(0), W=W,
                                                       ACT=bool(activation), BC=BC, num_warps=4)
     return y
+
+
+@_conv_update_op.register_fake
+def _(xs, tails, slots, weights, activation):
+    return xs[0].new_empty(len(xs), *xs[0].shape)

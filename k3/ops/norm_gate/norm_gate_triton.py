@@ -29,8 +29,10 @@ def _rms_norm_gate(o, g, w, y, R, H, s_o, s_g, eps, K: tl.constexpr, BK: tl.cons
     tl.store(y + p, b_y.to(y.dtype.element_ty), mask=m)
 
 
+@torch.library.custom_op("k3::rms_norm_gate", mutates_args=())
 def rms_norm_gate_triton(o: torch.Tensor, g: torch.Tensor, weight: torch.Tensor, eps: float,
                          out_dtype: torch.dtype) -> torch.Tensor:
+    """One launch; a ``torch.library`` op (``torch.compile`` keeps it as one graph node)."""
     K = o.shape[-1]
     H = o.shape[-2] if o.dim() >= 2 else 1
     o3, g3 = _tokens(o, H, K), _tokens(g, H, K)
@@ -43,6 +45,11 @@ def rms_norm_gate_triton(o: torch.Tensor, g: torch.Tensor, weight: torch.Tensor,
             _rms_norm_gate[(triton.cdiv(R, BR),)](o3, g3, weight.contiguous(), y, R, H, o3.stride(0), g3.stride(0),
                                                   float(eps), K=K, BK=BK, BR=BR, num_warps=4)
     return y.view(o.shape)
+
+
+@rms_norm_gate_triton.register_fake
+def _(o, g, weight, eps, out_dtype):
+    return o.new_empty(o.shape, dtype=out_dtype)
 
 
 def _tokens(t: torch.Tensor, H: int, K: int) -> torch.Tensor:

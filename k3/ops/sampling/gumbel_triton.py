@@ -41,8 +41,10 @@ def _gumbel_argmax(x, seeds, steps, out, stride, V: tl.constexpr, BLOCK: tl.cons
     tl.store(out + i_b, idx.to(tl.int64))
 
 
+@torch.library.custom_op("k3::gumbel_argmax", mutates_args=())
 def gumbel_argmax_triton(x: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
-    """``x [B, V]`` fp32 (row stride any, unit column stride), ``seeds``, ``steps [B]`` int64 → ``[B]`` int64."""
+    """``x [B, V]`` fp32 (row stride any, unit column stride), ``seeds``, ``steps [B]`` int64 → ``[B]`` int64.
+    A ``torch.library`` op (``torch.compile`` keeps the launch as one graph node)."""
     B, V = x.shape
     if x.stride(1) != 1:
         x = x.contiguous()
@@ -52,3 +54,8 @@ def gumbel_argmax_triton(x: torch.Tensor, seeds: torch.Tensor, steps: torch.Tens
             _gumbel_argmax[(B,)](x, seeds.to(torch.int64).contiguous(), steps.to(torch.int64).contiguous(), out,
                                  x.stride(0), V=V, BLOCK=1024, num_warps=4)
     return out
+
+
+@gumbel_argmax_triton.register_fake
+def _(x, seeds, steps):
+    return x.new_empty(x.shape[0], dtype=torch.int64)
