@@ -611,7 +611,8 @@ def main(argv: list[str] | None = None) -> int:
 
     units = _units(sections, plan)
     if isolated:
-        extra = (["--prefill-chunk", str(a.prefill_chunk)] if a.prefill_chunk else []) + (["--smoke"] if a.smoke else [])
+        extra = ["--prefill-chunk", str(a.prefill_chunk)] if a.prefill_chunk else []
+        extra += ["--smoke"] if a.smoke else []
         run_isolated(emit, units, extra, time.monotonic() + a.budget_s, out_dir)
     else:
         header.update(_header(device))

@@ -2,8 +2,8 @@
 
 One program per row walks the vocabulary (a constexpr: one compile per model) in ``BLOCK`` columns:
 ``U`` = Philox4x32-10 (``tl.randint``, key = the row's seed, counter = column | step << 32), ``G = −log(−log U)``,
-and keeps the first index of the largest ``x + G``. The same stream as :func:`k3.ops.sampling.gumbel.philox_uniform`; a decode step at batch B reads the
-``[B, V]`` scaled logits once and writes B ids.
+and keeps the first index of the largest ``x + G``. The same stream as :func:`k3.ops.sampling.gumbel.philox_uniform`;
+a decode step at batch B reads the ``[B, V]`` scaled logits once and writes B ids.
 """
 
 from __future__ import annotations
