@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Serving on one GPU (issue 36): the CUDA-graph decode = eager step test, then `python -m k3.bench serve` (decode at
+# Serving on one GPU (issue 36): the CUDA-graph decode = eager step test and the new kernels' CUDA checks (expert
+# rows without a sort, the conv update and norm gate reading column slices), then `python -m k3.bench serve` (decode at
 # batch 1/8/64, the server at 1/16/64 streams, prefill at 32K and 1M for all-KDA and hybrid `small`; every unit in its
 # own process, so a fault in one leaves the others' numbers; JSON + markdown in $OUT/serve/). About 150 s on an H200,
 # compilation included: the benchmark stops itself at its budget. Exits non-zero if the test or a unit failed.
@@ -9,7 +10,10 @@ set -euo pipefail
 mkdir -p "$OUT/serve"
 rc=0
 t0=$SECONDS
-timeout 60 python -m pytest -q tests/infer/test_runner.py -k cuda_graph_decode_equals_eager \
+timeout 75 python -m pytest -q tests/infer/test_runner.py::test_cuda_graph_decode_equals_eager_step_bitwise \
+  tests/ops/test_moe_ops.py::test_expert_rows_fused_equals_the_sort \
+  tests/ops/test_conv_update.py::test_triton_kernel_reads_column_slices_of_one_projection \
+  tests/ops/test_norm_gate.py::test_kernel_reads_a_gate_sliced_from_a_wider_projection \
   > "$OUT/serve/tests.log" 2>&1 || rc=1
 t1=$SECONDS
 python -m k3.bench serve --budget-s $((145 - t1)) --out "$OUT/serve" > "$OUT/serve/bench.log" 2>&1 \

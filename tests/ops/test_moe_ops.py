@@ -314,11 +314,11 @@ def test_expert_rows_fused_equals_the_sort(m, k, E):
     if m > 1:
         idx[1] = idx[0]  # ties across tokens
     order, tok, offs = sort_by_expert(idx, E)
-    row_of, tok_f, offs_f = expert_rows_fused(idx, E)
+    row_of, tok_f, offs_f = (t.cpu() for t in expert_rows_fused(idx.to(DEV), E))  # outputs poisoned first
     assert torch.equal(offs_f, offs) and offs_f.dtype == torch.int32
     assert torch.equal(tok_f, tok)
     assert torch.equal(row_of.reshape(-1)[order], torch.arange(m * k))
-    ref_row, ref_tok, ref_offs = expert_rows(idx, E)  # the dispatcher's torch path on CPU
+    ref_row, ref_tok, ref_offs = expert_rows(idx, E)  # the dispatcher's torch path on CPU tensors
     assert torch.equal(ref_row, row_of) and torch.equal(ref_tok, tok) and torch.equal(ref_offs, offs)
 
 

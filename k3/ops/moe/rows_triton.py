@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 from k3.ops._device import on_device_of
+from k3.ops.moe._backend import alloc
 
 __all__ = ["expert_rows_fused", "MAX_ROWS"]
 
@@ -51,9 +52,9 @@ def expert_rows_fused(idx: torch.Tensor, n_experts: int) -> tuple[torch.Tensor, 
     m, k = idx.shape
     R = m * k
     flat = idx.reshape(-1).contiguous()
-    row_of = torch.empty(R, dtype=torch.int64, device=idx.device)
-    token_of_row = torch.empty(R, dtype=torch.int64, device=idx.device)
-    offs = torch.empty(n_experts, dtype=torch.int32, device=idx.device)
+    row_of = alloc((R,), torch.int64, idx.device)
+    token_of_row = alloc((R,), torch.int64, idx.device)
+    offs = alloc((n_experts,), torch.int32, idx.device)
     BR, BJ = 64, 64
     NJ = triton.next_power_of_2(triton.cdiv(R, BJ)) if R else 0
     with on_device_of(idx):
