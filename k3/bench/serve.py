@@ -97,7 +97,8 @@ def _peak(fn: Callable[[], Any]) -> tuple[float, float, Any]:
 
 
 # ----------------------------------------------------------------------------------------------------------- decode
-def _runner_decode(model: K3ForCausalLM, B: int, prompt_len: int, steps: int, device: str) -> dict[str, Any]:
+def _runner_decode(model: K3ForCausalLM, B: int, prompt_len: int, steps: int, device: str,
+                   profile: bool = True) -> dict[str, Any]:
     runner = ModelRunner(model, max_batch=B, capacity=prompt_len + steps + 8, cuda_graphs="auto")
     for s in range(B):
         runner.admit(s, GREEDY, seed=s)
@@ -121,7 +122,7 @@ def _runner_decode(model: K3ForCausalLM, B: int, prompt_len: int, steps: int, de
     step = _step_fn(runner, b)
     runner.state.lengths.copy_(lengths)
     row["replay_ms"] = _device_ms(step, steps)
-    if device == "cuda":
+    if device == "cuda" and profile:
         runner.state.lengths.copy_(lengths)
         row["kernels"] = _kernel_profile(step)
     runner.state.lengths.copy_(lengths)
@@ -201,9 +202,14 @@ Emit = Callable[[dict[str, Any]], None]
 
 
 def bench_decode(emit: Emit, model: K3ForCausalLM, B: int, prompt_len: int, steps: int, eager_steps: int,
-                 device: str) -> None:
-    emit({"section": "decode", "item": B, "path": "runner", **_runner_decode(model, B, prompt_len, steps, device)})
-    emit({"section": "decode", "item": B, "path": "eager", **_eager_decode(model, B, prompt_len, eager_steps, device)})
+                 device: str, full: bool = True) -> None:
+    """One batch size: the runner's row; with ``full`` (the smallest and largest batch) also the kernel profile and
+    the eager path (time is the benchmark's budget)."""
+    emit({"section": "decode", "item": B, "path": "runner",
+          **_runner_decode(model, B, prompt_len, steps, device, profile=full)})
+    if full:
+        emit({"section": "decode", "item": B, "path": "eager",
+              **_eager_decode(model, B, prompt_len, eager_steps, device)})
 
 
 # ---------------------------------------------------------------------------------------------------------- prefill
@@ -497,7 +503,8 @@ def run_unit(emit: Emit, section: str, items: list[Any], plan: dict[str, Any], d
     model = _model(p["preset"], device, max_seq_len=p["prompt"] + p["steps"] + 64) if section == "decode" else None
     for item in items:
         if section == "decode":
-            bench_decode(emit, model, item, p["prompt"], p["steps"], p["eager_steps"], device)
+            full = item in (min(p["batches"]), max(p["batches"]))
+            bench_decode(emit, model, item, p["prompt"], p["steps"], p["eager_steps"], device, full)
         elif section == "prefill":
             bench_prefill(emit, p["preset"], item, p["lengths"], p["eager_lengths"], device, chunk)
         elif section == "server":
