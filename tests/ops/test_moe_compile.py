@@ -18,6 +18,7 @@ from k3.ops.moe.situ import situ_bound
 pytest.importorskip("triton")
 import k3.ops.moe.combine_triton  # noqa: E402,F401  (registers the ops)
 import k3.ops.moe.router_triton  # noqa: E402,F401
+import k3.ops.moe.rows_triton  # noqa: E402,F401
 import k3.ops.moe.situ_triton  # noqa: E402,F401
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -66,6 +67,7 @@ def test_moe_ops_pass_opcheck() -> None:
                                                          p.detach(), nw.detach(), uu, rstd))
     torch.library.opcheck(ops.rows_sum.default, (torch.randn(m * k, L, device=DEV), row_of.view(m, k), torch.float32))
     torch.library.opcheck(ops.permute_rows.default, (_g(m, L), order, k))
+    torch.library.opcheck(ops.expert_rows.default, (torch.randint(0, n, (m, k), device=DEV), n))
 
 
 def test_latent_moe_compiles_in_one_graph_with_its_qb_histogram(monkeypatch: pytest.MonkeyPatch) -> None:

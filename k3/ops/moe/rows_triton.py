@@ -46,6 +46,8 @@ def _expert_rows_kernel(idx_ptr, row_ptr, tok_ptr, offs_ptr, R, E, K: tl.constex
     tl.store(offs_ptr + o_e, b_cnt, mask=o_e < E)
 
 
+# A torch.library op: one opaque node under torch.compile (integer outputs, nothing to differentiate).
+@torch.library.custom_op("k3::expert_rows", mutates_args=())
 def expert_rows_fused(idx: torch.Tensor, n_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``idx [m, k]`` (expert ids in [0, n_experts)) → ``(row_of [m, k] int64, token_of_row [m·k] int64,
     offs [n_experts] int32)``, as ``grouped.expert_rows``. Inputs already validated, m·k ≤ ``MAX_ROWS``."""
@@ -61,3 +63,10 @@ def expert_rows_fused(idx: torch.Tensor, n_experts: int) -> tuple[torch.Tensor, 
         _expert_rows_kernel[(triton.cdiv(max(R, n_experts), BR),)](flat, row_of, token_of_row, offs, R, n_experts,
                                                                      K=k, NJ=NJ, BR=BR, BJ=BJ, num_warps=4)
     return row_of.view(m, k), token_of_row, offs
+
+
+@expert_rows_fused.register_fake
+def _(idx: torch.Tensor, n_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    m, k = idx.shape
+    return (idx.new_empty(m, k, dtype=torch.int64), idx.new_empty(m * k, dtype=torch.int64),
+            idx.new_empty(n_experts, dtype=torch.int32))
