@@ -151,7 +151,7 @@ def _add_train(sub: Any) -> None:
                    metavar="POLICY", help="recompute activations in the backward pass: full (the flag alone: each "
                    "whole layer), selective (all but matmul/attention outputs) or none (default)")
     g.add_argument("--compile", choices=["auto", "on", "off"], help="torch.compile each decoder layer (default auto: "
-                   "on CUDA)")
+                   "on CUDA for models wider than tiny)")
     g.add_argument("--force-memory", action="store_true", help=_FORCE_HELP)
     g = p.add_argument_group("parallelism (under torchrun; see docs/training.md)")
     g.add_argument("--dp-replicate", type=_positive_int, metavar="N", help="data-parallel replicas (HSDP; default 1)")

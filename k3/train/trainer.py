@@ -102,7 +102,9 @@ class TrainArgs:
     threads: int = 0  # CPU intra-op threads; 0 = auto (1 for tiny-class models, see cpu_threads)
     activation_checkpointing: str = "none"  # "full": recompute each layer in the backward; "selective": all but
     # the matmuls / attention / k3 kernels (see K3ForCausalLM.gradient_checkpointing_enable)
-    compile: str = "auto"  # torch.compile each decoder layer: "auto" (on CUDA), "on", "off"
+    # torch.compile each decoder layer's sublayers: "auto" (on CUDA, for models wider than the tiny class, whose
+    # short runs would spend more time compiling than it saves), "on", "off"
+    compile: str = "auto"
     dp_replicate: int = 1  # parallel degrees (torchrun): see k3.distributed.parallel_dims
     dp_shard: int = -1
     cp: int = 1
@@ -554,7 +556,8 @@ def _setup(args: TrainArgs, d: Distributed, resume_from: Path | None, stack: con
         return s
 
     s = agree(session, d)
-    compile_ = args.compile == "on" or (args.compile == "auto" and d.device.type == "cuda")
+    compile_ = args.compile == "on" or (args.compile == "auto" and d.device.type == "cuda"
+                                        and s.config.hidden_size > 512)
     parallelize_k3(s.model, d.dims, d.mesh, compile=compile_, activation_checkpointing=args.activation_checkpointing,
                    mixed_precision=compute_dtype(s.config, d.device))
     s.model.train()
