@@ -56,23 +56,27 @@ def _interpreting() -> bool:
 
 def _prune(configs: list[triton.Config], named_args: dict, **kwargs) -> list[triton.Config]:
     """Keep configs whose fp32 row vectors are 16..32 values per thread (16-byte loads of half types, few enough
-    registers); narrow rows take the config with the fewest warps."""
+    registers) and whose BT rows per step divide the program's rows; narrow rows take the config with the fewest
+    warps."""
     bd = kwargs.get("BD", named_args.get("BD"))
-    keep = [c for c in configs if 16 <= bd // (32 * c.num_warps) <= 32]
-    return keep or [min(configs, key=lambda c: (c.num_warps, -c.kwargs["STAGES"]))]
+    rows = kwargs.get("ROWS", named_args.get("ROWS"))
+    fit = [c for c in configs if rows % c.kwargs.get("BT", 1) == 0]
+    keep = [c for c in fit if 16 <= bd // (32 * c.num_warps) <= 32]
+    return keep or [min(fit, key=lambda c: (c.num_warps, -c.kwargs["STAGES"]))]
 
 
-def _configs(pairs: tuple[tuple[int, int], ...]) -> list[triton.Config]:
+def _configs(triples: tuple[tuple[int, int, int], ...], bt: bool) -> list[triton.Config]:
+    """(BT rows per step, num_warps, STAGES) triples as configs (BT only for the forward)."""
     if _interpreting():  # the interpreter runs every config when autotuning: one is enough there
-        return [triton.Config({"STAGES": 1}, num_warps=4)]
-    return [triton.Config({"STAGES": s}, num_warps=w) for w, s in pairs]
+        triples = ((1, 4, 1),)
+    return [triton.Config({"BT": b, "STAGES": s} if bt else {"STAGES": s}, num_warps=w) for b, w, s in triples]
 
 
 # (num_warps, STAGES). sm_90 at D 7168 (ptxas): the forward needs ~120 registers at 8 warps (two programs per SM,
 # 32–48 KB of shared memory each); the backward carries three fp32 row vectors (o or g, ∂qw, ∂ow) and runs 16 warps
 # at ≤ 128 registers, one program per SM with 4–5 tiles in flight.
-_FWD_CONFIGS = _configs(((8, 3), (8, 4), (16, 4), (16, 5), (4, 3)))
-_BWD_CONFIGS = _configs(((16, 5), (16, 6), (4, 3)))
+_FWD_CONFIGS = _configs(((1, 8, 3), (1, 8, 4), (1, 16, 4), (2, 8, 3), (2, 16, 3), (2, 16, 4), (1, 4, 3)), bt=True)
+_BWD_CONFIGS = _configs(((1, 16, 5), (1, 8, 3), (1, 8, 4), (1, 4, 3)), bt=False)
 
 
 @functools.lru_cache(maxsize=8)
@@ -99,6 +103,11 @@ def _add2(a0, a1, b0, b1):
 
 
 @triton.jit
+def _add3(a0, a1, a2, b0, b1, b2):
+    return a0 + b0, a1 + b1, a2 + b2
+
+
+@triton.jit
 def _pick(ptrs, i, NS: tl.constexpr):
     """``ptrs[i]`` for a runtime ``i`` (a chain of scalar selects)."""
     p = ptrs[0]
@@ -111,79 +120,80 @@ def _pick(ptrs, i, NS: tl.constexpr):
                  prune_configs_by={"early_config_prune": _prune})
 @triton.jit
 def attn_res_fwd_kernel(
-    src, qw, ow, o, o_pre, lse, logit, rstd, o1, lse1, T, eps, scale,
-    D: tl.constexpr, NS: tl.constexpr, ROWS: tl.constexpr, BD: tl.constexpr,
+    src, qw, ow, o, o_pre, lse, logit, o1, lse1, T, eps, scale,
+    D: tl.constexpr, NS: tl.constexpr, ROWS: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
     HAS_ONORM: tl.constexpr, SAVE_PRE: tl.constexpr, HAS_PRIOR: tl.constexpr, STAGES: tl.constexpr,
 ):
     i_p = tl.program_id(0)
-    o_d = tl.arange(0, BD)[None, :]  # row vectors as [1, BD]: the tiles' own layout, no conversions
+    o_d = tl.arange(0, BD)[None, :]
     m_d = o_d < D
     b_qw = tl.load(qw + o_d, mask=m_d, other=0.0)
-    # online softmax state of the current row: exponent offset m (the running max, raised lazily), Σ, o = Σ p_i v_i
-    b_m = float("-inf")
-    b_z = 0.0
-    b_o = tl.zeros([1, BD], tl.float32)
-    # one iteration per (row, source)
-    for k in tl.range(0, ROWS * NS, num_stages=STAGES):
+    # online softmax state of the current BT rows: exponent offset m (the running max, raised lazily), Σ, o
+    b_m = tl.full([BT], float("-inf"), tl.float32)
+    b_z = tl.zeros([BT], tl.float32)
+    b_o = tl.zeros([BT, BD], tl.float32)
+    # one iteration per (BT rows, source)
+    for k in tl.range(0, (ROWS // BT) * NS, num_stages=STAGES):
         i_s = k % NS
-        i_t = i_p.to(tl.int64) * ROWS + k // NS
-        # rows past T re-read the last row (their results are not stored): the loads need no row mask, and the
-        # software pipeline carries scalar row indices between its stages, not [BD] offsets and masks
-        i_c = tl.minimum(i_t, T - 1)
-        b_v = tl.load(_pick(src, i_s, NS) + i_c * D + o_d, mask=m_d, other=0.0, eviction_policy="evict_first")
-        b_v = b_v.to(tl.float32)
+        o_t = i_p.to(tl.int64) * ROWS + (k // NS) * BT + tl.arange(0, BT)
+        m_t = o_t < T
+        # rows past T re-read the last row (their results are not stored): the loads need no row mask
+        o_c = tl.minimum(o_t, T - 1)
+        b_v = tl.load(_pick(src, i_s, NS) + o_c[:, None] * D + o_d, mask=m_d, other=0.0,
+                      eviction_policy="evict_first").to(tl.float32)
         b_ss, b_vq = tl.reduce((b_v * b_v, b_v * b_qw), 1, _add2)  # both row sums in one cross-warp reduction
-        b_ss, b_vq = tl.sum(b_ss, 0), tl.sum(b_vq, 0)  # [1] → scalars
-        b_r = tl.rsqrt(b_ss / D + eps)
-        b_l = b_vq * b_r
-        tl.store(logit + i_s * T + i_t, b_l, mask=i_t < T)
-        tl.store(rstd + i_s * T + i_t, b_r, mask=i_t < T)
-        b_s = b_l * scale
+        b_s = b_vq * tl.rsqrt(b_ss / D + eps) * scale
+        tl.store(logit + i_s * T + o_t, b_s, mask=m_t)
         if HAS_PRIOR:
             if i_s == 0:  # two-phase merge: continue from the mix o¹ of earlier sources and its lse ℓ¹
-                b_m = tl.load(lse1 + i_c)
-                b_z = 1.0
-                b_o = tl.load(o1 + i_c * D + o_d, mask=m_d, other=0.0).to(tl.float32)
+                b_m = tl.load(lse1 + o_c)
+                b_z = tl.full([BT], 1.0, tl.float32)
+                b_o = tl.load(o1 + o_c[:, None] * D + o_d, mask=m_d, other=0.0).to(tl.float32)
         # the offset is raised only when a score exceeds it by more than E_SLACK (each p ≤ e^E_SLACK, far from
-        # overflow): most sources skip the rescale of o. A row starts from m = -inf, o = 0: its first source
+        # overflow): most sources skip the rescale of o. Rows start from m = -inf, o = 0: their first source
         # rescales by e^-inf = 0.
-        if b_s > b_m + E_SLACK:
-            b_a = tl.exp(b_m - b_s)
+        if tl.max(b_s - b_m, 0) > E_SLACK:
+            b_mn = tl.where(b_s > b_m + E_SLACK, b_s, b_m)
+            b_a = tl.exp(b_m - b_mn)
             b_z = b_z * b_a
-            b_o = b_o * b_a
-            b_m = b_s
+            b_o = b_o * b_a[:, None]
+            b_m = b_mn
         b_p = tl.exp(b_s - b_m)
         b_z = b_z + b_p
-        b_o += b_p * b_v
-        if i_s == NS - 1:  # the row's last source: normalise, output-norm, store; reset the state
-            m_y = m_d & (i_t < T)
-            tl.store(lse + i_t, b_m + tl.log(b_z), mask=i_t < T)
+        b_o += b_p[:, None] * b_v
+        if i_s == NS - 1:  # the rows' last source: normalise, output-norm, store; reset the state
+            m_y = m_t[:, None] & m_d
+            o_y = o_t[:, None] * D + o_d
+            tl.store(lse + o_t, b_m + tl.log(b_z), mask=m_t)
             b_c = 1.0 / b_z
             if SAVE_PRE:
-                tl.store(o_pre + i_t * D + o_d, (b_o * b_c).to(o_pre.dtype.element_ty), mask=m_y)
-            if HAS_ONORM:  # ow re-read from L1 per row (masked by the row: not hoisted out of the loop into registers)
-                b_c = b_c * tl.rsqrt(tl.sum(b_o * b_o) * (b_c * b_c) / D + eps)  # masked lanes hold zeros
-                b_y = b_o * b_c * tl.load(ow + o_d, mask=m_y, other=0.0).to(tl.float32)
+                tl.store(o_pre + o_y, (b_o * b_c[:, None]).to(o_pre.dtype.element_ty), mask=m_y)
+            if HAS_ONORM:  # ow re-read from L1 (masked by the rows: not hoisted out of the loop into registers)
+                b_c = b_c * tl.rsqrt(tl.sum(b_o * b_o, 1) * (b_c * b_c) / D + eps)  # masked lanes hold zeros
+                b_y = b_o * b_c[:, None] * tl.load(ow + o_d, mask=m_y, other=0.0).to(tl.float32)
             else:
-                b_y = b_o * b_c
-            tl.store(o + i_t * D + o_d, b_y.to(o.dtype.element_ty), mask=m_y)
-            b_m = float("-inf")
-            b_z = 0.0
-            b_o = tl.zeros([1, BD], tl.float32)
+                b_y = b_o * b_c[:, None]
+            tl.store(o + o_y, b_y.to(o.dtype.element_ty), mask=m_y)
+            b_m = tl.full([BT], float("-inf"), tl.float32)
+            b_z = tl.zeros([BT], tl.float32)
+            b_o = tl.zeros([BT, BD], tl.float32)
 
 
 @triton.autotune(configs=_BWD_CONFIGS, key=["NS", "BD", "ROWS", "HAS_ONORM", "SAVE_PRE"],
                  prune_configs_by={"early_config_prune": _prune})
 @triton.jit
 def attn_res_bwd_kernel(
-    src, dsrc, qw, ow, o_pre, do, lse, logit, rstd, dqw, dow, T, eps, scale,
+    src, dsrc, qw, ow, o_pre, do, dqw, dow, T, eps, scale,
     D: tl.constexpr, NS: tl.constexpr, NSP: tl.constexpr, NO: tl.constexpr, NG: tl.constexpr, ROWS: tl.constexpr,
     BD: tl.constexpr, HAS_ONORM: tl.constexpr, SAVE_PRE: tl.constexpr, STAGES: tl.constexpr,
 ):
-    # Per row NO + 1 + NG + NS tiles: the NO tiles that give o (the N sources, or the saved o; none without the
-    # output norm), dy, the N sources for the scalars ⟨g, v_i⟩ (none for one source), the N sources for ∂v. qw and
-    # ow are re-read from L1 where used rather than held: the loop carries three fp32 row vectors (o then g, the ∂qw
-    # and ∂ow partial sums) and [NSP] tables of per-source scalars.
+    # Per row NJ = NO + 1 + NG + NS tiles: the NO tiles that give o (the N sources, or the saved o; none without
+    # the output norm), dy, the N sources for ⟨g, v_i⟩ (none for one source), the N sources for ∂v. Per-source
+    # scalars live in three [NSP] register tables (r_i, l_i = r_i ⟨qw, v_i⟩, ⟨g, v_i⟩, which then become the
+    # coefficients of ∂v_i); qw and ow are re-read from L1 where used rather than held: the loop carries three fp32
+    # row vectors (o then g, the ∂qw and ∂ow partial sums). The tile's source index is integer arithmetic on j and
+    # each pass condition is computed where it is used: the software pipeline then carries j between its stages,
+    # not a set of predicates.
     NJ: tl.constexpr = NO + 1 + NG + NS
     i_p = tl.program_id(0)
     o_d = tl.arange(0, BD)[None, :]
@@ -192,51 +202,98 @@ def attn_res_bwd_kernel(
     b_x = tl.zeros([1, BD], tl.float32)  # o while the first NO tiles stream in, then g = ∂L/∂o
     b_dqw = tl.zeros([1, BD], tl.float32)
     b_dow = tl.zeros([1, BD], tl.float32)
-    b_P = tl.zeros([1, NSP], tl.float32)  # p_i
-    b_G = tl.zeros([1, NSP], tl.float32)  # ⟨g, v_i⟩, then ∂s_i
+    b_m = float("-inf")  # online softmax of the o tiles (as the forward): offset and Σ
+    b_z = 0.0
+    # r_i, l_i, ⟨g, v_i⟩; at the end of the ⟨g, v_i⟩ pass they become a_i, b_i, c_i with
+    # ∂v_i = a_i g + b_i qw − c_i v_i and ∂qw += b_i v_i  (one source: p ≡ 1, no score gradient, exactly)
+    b_T0 = tl.full([1, NSP], 1.0, tl.float32)
+    b_T1 = tl.zeros([1, NSP], tl.float32)
+    b_T2 = tl.zeros([1, NSP], tl.float32)
     for k in tl.range(0, ROWS * NJ, num_stages=STAGES):
         j = k % NJ
         i_t = i_p.to(tl.int64) * ROWS + k // NJ
         i_c = tl.minimum(i_t, T - 1)  # rows past T re-read the last row, with dy taken as zero: they add nothing
-        o_c = i_c + tl.arange(0, 1)
-        # the tile's source (0 for dy and the saved o)
-        i_s = tl.where(j < NO, j, tl.where(j < NO + 1 + NG, tl.maximum(j - NO - 1, 0), j - NO - 1 - NG))
-        if SAVE_PRE:
-            p_x = tl.where(j == 0, o_pre, tl.where(j == NO, do, _pick(src, i_s, NS)))
+        # the tile's source: j for the o tiles, then j − NO − 1 modulo N (dy and the saved o take another pointer).
+        # Computed twice in two forms: i_l for the load's pointer, i_s for the passes, so that the compiler does not
+        # merge them and the pipeline carries neither i_s nor the [NSP] masks derived from it.
+        if NO == NS:
+            i_l = (j - tl.minimum(j // NS, 1)) % NS
+            i_s = (j + NS - tl.minimum(j // NS, 1)) % NS
         else:
-            p_x = tl.where(j == NO, do, _pick(src, i_s, NS))
+            i_l = (j + NS - NO - 1) % NS
+            i_s = (j + 2 * NS - NO - 1) % NS
+        p_x = tl.where(j == NO, do, _pick(src, i_l, NS))
+        if SAVE_PRE:
+            p_x = tl.where(j == 0, o_pre, p_x)
         b_v = tl.load(p_x + i_c * D + o_d, mask=m_d, other=0.0).to(tl.float32)
-        b_l = tl.load(logit + i_s * T + o_c)
-        b_r = tl.load(rstd + i_s * T + o_c)
-        b_p = tl.exp(b_l * scale - tl.load(lse + o_c))
-        if j < NO:  # o = Σ_i p_i v_i in fp32 (or the saved o)
+        if j < NO:  # o = Σ_i p_i v_i in fp32, recomputed as the forward does (or the saved o)
             if SAVE_PRE:
                 b_x = b_v
             else:
-                b_x = tl.where(j == 0, 0.0, b_x) + b_p[:, None] * b_v
+                b_qw = tl.load(qw + o_d, mask=m_d & (j >= 0), other=0.0)  # row-masked: re-read, not hoisted
+                b_ss, b_vq = tl.reduce((b_v * b_v, b_v * b_qw), 1, _add2)
+                b_r = tl.rsqrt(b_ss / D + eps)
+                if NG > 0:  # (one source keeps the tables at p ≡ 1)
+                    m_i = o_s == i_s
+                    b_T0 = tl.where(m_i, b_r[:, None], b_T0)
+                    b_T1 = tl.where(m_i, (b_vq * b_r)[:, None], b_T1)
+                b_s = tl.sum(b_vq * b_r, 0) * scale
+                if j == 0:
+                    b_m = b_s
+                    b_z = 1.0
+                    b_x = b_v
+                else:
+                    if b_s > b_m + E_SLACK:
+                        b_a = tl.exp(b_m - b_s)
+                        b_z = b_z * b_a
+                        b_x = b_x * b_a
+                        b_m = b_s
+                    b_p = tl.exp(b_s - b_m)
+                    b_z = b_z + b_p
+                    b_x += b_p * b_v
         elif j == NO:  # dy → g = ∂L/∂o
             b_v = tl.where(i_t < T, b_v, 0.0)
             if HAS_ONORM:  # through y = o · ro · ow
+                if not SAVE_PRE:
+                    b_x = b_x * (1.0 / b_z)
                 b_ro = tl.rsqrt(tl.sum(b_x * b_x, 1) / D + eps)
                 b_xh = b_x * b_ro[:, None]
                 b_dow += b_xh * b_v
-                b_u = b_v * tl.load(ow + o_d, mask=m_d, other=0.0).to(tl.float32)
+                b_u = b_v * tl.load(ow + o_d, mask=m_d & (j >= 0), other=0.0).to(tl.float32)
                 b_x = (b_u - b_xh * (tl.sum(b_xh * b_u, 1) / D)[:, None]) * b_ro[:, None]
             else:
                 b_x = b_v
-        elif j < NO + 1 + NG:  # ⟨g, v_i⟩; after the last source the score gradients ∂s_i = c p_i (⟨g, v_i⟩ − δ)
+        elif j < NO + 1 + NG:  # ⟨g, v_i⟩ (and r_i, l_i when the o tiles did not give them)
             m_i = o_s == i_s
-            b_P = tl.where(m_i, b_p[:, None], b_P)
-            b_G = tl.where(m_i, tl.sum(b_x * b_v, 1)[:, None], b_G)
-            if i_s == NS - 1:  # δ = Σ_i p_i ⟨g, v_i⟩ from these same values: Σ_i ∂s_i vanishes to rounding
-                b_G = b_P * (b_G - tl.sum(b_P * b_G, 1)[:, None]) * scale
-        else:  # ∂v_i, and the row's share of ∂qw (one source: p ≡ 1, the score gets no gradient, exactly)
-            b_dsr = tl.sum(tl.where(o_s == i_s, b_G, 0.0), 1) * b_r
-            b_qw = tl.load(qw + o_d, mask=m_d, other=0.0)
-            b_dv = b_p[:, None] * b_x + b_dsr[:, None] * (b_qw - b_v * (b_r * b_l / D)[:, None])
+            if HAS_ONORM and not SAVE_PRE:
+                b_T2 = tl.where(m_i, tl.sum(b_x * b_v, 1)[:, None], b_T2)
+            else:
+                b_qw = tl.load(qw + o_d, mask=m_d & (j >= 0), other=0.0)
+                b_gv, b_ss, b_vq = tl.reduce((b_x * b_v, b_v * b_v, b_v * b_qw), 1, _add3)
+                b_r = tl.rsqrt(b_ss / D + eps)
+                b_T0 = tl.where(m_i, b_r[:, None], b_T0)
+                b_T1 = tl.where(m_i, (b_vq * b_r)[:, None], b_T1)
+                b_T2 = tl.where(m_i, b_gv[:, None], b_T2)
+            if i_s == NS - 1:  # p = softmax(c · l) and ∂s_i = c p_i (⟨g, v_i⟩ − δ) with δ = Σ_i p_i ⟨g, v_i⟩ from these
+                # same values, so Σ_i ∂s_i vanishes to rounding (δ = ⟨g, o⟩ would leave a residue that swamps a
+                # small ∂qw when the depth weights are peaked)
+                b_sc = tl.where(o_s < NS, b_T1 * scale, float("-inf"))
+                b_P = tl.exp(b_sc - tl.max(b_sc, 1)[:, None])
+                b_P = b_P / tl.sum(b_P, 1)[:, None]
+                b_B = b_P * (b_T2 - tl.sum(b_P * b_T2, 1)[:, None]) * scale * b_T0
+                b_T2 = b_B * b_T0 * b_T1 / D
+                b_T0 = b_P
+                b_T1 = b_B
+        else:  # ∂v_i, and the row's share of ∂qw
+            m_i = o_s == i_s
+            b_a = tl.sum(tl.where(m_i, b_T0, 0.0), 1)[:, None]
+            b_b = tl.sum(tl.where(m_i, b_T1, 0.0), 1)[:, None]
+            b_c = tl.sum(tl.where(m_i, b_T2, 0.0), 1)[:, None]
+            b_qw = tl.load(qw + o_d, mask=m_d & (j >= 0), other=0.0)
+            b_dv = b_a * b_x + b_b * b_qw - b_c * b_v
             p_dv = _pick(dsrc, i_s, NS)
             tl.store(p_dv + i_t * D + o_d, b_dv.to(p_dv.dtype.element_ty), mask=m_d & (i_t < T))
-            b_dqw += b_dsr[:, None] * b_v
+            b_dqw += b_b * b_v
     tl.store(dqw + i_p * D + o_d, b_dqw, mask=m_d)
     if HAS_ONORM:
         tl.store(dow + i_p * D + o_d, b_dow, mask=m_d)
@@ -245,41 +302,40 @@ def attn_res_bwd_kernel(
 def attn_res_fwd(
     sources: Sequence[torch.Tensor], qw: torch.Tensor, out_norm_weight: torch.Tensor | None, eps: float,
     scale: float, save_pre: bool, prior: tuple[torch.Tensor, torch.Tensor] | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``sources``: N contiguous ``[T, D]`` tensors of one dtype; ``qw [D]`` fp32 → ``(y [T, D], o_pre [T, D] or
-    [0], lse [T] fp32, logits l [N, T] fp32 (unscaled: p = exp(scale · l − lse)), rstd [N, T] fp32)``.
-    ``prior = (o¹ [T, D], ℓ¹ [T] fp32)``: continue the softmax of an earlier normalised mix (two-phase inference;
-    forward only)."""
+    [0], lse [T] fp32, logits [N, T] fp32)``. ``prior = (o¹ [T, D], ℓ¹ [T] fp32)``: continue the softmax of an
+    earlier normalised mix (two-phase inference; forward only)."""
     s0 = sources[0]
     T, D = s0.shape
     y = torch.empty_like(s0)
     o_pre = torch.empty_like(s0) if save_pre else s0.new_empty(0)
     lse = torch.empty(T, dtype=torch.float32, device=s0.device)
     logit = torch.empty(len(sources), T, dtype=torch.float32, device=s0.device)
-    rstd = torch.empty(len(sources), T, dtype=torch.float32, device=s0.device)
     if T == 0:
-        return y, o_pre, lse, logit, rstd
+        return y, o_pre, lse, logit
     ow = out_norm_weight if out_norm_weight is not None else qw
     o1, lse1 = prior if prior is not None else (y, lse)  # placeholders when there is no prior (never read)
     rows = _fwd_rows(T, s0.device)
     with on_device_of(s0):
         attn_res_fwd_kernel[(triton.cdiv(T, rows),)](
-            tuple(sources), qw, ow, y, o_pre, lse, logit, rstd, o1, lse1, T, float(eps), float(scale),
+            tuple(sources), qw, ow, y, o_pre, lse, logit, o1, lse1, T, float(eps), float(scale),
             D=D, NS=len(sources), ROWS=rows, BD=triton.next_power_of_2(D),
             HAS_ONORM=out_norm_weight is not None, SAVE_PRE=save_pre, HAS_PRIOR=prior is not None)
-    return y, o_pre, lse, logit, rstd
+    return y, o_pre, lse, logit
 
 
 def attn_res_bwd(
     do: torch.Tensor, sources: Sequence[torch.Tensor], qw: torch.Tensor, out_norm_weight: torch.Tensor | None,
-    o_pre: torch.Tensor, lse: torch.Tensor, logit: torch.Tensor, rstd: torch.Tensor, eps: float, scale: float,
-    save_pre: bool,
+    o_pre: torch.Tensor, eps: float, scale: float, save_pre: bool,
 ) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
-    """Gradients ``([∂v_i [T, D]], ∂qw [D] fp32, ∂ow [D] fp32 or [0])`` for ``do = ∂L/∂y [T, D]``."""
+    """Gradients ``([∂v_i [T, D]], ∂qw [D] fp32, ∂ow [D] fp32 or [0])`` for ``do = ∂L/∂y [T, D]`` (``o_pre``: the
+    forward's pre-norm mix, read when ``save_pre`` and there is an output norm)."""
     s0 = sources[0]
     T, D = s0.shape
     dsrc = [torch.empty_like(s) for s in sources]
     has_onorm = out_norm_weight is not None
+    save_pre = save_pre and has_onorm  # without the output norm the backward never needs o
     rows = _bwd_rows(T, s0.device)
     n_p = triton.cdiv(max(T, 1), rows)
     dqw = torch.empty(n_p, D, dtype=torch.float32, device=s0.device)
@@ -287,11 +343,12 @@ def attn_res_bwd(
     if T == 0:
         dqw.zero_(), dow.zero_()
     else:
+        N = len(sources)
         with on_device_of(s0):
             attn_res_bwd_kernel[(n_p,)](
                 tuple(sources), tuple(dsrc), qw, out_norm_weight if has_onorm else qw, o_pre if save_pre else do,
-                do, lse, logit, rstd, dqw, dow, T, float(eps), float(scale),
-                D=D, NS=len(sources), NSP=triton.next_power_of_2(len(sources)),
-                NO=(1 if save_pre else len(sources)) if has_onorm else 0, NG=len(sources) if len(sources) > 1 else 0,
-                ROWS=rows, BD=triton.next_power_of_2(D), HAS_ONORM=has_onorm, SAVE_PRE=save_pre and has_onorm)
+                do, dqw, dow, T, float(eps), float(scale),
+                D=D, NS=N, NSP=triton.next_power_of_2(N), NO=(1 if save_pre else N) if has_onorm else 0,
+                NG=N if N > 1 else 0, ROWS=rows, BD=triton.next_power_of_2(D), HAS_ONORM=has_onorm,
+                SAVE_PRE=save_pre)
     return dsrc, dqw.sum(0), (dow.sum(0) if has_onorm else dow.new_empty(0))
