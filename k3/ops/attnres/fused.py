@@ -55,14 +55,15 @@ def _interpreting() -> bool:
 
 
 def _prune(configs: list[triton.Config], named_args: dict, **kwargs) -> list[triton.Config]:
-    """Keep configs whose fp32 row vectors are 16..32 values per thread (16-byte loads of half types, few enough
-    registers) and whose BT rows per step divide the program's rows; narrow rows take the config with the fewest
-    warps."""
+    """Keep configs whose BT rows per step divide the program's rows, with 8..32 fp32 values of a row and 16..64 of
+    a step's tile per thread (16-byte loads of half types, registers to spare, per-step overheads shared by enough
+    bytes); else the one with the fewest warps and the most rows per step."""
     bd = kwargs.get("BD", named_args.get("BD"))
     rows = kwargs.get("ROWS", named_args.get("ROWS"))
     fit = [c for c in configs if rows % c.kwargs.get("BT", 1) == 0]
-    keep = [c for c in fit if 16 <= bd // (32 * c.num_warps) <= 32]
-    return keep or [min(fit, key=lambda c: (c.num_warps, -c.kwargs["STAGES"]))]
+    keep = [c for c in fit if 8 <= bd // (32 * c.num_warps) <= 32
+            and 16 <= c.kwargs.get("BT", 1) * bd // (32 * c.num_warps) <= 64]
+    return keep or [min(fit, key=lambda c: (c.num_warps, -c.kwargs.get("BT", 1), -c.kwargs["STAGES"]))]
 
 
 def _configs(triples: tuple[tuple[int, int, int], ...], bt: bool) -> list[triton.Config]:
@@ -72,10 +73,13 @@ def _configs(triples: tuple[tuple[int, int, int], ...], bt: bool) -> list[triton
     return [triton.Config({"BT": b, "STAGES": s} if bt else {"STAGES": s}, num_warps=w) for b, w, s in triples]
 
 
-# (num_warps, STAGES). sm_90 at D 7168 (ptxas): the forward needs ~120 registers at 8 warps (two programs per SM,
-# 32–48 KB of shared memory each); the backward carries three fp32 row vectors (o or g, ∂qw, ∂ow) and runs 16 warps
-# at ≤ 128 registers, one program per SM with 4–5 tiles in flight.
-_FWD_CONFIGS = _configs(((1, 8, 3), (1, 8, 4), (1, 16, 4), (2, 8, 3), (2, 16, 3), (2, 16, 4), (1, 4, 3)), bt=True)
+# (BT rows per step, num_warps, STAGES), from the sm_90 build at D 7168 (ptxas register counts and SASS
+# instructions per tile). Forward: 1 row × 8 warps needs ~120 registers, two programs per SM with 2–3 tiles each in
+# flight (32–48 KB of shared memory per program); 2 rows × 8 warps, ~230 registers, one program per SM, a quarter
+# fewer instructions per tile. Backward: the loop carries three fp32 row vectors: 16 warps at ≤ 128 registers or 8
+# warps at ~210–250, one program per SM either way. The GPU's autotuner picks; 4 warps (and 4 rows per forward
+# step) serve narrow rows.
+_FWD_CONFIGS = _configs(((1, 8, 3), (1, 8, 4), (2, 8, 3), (4, 4, 3), (1, 4, 3)), bt=True)
 _BWD_CONFIGS = _configs(((1, 16, 5), (1, 8, 3), (1, 8, 4), (1, 4, 3)), bt=False)
 
 
@@ -118,7 +122,7 @@ def _pick(ptrs, i, NS: tl.constexpr):
 
 @triton.autotune(configs=_FWD_CONFIGS, key=["NS", "BD", "ROWS", "HAS_ONORM", "SAVE_PRE", "HAS_PRIOR"],
                  prune_configs_by={"early_config_prune": _prune})
-@triton.jit
+@triton.jit(do_not_specialize=["T"])  # one binary for every token count (T only bounds rows and strides logits)
 def attn_res_fwd_kernel(
     src, qw, ow, o, o_pre, lse, logit, o1, lse1, T, eps, scale,
     D: tl.constexpr, NS: tl.constexpr, ROWS: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
@@ -181,7 +185,7 @@ def attn_res_fwd_kernel(
 
 @triton.autotune(configs=_BWD_CONFIGS, key=["NS", "BD", "ROWS", "HAS_ONORM", "SAVE_PRE"],
                  prune_configs_by={"early_config_prune": _prune})
-@triton.jit
+@triton.jit(do_not_specialize=["T"])
 def attn_res_bwd_kernel(
     src, dsrc, qw, ow, o_pre, do, dqw, dow, T, eps, scale,
     D: tl.constexpr, NS: tl.constexpr, NSP: tl.constexpr, NO: tl.constexpr, NG: tl.constexpr, ROWS: tl.constexpr,

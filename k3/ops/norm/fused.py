@@ -51,7 +51,7 @@ _BWD_MAX_BT = max(c.kwargs["BT"] for c in _BWD)
 
 
 @triton.autotune(configs=_FWD, key=["BD"], prune_configs_by={"early_config_prune": _pruner(32)})
-@triton.jit
+@triton.jit(do_not_specialize=["T"])  # one binary for every token count
 def rms_norm_fwd_kernel(x, w, y, rstd, T, eps, D: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr):
     o_t = tl.program_id(0).to(tl.int64) * BT + tl.arange(0, BT)
     o_d = tl.arange(0, BD)[None, :]  # row vectors as [1, BD]: the tiles' own layout, no conversions
@@ -67,7 +67,7 @@ def rms_norm_fwd_kernel(x, w, y, rstd, T, eps, D: tl.constexpr, BT: tl.constexpr
 
 
 @triton.autotune(configs=_BWD, key=["BD"], prune_configs_by={"early_config_prune": _pruner(16)})
-@triton.jit
+@triton.jit(do_not_specialize=["T"])
 def rms_norm_bwd_kernel(x, w, rstd, dy, dx, dw, T, D: tl.constexpr, ROWS: tl.constexpr, BT: tl.constexpr,
                         BD: tl.constexpr):
     i_p = tl.program_id(0)
