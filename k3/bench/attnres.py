@@ -103,8 +103,8 @@ def _lowest_stages(configs: list[triton.Config]) -> list[triton.Config]:
 def _candidates(n_sm: int, with_fla: bool) -> list[tuple[Any, list[triton.Config]]]:
     """(autotuner, the configs it will try at the benchmark's shapes) for every autotuned kernel timed here."""
     bd = triton.next_power_of_2(D_K3)
-    out = [(fused.attn_res_fwd_kernel, fused._prune(fused._FWD_CONFIGS, {}, BD=bd, ROWS=4)),
-           (fused.attn_res_bwd_kernel, fused._prune(fused._BWD_CONFIGS, {}, BD=bd, ROWS=16)),
+    out = [(fused.attn_res_fwd_kernel, fused._prune_fwd(fused._FWD_CONFIGS, {}, BD=bd, ROWS=4)),
+           (fused.attn_res_bwd_kernel, fused._prune_bwd(fused._BWD_CONFIGS, {}, BD=bd, ROWS=16)),
            (norm_fused.rms_norm_fwd_kernel, norm_fused._pruner(32)(norm_fused._FWD, {}, BD=bd)),
            (norm_fused.rms_norm_bwd_kernel, norm_fused._pruner(16)(norm_fused._BWD, {}, BD=bd))]
     if with_fla:

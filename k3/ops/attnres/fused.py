@@ -54,16 +54,39 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def _prune(configs: list[triton.Config], named_args: dict, **kwargs) -> list[triton.Config]:
-    """Keep configs whose BT rows per step divide the program's rows, with 8..32 fp32 values of a row and 16..64 of
-    a step's tile per thread (16-byte loads of half types, registers to spare, per-step overheads shared by enough
-    bytes); else the one with the fewest warps and the most rows per step."""
+def _row_values(c: triton.Config, bd: int) -> int:
+    """fp32 values of one [BD] row vector per thread."""
+    return max(1, bd // (32 * c.num_warps))
+
+
+def _fallback(configs: list[triton.Config], bd: int) -> list[triton.Config]:
+    """Rows narrower than the tuned ones: the fewest warps, most rows per step; wider: the most warps."""
+    return [min(configs, key=lambda c: (_row_values(c, bd) > 32, c.num_warps if _row_values(c, bd) <= 32
+                                        else -c.num_warps, -c.kwargs.get("BT", 1), -c.kwargs["STAGES"]))]
+
+
+def _prune_fwd(configs: list[triton.Config], named_args: dict, **kwargs) -> list[triton.Config]:
+    """Configs whose BT rows per step divide the program's rows, with 8..32 values of a row and 16..64 of a step's
+    tile per thread (16-byte loads of half types, registers to spare, per-step overheads shared by enough bytes),
+    each step width at the fewest warps that hold its rows in ≤ 32 values per thread."""
     bd = kwargs.get("BD", named_args.get("BD"))
     rows = kwargs.get("ROWS", named_args.get("ROWS"))
-    fit = [c for c in configs if rows % c.kwargs.get("BT", 1) == 0]
-    keep = [c for c in fit if 8 <= bd // (32 * c.num_warps) <= 32
-            and 16 <= c.kwargs.get("BT", 1) * bd // (32 * c.num_warps) <= 64]
-    return keep or [min(fit, key=lambda c: (c.num_warps, -c.kwargs.get("BT", 1), -c.kwargs["STAGES"]))]
+    fit = [c for c in configs if rows % c.kwargs["BT"] == 0]
+
+    def fewest(c: triton.Config) -> bool:
+        return not any(d.kwargs["BT"] == c.kwargs["BT"] and d.num_warps < c.num_warps and _row_values(d, bd) <= 32
+                       for d in fit)
+
+    keep = [c for c in fit if 8 <= _row_values(c, bd) <= 32 and 16 <= c.kwargs["BT"] * _row_values(c, bd) <= 64
+            and fewest(c)]
+    return keep or _fallback(fit, bd)
+
+
+def _prune_bwd(configs: list[triton.Config], named_args: dict, **kwargs) -> list[triton.Config]:
+    """Configs with 16..32 values of a row vector per thread (at K3's width: 8 warps at ~230 registers and 16 at
+    ≤ 128, each one program per SM; the GPU picks)."""
+    bd = kwargs.get("BD", named_args.get("BD"))
+    return [c for c in configs if 16 <= _row_values(c, bd) <= 32] or _fallback(configs, bd)
 
 
 def _configs(triples: tuple[tuple[int, int, int], ...], bt: bool) -> list[triton.Config]:
@@ -78,8 +101,8 @@ def _configs(triples: tuple[tuple[int, int, int], ...], bt: bool) -> list[triton
 # flight (32–48 KB of shared memory per program); 2 rows × 8 warps, ~230 registers, one program per SM, a quarter
 # fewer instructions per tile. Backward: the loop carries three fp32 row vectors: 16 warps at ≤ 128 registers or 8
 # warps at ~210–250, one program per SM either way. The GPU's autotuner picks; 4 warps (and 4 rows per forward
-# step) serve narrow rows.
-_FWD_CONFIGS = _configs(((1, 8, 3), (1, 8, 4), (2, 8, 3), (4, 4, 3), (1, 4, 3)), bt=True)
+# step) narrow rows, 16 warps rows wider than K3's.
+_FWD_CONFIGS = _configs(((1, 8, 3), (1, 8, 4), (2, 8, 3), (4, 4, 3), (1, 4, 3), (1, 16, 4)), bt=True)
 _BWD_CONFIGS = _configs(((1, 16, 5), (1, 8, 3), (1, 8, 4), (1, 4, 3)), bt=False)
 
 
@@ -121,7 +144,7 @@ def _pick(ptrs, i, NS: tl.constexpr):
 
 
 @triton.autotune(configs=_FWD_CONFIGS, key=["NS", "BD", "ROWS", "HAS_ONORM", "SAVE_PRE", "HAS_PRIOR"],
-                 prune_configs_by={"early_config_prune": _prune})
+                 prune_configs_by={"early_config_prune": _prune_fwd})
 @triton.jit(do_not_specialize=["T"])  # one binary for every token count (T only bounds rows and strides logits)
 def attn_res_fwd_kernel(
     src, qw, ow, o, o_pre, lse, logit, o1, lse1, T, eps, scale,
@@ -184,7 +207,7 @@ def attn_res_fwd_kernel(
 
 
 @triton.autotune(configs=_BWD_CONFIGS, key=["NS", "BD", "ROWS", "HAS_ONORM", "SAVE_PRE"],
-                 prune_configs_by={"early_config_prune": _prune})
+                 prune_configs_by={"early_config_prune": _prune_bwd})
 @triton.jit(do_not_specialize=["T"])
 def attn_res_bwd_kernel(
     src, dsrc, qw, ow, o_pre, do, dqw, dow, T, eps, scale,
