@@ -217,8 +217,8 @@ def attn_res_bwd_kernel(
     # Per row NJ = NO + 1 + NG + NS tiles: the NO tiles that give o (the N sources, or the saved o; none without
     # the output norm), dy, the N sources for ⟨g, v_i⟩ (none for one source), the N sources for ∂v. Per-source
     # scalars live in three [NSP] register tables (r_i, l_i = r_i ⟨qw, v_i⟩, ⟨g, v_i⟩, which then become the
-    # coefficients of ∂v_i); qw and ow are re-read from L1 where used rather than held: the loop carries three fp32
-    # row vectors (o then g, the ∂qw and ∂ow partial sums). The tile's source index is integer arithmetic on j and
+    # coefficients of ∂v_i); qw and ow are re-read from L1 where used rather than held: the loop carries two fp32
+    # row vectors (o then g, and the ∂qw partial sum). The tile's source index is integer arithmetic on j and
     # each pass condition is computed where it is used: the software pipeline then carries j between its stages,
     # not a set of predicates.
     NJ: tl.constexpr = NO + 1 + NG + NS
@@ -228,7 +228,6 @@ def attn_res_bwd_kernel(
     o_s = tl.arange(0, NSP)[None, :]
     b_x = tl.zeros([1, BD], tl.float32)  # o while the first NO tiles stream in, then g = ∂L/∂o
     b_dqw = tl.zeros([1, BD], tl.float32)
-    b_dow = tl.zeros([1, BD], tl.float32)
     b_m = float("-inf")  # online softmax of the o tiles (as the forward): offset and Σ
     b_z = 0.0
     # r_i, l_i, ⟨g, v_i⟩; at the end of the ⟨g, v_i⟩ pass they become a_i, b_i, c_i with
@@ -285,7 +284,13 @@ def attn_res_bwd_kernel(
                     b_x = b_x * (1.0 / b_z)
                 b_ro = tl.rsqrt(tl.sum(b_x * b_x, 1) / D + eps)
                 b_xh = b_x * b_ro[:, None]
-                b_dow += b_xh * b_v
+                # the program's ∂ow partial row lives in memory (L1: the tiles bypass it), updated once per row:
+                # one fp32 row vector fewer in registers
+                p_dow = dow + i_p * D + o_d
+                if i_t == i_p * ROWS:
+                    tl.store(p_dow, b_xh * b_v, mask=m_d)
+                else:
+                    tl.store(p_dow, tl.load(p_dow, mask=m_d, other=0.0) + b_xh * b_v, mask=m_d)
                 b_u = b_v * tl.load(ow + o_d, mask=m_d & (j >= 0), other=0.0).to(tl.float32)
                 b_x = (b_u - b_xh * (tl.sum(b_xh * b_u, 1) / D)[:, None]) * b_ro[:, None]
             else:
@@ -322,8 +327,6 @@ def attn_res_bwd_kernel(
             tl.store(p_dv + i_t * D + o_d, b_dv.to(p_dv.dtype.element_ty), mask=m_d & (i_t < T))
             b_dqw += b_b * b_v
     tl.store(dqw + i_p * D + o_d, b_dqw, mask=m_d)
-    if HAS_ONORM:
-        tl.store(dow + i_p * D + o_d, b_dow, mask=m_d)
 
 
 def attn_res_fwd(
