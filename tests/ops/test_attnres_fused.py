@@ -86,6 +86,13 @@ def test_several_rows_per_program(bt: int, n: int, T: int, onorm: bool, nan_empt
     monkeypatch.setattr(kernel, "configs", [triton.Config({"BT": bt, "STAGES": 1}, num_warps=4)])
     monkeypatch.setattr(kernel, "cache", {})
     _check_grads(n, (T, 24), onorm, 22)
+    # the two-phase merge (the forward kernel started from a prior state) at the same step width
+    closed = [torch.randn(T, 24, device=DEV) * (i + 1) for i in range(2)]
+    q, g, p = torch.randn(24, device=DEV), torch.rand(24, device=DEV) + 0.5, torch.randn(T, 24, device=DEV)
+    ow = torch.rand(24, device=DEV) + 0.5 if onorm else None
+    o1, lse = attn_res_phase1((q * g)[None], closed, 1e-5)
+    got = attn_res_merge_fused(o1[0], lse[0], p, q * g, 1e-5, ow)
+    assert rel(got, attn_res_reference(q, [*closed, p], g, 1e-5, ow)) < 1e-6
 
 
 def test_peaked_weights_stay_accurate() -> None:
