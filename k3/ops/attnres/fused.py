@@ -147,7 +147,7 @@ def _pick(ptrs, i, NS: tl.constexpr):
                  prune_configs_by={"early_config_prune": _prune_fwd})
 @triton.jit(do_not_specialize=["T"])  # one binary for every token count (T only bounds rows and strides logits)
 def attn_res_fwd_kernel(
-    src, qw, ow, o, o_pre, lse, logit, o1, lse1, T, eps, scale,
+    src, qw, ow, o, o_pre, lse, logit, rstd, o1, lse1, T, eps, scale,
     D: tl.constexpr, NS: tl.constexpr, ROWS: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
     HAS_ONORM: tl.constexpr, SAVE_PRE: tl.constexpr, HAS_PRIOR: tl.constexpr, STAGES: tl.constexpr,
 ):
@@ -169,8 +169,10 @@ def attn_res_fwd_kernel(
         b_v = tl.load(_pick(src, i_s, NS) + o_c[:, None] * D + o_d, mask=m_d, other=0.0,
                       eviction_policy="evict_first").to(tl.float32)
         b_ss, b_vq = tl.reduce((b_v * b_v, b_v * b_qw), 1, _add2)  # both row sums in one cross-warp reduction
-        b_s = b_vq * tl.rsqrt(b_ss / D + eps) * scale
-        tl.store(logit + i_s * T + o_t, b_s, mask=m_t)
+        b_r = tl.rsqrt(b_ss / D + eps)
+        tl.store(logit + i_s * T + o_t, b_vq * b_r, mask=m_t)
+        tl.store(rstd + i_s * T + o_t, b_r, mask=m_t)
+        b_s = b_vq * b_r * scale
         if HAS_PRIOR:
             if i_s == 0:  # two-phase merge: continue from the mix o¹ of earlier sources and its lse ℓ¹
                 b_m = tl.load(lse1 + o_c)
@@ -210,17 +212,18 @@ def attn_res_fwd_kernel(
                  prune_configs_by={"early_config_prune": _prune_bwd})
 @triton.jit(do_not_specialize=["T"])
 def attn_res_bwd_kernel(
-    src, dsrc, qw, ow, o_pre, do, dqw, dow, T, eps, scale,
+    src, dsrc, qw, ow, o_pre, do, lse, logit, rstd, dqw, dow, T, eps, scale,
     D: tl.constexpr, NS: tl.constexpr, NSP: tl.constexpr, NO: tl.constexpr, NG: tl.constexpr, ROWS: tl.constexpr,
     BD: tl.constexpr, HAS_ONORM: tl.constexpr, SAVE_PRE: tl.constexpr, STAGES: tl.constexpr,
 ):
     # Per row NJ = NO + 1 + NG + NS tiles: the NO tiles that give o (the N sources, or the saved o; none without
-    # the output norm), dy, the N sources for ⟨g, v_i⟩ (none for one source), the N sources for ∂v. Per-source
-    # scalars live in three [NSP] register tables (r_i, l_i = r_i ⟨qw, v_i⟩, ⟨g, v_i⟩, which then become the
-    # coefficients of ∂v_i); qw and ow are re-read from L1 where used rather than held: the loop carries two fp32
-    # row vectors (o then g, and the ∂qw partial sum). The tile's source index is integer arithmetic on j and
-    # each pass condition is computed where it is used: the software pipeline then carries j between its stages,
-    # not a set of predicates.
+    # the output norm), dy, the N sources for ⟨g, v_i⟩ (none for one source), the N sources for ∂v. The forward's
+    # per-source scalars l_i = r_i ⟨qw, v_i⟩ and r_i come with each source tile (p_i = exp(c · l_i − lse)): no
+    # reduction but ⟨g, v_i⟩. They and ⟨g, v_i⟩ live in three [NSP] register tables, which then become the
+    # coefficients of ∂v_i; qw and ow are re-read from L1 where used rather than held: the loop carries two fp32 row
+    # vectors (o then g, and the ∂qw partial sum). The tile's source index is integer arithmetic on j and each pass
+    # condition is computed where it is used: the software pipeline then carries j between its stages, not a set of
+    # predicates.
     NJ: tl.constexpr = NO + 1 + NG + NS
     i_p = tl.program_id(0)
     o_d = tl.arange(0, BD)[None, :]
@@ -228,8 +231,6 @@ def attn_res_bwd_kernel(
     o_s = tl.arange(0, NSP)[None, :]
     b_x = tl.zeros([1, BD], tl.float32)  # o while the first NO tiles stream in, then g = ∂L/∂o
     b_dqw = tl.zeros([1, BD], tl.float32)
-    b_m = float("-inf")  # online softmax of the o tiles (as the forward): offset and Σ
-    b_z = 0.0
     # r_i, l_i, ⟨g, v_i⟩; at the end of the ⟨g, v_i⟩ pass they become a_i, b_i, c_i with
     # ∂v_i = a_i g + b_i qw − c_i v_i and ∂qw += b_i v_i  (one source: p ≡ 1, no score gradient, exactly)
     b_T0 = tl.full([1, NSP], 1.0, tl.float32)
@@ -240,8 +241,8 @@ def attn_res_bwd_kernel(
         i_t = i_p.to(tl.int64) * ROWS + k // NJ
         i_c = tl.minimum(i_t, T - 1)  # rows past T re-read the last row, with dy taken as zero: they add nothing
         # the tile's source: j for the o tiles, then j − NO − 1 modulo N (dy and the saved o take another pointer).
-        # Computed twice in two forms: i_l for the load's pointer, i_s for the passes, so that the compiler does not
-        # merge them and the pipeline carries neither i_s nor the [NSP] masks derived from it.
+        # Computed twice in two forms: i_l for the loads, i_s for the passes, so that the compiler does not merge
+        # them and the pipeline carries neither i_s nor the [NSP] masks derived from it.
         if NO == NS:
             i_l = (j - tl.minimum(j // NS, 1)) % NS
             i_s = (j + NS - tl.minimum(j // NS, 1)) % NS
@@ -252,36 +253,20 @@ def attn_res_bwd_kernel(
         if SAVE_PRE:
             p_x = tl.where(j == 0, o_pre, p_x)
         b_v = tl.load(p_x + i_c * D + o_d, mask=m_d, other=0.0).to(tl.float32)
-        if j < NO:  # o = Σ_i p_i v_i in fp32, recomputed as the forward does (or the saved o)
+        o_c = i_l * T + i_c + tl.arange(0, 1)  # the tile's source scalars (those of a source for dy and o_pre)
+        b_l = tl.load(logit + o_c)
+        b_r = tl.load(rstd + o_c)
+        b_p = tl.exp(b_l * scale - tl.load(lse + i_c + tl.arange(0, 1)))
+        if j < NO:  # o = Σ_i p_i v_i in fp32 (or the saved o)
             if SAVE_PRE:
                 b_x = b_v
+            elif j == 0:
+                b_x = b_p[:, None] * b_v
             else:
-                b_qw = tl.load(qw + o_d, mask=m_d & (j >= 0), other=0.0)  # row-masked: re-read, not hoisted
-                b_ss, b_vq = tl.reduce((b_v * b_v, b_v * b_qw), 1, _add2)
-                b_r = tl.rsqrt(b_ss / D + eps)
-                if NG > 0:  # (one source keeps the tables at p ≡ 1)
-                    m_i = o_s == i_s
-                    b_T0 = tl.where(m_i, b_r[:, None], b_T0)
-                    b_T1 = tl.where(m_i, (b_vq * b_r)[:, None], b_T1)
-                b_s = tl.sum(b_vq * b_r, 0) * scale
-                if j == 0:
-                    b_m = b_s
-                    b_z = 1.0
-                    b_x = b_v
-                else:
-                    if b_s > b_m + E_SLACK:
-                        b_a = tl.exp(b_m - b_s)
-                        b_z = b_z * b_a
-                        b_x = b_x * b_a
-                        b_m = b_s
-                    b_p = tl.exp(b_s - b_m)
-                    b_z = b_z + b_p
-                    b_x += b_p * b_v
+                b_x += b_p[:, None] * b_v
         elif j == NO:  # dy → g = ∂L/∂o
             b_v = tl.where(i_t < T, b_v, 0.0)
             if HAS_ONORM:  # through y = o · ro · ow
-                if not SAVE_PRE:
-                    b_x = b_x * (1.0 / b_z)
                 b_ro = tl.rsqrt(tl.sum(b_x * b_x, 1) / D + eps)
                 b_xh = b_x * b_ro[:, None]
                 # the program's ∂ow partial row lives in memory (L1: the tiles bypass it), updated once per row:
@@ -295,17 +280,11 @@ def attn_res_bwd_kernel(
                 b_x = (b_u - b_xh * (tl.sum(b_xh * b_u, 1) / D)[:, None]) * b_ro[:, None]
             else:
                 b_x = b_v
-        elif j < NO + 1 + NG:  # ⟨g, v_i⟩ (and r_i, l_i when the o tiles did not give them)
+        elif j < NO + 1 + NG:  # ⟨g, v_i⟩
             m_i = o_s == i_s
-            if HAS_ONORM and not SAVE_PRE:
-                b_T2 = tl.where(m_i, tl.sum(b_x * b_v, 1)[:, None], b_T2)
-            else:
-                b_qw = tl.load(qw + o_d, mask=m_d & (j >= 0), other=0.0)
-                b_gv, b_ss, b_vq = tl.reduce((b_x * b_v, b_v * b_v, b_v * b_qw), 1, _add3)
-                b_r = tl.rsqrt(b_ss / D + eps)
-                b_T0 = tl.where(m_i, b_r[:, None], b_T0)
-                b_T1 = tl.where(m_i, (b_vq * b_r)[:, None], b_T1)
-                b_T2 = tl.where(m_i, b_gv[:, None], b_T2)
+            b_T0 = tl.where(m_i, b_r[:, None], b_T0)
+            b_T1 = tl.where(m_i, b_l[:, None], b_T1)
+            b_T2 = tl.where(m_i, tl.sum(b_x * b_v, 1)[:, None], b_T2)
             if i_s == NS - 1:  # p = softmax(c · l) and ∂s_i = c p_i (⟨g, v_i⟩ − δ) with δ = Σ_i p_i ⟨g, v_i⟩ from these
                 # same values, so Σ_i ∂s_i vanishes to rounding (δ = ⟨g, o⟩ would leave a residue that swamps a
                 # small ∂qw when the depth weights are peaked)
@@ -332,35 +311,38 @@ def attn_res_bwd_kernel(
 def attn_res_fwd(
     sources: Sequence[torch.Tensor], qw: torch.Tensor, out_norm_weight: torch.Tensor | None, eps: float,
     scale: float, save_pre: bool, prior: tuple[torch.Tensor, torch.Tensor] | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``sources``: N contiguous ``[T, D]`` tensors of one dtype; ``qw [D]`` fp32 → ``(y [T, D], o_pre [T, D] or
-    [0], lse [T] fp32, logits [N, T] fp32)``. ``prior = (o¹ [T, D], ℓ¹ [T] fp32)``: continue the softmax of an
-    earlier normalised mix (two-phase inference; forward only)."""
+    [0], lse [T] fp32, logits l [N, T] fp32 (unscaled: p = exp(scale · l − lse)), rstd [N, T] fp32)``.
+    ``prior = (o¹ [T, D], ℓ¹ [T] fp32)``: continue the softmax of an earlier normalised mix (two-phase inference;
+    forward only)."""
     s0 = sources[0]
     T, D = s0.shape
     y = torch.empty_like(s0)
     o_pre = torch.empty_like(s0) if save_pre else s0.new_empty(0)
     lse = torch.empty(T, dtype=torch.float32, device=s0.device)
     logit = torch.empty(len(sources), T, dtype=torch.float32, device=s0.device)
+    rstd = torch.empty(len(sources), T, dtype=torch.float32, device=s0.device)
     if T == 0:
-        return y, o_pre, lse, logit
+        return y, o_pre, lse, logit, rstd
     ow = out_norm_weight if out_norm_weight is not None else qw
     o1, lse1 = prior if prior is not None else (y, lse)  # placeholders when there is no prior (never read)
     rows = _fwd_rows(T, s0.device)
     with on_device_of(s0):
         attn_res_fwd_kernel[(triton.cdiv(T, rows),)](
-            tuple(sources), qw, ow, y, o_pre, lse, logit, o1, lse1, T, float(eps), float(scale),
+            tuple(sources), qw, ow, y, o_pre, lse, logit, rstd, o1, lse1, T, float(eps), float(scale),
             D=D, NS=len(sources), ROWS=rows, BD=triton.next_power_of_2(D),
             HAS_ONORM=out_norm_weight is not None, SAVE_PRE=save_pre, HAS_PRIOR=prior is not None)
-    return y, o_pre, lse, logit
+    return y, o_pre, lse, logit, rstd
 
 
 def attn_res_bwd(
     do: torch.Tensor, sources: Sequence[torch.Tensor], qw: torch.Tensor, out_norm_weight: torch.Tensor | None,
-    o_pre: torch.Tensor, eps: float, scale: float, save_pre: bool,
+    o_pre: torch.Tensor, lse: torch.Tensor, logit: torch.Tensor, rstd: torch.Tensor, eps: float, scale: float,
+    save_pre: bool,
 ) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
-    """Gradients ``([∂v_i [T, D]], ∂qw [D] fp32, ∂ow [D] fp32 or [0])`` for ``do = ∂L/∂y [T, D]`` (``o_pre``: the
-    forward's pre-norm mix, read when ``save_pre`` and there is an output norm)."""
+    """Gradients ``([∂v_i [T, D]], ∂qw [D] fp32, ∂ow [D] fp32 or [0])`` for ``do = ∂L/∂y [T, D]``, from the forward's
+    ``lse``, ``logit``, ``rstd`` (and ``o_pre``, read when ``save_pre`` and there is an output norm)."""
     s0 = sources[0]
     T, D = s0.shape
     dsrc = [torch.empty_like(s) for s in sources]
@@ -377,7 +359,7 @@ def attn_res_bwd(
         with on_device_of(s0):
             attn_res_bwd_kernel[(n_p,)](
                 tuple(sources), tuple(dsrc), qw, out_norm_weight if has_onorm else qw, o_pre if save_pre else do,
-                do, dqw, dow, T, float(eps), float(scale),
+                do, lse, logit, rstd, dqw, dow, T, float(eps), float(scale),
                 D=D, NS=N, NSP=triton.next_power_of_2(N), NO=(1 if save_pre else N) if has_onorm else 0,
                 NG=N if N > 1 else 0, ROWS=rows, BD=triton.next_power_of_2(D), HAS_ONORM=has_onorm,
                 SAVE_PRE=save_pre)
