@@ -5,29 +5,31 @@ Per token (one row of D channels), with sources v_1..v_N, score vector qw = γ �
     r_i = rsqrt(mean(v_i²) + eps)      l_i = r_i ⟨qw, v_i⟩      p = softmax(c · l)      o = Σ_i p_i v_i
     y   = o · rsqrt(mean(o²) + eps) · ow          (only with an output norm weight ow; else y = o)
 
-Both kernels are one flat loop over (row, tile) pairs: a program owns ROWS consecutive rows (BD = next power of two
-≥ D lanes, the tail masked, so any D works) and every iteration loads one [1, BD] tile. The loop is software
-pipelined (``tl.range(num_stages=STAGES)``): the tiles of the next STAGES − 1 iterations are already on their way
-into shared memory (cp.async) while the current one is reduced, across row boundaries too, so the copy engine never
-waits for the reductions and a program keeps 2–5 tiles (28–70 KB) in flight. The source of a tile is picked from
-the pointer tuple with ``_pick`` (a runtime index): unrolled source loops make the compiler hoist every load into
-registers and spill.
+Both kernels are one flat loop over (rows, tile) steps: a program owns ROWS consecutive rows (BD = next power of two
+≥ D lanes, the tail masked, so any D works) and every step loads one [BT, BD] tile. The loop is software pipelined
+(``tl.range(num_stages=STAGES)``): the tiles of the next STAGES − 1 steps are already on their way into shared
+memory (cp.async) while the current one is reduced, across row boundaries too, so the copy engine never waits for
+the reductions and a program keeps 2–4 tiles (28–56 KB) in flight. The source of a tile is picked from the pointer
+tuple with ``_pick`` (a runtime index): unrolled source loops make the compiler hoist every load into registers and
+spill. Rows past T re-read the last row and are not stored, so the loads need no row mask and the pipeline carries
+row indices, not [BD] offsets and masks.
 
-Forward (``attn_res_fwd_kernel``): per row, the N sources once, with an online softmax (running max, sum and fp32
-accumulator o); at the row's last source o is normalised (and output-normed) and stored. Nothing of size
+Forward (``attn_res_fwd_kernel``): per row, the N sources once, with an online softmax (offset raised lazily, sum,
+fp32 accumulator o); at the row's last source o is normalised (and output-normed) and stored. Nothing of size
 [N, tokens, D] is ever written; besides y it writes lse = log Σ exp(c·l) ([T] fp32) and the per-source row scalars
 l_i and r_i ([N, T] fp32 each, kept for the backward and ``return_weights``), and, when asked (``save_pre``), the
 pre-norm mix o in the sources' dtype.
 
-Backward (``attn_res_bwd_kernel``): per row the tiles v_1..v_N (or the saved o), dy, v_1..v_N again:
+Backward (``attn_res_bwd_kernel``): per row the tiles [v_1..v_N or the saved o: only with the output norm], dy,
+v_1..v_N (⟨g, v_i⟩), v_1..v_N (∂v_i):
 
     o = Σ_i p_i v_i (fp32, p_i = exp(c · l_i − lse) from the forward's scalars, no reductions)
-    g = ∂L/∂o = dy, or through the output norm g = ro (ow ⊙ dy − x̂ · mean(x̂ ⊙ ow ⊙ dy)), x̂ = o · ro;   δ = ⟨g, o⟩
-    ∂s_i = c · p_i (⟨g, v_i⟩ − δ)
+    g = ∂L/∂o = dy, or through the output norm g = ro (ow ⊙ dy − x̂ · mean(x̂ ⊙ ow ⊙ dy)), x̂ = o · ro
+    ∂s_i = c · p_i (⟨g, v_i⟩ − δ),  δ = Σ_i p_i ⟨g, v_i⟩  (the same ⟨g, v_i⟩ values: Σ_i ∂s_i vanishes to rounding)
     ∂v_i = p_i g + ∂s_i · r_i (qw − v_i · r_i l_i / D)        ∂qw = Σ_tokens Σ_i ∂s_i r_i v_i
 
-so each source is read twice per row (the second read often from L2) and dy once; ∂v_i is written once. Each program
-writes one fp32 [D] partial row of ∂qw (and ∂ow), summed after: T / ROWS rows, not [T, D].
+so each source is read two or three times per row (the later reads mostly from L2) and dy once; ∂v_i is written
+once. Each program writes one fp32 [D] partial row of ∂qw (and ∂ow), summed after: T / ROWS rows, not [T, D].
 """
 
 from __future__ import annotations
