@@ -74,7 +74,7 @@ def test_output_norm_backward_on_wide_rows(nan_empty) -> None:
     _check_grads(3, (2, 896), True, 21, 1.0, 1e-4)
 
 
-@pytest.mark.parametrize("bt,n,T,onorm", [(1, 2, 17, False), (2, 3, 33, True)])
+@pytest.mark.parametrize("bt,n,T,onorm", [(1, 2, 17, False), (2, 2, 33, True)])
 def test_several_rows_per_program(bt: int, n: int, T: int, onorm: bool, nan_empty, monkeypatch) -> None:
     """Long inputs: 4 rows per forward program, BT = 1 or 2 of them per step (the GPU's autotuner may pick either),
     16 rows per backward program (T = 33), the last rows past T."""
