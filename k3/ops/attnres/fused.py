@@ -101,8 +101,8 @@ def _configs(triples: tuple[tuple[int, int, int], ...], bt: bool) -> list[triton
 # (BT rows per step, num_warps, STAGES), from the sm_90 build at D 7168 (ptxas register counts and SASS
 # instructions per tile). Forward: 1 row × 8 warps needs ~120 registers, two programs per SM with 2–3 tiles each in
 # flight (32–48 KB of shared memory per program); 2 rows × 8 warps, ~230 registers, one program per SM, a quarter
-# fewer instructions per tile. Backward: the loop carries three fp32 row vectors: 16 warps at ≤ 128 registers or 8
-# warps at ~210–250, one program per SM either way. The GPU's autotuner picks; 4 warps (and 4 rows per forward
+# fewer instructions per tile. Backward: the loop carries two fp32 row vectors and the tile: 16 warps at ≤ 128
+# registers or 8 warps at ~215–250 (a third fewer instructions per tile), one program per SM either way. The GPU's autotuner picks; 4 warps (and 4 rows per forward
 # step) narrow rows, 16 warps rows wider than K3's.
 _FWD_CONFIGS = _configs(((1, 8, 3), (1, 8, 4), (2, 8, 3), (4, 4, 3), (1, 4, 3), (1, 16, 4)), bt=True)
 _BWD_CONFIGS = _configs(((1, 16, 5), (1, 8, 3), (1, 8, 4), (1, 4, 3)), bt=False)
