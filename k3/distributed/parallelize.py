@@ -133,12 +133,15 @@ def sync_replicated_grads(model: nn.Module) -> None:
     state: ParallelModel | None = getattr(model, "parallel", None)
     if state is None or state.mesh is None or not state.replicated or state.dims.dp_cp == 1:
         return
-    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in state.replicated]
-    flat = torch.cat([g.reshape(-1).float() for g in grads])
+    # which parameters have a gradient is fixed by the model's structure: the same list on every rank
+    params = [p for p in state.replicated if p.grad is not None]
+    if not params:
+        return
+    flat = torch.cat([p.grad.reshape(-1).float() for p in params])
     dist.all_reduce(flat, group=state.mesh.group("dp_cp"))
     flat /= state.dims.dp_cp
     offset = 0
-    for p, g in zip(state.replicated, grads):
-        n = g.numel()
+    for p in params:
+        n = p.numel()
         p.grad = flat[offset:offset + n].view_as(p).to(p.dtype)
         offset += n
