@@ -19,8 +19,7 @@ import torch.distributed as dist
 
 from k3.distributed.parallel_dims import ParallelDims, ParallelMesh
 
-__all__ = ["Distributed", "init_distributed", "world_size_from_env", "local_batch", "all_mean", "agree",
-           "destroy_distributed"]
+__all__ = ["Distributed", "init_distributed", "world_size_from_env", "local_batch", "agree", "destroy_distributed"]
 
 T = TypeVar("T")
 
@@ -107,16 +106,6 @@ def local_batch(t: torch.Tensor, d: Distributed) -> torch.Tensor:
         j = d.local_rank("cp")
         t = t[:, j * n:(j + 1) * n]
     return t
-
-
-def all_mean(x: torch.Tensor, d: Distributed, view: str = "dp_cp") -> torch.Tensor:
-    """Mean of a per-rank tensor over ``mesh[view]`` (the ranks that see different tokens by default)."""
-    size = d.mesh[view].size() if d.mesh is not None else 1
-    if size == 1:
-        return x
-    x = x.clone()
-    dist.all_reduce(x, group=d.group(view))
-    return x / size
 
 
 def agree(fn: Callable[[], T], d: Distributed) -> T:
