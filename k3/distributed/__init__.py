@@ -7,6 +7,7 @@
 ``release``           the released checkpoint loaded expert-sharded (``load_expert_sharded``).
 ``plan``              ``k3 plan``: memory, FLOPs, traffic and step time on N GPUs.
 ``data_parallel``     where a process sits in a run; each rank's part of the global batch.
+``checkpoint``        torch.distributed.checkpoint directories of parallel runs, resumable by any layout.
 """
 
 from k3.distributed.context_parallel import apply_context_parallel
