@@ -377,23 +377,9 @@ def cp_reported(ctx: Any, q: torch.Tensor, v: torch.Tensor, initial_state: torch
 
 def _span_from_buffers(bufs: dict, tab: Any, H: int, K: int, V: int, need_M: bool
                        ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per local piece ``(M [N, H, K, K], S_ext [N, H, K, V])`` fp32 from the training forward's kept chunk
-    buffers (no second prep): the extended state pass of ``span.py`` over every chunk at once; the M columns
-    only when ``need_M``."""
-    from k3.ops.kda.triton._common import BT, dot_precision  # noqa: PLC0415
-    from k3.ops.kda.triton.span import SpanConfig, _kda_span_state  # noqa: PLC0415
+    from k3.ops.kda.triton.span import span_from_buffers  # noqa: PLC0415
 
-    BK, BVP = bufs["W"].shape[-1], bufs["U"].shape[-1]
-    dev = bufs["W"].device
-    S_ext = torch.zeros(tab.N, H, K, V, dtype=torch.float32, device=dev)
-    M = torch.eye(K, dtype=torch.float32, device=dev).repeat(tab.N, H, 1, 1).contiguous()
-    bv = min(SpanConfig.bv, BVP, BK)
-    cols = BVP + (BK if need_M else 0)
-    _kda_span_state[(cols // bv, tab.N * H)](
-        bufs["W"], bufs["U"], bufs["KG"], bufs["GAM"], S_ext, M, tab.chunk_off, 0, tab.NC, tab.NC, tab.NT,
-        H, K, V, BT=BT, BK=BK, BV=bv, BVP=BVP, IS_VARLEN=tab.varlen, PREC=dot_precision(bufs["W"].dtype),
-        num_warps=SpanConfig.warps, num_stages=SpanConfig.stages)
-    return M, S_ext
+    return span_from_buffers(bufs, tab, H, K, V, need_M)
 
 
 class CPConfig:
@@ -425,7 +411,7 @@ class _Halves:
 
 def _halves_plan(ctx: KDACPContext, tab: Any) -> _Halves | None:
     """Halves for this rank's slice when it is one piece continuing across a rank edge and long enough."""
-    from k3.ops.kda.triton._common import BT, ChunkTable  # noqa: PLC0415
+    from k3.ops.kda.triton.common import BT, ChunkTable  # noqa: PLC0415
 
     if not CPConfig.halves or ctx.local_cu_seqlens.numel() != 2 or tab.NC < max(2, CPConfig.halves_min_chunks):
         return None
@@ -447,11 +433,8 @@ def _span_halves(bufs: dict, hv: _Halves, first: bool, last: bool, H: int, K: in
     """``(E_A, M_A, E_B, M_B)`` fp32 from one span launch over the kept chunk buffers: half A from the slice's
     entry (zero: with ``first`` its map (M_A, E_A) from [0 | I], else its final state E_A alone), half B's map
     only with ``last`` (else None)."""
-    from k3.ops.kda.triton._common import BT, dot_precision  # noqa: PLC0415
-    from k3.ops.kda.triton.chunk_fwd import state_stages  # noqa: PLC0415
-    from k3.ops.kda.triton.span import _kda_span_rows  # noqa: PLC0415
+    from k3.ops.kda.triton.span import span_rows  # noqa: PLC0415
 
-    BK, BVP = bufs["W"].shape[-1], bufs["U"].shape[-1]
     dev = bufs["W"].device
     off = hv.both.chunk_off_cpu
     R = 2 if last else 1
@@ -460,11 +443,7 @@ def _span_halves(bufs: dict, hv: _Halves, first: bool, last: bool, H: int, K: in
     cs, ce, row_m = rows[:R], rows[R:2 * R], rows[2 * R:]
     SE = torch.zeros(R, H, K, V, dtype=torch.float32, device=dev)
     Mt = torch.eye(K, dtype=torch.float32, device=dev).repeat(R, H, 1, 1)
-    bv = min(CPConfig.span_bv, BVP, BK)
-    _kda_span_rows[((BVP + BK) // bv, R * H)](
-        bufs["W"], bufs["U"], bufs["KG"], bufs["GAM"], SE, Mt, cs, ce, row_m, 0, bufs["W"].shape[1], H, K, V,
-        BT=BT, BK=BK, BV=bv, BVP=BVP, PREC=dot_precision(bufs["W"].dtype),
-        num_warps=CPConfig.span_warps, num_stages=state_stages(CPConfig.span_stages, bufs["W"].dtype))
+    span_rows(bufs, SE, Mt, cs, ce, row_m, H, K, V)
     return SE[0], Mt[0], (SE[1] if last else None), (Mt[1] if last else None)
 
 
@@ -501,9 +480,10 @@ class _CPChunkTriton(torch.autograd.Function):
     def forward(fctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                 A_log: torch.Tensor | None, dt_bias: torch.Tensor | None, ctx: KDACPContext, scale: float,
                 flags: tuple, lower_bound: float | None) -> torch.Tensor:
-        from k3.ops.kda.triton._common import make_chunk_table  # noqa: PLC0415
+        from k3.ops.kda.triton.common import make_chunk_table  # noqa: PLC0415
         from k3.ops.kda.triton.chunk import _flags  # noqa: PLC0415
-        from k3.ops.kda.triton.chunk_fwd import alloc_output_state, prep_all, state_all  # noqa: PLC0415
+        from k3.ops.kda.triton.common import alloc_output_state  # noqa: PLC0415
+        from k3.ops.kda.triton.training import prep_all, state_all  # noqa: PLC0415
 
         q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
         L, H, K, V, dev = q.shape[1], q.shape[2], q.shape[3], v.shape[3], q.device
@@ -549,7 +529,8 @@ class _CPChunkTriton(torch.autograd.Function):
 
     @staticmethod
     def backward(fctx: Any, do: torch.Tensor) -> tuple:
-        from k3.ops.kda.triton.chunk_bwd import bwd_state_pass, kda_bwd  # noqa: PLC0415
+        from k3.ops.kda.triton.bwd_state import bwd_state_pass  # noqa: PLC0415
+        from k3.ops.kda.triton.training import kda_bwd  # noqa: PLC0415
 
         q, k, v, g, beta, A_log, dt_bias = fctx.saved_tensors
         ctx, tab, saved = fctx.cp, fctx.tab, fctx.saved
@@ -585,7 +566,7 @@ def _halves_state_grads(fctx: Any, do: torch.Tensor, dtype: torch.dtype, H: int,
     J = dh0_A + M_Aᵀ dh0_B; else (the rank's entry is known) half B alone from zero, its pull dh0_B. After it, with
     the gradient dS on the slice's final state from later ranks: both halves again, B from dS and A from
     dh0_B + M_Bᵀ dS (B's pull on A's end); without one: half A alone from dh0_B."""
-    from k3.ops.kda.triton.chunk_bwd import bwd_state_pass  # noqa: PLC0415
+    from k3.ops.kda.triton.bwd_state import bwd_state_pass  # noqa: PLC0415
 
     ctx, saved, hv = fctx.cp, fctx.saved, fctx.halves
     J = torch.zeros(H, K, V, dtype=torch.float32, device=do.device)

@@ -301,15 +301,10 @@ def _best_splits(model: SplitCostModel, lens: tuple[int, ...], H: int, K: int, V
 
 
 def _unsplit_overlaps(lens: list[int], H: int, K: int, V: int, dtype: torch.dtype) -> int:
-    """Windows of the unsplit Triton inference forward when it overlaps prep and state pass (its knob is on and
-    the call needs more than one window), else 1."""
-    from k3.ops.kda.triton._common import next_pow2, store_dtype  # noqa: PLC0415 (triton is optional)
-    from k3.ops.kda.triton.chunk_fwd import FwdConfig, chunk_bytes  # noqa: PLC0415
+    """Windows of the unsplit Triton inference forward (its prep overlaps the state pass from two windows on)."""
+    from k3.ops.kda.triton.inference import unsplit_windows  # noqa: PLC0415 (triton is optional)
 
-    if not getattr(FwdConfig, "overlap_windows", False):
-        return 1
-    ncw = max(1, FwdConfig.window_bytes // chunk_bytes(H, next_pow2(K), next_pow2(V), store_dtype(dtype)))
-    return -(-sum(-(-n // _ALIGN) for n in lens) // ncw)
+    return unsplit_windows(lens, H, K, V, dtype)
 
 
 def _auto_splits(lens: list[int], H: int, K: int, V: int, device: torch.device, backend: str,
@@ -326,11 +321,11 @@ def _auto_splits(lens: list[int], H: int, K: int, V: int, device: torch.device, 
         return 1, None  # on CPU the torch path is serial anyway: splitting only adds the summary work
     if max(lens, default=0) < 2 * _MIN_SEG:
         return 1, None
-    from k3.ops.kda.triton._common import sm_count  # noqa: PLC0415 (triton is optional)
-    from k3.ops.kda.triton.span import split_flow  # noqa: PLC0415
+    if lower_bound is None:
+        return 1, None  # the split runs the 16-token flow, which needs a bounded gate
+    from k3.ops.kda.triton.common import sm_count  # noqa: PLC0415 (triton is optional)
 
-    sms = sm_count(device)
-    model = SplitCostModel.c16(sms) if split_flow(lower_bound) == "c16" else SplitCostModel(sm_count=sms)
+    model = SplitCostModel.c16(sm_count(device))
     slots = model.sm_count * model.state_per_sm
     if sum(1 for n in lens if n) * H * max(1, _pow2(V) // model.state_bv) >= slots:
         return 1, None  # the unsplit state pass fills every SM already
@@ -367,9 +362,9 @@ def split_chunk_kda(
     torch: :func:`_split_via_forward`."""
     args = (q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, use_gate_in_kernel,
             use_beta_sigmoid_in_kernel, lower_bound, cu_seqlens, A_log, dt_bias)
-    if backend != "triton":
+    if backend != "triton" or lower_bound is None:
         return _split_via_forward(backend, P, *args)
-    from k3.ops.kda.triton.span import split_prefill_triton  # noqa: PLC0415 (triton is optional)
+    from k3.ops.kda.triton.split import split_prefill_triton  # noqa: PLC0415 (triton is optional)
 
     K, V = q.shape[-1], v.shape[-1]
     if model is None:

@@ -1,16 +1,16 @@
-"""The 16-token flow's prep (``chunk16._c16_prep`` in mode 3, the default, or mode 2) in Gluon, for the K3 setting
-on CUDA.
+"""The 16-token inference prep (``inference_prep._c16_prep``) in Gluon, for the K3 setting on CUDA.
 
 Why a second prep: the Triton prep spends about half its SM cycles on shared-memory traffic in layouts the compiler
-picks (NOTES_kda.md v15, v20): its [16, 128] tiles spread a column's 16 rows over lanes and warps, so the gate's
-cumsum and the column sum for γ cross warps through shared memory. Here each thread holds all 16 rows of two
-columns (``LR``): the cumsum and γ stay in registers; the small products run on mma.sync (``mma_v2``) with their
-operands staged in shared memory explicitly, once per tile (x feeds both A_kk and W = Tβ·X from the same buffer).
+picks: its [16, 128] tiles spread a column's 16 rows over lanes and warps, so the gate's cumsum and the column sum
+for γ cross warps through shared memory. Here each thread holds all 16 rows of two columns (``LR``): the cumsum and
+γ stay in registers; the small products run on mma.sync (``mma_v2``) with their operands staged in shared memory
+explicitly, once per tile (x feeds both A_kk and W = Tβ·X from the same buffer). H200, per 1M tokens at H = 32:
+22.6 ms against the Triton prep's 24.8.
 
-Same outputs as ``_c16_prep`` with MODE = 2, U_RM = True (the buffers ``chunk16.alloc_c16_buffers`` makes), up to
-bf16 rounding order: [−W; qw] stacked per block in X, [U; A_qk U] row-major per block in U, kg in KG, γ in GAM.
-Taken only where that path's flags are the K3 ones (bf16, K = V = 128, bounded in-kernel gate with the fast σ,
-in-kernel L2 norm and β sigmoid, the inverse at fp16x3); anything else stays on the Triton prep.
+Same outputs as ``_c16_prep`` up to bf16 rounding order: [−W; qw] stacked per block in X, U row-major per block,
+[I | A_qkᵀ] in AQ, kg in KG, γ in GAM (and the decay bound in DEC when asked). Taken only where that path's flags are
+the K3 ones (bf16, K = V = 128, bounded in-kernel gate, in-kernel L2 norm and β sigmoid, the inverse at fp16x3, an
+sm_80+ device); anything else stays on the Triton prep.
 
 Gluon does not run in Triton's interpreter: the GPU tests check this kernel against the fp64 recurrence and
 against the Triton prep's buffers; on CPU it compiles for sm_90.
@@ -20,29 +20,12 @@ from __future__ import annotations
 
 import torch
 
-from k3.ops.kda.triton._common import maxnreg_kw, ptxas_kw
-from k3.ops.kda.triton.decode_gluon import HAVE_GLUON
+from k3.ops.kda.triton.common import HAVE_GLUON, gluon_enabled, gluon_unavailable
 
 if HAVE_GLUON:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.ampere import mma_v2
-
-
-class GluonPrepConfig:
-    """Knobs of the Gluon prep.
-
-    - ``enabled``: run it where it applies (see ``usable``). H200, B=1 T=1M per 1M tokens at H=32 (same process,
-      ``bench/c16_quick.py``): 22.5–22.7 ms against the Triton prep's 24.8; the prefill (``bench/knob_ab.py``)
-      38.3–39.7 against 40.6–44.2 (NOTES_kda.md v20).
-    - ``maxnreg``: register cap (None: the compiler's 168, 6 programs per SM and 3 beside a state-pass program;
-      sm_90 compiles without spills down to 128, but caps of 128 / 144 measured 41.7–43.0 / 39.8–42.1 against
-      37.7–40.7 for the prefill).
-    """
-
-    enabled = True
-    maxnreg: int | None = None
-    ptxas_options: str | None = None  # extra ptxas flags for this kernel, as ``GluonDecodeConfig.ptxas_options``
 
 
 if HAVE_GLUON:
@@ -108,12 +91,10 @@ if HAVE_GLUON:
         q, k, v, g, beta, A_log, dt_bias, X, KG, GAM, U,
         cu, chunk_seq, chunk_off, c0, NCw, T, NT, H, scale, lb,
         K: gl.constexpr, BT: gl.constexpr, BC: gl.constexpr, HAS_A: gl.constexpr, HAS_DT: gl.constexpr,
-        IS_VARLEN: gl.constexpr, AQ=None, MODE3: gl.constexpr = False, DEC=None, DEC_OUT: gl.constexpr = False,
+        IS_VARLEN: gl.constexpr, AQ, DEC=None, DEC_OUT: gl.constexpr = False,
     ):
-        """Grid (blocks of the window, H): one 16-token block of one head per program, 2 warps. ``MODE3``: mode 3's
-        outputs instead of mode 2's — U alone ([16, K] row-major per block) and [I | A_qkᵀ] ([16, 32] per block,
-        in ``AQ``); the state pass forms A_qk U. ``DEC_OUT``: also the block's decay bound (``chunk16.decay_bound``)
-        into ``DEC``."""
+        """Grid (blocks of the window, H): one 16-token block of one head per program, 2 warps. ``DEC_OUT``: also the
+        block's decay bound (``inference_prep.decay_bound``) into ``DEC``."""
         # a thread holds all 16 rows of 2 adjacent columns: the gate's cumsum and γ never leave it
         LR: gl.constexpr = gl.BlockedLayout([BC, 2], [1, 32], [1, 2], [1, 0])
         LRr: gl.constexpr = gl.SliceLayout(1, LR)
@@ -212,38 +193,31 @@ if HAVE_GLUON:
         aqa = gl.convert_layout(aq.to(gl.bfloat16), DA)
         qw = mma_v2(aqa, s_w.load(DB), s_q.load(MMA).to(gl.float32) * scale)
 
-        # ---- stores: rows [32 b, 32 b + 16) −W / U, rows [32 b + 16, 32 b + 32) qw / A_qk U
+        # ---- stores: rows [32 b, 32 b + 16) −W, rows [32 b + 16, 32 b + 32) qw; U [16, K] and [I | A_qkᵀ] [16, 32]
+        # per block (A_qkᵀ[s, j] = A_qk[j, s], scale included)
         r_o = gl.arange(0, BC, layout=gl.SliceLayout(1, LS))
         c_o = gl.arange(0, K, layout=gl.SliceLayout(0, LS))
         p_o = (r_o * K)[:, None] + c_o[None, :]
         o0 = bidx * (2 * BC * K)
         gl.store(X + o0 + p_o, s_w.load(LS))
         gl.store(X + o0 + BC * K + p_o, gl.convert_layout(qw.to(gl.bfloat16), LS))
-        if MODE3:  # U [16, K] and [I | A_qkᵀ] [16, 32] per block (A_qkᵀ[s, j] = A_qk[j, s], scale included)
-            gl.store(U + bidx * (BC * K) + p_o, s_u.load(LS))
-            p_ia = AQ + bidx * (BC * 2 * BC)
-            gl.store(p_ia + (o_i * (2 * BC))[:, None] + o_j[None, :],
-                     gl.where(o_i[:, None] == o_j[None, :], 1.0, 0.).to(gl.bfloat16))
-            gl.store(p_ia + (o_j * (2 * BC))[None, :] + BC + o_i[:, None], aq.to(gl.bfloat16))
-        else:
-            au = mma_v2(aqa, s_u.load(DB), zk)
-            gl.store(U + o0 + p_o, s_u.load(LS))
-            gl.store(U + o0 + BC * K + p_o, gl.convert_layout(au.to(gl.bfloat16), LS))
+        gl.store(U + bidx * (BC * K) + p_o, s_u.load(LS))
+        p_ia = AQ + bidx * (BC * 2 * BC)
+        gl.store(p_ia + (o_i * (2 * BC))[:, None] + o_j[None, :],
+                 gl.where(o_i[:, None] == o_j[None, :], 1.0, 0.).to(gl.bfloat16))
+        gl.store(p_ia + (o_j * (2 * BC))[None, :] + BC + o_i[:, None], aq.to(gl.bfloat16))
+
+def usable(q: torch.Tensor, K: int, V: int, flags: dict, lower_bound, inv_prec: str) -> bool:
+    """Whether the Gluon prep takes this window: CUDA bf16 on an sm_80+ device (mma.sync with bf16), K = V = 128,
+    the K3 flags (bounded in-kernel gate, L2 norm, β sigmoid), the inverse at fp16x3, Gluon on and available."""
+    return (q.is_cuda and q.dtype == torch.bfloat16 and K == 128 and V == 128 and inv_prec == "fp16x3"
+            and lower_bound is not None and flags["use_gate"] and flags["l2norm"] and flags["beta_sigmoid"]
+            and torch.cuda.get_device_capability(q.device)[0] >= 8 and gluon_enabled()
+            and not gluon_unavailable("prefill prep"))
 
 
-def usable(q: torch.Tensor, K: int, V: int, flags: dict, lower_bound, inv_prec: str, mode: int, u_rm: bool,
-           ring: int, head_major: bool, fast_gate: bool) -> bool:
-    """Whether the Gluon prep takes this window: the knob on, CUDA bf16 on an sm_80+ device (mma.sync with bf16),
-    K = V = 128, the K3 flags, mode 2 with U row-major or mode 3, the inverse at fp16x3, no probe ring, the
-    block-major grid."""
-    return (HAVE_GLUON and bool(GluonPrepConfig.enabled) and q.is_cuda and q.dtype == torch.bfloat16
-            and K == 128 and V == 128 and ((mode == 2 and u_rm) or mode == 3) and ring == 0 and not head_major
-            and fast_gate and inv_prec == "fp16x3" and lower_bound is not None and flags["use_gate"] and flags["l2norm"]
-            and flags["beta_sigmoid"] and torch.cuda.get_device_capability(q.device)[0] >= 8)
-
-
-def launch_prep_gluon(q, k, v, g, beta, A_log, dt_bias, bufs: dict, tab, c0: int, n: int, scale: float,
-                      lower_bound: float, BT: int, BC: int) -> None:
+def launch(q, k, v, g, beta, A_log, dt_bias, bufs: dict, tab, c0: int, n: int, scale: float, lower_bound: float,
+           BT: int, BC: int) -> None:
     H, K = q.shape[2], q.shape[3]
     dummy = bufs["GAM"]
     _c16_prep_gluon[(n * (BT // BC), H)](
@@ -251,7 +225,5 @@ def launch_prep_gluon(q, k, v, g, beta, A_log, dt_bias, bufs: dict, tab, c0: int
         bufs["X"], bufs["KG"], bufs["GAM"], bufs["U"], tab.cu, tab.chunk_seq, tab.chunk_off, c0,
         bufs["X"].shape[1], tab.T, tab.NT, H, scale, float(lower_bound),
         K=K, BT=BT, BC=BC, HAS_A=A_log is not None, HAS_DT=dt_bias is not None, IS_VARLEN=tab.varlen,
-        AQ=bufs.get("AQ"), MODE3="AQ" in bufs,  # of the modes taken here (2, 3), only 3 has AQ
-        DEC=bufs.get("DEC"), DEC_OUT="DEC" in bufs,
-        num_warps=2, **maxnreg_kw(GluonPrepConfig.maxnreg), **ptxas_kw(GluonPrepConfig.ptxas_options),
+        AQ=bufs["AQ"], DEC=bufs.get("DEC"), DEC_OUT="DEC" in bufs, num_warps=2,
     )
