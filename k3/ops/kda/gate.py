@@ -1,4 +1,4 @@
-"""KDA's forget gates, g = log α (SPEC §2).
+"""KDA's forget gates, g = log α.
 
 Bounded ("safe") gate, the one K3 uses:  g = lower_bound · sigmoid(exp(A_log_h) · (f + dt_bias_h)) ∈ (lower_bound, 0).
 α = exp(g) ∈ (e^lower_bound, 1): the bound is what keeps 16-token decay products representable in bf16.

@@ -372,12 +372,6 @@ def _l2norm(x, ENABLE: tl.constexpr):
 
 
 @triton.jit
-def _row(x, i, o_r):
-    """Row i of a [R, N] tensor → [N] (o_r = arange(0, R))."""
-    return tl.sum(tl.where((o_r == i)[:, None], x, 0.), axis=0)
-
-
-@triton.jit
 def _chunk_tile(x, i_h, bos, eos, H, K, BT: tl.constexpr, BK: tl.constexpr):
     """Raw [BT, BK] chunk of x [T, H, K] (zeros outside)."""
     o_t = tl.arange(0, BT)
@@ -391,7 +385,7 @@ def _rows_gate(g, A_log, dt_bias, i_h, t0, eos, H, K, lb, BC: tl.constexpr, BK: 
                USE_GATE: tl.constexpr, HAS_LB: tl.constexpr, HAS_A: tl.constexpr, HAS_DT: tl.constexpr,
                FAST: tl.constexpr = False):
     """Activated log2 decay of tokens [t0, t0 + BC), fp32 [BC, BK]; zero past ``eos`` and past K.
-    ``FAST`` (bounded gate only; ``FwdConfig.prep_fast_gate``): ``_sigmoid_fast`` with the gate scale folded into
+    ``FAST`` (bounded gate only): ``_sigmoid_fast`` with the gate scale folded into
     its constant, σ(a·x) = (1 + 2^{c·x})^{-1} with c = −a·log2 e computed once per head, the inverse as rsqrt(·)²;
     a few ulp off the plain σ, not bitwise it."""
     return _gate_of(_chunk_tile(g, i_h, t0, eos, H, K, BC, BK), A_log, dt_bias, i_h, t0, eos, K, lb, BC, BK,
@@ -421,13 +415,6 @@ def _gate_of(raw, A_log, dt_bias, i_h, t0, eos, K, lb, BC: tl.constexpr, BK: tl.
         b_g = _gate_fwd(b_f, i_h, A_log, dt_bias, lb, o_k, m_k, K, USE_GATE, HAS_LB, HAS_A, HAS_DT)
         out = tl.where(m, b_g, 0.) * 1.4426950408889634
     return out
-
-
-@triton.jit
-def _chunk_gate_cumsum(g, i_h, bos, eos, A_log, dt_bias, H, K, lb, BT: tl.constexpr, BK: tl.constexpr,
-                       USE_GATE: tl.constexpr, HAS_LB: tl.constexpr, HAS_A: tl.constexpr, HAS_DT: tl.constexpr):
-    return tl.cumsum(_rows_gate(g, A_log, dt_bias, i_h, bos, eos, H, K, lb, BT, BK, USE_GATE, HAS_LB, HAS_A,
-                                HAS_DT), axis=0)
 
 
 @triton.jit

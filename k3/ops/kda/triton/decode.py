@@ -14,6 +14,8 @@ write nothing back.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import triton
 import triton.language as tl
@@ -25,6 +27,9 @@ from k3.ops.kda.triton import decode_gluon
 # 32 state columns per program at 2 warps
 _BV = 32
 _WARPS = 2
+
+if TYPE_CHECKING:
+    from k3.ops.kda.args import KDAArgs
 
 
 def _pow2(n: int, lo: int = 16) -> int:
@@ -136,16 +141,10 @@ def fused_recurrent_kda_triton(
     v: torch.Tensor,
     g: torch.Tensor,
     beta: torch.Tensor,
-    scale: float,
     initial_state: torch.Tensor | None,
-    output_final_state: bool,
-    use_qk_l2norm_in_kernel: bool,
-    use_gate_in_kernel: bool,
-    use_beta_sigmoid_in_kernel: bool,
-    lower_bound: float | None,
-    cu_seqlens: torch.Tensor | None,
     A_log: torch.Tensor | None,
     dt_bias: torch.Tensor | None,
+    args: KDAArgs,
     ssm_state_indices: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Forward-only recurrent KDA (validated inputs, fla shapes). Returns ``(o [B, T, H, V], final_state)``.
@@ -160,7 +159,7 @@ def fused_recurrent_kda_triton(
     V = v.shape[-1]
     # no-ops (no launch) for the contiguous tensors of a decode step
     q, k, v, g, beta = q.contiguous(), k.contiguous(), v.contiguous(), g.contiguous(), beta.contiguous()
-    N = B if cu_seqlens is None else cu_seqlens.numel() - 1
+    cu_seqlens, N = args.cu_seqlens, args.N
     use_idx = ssm_state_indices is not None
     o = torch.empty(B, T, H, V, dtype=v.dtype, device=q.device)  # v's dtype, as fla (the kernels cast on store)
     if use_idx:
@@ -173,22 +172,22 @@ def fused_recurrent_kda_triton(
         store = True
     else:
         s_in = initial_state.contiguous() if initial_state is not None else None
-        s_out = torch.empty(N, H, K, V, dtype=torch.float32, device=q.device) if output_final_state else None
+        s_out = torch.empty(N, H, K, V, dtype=torch.float32, device=q.device) if args.output_final_state else None
         idx = None
-        store = output_final_state
+        store = args.output_final_state
     BK = _pow2(K)
     BV = min(_BV, _pow2(V))
     dummy = o
-    flags = dict(USE_GATE=bool(use_gate_in_kernel), HAS_LB=lower_bound is not None,
-                 HAS_A=bool(use_gate_in_kernel) and A_log is not None,
-                 HAS_DT=bool(use_gate_in_kernel) and dt_bias is not None,
-                 L2NORM=bool(use_qk_l2norm_in_kernel), BETA_SIGMOID=bool(use_beta_sigmoid_in_kernel),
+    gate, lower_bound = args.use_gate_in_kernel, args.lower_bound
+    flags = dict(USE_GATE=gate, HAS_LB=lower_bound is not None, HAS_A=gate and A_log is not None,
+                 HAS_DT=gate and dt_bias is not None, L2NORM=args.use_qk_l2norm_in_kernel,
+                 BETA_SIGMOID=args.use_beta_sigmoid_in_kernel,
                  USE_IDX=use_idx, USE_S0=s_in is not None, STORE_S=store)
     ptrs = (q, k, v, g, beta, A_log.contiguous() if A_log is not None else dummy,
             dt_bias.contiguous() if dt_bias is not None else dummy, o,
             s_in if s_in is not None else dummy, s_out if s_out is not None else dummy,
             idx if idx is not None else dummy)
-    scale, lb = float(scale), float(lower_bound) if lower_bound is not None else 0.0
+    scale, lb = args.scale, float(lower_bound) if lower_bound is not None else 0.0
     if decode_gluon.usable(q, T, cu_seqlens is not None, N):  # dense one-token step on CUDA: the Gluon kernel
         decode_gluon.decode_step(ptrs, flags, N, H, K, V, BK, scale, lb)
     else:

@@ -121,7 +121,7 @@ if HAVE_GLUON:
         b_v = gl.load(v + i_nh.to(gl.int64) * V + o_v, mask=m_v, other=0.).to(gl.float32)
         b_b = gl.load(beta + i_nh).to(gl.float32)
         # this statement order (gate before the norms, S' before the output) and the dense base above keep the K3
-        # kernel at the 128-register cap without spills (an 8-byte spill cost 1.5 %: NOTES_kda.md v20)
+        # kernel at the 128-register cap without spills (an 8-byte spill cost 1.5 %)
         if BETA_SIGMOID:
             b_b = _sigmoid(b_b)
         b_g = _log_decay(b_f, i_h, A_log, dt_bias, lb, o_k, m_k, K, USE_GATE, HAS_LB, HAS_A, HAS_DT)

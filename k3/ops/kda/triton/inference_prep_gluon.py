@@ -51,7 +51,7 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _inv_pow16(L, o_i, o_j, MMA: gl.constexpr):
-        """``chunk_prep._inv_pow`` at fp16x3: (I + L)^{-1} of a strictly lower-triangular [16, 16] block as
+        """``inference_prep._inv_pow`` at fp16x3: (I + L)^{-1} of a strictly lower-triangular [16, 16] block as
         (I − L)(I + L²)(I + L⁴)(I + L⁸), ordered so the chain is four products deep (N⁴ beside D·N², N⁸ beside
         D·N⁴) and each factor is split and converted into its operand layouts once."""
         DA: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)

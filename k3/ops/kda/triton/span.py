@@ -11,6 +11,8 @@ summaries of split prefill on any gate, and context parallel without gradients).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import triton
 import triton.language as tl
@@ -33,6 +35,9 @@ from k3.ops.kda.triton.prep import alloc_chunk_buffers, chunk_bytes, launch_prep
 # 3 stages (H200, a half of 256K tokens at H = 32: 2.07 ms against 2.39 at 32 columns)
 _SUMMARY_BV = 32
 _ROWS_BV = 64
+
+if TYPE_CHECKING:
+    from k3.ops.kda.args import KDAArgs
 
 
 @triton.jit
@@ -111,37 +116,31 @@ def span_summaries_triton(
     v: torch.Tensor,
     g: torch.Tensor,
     beta: torch.Tensor,
-    scale: float,
-    use_qk_l2norm_in_kernel: bool,
-    use_gate_in_kernel: bool,
-    use_beta_sigmoid_in_kernel: bool,
-    lower_bound: float | None,
-    cu_seqlens: torch.Tensor | None,
     A_log: torch.Tensor | None,
     dt_bias: torch.Tensor | None,
+    args: KDAArgs,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per sequence: ``M [N, H, K, K]`` fp32 (product over chunks of Diag(e^{G_C}) − kgᵀW) and ``S_ext [N, H, K, V]``
     fp32 (the final state from a zero initial state). Forward only (no autograd)."""
     B, Tq, H, K = q.shape
     V = v.shape[-1]
     q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
-    tab = make_chunk_table(B, Tq, cu_seqlens, q.device)
+    tab = make_chunk_table(B, Tq, args.cu_seqlens, q.device)
     BK, BVP = next_pow2(K), next_pow2(V)
     dt = store_dtype(q.dtype)
     S_ext = torch.zeros(tab.N, H, K, V, dtype=torch.float32, device=q.device)
     M = torch.eye(K, dtype=torch.float32, device=q.device).repeat(tab.N, H, 1, 1).contiguous()
     if tab.NC == 0:
         return M, S_ext
-    flags = dict(l2norm=bool(use_qk_l2norm_in_kernel), use_gate=bool(use_gate_in_kernel),
-                 beta_sigmoid=bool(use_beta_sigmoid_in_kernel), exact_diag=lower_bound is None)
-    if not use_gate_in_kernel:
+    flags, lower_bound = args.flags, args.lower_bound
+    if not args.use_gate_in_kernel:
         A_log = dt_bias = None
     ncw = max(1, min(tab.NC, InferencePlan().window_bytes // chunk_bytes(H, BK, BVP, dt)))
     bufs = alloc_chunk_buffers(H, ncw, BK, BVP, dt, q.device, store_t=False)
     bv = min(_SUMMARY_BV, BVP, BK)
     for c0 in range(0, tab.NC, ncw):
         n = min(ncw, tab.NC - c0)
-        launch_prep(q, k, v, g, beta, A_log, dt_bias, bufs, tab, c0, n, float(scale), lower_bound, flags, False)
+        launch_prep(q, k, v, g, beta, A_log, dt_bias, bufs, tab, c0, n, args.scale, lower_bound, flags, False)
         _kda_span_state[((BVP + BK) // bv, tab.N * H)](
             bufs["W"], bufs["U"], bufs["KG"], bufs["GAM"], S_ext, M, tab.chunk_off, c0, c0 + n, ncw, tab.NT,
             H, K, V, BT=BT, BK=BK, BV=bv, BVP=BVP, IS_VARLEN=tab.varlen, PREC=dot_precision(q.dtype),

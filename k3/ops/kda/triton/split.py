@@ -25,13 +25,14 @@ whole segment keeps the full span.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 import triton
 import triton.language as tl
 
 from k3.ops.kda.triton.common import (
+    BC,
     BT,
     ChunkTable,
     _eye,
@@ -48,6 +49,9 @@ from k3.ops.kda.triton.inference_prep import alloc_c16_buffers, c16_window_chunk
 from k3.ops.kda.triton.inference_state import launch_c16_state
 
 __all__ = ["SplitPlan", "split_prefill_triton"]
+
+if TYPE_CHECKING:
+    from k3.ops.kda.args import KDAArgs
 
 # span pass: 64 columns (a piece's first segment) / 64 rows (the backward chain) per program, 4 warps, 4 stages
 # (sm_90, K = V = 128: 210 registers and no spills); fold: 32 columns of S per program, 32-row blocks, 8 warps
@@ -404,7 +408,7 @@ def launch_span(bufs: dict, SE: torch.Tensor, Mt: torch.Tensor, rows: dict, c0: 
     br = min(_SPAN_BR, BK)
     _split_span_rows[(max(BK // br, BVP // bv), rows["row_cs"].numel() * H)](
         bufs["X"], bufs["KG"], bufs["GAM"], bufs["U"], SE, Mt, rows["row_cs"], rows["row_ce"], rows["row_m"], c0,
-        bufs["X"].shape[1], H, K, V, BT=BT, BC=16, BK=BK, BV=bv, BVP=BVP, BR=br,
+        bufs["X"].shape[1], H, K, V, BT=BT, BC=BC, BK=BK, BV=bv, BVP=BVP, BR=br,
         PREC=dot_precision(bufs["X"].dtype), STAGES=state_stages(_SPAN_STAGES, bufs["X"].dtype),
         DEC=bufs.get("DEC"), lim=-float(forget_log2 or 0.0), FORGET=forget_log2 is not None,
         num_warps=4, num_stages=1)
@@ -426,36 +430,30 @@ def split_prefill_triton(
     v: torch.Tensor,
     g: torch.Tensor,
     beta: torch.Tensor,
-    scale: float,
     initial_state: torch.Tensor | None,
-    output_final_state: bool,
-    use_qk_l2norm_in_kernel: bool,
-    use_gate_in_kernel: bool,
-    use_beta_sigmoid_in_kernel: bool,
-    lower_bound: float | None,
-    cu_seqlens: torch.Tensor | None,
     A_log: torch.Tensor | None,
     dt_bias: torch.Tensor | None,
+    args: KDAArgs,
     plan: SplitPlan = SplitPlan(),
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Inference ``chunk_kda`` with the sequences cut into chunk-aligned segments; forward only, validated inputs, a
     bounded gate (the 16-token flow's prep). ``cut(piece_chunks, H)`` → the chunk counts of each piece's segments
     (a sequence longer than a window is one piece per window; its state carries between windows as unsplit).
     Returns ``(o [B, T, H, V], final_state [N, H, K, V] fp32 or None)``."""
+    lower_bound = args.lower_bound
     if lower_bound is None:
         raise ValueError("lower_bound: the split prefill runs the 16-token flow, which needs a bounded gate")
     B, Tq, H, K = q.shape
     V = v.shape[-1]
     q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
-    tab = make_chunk_table(B, Tq, cu_seqlens, q.device)
+    tab = make_chunk_table(B, Tq, args.cu_seqlens, q.device)
     BK, BVP = next_pow2(K), next_pow2(V)
     dt = store_dtype(q.dtype)
     o, ht = alloc_output_state(q, v, initial_state, tab)
     if tab.NC == 0:
-        return o, (ht if output_final_state else None)
-    flags = dict(l2norm=bool(use_qk_l2norm_in_kernel), use_gate=bool(use_gate_in_kernel),
-                 beta_sigmoid=bool(use_beta_sigmoid_in_kernel), exact_diag=False)
-    if not use_gate_in_kernel:
+        return o, (ht if args.output_final_state else None)
+    flags = args.flags
+    if not args.use_gate_in_kernel:
         A_log = dt_bias = None
     forget = forget_log2(plan, flags)
     ncw = c16_window_chunks(tab.NC, split_window_bytes(q.device, plan), H, BK, BVP, dt)
@@ -478,7 +476,7 @@ def split_prefill_triton(
 
     def prep(i: int, b: dict) -> None:
         c0, n = bounds[i]
-        launch_c16_prep(q, k, v, g, beta, A_log, dt_bias, b, tab, c0, n, float(scale), lower_bound, flags)
+        launch_c16_prep(q, k, v, g, beta, A_log, dt_bias, b, tab, c0, n, args.scale, lower_bound, flags)
 
     def serial(i: int, b: dict) -> None:
         w = planned(i)
@@ -492,4 +490,4 @@ def split_prefill_triton(
         for i in range(len(bounds)):
             prep(i, bufs[0])
             serial(i, bufs[0])
-    return o, (ht if output_final_state else None)
+    return o, (ht if args.output_final_state else None)

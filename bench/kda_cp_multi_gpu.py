@@ -1,9 +1,9 @@
 """Context-parallel KDA on 2 GPUs vs 1 GPU: forward+backward time, exactness, bytes sent per layer.
 
-    NCCL_NVLS_ENABLE=0 torchrun --nproc_per_node=2 bench/x2_kda_cp.py [--T 524288] [--H 32] [--check-T 65536]
+    NCCL_NVLS_ENABLE=0 torchrun --nproc_per_node=2 bench/kda_cp_multi_gpu.py [--T 524288] [--H 32] [--check-T 65536]
 
 Rank 0 alone runs the full sequence (the 1-GPU time) while rank 1 waits; then both ranks run their slices with
-``chunk_kda(..., cp_context=ctx)``, with ``CPConfig.halves`` on (the default) and off. Inputs are the K3 setting
+``chunk_kda(..., cp_context=ctx)``, with the halves of a one-piece slice (the default) and without. Inputs are the K3 setting
 (bf16, K=V=128, bounded gate fused in the kernel, in-kernel L2 norm and β sigmoid), B=1. Uses the Triton backend
 when present (K3_KDA_BACKEND is honoured). A smaller ``--check-T`` run compares the CP output and every gradient
 against the single-GPU result, worst over ranks, three ways: the K3 init (states fade within a few tokens), slowly
@@ -104,7 +104,7 @@ def main() -> None:
         torch.cuda.set_device(dev)
         gpu = torch.cuda.get_device_name(dev)
     H, K, res = a.H, a.K, {"world": W, "gpu": gpu, "torch": torch.__version__}
-    from k3.ops.kda.chunk import select_backend
+    from k3.ops.kda.args import select_backend
 
     res["backend"] = select_backend(dev)
 
@@ -174,11 +174,9 @@ def main() -> None:
     c = build_cp_context(torch.tensor([0, T]))
     xs = make(T, H, K, c.start, c.end, dev, seed=2)
     tcp = timed(lambda: fwd_bwd(xs, ps, c), a.iters)
-    from k3.ops.kda.cp import CPConfig
-    from k3.utils import overridden_attrs
-
-    with overridden_attrs(CPConfig, halves=False):  # the one-piece serial passes, for comparison
-        t_one = timed(lambda: fwd_bwd(xs, ps, c), a.iters)
+    c.halves_min_chunks = 1 << 62  # the one-piece serial passes, for comparison
+    t_one = timed(lambda: fwd_bwd(xs, ps, c), a.iters)
+    c.halves_min_chunks = build_cp_context(torch.tensor([0, T])).halves_min_chunks
     tf = timed(lambda: torch.no_grad()(chunk_kda)(*xs, A_log=ps[0], dt_bias=ps[1], cp_context=c, **FLAGS), a.iters)
     t_all = torch.tensor([tcp, tf, t_one], device=dev)
     dist.all_reduce(t_all, op=dist.ReduceOp.MAX)
