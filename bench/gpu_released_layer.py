@@ -30,7 +30,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from k3.ckpt.mxfp4 import dequantize_mxfp4  # noqa: E402
+from k3.ops.moe.mxfp4 import dequantize_mxfp4  # noqa: E402
 from k3.ckpt.released import _swap_in_mxfp4, load_pretrained, save_pretrained  # noqa: E402
 from k3.config import K3Config  # noqa: E402
 from k3.layers.experts_mxfp4 import MXFP4GroupedExperts  # noqa: E402

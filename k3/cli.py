@@ -3,21 +3,44 @@
     k3 train      [--preset tiny] [--data embedded|PATH|hf:NAME] [--steps N] … (see ``k3 train --help``)
     k3 generate   --run DIR | --model PATH  [--prompt TEXT] [--max-new-tokens N] [--temperature T] …
     k3 eval       --run DIR [--batches N]
+    k3 serve      --run DIR | --model PATH  [--host 127.0.0.1] [--port 8000] [--max-batch N] …
     k3 tokenize   FILES… --out shard.bin [--tokenizer SPEC]
 
-A user mistake (bad flag value, missing or corrupt run directory, empty data, …) prints ONE line
-``k3: error: <what is wrong>; <what to do>`` on stderr and exits with status 2, before anything on disk changes.
+A user mistake (bad flag value, missing or corrupt run directory, empty data, a model too large for the device, …)
+prints ONE line ``k3: error: <what is wrong>; <what to do>`` on stderr and exits with status 2, before anything on
+disk changes. Anything unexpected prints one line naming the exception and the file holding its full traceback,
+and exits with status 1.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
 from typing import Any, NoReturn, Sequence
+
+import numpy as np
+import torch
+
+from k3 import __version__
+from k3.ckpt.released import load_pretrained
+from k3.ckpt.run import load_checkpoint
+from k3.data import k3_tokenizer
+from k3.data.files import load_tokens, write_bin_shard
+from k3.data.tokenizers import load_tokenizer
+from k3.infer.evaluate import evaluate_run
+from k3.infer.generate import generate
+from k3.train.trainer import cpu_threads, prepare_args, resolve_device, train
 
 __all__ = ["main", "build_parser"]
 
 EXIT_USAGE = 2
+EXIT_FAILURE = 1
+MAX_INT = 2**31 - 1  # no count k3 takes means anything past int32 (k3.config.MAX_INT; not imported: startup speed)
 
 
 class _UsageError(Exception):
@@ -31,21 +54,25 @@ class _Parser(argparse.ArgumentParser):
         raise _UsageError(f"{self.prog}: {message} (see {self.prog} --help)")
 
 
-def _positive_int(s: str) -> int:
+def _int(s: str, what: str) -> int:
     try:
         v = int(s)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {s!r}") from None
+        raise argparse.ArgumentTypeError(f"expected {what}, got {s[:40]!r}") from None
+    if v > MAX_INT:
+        raise argparse.ArgumentTypeError(f"must be <= {MAX_INT:,}, got {s[:40]}")
+    return v
+
+
+def _positive_int(s: str) -> int:
+    v = _int(s, "a positive integer")
     if v <= 0:
         raise argparse.ArgumentTypeError(f"must be a positive integer, got {v}")
     return v
 
 
 def _nonneg_int(s: str) -> int:
-    try:
-        v = int(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {s!r}") from None
+    v = _int(s, "a non-negative integer")
     if v < 0:
         raise argparse.ArgumentTypeError(f"must be >= 0, got {v}")
     return v
@@ -59,6 +86,10 @@ def _positive_float(s: str) -> float:
     if not v > 0 or v == float("inf"):
         raise argparse.ArgumentTypeError(f"must be a positive number, got {s}")
     return v
+
+
+_FORCE_HELP = ("build the model even when k3's memory estimate says it cannot fit the device (the estimate is a "
+               "lower bound, so this rarely helps)")
 
 
 def _add_train(sub: Any) -> None:
@@ -102,6 +133,7 @@ def _add_train(sub: Any) -> None:
                    "whose ops are too small to split)")
     g.add_argument("--activation-checkpointing", action="store_true", help="recompute each layer in the backward "
                    "pass (less memory for long sequences / big models)")
+    g.add_argument("--force-memory", action="store_true", help=_FORCE_HELP)
     g = p.add_argument_group("run directory")
     g.add_argument("--out", metavar="DIR", help="run directory (default runs/<name>/; must be new or empty)")
     g.add_argument("--name", help="run name: the directory runs/NAME (default: the preset, made unique)")
@@ -138,6 +170,7 @@ def _add_generate(sub: Any) -> None:
     p.add_argument("--system", default=None, help="with --chat: a system message")
     p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default=None,
                    help="with --model: weight dtype (default: the checkpoint's)")
+    p.add_argument("--force-memory", action="store_true", help=_FORCE_HELP)
     p.set_defaults(func=_cmd_generate)
 
 
@@ -149,6 +182,7 @@ def _add_eval(sub: Any) -> None:
     p.add_argument("--batch-size", type=_positive_int, metavar="N", default=None, help="default: the run's")
     p.add_argument("--device", default="auto", help="auto (default), cpu, cuda, cuda:N")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--force-memory", action="store_true", help=_FORCE_HELP)
     p.set_defaults(func=_cmd_eval)
 
 
@@ -164,21 +198,44 @@ def _add_tokenize(sub: Any) -> None:
     p.set_defaults(func=_cmd_tokenize)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    import k3
+def _add_serve(sub: Any) -> None:
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server with continuous batching",
+                       description="Serve a run (or a released checkpoint) over HTTP: /v1/models, /v1/completions, "
+                       "/v1/chat/completions (streaming with stream: true), /health. Binds to 127.0.0.1 unless --host "
+                       "says otherwise.")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--run", metavar="DIR", help="a run directory from `k3 train` (its newest checkpoint)")
+    src.add_argument("--model", metavar="PATH", help="a released K3 checkpoint folder (safetensors + tiktoken.model)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=_nonneg_int, metavar="N", default=8000, help="port (default 8000; 0: any free one)")
+    p.add_argument("--max-batch", type=_positive_int, metavar="N", default=8, help="sequences decoded together "
+                   "(default 8); more requests wait in a queue")
+    p.add_argument("--max-queue", type=_nonneg_int, metavar="N", default=64, help="requests that may wait for a "
+                   "slot (default 64); beyond it: HTTP 429")
+    p.add_argument("--max-seq-len", type=_positive_int, metavar="N", default=None, help="tokens per sequence, prompt "
+                   "+ output (default: the model's max_seq_len, lowered to fit half the free GPU memory)")
+    p.add_argument("--prefill-chunk", type=_positive_int, metavar="N", default=None, help="prompt tokens per prefill "
+                   "forward (default: from free memory)")
+    p.add_argument("--served-model-name", metavar="NAME", default=None, help="the model id clients pass (default: "
+                   "the run's or checkpoint's folder name)")
+    p.add_argument("--device", default="auto", help="auto (default), cpu, cuda, cuda:N")
+    p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default=None,
+                   help="with --model: weight dtype (default: the checkpoint's)")
+    p.add_argument("--force-memory", action="store_true", help=_FORCE_HELP)
+    p.set_defaults(func=_cmd_serve)
 
+
+def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="k3", description="Kimi K3 in PyTorch: train, sample, evaluate.")
-    parser.add_argument("--version", action="version", version=f"k3 {k3.__version__}")
+    parser.add_argument("--version", action="version", version=f"k3 {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
-    for add in (_add_train, _add_generate, _add_eval, _add_tokenize):
+    for add in (_add_train, _add_generate, _add_eval, _add_tokenize, _add_serve):
         add(sub)
     return parser
 
 
 # --- subcommands: translate flags, call the library ----------------------------------------------------------------
 def _cmd_train(ns: argparse.Namespace) -> int:
-    from k3.train.trainer import prepare_args, train
-
     flags = {k: v for k, v in vars(ns).items() if k not in ("func", "command", "resume")}
     resume = getattr(ns, "resume", None)
     if resume is True:  # bare --resume: the run named by --out / --name
@@ -194,16 +251,11 @@ def _cmd_train(ns: argparse.Namespace) -> int:
 
 
 def _cmd_generate(ns: argparse.Namespace) -> int:
-    from k3.infer.generate import generate
-    from k3.train.trainer import cpu_threads, resolve_device
-
     device = resolve_device(ns.device)
     if ns.run is not None:
         if ns.chat or ns.system is not None or ns.dtype is not None:
             raise ValueError("--chat, --system and --dtype apply to --model only; drop them with --run")
-        from k3.ckpt.run import load_checkpoint
-
-        ck = load_checkpoint(ns.run, device=device)
+        ck = load_checkpoint(ns.run, device=device, force_memory=ns.force_memory)
         model, tok = ck["model"], ck["tokenizer"]
         prompt: Any = ns.prompt
     else:
@@ -216,45 +268,37 @@ def _cmd_generate(ns: argparse.Namespace) -> int:
 
 
 def _load_released(ns: argparse.Namespace, device: Any) -> tuple[Any, Any, Any]:
-    """A released checkpoint through ``K3ForCausalLM.from_pretrained`` and K3's tokenizer (helper modules)."""
-    import torch
-
-    try:
-        from k3.data import k3_tokenizer
-        from k3.model import K3ForCausalLM
-    except ImportError as e:
-        raise ValueError(f"--model needs k3's released-checkpoint support, not importable here ({e})") from None
+    """A released checkpoint through ``k3.load_pretrained`` and K3's tokenizer."""
     tok = k3_tokenizer.load_k3_tokenizer(ns.model)
     dtype = getattr(torch, ns.dtype) if ns.dtype else None
-    model = K3ForCausalLM.from_pretrained(ns.model, device=device, dtype=dtype)
+    model = load_pretrained(ns.model, device=device, dtype=dtype, force_memory=ns.force_memory)
     if not ns.chat:
         if ns.system is not None:
             raise ValueError("--system needs --chat")
         return model, tok, ns.prompt
     messages = ([{"role": "system", "content": ns.system}] if ns.system else []) + [
         {"role": "user", "content": ns.prompt}]
-    render = getattr(tok, "chat_prompt", None) or getattr(k3_tokenizer, "chat_prompt", None)
-    if render is None:
-        raise ValueError("--chat needs k3.data.k3_tokenizer.chat_prompt, which this version lacks")
-    return model, tok, list(render(messages))
+    return model, tok, list(tok.chat_prompt(messages))
 
 
 def _cmd_eval(ns: argparse.Namespace) -> int:
-    from k3.infer.evaluate import evaluate_run
-
     evaluate_run(ns.run, device=ns.device, batches=ns.batches, batch_size=ns.batch_size, stream=sys.stdout,
-                 as_json=ns.json)
+                 as_json=ns.json, force_memory=ns.force_memory)
     return 0
 
 
+def _cmd_serve(ns: argparse.Namespace) -> int:
+    try:
+        from k3.serve.server import serve
+    except ImportError as e:  # the serve extra is not installed
+        raise ValueError(f"k3 serve needs FastAPI and uvicorn ({e}): pip install 'k3[serve]'") from None
+
+    return serve(ns.run, ns.model, host=ns.host, port=ns.port, max_batch=ns.max_batch, max_queue=ns.max_queue,
+                 max_seq_len=ns.max_seq_len, prefill_chunk=ns.prefill_chunk, name=ns.served_model_name,
+                 device=resolve_device(ns.device), dtype=ns.dtype, force_memory=ns.force_memory)
+
+
 def _cmd_tokenize(ns: argparse.Namespace) -> int:
-    from pathlib import Path
-
-    import numpy as np
-
-    from k3.data.files import load_tokens, write_bin_shard
-    from k3.data.tokenizers import load_tokenizer
-
     out = Path(ns.out)
     if out.exists():
         raise ValueError(f"--out {out} already exists; choose a new file name")
@@ -279,8 +323,29 @@ def _fail(message: str) -> int:
     return EXIT_USAGE
 
 
+def _crash(e: BaseException) -> int:
+    """One line for an exception nobody expected; the full traceback goes to a file the line names."""
+    try:
+        fd, path = tempfile.mkstemp(prefix=f"k3-error-{time.strftime('%Y%m%d-%H%M%S')}-", suffix=".txt")
+        with os.fdopen(fd, "w") as f:
+            f.write(f"k3 {' '.join(sys.argv[1:])}\n\n")
+            traceback.print_exception(e, file=f)
+        where = f"full traceback in {path}"
+    except OSError:
+        where = "no traceback file could be written"
+    _fail(f"unexpected {type(e).__name__}: {str(e)[:300]} ({where}; please report it)")
+    return EXIT_FAILURE
+
+
+def _is_oom(e: BaseException) -> bool:
+    if isinstance(e, MemoryError):
+        return True
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(e, getattr(torch, "OutOfMemoryError", ()))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the ``k3`` command line; returns the exit status (0 ok, 2 user error, 130 interrupted)."""
+    """Run the ``k3`` command line; returns the exit status (0 ok, 2 user error, 1 failure, 130 interrupted)."""
     parser = build_parser()
     try:
         ns = parser.parse_args(argv)
@@ -305,3 +370,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         sys.stderr.write("\nk3: interrupted; the newest complete checkpoint is intact (continue with "
                          "k3 train --resume DIR)\n")
         return 130
+    except Exception as e:  # noqa: BLE001 - the last resort: one line, the traceback in a file
+        if _is_oom(e):
+            _fail(f"out of memory ({type(e).__name__}) although k3's estimate said it would fit; lower "
+                  "--batch-size / --seq-len, or use a smaller model")
+            return EXIT_FAILURE
+        return _crash(e)

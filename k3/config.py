@@ -2,13 +2,13 @@
 
 Presets
 -------
-``k3``         the released Kimi K3 (SPEC §1): 93 layers, 69 KDA + 24 Gated MLA, 896 latent experts, top-16.
+``k3``         the released Kimi K3: 93 layers, 69 KDA + 24 Gated MLA, 896 latent experts, top-16.
 ``k3-linear``  the same with every attention layer KDA (no KV cache at all).
 ``small``      every mechanism at ~1B total parameters; trains on one 141 GB GPU.
 ``tiny``       every mechanism at ~0.3M parameters; trains on a 2-core CPU in about a minute.
 
-Layer indices in this class are 0-based (``mla_layers``); the released ``config.json`` uses 1-based lists, which
-``k3.ckpt.released`` translates.
+The mechanisms and their numbers: docs/architecture.md. Layer indices in this class are 0-based (``mla_layers``);
+the released ``config.json`` uses 1-based lists, which ``k3.ckpt.released`` translates.
 """
 
 from __future__ import annotations
@@ -16,11 +16,22 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import operator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["K3Config", "PRESETS"]
+from k3.utils import atomic_write_text, parse_json, read_json
+
+__all__ = ["K3Config", "PRESETS", "MAX_INT", "MAX_LAYERS"]
+
+MAX_INT = 2**31 - 1  # a tensor dimension or id past int32 breaks the kernels' index arithmetic
+MAX_LAYERS = 65_536  # ~700x K3's depth; bounds the layer lists a config may describe
+
+
+def _short(v: Any) -> str:
+    r = repr(v)
+    return r if len(r) <= 60 else r[:57] + "..."
 
 
 @dataclass(kw_only=True)
@@ -37,12 +48,12 @@ class K3Config:
     bos_token_id: int | None = 163_584
     eos_token_id: int | None = 163_586
     pad_token_id: int | None = 163_839
-    # --- KDA (SPEC §2) ---------------------------------------------------------------------------------------
+    # --- KDA (docs/architecture.md#kimi-delta-attention) -----------------------------------------------------------
     kda_num_heads: int = 96
     kda_head_dim: int = 128  # d_k = d_v
     kda_conv_size: int = 4
     kda_gate_lower_bound: float = -5.0
-    # --- Gated MLA (SPEC §3) ---------------------------------------------------------------------------------
+    # --- Gated MLA (docs/architecture.md#gated-mla) ----------------------------------------------------------------
     mla_num_heads: int = 96
     q_lora_rank: int = 1536
     kv_lora_rank: int = 512
@@ -50,7 +61,7 @@ class K3Config:
     qk_rope_head_dim: int = 64  # kept in the dot product, never rotated (NoPE)
     v_head_dim: int = 128
     mla_lowrank_norm_eps: float = 1e-6  # q_a_layernorm / kv_a_layernorm in the HF reference
-    # --- dense MLP (layers < first_k_dense) and Latent MoE (SPEC §5) ------------------------------------------
+    # --- dense MLP (layers < first_k_dense) and Latent MoE (docs/architecture.md#latent-moe) -----------------------
     first_k_dense: int = 1
     dense_intermediate_size: int = 33_792
     n_experts: int = 896
@@ -62,24 +73,21 @@ class K3Config:
     qb_num_bins: int = 1000
     situ_beta1: float = 4.0
     situ_beta2: float = 25.0
-    # --- Block AttnRes (SPEC §4) -----------------------------------------------------------------------------
+    # --- Block AttnRes (docs/architecture.md#block-attention-residuals) --------------------------------------------
     attn_res_block_size: int = 12  # in decoder layers
     # --- numerics --------------------------------------------------------------------------------------------
     dtype: str = "bfloat16"
 
     def __post_init__(self) -> None:
-        self.mla_layers = tuple(int(i) for i in self.mla_layers)
+        if isinstance(self.mla_layers, (list, tuple)):  # numpy / torch integers become ints; other types stay for
+            self.mla_layers = tuple(i if isinstance(i, bool) or not hasattr(i, "__index__") else operator.index(i)
+                                    for i in self.mla_layers)  # _check_types to name
         self.validate()
 
     # ---------------------------------------------------------------------------------------------------------
     def validate(self) -> None:
-        """Raise ``ValueError`` naming the first inconsistent field."""
-        for f in dataclasses.fields(self):
-            v = getattr(self, f.name)
-            if isinstance(v, bool) or v is None:
-                continue
-            if isinstance(v, float) and not math.isfinite(v):
-                raise ValueError(f"K3Config.{f.name} must be finite, got {v}")
+        """Raise ``ValueError`` naming the first field of the wrong type or out of range."""
+        self._check_types()
         positive = ("vocab_size", "hidden_size", "num_layers", "max_seq_len", "kda_num_heads", "kda_head_dim",
                     "kda_conv_size", "mla_num_heads", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim",
                     "v_head_dim", "dense_intermediate_size", "n_experts", "top_k", "expert_dim", "latent_dim",
@@ -94,8 +102,14 @@ class K3Config:
                 raise ValueError(f"K3Config.{name} must be a non-negative integer, got {v!r}")
         for name in ("rms_norm_eps", "mla_lowrank_norm_eps", "initializer_range", "situ_beta1", "situ_beta2",
                      "routed_scaling_factor"):
-            if not float(getattr(self, name)) > 0:
+            if not getattr(self, name) > 0:
                 raise ValueError(f"K3Config.{name} must be > 0, got {getattr(self, name)!r}")
+        if self.num_layers > MAX_LAYERS:
+            raise ValueError(f"K3Config.num_layers must be <= {MAX_LAYERS} (every layer is a module of its own), "
+                             f"got {self.num_layers}")
+        if self.kda_conv_size > self.max_seq_len:
+            raise ValueError(f"K3Config.kda_conv_size must be <= max_seq_len ({self.max_seq_len}): a causal "
+                             f"convolution never sees more tokens than that; got {self.kda_conv_size}")
         if not (-5.0 <= self.kda_gate_lower_bound < 0.0):
             raise ValueError(f"K3Config.kda_gate_lower_bound must be in [-5, 0), got {self.kda_gate_lower_bound}")
         if self.top_k >= self.n_experts:
@@ -114,6 +128,27 @@ class K3Config:
             v = getattr(self, name)
             if v is not None and not 0 <= v < self.vocab_size:
                 raise ValueError(f"K3Config.{name} must be in [0, vocab_size={self.vocab_size}) or None, got {v}")
+
+    def _check_types(self) -> None:
+        """Each field against its annotation (JSON gives strings, floats and lists where ints belong)."""
+        for f in dataclasses.fields(self):
+            v, kind = getattr(self, f.name), str(f.type)
+            if kind == "bool":
+                ok = isinstance(v, bool)
+            elif kind.startswith("int"):  # int, int | None
+                ok = (v is None and "None" in kind) or (isinstance(v, int) and not isinstance(v, bool)
+                                                         and abs(v) <= MAX_INT)
+            elif kind == "float":
+                ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+            elif kind == "str":
+                ok = isinstance(v, str)
+            else:  # tuple[int, ...]
+                ok = isinstance(v, tuple) and all(isinstance(i, int) and not isinstance(i, bool) for i in v)
+            if not ok:
+                want = {"bool": "true or false", "float": "a finite number", "str": "a string"}.get(
+                    kind, f"an integer below 2**31{' or null' if 'None' in kind else ''}" if kind.startswith("int")
+                    else "a list of integers")
+                raise ValueError(f"K3Config.{f.name} must be {want}, got {_short(v)}")
 
     # --- derived -----------------------------------------------------------------------------------------------
     def layer_type(self, i: int) -> str:
@@ -150,8 +185,6 @@ class K3Config:
     def to_json(self, path: str | Path | None = None) -> str:
         s = json.dumps(self.to_dict(), indent=2)
         if path is not None:
-            from k3.utils import atomic_write_text
-
             atomic_write_text(Path(path), s + "\n")
         return s
 
@@ -166,25 +199,17 @@ class K3Config:
         d = dict(d)
         if "mla_layers" in d:
             if not isinstance(d["mla_layers"], (list, tuple)):
-                raise ValueError(f"K3Config.mla_layers must be a list of ints, got {d['mla_layers']!r}")
+                raise ValueError(f"K3Config.mla_layers must be a list of integers, got {_short(d['mla_layers'])}")
             d["mla_layers"] = tuple(d["mla_layers"])
         return cls(**d)
 
     @classmethod
     def from_json(cls, text_or_path: str | Path) -> "K3Config":
-        """Parse a JSON string, or read a file when given a path."""
+        """Parse a JSON string, or read a file when given a path (size and nesting bounded: see ``read_json``)."""
         s = str(text_or_path)
-        if not s.lstrip().startswith("{"):
-            p = Path(s)
-            try:
-                s = p.read_text()
-            except OSError as e:
-                raise ValueError(f"config file {p} cannot be read: {e.strerror}") from None
-        try:
-            d = json.loads(s)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"config is not valid JSON: {e}") from None
-        return cls.from_dict(d)
+        if s.lstrip().startswith("{"):
+            return cls.from_dict(parse_json(s, "config"))
+        return cls.from_dict(read_json(Path(s), f"config file {s}"))
 
     @classmethod
     def from_preset(cls, name: str, **overrides: Any) -> "K3Config":

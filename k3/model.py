@@ -1,16 +1,15 @@
-"""The Kimi K3 decoder (SPEC §1–§5) in plain PyTorch; module names mirror the released checkpoint.
+"""The Kimi K3 decoder (docs/architecture.md) in plain PyTorch; module names mirror the released checkpoint.
 
 Data path: token ids → ``embed_tokens`` (= b_0) → for each decoder layer l:
 AttnRes mix → ``input_layernorm`` → KDA or Gated MLA → add to the open block's partial sum → (l % block_size == 0:
 the previous partial sum closes into a block, before the add) → AttnRes mix → ``post_attention_layernorm`` → dense
 SiTU-GLU MLP (l < first_k_dense) or Latent MoE → add → … → output AttnRes mix → ``norm`` → ``lm_head``.
-See ``k3.layers.attnres`` for the exact order.
+See ``k3.layers.attnres`` for the exact order; each norm that follows a mix is fused into it.
 """
 
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
 from typing import Any, Iterator
 
 import torch
@@ -19,15 +18,17 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from k3.config import K3Config
-from k3.layers.attnres import ResidualStream, attn_input, attn_res_mix, mlp_input, new_res_pair
+from k3.layers.attnres import (Mixer, ResidualStream, TwoPhaseMixer, attn_input, attn_res_mix, closed_blocks_seen,
+                               mlp_input, new_res_pair)
 from k3.layers.conv import ShortConv
 from k3.layers.kda import KimiDeltaAttention
 from k3.layers.mla import GatedMLA
 from k3.layers.mlp import SiTUMLP
 from k3.layers.moe import GroupedExperts, LatentMoE, MoEGate
 from k3.layers.norm import RMSNorm
+from k3.ops.loss import linear_cross_entropy
 from k3.ops.moe.qb import qb_all_reduce
-from k3.state import K3State
+from k3.state import K3State, MLACache
 
 __all__ = ["K3ForCausalLM", "K3Model", "K3DecoderLayer", "K3Output", "keeps_fp32", "IGNORE_INDEX"]
 
@@ -41,11 +42,26 @@ def keeps_fp32(name: str) -> bool:
     return name.endswith(_FP32_SUFFIXES)
 
 
-@dataclass
 class K3Output:
-    logits: torch.Tensor  # [B, T, vocab] in the model dtype
-    loss: torch.Tensor | None = None  # fp32 scalar: mean next-token cross entropy over non-ignored targets
-    state: K3State | None = None  # the (updated in place) decode state, when one was passed
+    """``logits [B, T, vocab]`` in the model dtype; ``loss``: fp32 scalar, mean next-token cross entropy over
+    non-ignored targets (None without labels); ``state``: the decode state updated in place, when one was passed.
+
+    When the loss was computed by the fused linear + cross-entropy op (CUDA), the logits are not materialised
+    until ``.logits`` is first read (then ``lm_head`` runs on the kept final hidden states, once)."""
+
+    def __init__(self, logits: torch.Tensor | None = None, loss: torch.Tensor | None = None,
+                 state: K3State | None = None, hidden: torch.Tensor | None = None,
+                 lm_head: nn.Module | None = None) -> None:
+        self._logits, self.loss, self.state = logits, loss, state
+        self._hidden, self._lm_head = hidden, lm_head
+
+    @property
+    def logits(self) -> torch.Tensor:
+        if self._logits is None:
+            assert self._hidden is not None and self._lm_head is not None
+            self._logits = self._lm_head(self._hidden)
+            self._hidden = None
+        return self._logits
 
 
 class K3DecoderLayer(nn.Module):
@@ -70,16 +86,17 @@ class K3DecoderLayer(nn.Module):
     def ffn(self) -> nn.Module:
         return self.block_sparse_moe if hasattr(self, "block_sparse_moe") else self.mlp
 
-    def forward(self, blocks: list[torch.Tensor], partial: torch.Tensor, state: Any = None
-                ) -> tuple[list[torch.Tensor], torch.Tensor]:
+    def forward(self, blocks: list[torch.Tensor], partial: torch.Tensor, state: Any = None,
+                mixer: Mixer | None = None) -> tuple[list[torch.Tensor], torch.Tensor]:
         """Closed blocks + partial sum (each ``[B, T, d]``) → the same after this layer (new list; the input list
-        is not mutated, so activation checkpointing can re-run the layer)."""
+        is not mutated, so activation checkpointing can re-run the layer). ``mixer``: how the AttnRes mixes run
+        (default ``attn_res_mix``; the model passes a ``TwoPhaseMixer`` for inference with a decode state)."""
         stream = ResidualStream(list(blocks), partial)
-        h = attn_input(stream, self.layer_idx, self.block_size, self.self_attention_res_norm,
-                       self.self_attention_res_proj, self.eps)
-        stream.add(self.self_attn(self.input_layernorm(h), state))
-        h = mlp_input(stream, self.mlp_res_norm, self.mlp_res_proj, self.eps)
-        stream.add(self.ffn(self.post_attention_layernorm(h)))
+        x = attn_input(stream, self.layer_idx, self.block_size, self.self_attention_res_norm,
+                       self.self_attention_res_proj, self.eps, self.input_layernorm, mixer)
+        stream.add(self.self_attn(x, state))
+        x = mlp_input(stream, self.mlp_res_norm, self.mlp_res_proj, self.eps, self.post_attention_layernorm, mixer)
+        stream.add(self.ffn(x))
         assert stream.partial is not None
         return stream.blocks, stream.partial
 
@@ -98,18 +115,35 @@ class K3Model(nn.Module):
         self.gradient_checkpointing = False
 
     def forward(self, input_ids: torch.Tensor, state: K3State | None = None) -> torch.Tensor:
-        """``input_ids [B, T]`` (validated by ``K3ForCausalLM``) → final-normed hidden states ``[B, T, d]``."""
+        """``input_ids [B, T]`` (validated by ``K3ForCausalLM``) → final-normed hidden states ``[B, T, d]``.
+        With ``state``: continues the sequences of its bound pool rows and advances them by T (device-side only:
+        a caller that validated its inputs may call this directly, e.g. inside a CUDA graph); the AttnRes mixes then
+        run in the exact two-phase form (``TwoPhaseMixer``)."""
+        if state is not None:
+            state.begin()
         blocks: list[torch.Tensor] = []
         partial = self.embed_tokens(input_ids)  # layer 0 closes it as b_0
+        mixer = self.two_phase_mixer() if state is not None else attn_res_mix
         for i, layer in enumerate(self.layers):
             s = state.layers[i] if state is not None else None
             if self.gradient_checkpointing and s is None and self.training and torch.is_grad_enabled():
                 blocks, partial = _checkpointed(layer, blocks, partial)
             else:
-                blocks, partial = layer(blocks, partial, s)
-        h = attn_res_mix(self.output_attn_res_norm, self.output_attn_res_proj, [*blocks, partial],
-                         self.config.rms_norm_eps)
-        return self.norm(h)
+                blocks, partial = layer(blocks, partial, s, mixer)
+        h = mixer(self.output_attn_res_norm, self.output_attn_res_proj, [*blocks, partial], self.config.rms_norm_eps,
+                  self.norm)
+        if state is not None:
+            state.advance(input_ids.shape[1])
+        return h
+
+    def two_phase_mixer(self) -> TwoPhaseMixer:
+        """Every mix of the model grouped by the closed blocks it sees (layer 0's attention pair is never read)."""
+        S, L = self.config.attn_res_block_size, len(self.layers)
+        pairs = [(closed_blocks_seen(i, S, "attn"), m.self_attention_res_norm, m.self_attention_res_proj)
+                 for i, m in enumerate(self.layers) if i > 0]
+        pairs += [(closed_blocks_seen(i, S, "mlp"), m.mlp_res_norm, m.mlp_res_proj) for i, m in enumerate(self.layers)]
+        pairs.append((closed_blocks_seen(L, S, "output"), self.output_attn_res_norm, self.output_attn_res_proj))
+        return TwoPhaseMixer(pairs)
 
 
 def _can_sync(t: torch.Tensor) -> bool:
@@ -157,7 +191,8 @@ class K3ForCausalLM(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        self.reset_parameters()
+        if self.lm_head.weight.device.type != "meta":  # meta tensors hold no values (and their init is slow)
+            self.reset_parameters()
         self._cast(config.torch_dtype)
 
     # --- construction -------------------------------------------------------------------------------------------
@@ -204,20 +239,29 @@ class K3ForCausalLM(nn.Module):
 
     # --- forward ------------------------------------------------------------------------------------------------
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
-                state: K3State | None = None) -> K3Output:
+                state: K3State | None = None, logits_to_keep: int = 0) -> K3Output:
         """``input_ids [B, T]`` integer → ``K3Output(logits [B, T, vocab], loss, state)``.
 
         ``labels [B, T]`` are aligned with ``input_ids`` (pass ``labels=input_ids`` for language modelling): the
         model shifts them inside, so position t is scored on ``labels[:, t+1]``; ``-100`` targets are ignored and the
-        loss is the mean over the remaining ones (0 when there are none). ``state`` (from ``init_state``) makes the
-        call continue the sequences it holds and is updated in place: one call, several pieces, or one token at a
-        time give the same logits.
+        loss is the mean over the remaining ones (0 when there are none). On CUDA the loss comes from the fused
+        linear + cross-entropy op (``k3.ops.loss``), which never holds the [B·T, vocab] logits: the returned
+        ``logits`` are then computed only if read. ``state`` (from ``init_state``) makes the call continue the
+        sequences it holds and is updated in place: one call, several pieces, or one token at a time give the same
+        logits. ``logits_to_keep`` > 0: logits of the last that many positions only (a prefill needs one row of the
+        vocabulary-wide projection, not T).
         """
         B, T = self._check_inputs(input_ids, labels, state)
+        if isinstance(logits_to_keep, bool) or not isinstance(logits_to_keep, int) or logits_to_keep < 0:
+            raise ValueError(f"logits_to_keep must be a non-negative integer (0 = all), got {logits_to_keep!r}")
+        if labels is not None and logits_to_keep:
+            raise ValueError("logits_to_keep applies without labels only (the loss needs every position)")
         hidden = self.model(input_ids, state)
-        logits = self.lm_head(hidden)
-        if state is not None:
-            state.position += T
+        if labels is not None and hidden.is_cuda:
+            targets = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)  # the last position has no next token
+            loss = linear_cross_entropy(hidden, self.lm_head.weight, targets, IGNORE_INDEX)
+            return K3Output(loss=loss, state=state, hidden=hidden, lm_head=self.lm_head)
+        logits = self.lm_head(hidden[:, -logits_to_keep:] if logits_to_keep else hidden)
         loss = self.loss(logits, labels) if labels is not None else None
         return K3Output(logits=logits, loss=loss, state=state)
 
@@ -259,21 +303,39 @@ class K3ForCausalLM(nn.Module):
                 raise ValueError("state must be a K3State from this model's init_state(batch_size)")
             if state.batch_size != B:
                 raise ValueError(f"state holds {state.batch_size} sequences but input_ids has batch size {B}")
-            first = state.layers[0]
-            dev = first.recurrent.device if hasattr(first, "recurrent") else first.buf.device
-            if dev != input_ids.device:
-                raise ValueError(f"state lives on {dev} but input_ids on {input_ids.device}")
+            if state.device != input_ids.device:
+                raise ValueError(f"state lives on {state.device} but input_ids on {input_ids.device}")
+            if state.capacity is not None and state.position + T > state.capacity:
+                raise ValueError(f"state holds at most {state.capacity} tokens per sequence (its MLA capacity); "
+                                 f"{state.position} are cached and input_ids adds {T}: pass a larger capacity to "
+                                 "init_state")
         return B, T
 
     # --- decode state ---------------------------------------------------------------------------------------------
-    def init_state(self, batch_size: int, device: torch.device | str | None = None) -> K3State:
-        """Empty decode state for ``batch_size`` sequences (KDA: S + conv tails; MLA: latent caches)."""
+    def init_state(self, batch_size: int, device: torch.device | str | None = None,
+                   capacity: int | None = None) -> K3State:
+        """Empty decode state for ``batch_size`` sequences (KDA: S + conv tails; MLA: latent caches of ``capacity``
+        tokens per sequence, default ``config.max_seq_len``). It is a pool of ``batch_size`` rows bound to all of
+        them (``k3.state``): ``model(ids, state=state)`` continues the sequences together."""
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
+        cap = self.config.max_seq_len if capacity is None else capacity
+        if isinstance(cap, bool) or not isinstance(cap, int) or cap < 1:
+            raise ValueError(f"capacity must be a positive integer (tokens per sequence), got {capacity!r}")
         w = self.model.embed_tokens.weight
         device = w.device if device is None else torch.device(device)
-        layers = [layer.self_attn.init_state(batch_size, dtype=w.dtype, device=device) for layer in self.model.layers]
-        return K3State(layers=layers, batch_size=batch_size)
+        layers = []
+        for layer in self.model.layers:
+            mixer = layer.self_attn
+            if isinstance(mixer, GatedMLA):
+                layers.append(MLACache(batch_size, cap, mixer.cache_dim, w.dtype, device))
+            else:
+                layers.append(mixer.init_state(batch_size, dtype=w.dtype, device=device))
+        has_mla = any(isinstance(s, MLACache) for s in layers)
+        state = K3State(layers=layers, lengths=torch.zeros(batch_size, dtype=torch.int32, device=device),
+                        slots=torch.arange(batch_size, device=device), capacity=cap if has_mla else None)
+        state.bind(state.slots)
+        return state
 
     # --- accounting -----------------------------------------------------------------------------------------------
     def moe_layers(self) -> list[LatentMoE]:
@@ -316,16 +378,3 @@ class K3ForCausalLM(nn.Module):
             return float("nan")
         L = torch.stack(loads)
         return float((L.max(1).values / L.mean(1).clamp(min=1e-9)).max())
-
-    # --- released checkpoints (k3.ckpt.released) ------------------------------------------------------------------
-    @classmethod
-    def from_pretrained(cls, path: str, device: torch.device | str | None = None, dtype: torch.dtype | None = None,
-                        **kw: Any) -> "K3ForCausalLM":
-        from k3.ckpt.released import load_pretrained
-
-        return load_pretrained(path, device=device, dtype=dtype, **kw)
-
-    def save_pretrained(self, path: str, **kw: Any) -> None:
-        from k3.ckpt.released import save_pretrained
-
-        save_pretrained(self, path, **kw)

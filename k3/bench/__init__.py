@@ -2,6 +2,7 @@
 
 ``kda``  KDA kernels vs fla (prefill, training fwd+bwd, decode) — ``k3.bench.kda``.
 ``moe``  Latent MoE layer vs plain PyTorch — ``k3.bench.moe``.
+``attnres``  AttnRes mix vs fla and eager, RMSNorm and the fused loss vs liger and eager — ``k3.bench.attnres``.
 """
 
 from __future__ import annotations

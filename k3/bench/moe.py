@@ -1,10 +1,10 @@
 """``python -m k3.bench moe``: one Latent MoE layer at K3 widths, ours vs plain PyTorch, in one process.
 
-The case (issue 7): d 7168, ℓ 3584, expert width F 3072, 2 shared experts (width 6144), top-16, one GPU's share at
-EP=2 (448 experts, 16,384 tokens → 262,144 expert rows), bf16, forward + backward. Printed beside it, from the same
-run: the bf16 matmul peak (8192³), the plain-PyTorch layer of ``shared/bench/anchor_moe_plain.py`` (its logic is
-copied below as ``PlainLayer``), per-kernel fused-vs-eager timings, the Quantile Balancing cost (histogram inside
-the router + bias recovery) as a fraction of the layer, and its error against the exact sorted quantile.
+The case: d 7168, ℓ 3584, expert width F 3072, 2 shared experts (width 6144), top-16, one GPU's share at EP=2
+(448 experts, 16,384 tokens → 262,144 expert rows), bf16, forward + backward. Printed beside it, from the same run:
+the bf16 matmul peak (8192³), a plain-PyTorch layer (``PlainLayer``, the baseline), per-kernel fused-vs-eager
+timings, the Quantile Balancing cost (histogram inside the router + bias recovery) as a fraction of the layer, and
+its error against the exact sorted quantile.
 
 "ours" is ``k3.layers.moe.LatentMoE`` exactly as the model uses it (training mode, QB histogram recorded), on the
 default CUDA backends: fused Triton router epilogue, SiTU-GLU and combine+RMSNorm; experts via ``grouped_mm``.
@@ -26,6 +26,15 @@ import torch
 import torch.nn.functional as F
 
 from k3.bench import BenchParser
+from k3.config import K3Config
+from k3.distributed.expert_parallel import ExpertParallelMoE
+from k3.layers.moe import LatentMoE
+from k3.ops.moe.combine import combine_norm, combine_norm_reference
+from k3.ops.moe.grouped import grouped_ffn_packed, grouped_mm, permute_rows, sort_by_expert
+from k3.ops.moe.qb import qb_bias_from_histogram, qb_exact_bias, qb_histogram, qb_range
+from k3.ops.moe.router import route, route_reference
+from k3.ops.moe.situ import situ_glu_packed
+from k3.utils import atomic_write_text
 
 __all__ = ["main", "Shapes", "PlainLayer"]
 
@@ -41,7 +50,7 @@ class Shapes:
     S: int = 6144  # shared experts' fused width (2 × 3072)
 
     def flops_fwd(self) -> float:
-        """The anchor's count: experts, shared, W↓/W↑, router."""
+        """The baseline's count: experts, shared, W↓/W↑, router."""
         T, d, l, Fw, E, k, S = self.T, self.d, self.l, self.Fw, self.E, self.k, self.S
         return 2 * T * k * 3 * Fw * l + 2 * T * 3 * d * S + 2 * T * 2 * d * l + 2 * T * d * E
 
@@ -73,7 +82,7 @@ def _situ_eager(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 
 
 class PlainLayer:
-    """The plain-PyTorch Latent MoE of ``shared/bench/anchor_moe_plain.py`` (fp32 sigmoid router + top-k, argsort
+    """The baseline: a plain-PyTorch Latent MoE (fp32 sigmoid router + top-k, argsort
     dispatch, ``grouped_mm`` experts with a packed [E, ℓ, 2F] gate/up, eager SiTU-GLU, index_add combine, RMSNorm,
     W↑, shared experts)."""
 
@@ -94,8 +103,6 @@ class PlainLayer:
     def _gmm(self, a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
         if a.is_cuda:
             return self.gmm(a, b, offs=offs)
-        from k3.ops.moe.grouped import grouped_mm
-
         return grouped_mm(a, b, offs)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -120,10 +127,7 @@ class PlainLayer:
 
 # ---------------------------------------------------------------------------------------------- ours
 def build_latent_moe(sh: Shapes, dev: str):
-    """``k3.layers.moe.LatentMoE`` at these widths, bf16 weights (fp32 QB bias), anchor-like init, on ``dev``."""
-    from k3.config import K3Config
-    from k3.layers.moe import LatentMoE
-
+    """``k3.layers.moe.LatentMoE`` at these widths, bf16 weights (fp32 QB bias), baseline-like init, on ``dev``."""
     cfg = K3Config.from_preset("k3", hidden_size=sh.d, n_experts=sh.E, top_k=sh.k, expert_dim=sh.Fw,
                                latent_dim=sh.l, n_shared_experts=sh.S // sh.Fw)
     dt = torch.bfloat16 if dev == "cuda" else torch.float32
@@ -169,7 +173,7 @@ def _time_layer(name: str, f: Callable[[], torch.Tensor], x: torch.Tensor, param
                 do: torch.Tensor, sh: Shapes, peak: float, rep: float) -> dict:
     with torch.no_grad():
         tf = _bench(f, rep)
-    tb = _bench(_fwd_bwd(f, do), rep)  # gradients accumulate into .grad, as the anchor measured
+    tb = _bench(_fwd_bwd(f, do), rep)  # gradients accumulate into .grad, as the baseline measured
     tb2 = _bench(_fwd_bwd(f, do), rep)  # the same again: the spread between the two is the noise
     tn = _bench(_fwd_bwd(f, do, [x, *params]), rep)
     row = _layer_rows(name, tf, tb, tb2, tn, sh, peak)
@@ -180,9 +184,6 @@ def _time_layer(name: str, f: Callable[[], torch.Tensor], x: torch.Tensor, param
 def pack_experts(moe) -> None:
     """The two layer changes this benchmark recommends, applied from outside for measurement: gate/up packed in
     one ``w13 [E, 2F, ℓ]`` GEMM and the token→row copy through ``permute_rows`` (fused gather-sum backward)."""
-    from k3.ops.moe.combine import combine_norm
-    from k3.ops.moe.grouped import grouped_ffn_packed, permute_rows, sort_by_expert
-
     ex = moe.experts
     w13 = torch.nn.Parameter(torch.cat([ex.w1.detach(), ex.w3.detach()], 1))
     del ex.w1, ex.w3
@@ -206,7 +207,7 @@ def bench_layers(sh: Shapes, dev: str, peak: float, rep: float) -> list[dict]:
     with torch.no_grad():
         do = torch.randn_like(plain(x))
     pp = [plain.Wr, plain.Wd, plain.Wu, plain.W13, plain.W2, plain.Sg, plain.Su, plain.Sd, plain.nw]
-    rows.append(_time_layer("plain PyTorch (anchor)", lambda: plain(x), x, pp, do, sh, peak, rep))
+    rows.append(_time_layer("plain PyTorch (baseline)", lambda: plain(x), x, pp, do, sh, peak, rep))
     del plain, pp
     _free(x)
     moe = build_latent_moe(sh, dev)
@@ -242,11 +243,6 @@ def _free(*keep: torch.Tensor) -> None:
 # ---------------------------------------------------------------------------------------------- components
 def bench_components(sh: Shapes, dev: str, rep: float) -> list[dict]:
     """fwd+bwd of each fused kernel vs its eager/reference form at the layer's shapes."""
-    from k3.ops.moe.combine import combine_norm, combine_norm_reference
-    from k3.ops.moe.grouped import permute_rows, sort_by_expert
-    from k3.ops.moe.router import route, route_reference
-    from k3.ops.moe.situ import situ_glu_packed
-
     dt = torch.bfloat16 if dev == "cuda" else torch.float32
     out = []
     R = sh.T * sh.k
@@ -273,16 +269,6 @@ def bench_components(sh: Shapes, dev: str, rep: float) -> list[dict]:
     h = (torch.randn(R, 2 * sh.Fw, device=dev) * 3).to(dt).requires_grad_(True)
     pair("SiTU-GLU fwd+bwd [T·k, 2F]", lambda: _situ_eager(*h.chunk(2, -1)).to(dt), lambda: situ_glu_packed(h),
          h.numel() * h.element_size() * 4)
-    if dev == "cuda":  # launch-config sweep of the SiTU-GLU kernels (informational; defaults = first entry)
-        from k3.ops.moe import situ_triton
-
-        for cfg in ((4, 1024, 4), (8, 1024, 8), (2, 2048, 8), (16, 256, 4), (8, 512, 4), (1, 1024, 4)):
-            situ_triton._OVERRIDE = cfg
-            g_h = torch.randn(R, sh.Fw, device=dev, dtype=dt)
-            t = _bench(_fwd_bwd(lambda: situ_glu_packed(h), g_h), rep / 6)
-            out.append({"name": "  SiTU-GLU config BM=%d BF=%d warps=%d" % cfg, "eager_ms": float("nan"),
-                        "fused_ms": t, "speedup": float("nan"), "fused_TBps": h.numel() * h.element_size() * 4 / t / 1e9})
-        situ_triton._OVERRIDE = None
     del h
     order, tok, _ = sort_by_expert(idx, sh.E)
     y = torch.randn(R, sh.l, device=dev).to(dt).requires_grad_(True)
@@ -301,7 +287,6 @@ def bench_components(sh: Shapes, dev: str, rep: float) -> list[dict]:
 
 def bench_gemm_layouts(sh: Shapes, dev: str, rep: float) -> list[dict]:
     """Expert GEMMs fwd+bwd: gate/up as two GEMMs (w1, w3 [E, F, ℓ], transposed views) vs one packed GEMM."""
-    from k3.ops.moe.grouped import grouped_mm, sort_by_expert
 
     if dev != "cuda":
         return []
@@ -330,7 +315,7 @@ def bench_gemm_layouts(sh: Shapes, dev: str, rep: float) -> list[dict]:
     del w13
     _free(xs)
     w13r = (torch.randn(sh.E, sh.l, 2 * sh.Fw, device=dev) * 0.02).to(dt).requires_grad_(True)
-    one("gate+up: 1 packed GEMM, W13 [E,ℓ,2F] (anchor layout)", lambda: grouped_mm(xs, w13r, offs), fl_gu)
+    one("gate+up: 1 packed GEMM, W13 [E,ℓ,2F] (baseline layout)", lambda: grouped_mm(xs, w13r, offs), fl_gu)
     del w13r
     _free(xs)
     a = torch.randn(R, sh.Fw, device=dev, dtype=dt).requires_grad_(True)
@@ -343,8 +328,6 @@ def bench_gemm_layouts(sh: Shapes, dev: str, rep: float) -> list[dict]:
 
 # ---------------------------------------------------------------------------------------------- QB
 def bench_qb(sh: Shapes, dev: str, layer_ms: float, rep: float) -> list[dict]:
-    from k3.ops.moe.qb import qb_bias_from_histogram, qb_exact_bias, qb_histogram, qb_range
-    from k3.ops.moe.router import route
 
     dt = torch.bfloat16 if dev == "cuda" else torch.float32
     res = []
@@ -357,7 +340,7 @@ def bench_qb(sh: Shapes, dev: str, layer_ms: float, rep: float) -> list[dict]:
             t_no = _bench(lambda: route(x, w, bias, sh.k), rep / 4)
             t_h = _bench(lambda: route(x, w, bias, sh.k, hist=hist), rep / 4)
             t_b = _bench(lambda: qb_bias_from_histogram(hist, bias, sh.k), rep / 4)
-        # accuracy on the anchor's score distribution: histogram bias vs the exact sorted quantile
+        # accuracy on the baseline's score distribution: histogram bias vs the exact sorted quantile
         s = torch.sigmoid(torch.randn(sh.T, E, device=dev) + torch.linspace(-2, 2, E, device=dev))
         errs = []
         for b0 in (torch.zeros(E, device=dev), torch.randn(E, device=dev) * 0.05):
@@ -426,8 +409,6 @@ def check_sync_free(dev: str) -> dict:
         os.environ.setdefault("MASTER_PORT", "29533")
         os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
         dist.init_process_group("nccl", rank=0, world_size=1, device_id=torch.device("cuda", 0))
-        from k3.distributed.expert_parallel import ExpertParallelMoE
-
         ep = ExpertParallelMoE(moe, dist.group.WORLD)
         ep(x)
         torch.cuda.synchronize()
@@ -459,7 +440,7 @@ def _md(report: dict) -> str:
     L = [f"# Latent MoE layer benchmark ({report['device']})", "",
          f"torch {report['torch']}, triton {report['triton']}, Python {report['python']}; "
          f"shapes {report['shapes']}; bf16 matmul peak (8192³, same run) **{report['peak_tflops']:.0f} TFLOP/s**.", "",
-         "fwd+bwd: gradients added into existing `.grad` (as the anchor measured; repeated once for the spread) and "
+         "fwd+bwd: gradients added into existing `.grad` (as the baseline measured; repeated once for the spread) and "
          "with `.grad` set to None first (one micro-batch after `zero_grad(set_to_none=True)`).", "",
          "| layer | fwd ms | fwd+bwd ms (repeat) | TFLOP/s | of peak | fwd+bwd, fresh grads ms | of peak |",
          "|---|---:|---:|---:|---:|---:|---:|"]
@@ -524,8 +505,6 @@ def main(argv: list[str] | None = None) -> int:
     md = _md(report)
     print(md, flush=True)
     if a.out:
-        from k3.utils import atomic_write_text
-
         os.makedirs(a.out, exist_ok=True)
         atomic_write_text(os.path.join(a.out, "moe_bench.md"), md)
         atomic_write_text(os.path.join(a.out, "moe_bench.json"), json.dumps(report, indent=1, default=str))

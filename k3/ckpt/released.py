@@ -35,10 +35,17 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
 from torch import nn
 
-from k3.ckpt.mxfp4 import GROUP, dequantize_mxfp4, quantize_mxfp4
-from k3.config import K3Config
+from k3.config import MAX_INT, MAX_LAYERS, K3Config
+from k3.layers.experts_mxfp4 import MXFP4GroupedExperts
+from k3.layers.moe import LatentMoE
+from k3.memory import check_fits, model_footprint
+from k3.model import K3ForCausalLM, keeps_fp32
+from k3.ops.moe.mxfp4 import GROUP, dequantize_mxfp4, quantize_mxfp4
+from k3.utils import confined, read_json
 
 __all__ = [
     "config_from_released", "config_to_released", "load_pretrained", "save_pretrained", "read_released_config",
@@ -51,7 +58,7 @@ SINGLE_NAME = "model.safetensors"
 PREFIX = "language_model."
 SKIPPED_PREFIXES = ("vision_tower.", "mm_projector.")
 DEFAULT_SHARD_BYTES = 16 * 2**30
-_FP32_SUFFIXES = ("_conv1d.weight", ".A_log", ".dt_bias", ".o_norm.weight", ".e_score_correction_bias")
+INDEX_MAX_BYTES = 256 << 20  # the release's index lists ~500k tensors (~50 MB)
 _EXPERT_RE = re.compile(r"^(model\.layers\.(\d+)\.block_sparse_moe\.experts)\.(\d+)\.(w[123])\.(weight|weight_packed|weight_scale)$")
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 _ST_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
@@ -109,11 +116,15 @@ def _check_quantization(q: Any) -> bool:
         return False
     if not isinstance(q, dict):
         raise ValueError(f"config.json quantization_config must be an object, got {type(q).__name__}")
+    groups = q.get("config_groups") or {}
+    if not isinstance(groups, dict) or not all(isinstance(g, dict) and isinstance(g.get("weights") or {}, dict)
+                                               for g in groups.values()):
+        raise ValueError("config.json quantization_config.config_groups must map names to objects with 'weights'")
     fmt = q.get("format")
     if q.get("quant_method") != "compressed-tensors" or fmt != "mxfp4-pack-quantized":
         raise ValueError(f"unsupported quantization: quant_method={q.get('quant_method')!r}, format={fmt!r}; "
                          "k3 reads only compressed-tensors 'mxfp4-pack-quantized' (the released experts)")
-    for name, group in (q.get("config_groups") or {}).items():
+    for name, group in groups.items():
         w = (group or {}).get("weights") or {}
         if (w.get("num_bits"), w.get("type"), w.get("group_size")) != (4, "float", GROUP):
             raise ValueError(f"unsupported quantization group {name}: weights {w.get('num_bits')}-bit "
@@ -123,19 +134,39 @@ def _check_quantization(q: Any) -> bool:
     return True
 
 
+def _layer_list(lac: dict[str, Any], key: str, num_layers: int) -> set[int] | None:
+    v = lac.get(key)
+    if v is None:
+        return None
+    if not isinstance(v, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in v):
+        raise ValueError(f"config.json linear_attn_config.{key} must be a list of 1-based layer numbers, got "
+                         f"{type(v).__name__}")
+    bad = [i for i in v if not 1 <= i <= num_layers]
+    if bad or len(set(v)) != len(v):
+        raise ValueError(f"config.json linear_attn_config.{key} must hold distinct layer numbers in 1…{num_layers}"
+                         + (f"; got {bad[0]}" if bad else "; got a repeat"))
+    return set(v)
+
+
 def _layer_lists(lac: dict[str, Any], num_layers: int) -> tuple[int, ...]:
     """1-based ``kda_layers`` / ``full_attn_layers`` → 0-based MLA layers, checking they partition 1…L."""
-    kda = lac.get("kda_layers")
-    full = lac.get("full_attn_layers")
+    _check_int("num_hidden_layers", num_layers, MAX_LAYERS)
+    kda = _layer_list(lac, "kda_layers", num_layers)
+    full = _layer_list(lac, "full_attn_layers", num_layers)
     if kda is None and full is None:
         raise ValueError("config.json linear_attn_config lacks kda_layers / full_attn_layers")
-    everything = set(range(1, num_layers + 1))
-    full_s = set(full) if full is not None else everything - set(kda)
-    kda_s = set(kda) if kda is not None else everything - full_s
-    if kda_s & full_s or kda_s | full_s != everything:
+    if kda is not None and full is not None and (kda & full or len(kda) + len(full) != num_layers):
         raise ValueError(f"linear_attn_config: kda_layers and full_attn_layers must partition the 1-based layers "
-                         f"1…{num_layers}; got {sorted(kda_s)} and {sorted(full_s)}")
-    return tuple(sorted(i - 1 for i in full_s))
+                         f"1…{num_layers}; got {len(kda)} and {len(full)} layers, {len(kda & full)} in both")
+    if full is None:
+        full = set(range(1, num_layers + 1)) - kda  # type: ignore[operator]
+    return tuple(sorted(i - 1 for i in full))
+
+
+def _check_int(key: str, v: Any, most: int = MAX_INT) -> None:
+    if isinstance(v, bool) or not isinstance(v, int) or not 0 < v <= most:
+        raise ValueError(f"config.json text_config.{key} must be a positive integer <= {most}, got "
+                         f"{str(v)[:40]!r}")
 
 
 def config_from_released(raw: dict[str, Any], verbose: bool = False) -> tuple[K3Config, ReleasedInfo]:
@@ -161,7 +192,10 @@ def config_from_released(raw: dict[str, Any], verbose: bool = False) -> tuple[K3
         raise ValueError("config.json text_config lacks linear_attn_config: not a Kimi K3 checkpoint config")
 
     # --- unsupported variants: refuse rather than compute something else -------------------------------------
-    if lac.get("gate_lower_bound") is None:
+    glb = lac.get("gate_lower_bound")
+    if isinstance(glb, bool) or not isinstance(glb, (int, float, type(None))):
+        raise ValueError("config.json linear_attn_config.gate_lower_bound must be a number")
+    if glb is None:
         raise ValueError("unsupported config: linear_attn_config has no gate_lower_bound (the unbounded softplus "
                          "KDA gate); k3 implements only K3's bounded gate, and running a checkpoint through the other "
                          "gate degrades it")
@@ -198,7 +232,10 @@ def config_from_released(raw: dict[str, Any], verbose: bool = False) -> tuple[K3
     for key in ("rope_scaling", "rope_theta"):
         if tc.get(key) is not None:
             notes.append(f"text_config.{key} ignored: K3's MLA uses no positional encoding")
-    mtp = int(tc.get("num_nextn_predict_layers") or 0)
+    mtp = tc.get("num_nextn_predict_layers") or 0
+    if isinstance(mtp, bool) or not isinstance(mtp, int) or not 0 <= mtp <= MAX_LAYERS:
+        raise ValueError(f"config.json text_config.num_nextn_predict_layers must be a small integer, got "
+                         f"{str(mtp)[:40]!r}")
     if mtp:
         notes.append(f"{mtp} multi-token-prediction layer(s) skipped: k3 generates with the main model only")
     quant = raw.get("quantization_config", tc.get("quantization_config"))
@@ -212,7 +249,7 @@ def config_from_released(raw: dict[str, Any], verbose: bool = False) -> tuple[K3
         vocab_size=_need(tc, "vocab_size"), hidden_size=_need(tc, "hidden_size"), num_layers=L,
         mla_layers=_layer_lists(lac, L), max_seq_len=tc.get("max_position_embeddings", 1_048_576),
         rms_norm_eps=tc.get("rms_norm_eps", 1e-5),
-        tie_word_embeddings=bool(tc.get("tie_word_embeddings", raw.get("tie_word_embeddings", False))),
+        tie_word_embeddings=tc.get("tie_word_embeddings", raw.get("tie_word_embeddings", False)),
         initializer_range=tc.get("initializer_range", 0.02),
         bos_token_id=tc.get("bos_token_id"), eos_token_id=tc.get("eos_token_id"), pad_token_id=tc.get("pad_token_id"),
         kda_num_heads=H, kda_head_dim=_need(lac, "head_dim", "linear_attn_config"),
@@ -229,6 +266,8 @@ def config_from_released(raw: dict[str, Any], verbose: bool = False) -> tuple[K3
     )
     if "qb_num_bins" in tc:
         fields["qb_num_bins"] = tc["qb_num_bins"]
+    if not isinstance(fields["tie_word_embeddings"], bool):
+        raise ValueError("config.json tie_word_embeddings must be true or false")
     try:
         config = K3Config(**fields)
     except (TypeError, ValueError) as e:
@@ -301,10 +340,7 @@ def read_released_config(path: str | Path, verbose: bool = False) -> tuple[K3Con
     cfg = folder / CONFIG_NAME
     if not cfg.is_file():
         raise ValueError(f"{folder} is not a Kimi K3 checkpoint: no {CONFIG_NAME}")
-    try:
-        raw = json.loads(cfg.read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise ValueError(f"{cfg} is not valid JSON: {e}") from None
+    raw = read_json(confined(folder, CONFIG_NAME, "the config file"), str(cfg))
     return config_from_released(raw, verbose=verbose)
 
 
@@ -314,10 +350,6 @@ def read_released_config(path: str | Path, verbose: bool = False) -> tuple[K3Con
 def released_name(model_key: str) -> str:
     """Non-expert model key → checkpoint name (the expert stacks map to many names; see ``_plan``)."""
     return PREFIX + model_key
-
-
-def _keeps_fp32(key: str) -> bool:
-    return key.endswith(_FP32_SUFFIXES)
 
 
 def _a_log_size(heads: int) -> int:
@@ -337,8 +369,6 @@ class _Slot:
 
 def _plan(model: nn.Module, ckpt_dtype: torch.dtype, quantized: bool) -> dict[str, _Slot]:
     """Every checkpoint name the model needs → its slot (derived from the meta model's state_dict)."""
-    from k3.layers.experts_mxfp4 import MXFP4GroupedExperts
-
     plan: dict[str, _Slot] = {}
     tied = getattr(model.config, "tie_word_embeddings", False)
     for key, t in model.state_dict(keep_vars=True).items():
@@ -363,7 +393,7 @@ def _plan(model: nn.Module, ckpt_dtype: torch.dtype, quantized: bool) -> dict[st
         shape = tuple(t.shape)
         if key.endswith(".self_attn.A_log"):
             shape = (_a_log_size(shape[0]),)
-        plan[released_name(key)] = _Slot(key, shape, torch.float32 if _keeps_fp32(key) else ckpt_dtype)
+        plan[released_name(key)] = _Slot(key, shape, torch.float32 if keeps_fp32(key) else ckpt_dtype)
     return plan
 
 
@@ -374,12 +404,12 @@ def _weight_map(folder: Path) -> dict[str, str]:
     """Checkpoint tensor name → shard file name, from the index (or the single ``model.safetensors``)."""
     index = folder / INDEX_NAME
     if index.is_file():
-        try:
-            wm = json.loads(index.read_text()).get("weight_map")
-        except (OSError, json.JSONDecodeError, AttributeError) as e:
-            raise ValueError(f"{index} is not a valid safetensors index: {e}") from None
+        raw = read_json(confined(folder, INDEX_NAME, "the index"), str(index), max_bytes=INDEX_MAX_BYTES)
+        wm = raw.get("weight_map") if isinstance(raw, dict) else None
         if not isinstance(wm, dict) or not wm:
             raise ValueError(f"{index} has no weight_map")
+        for shard in set(wm.values()) if all(isinstance(v, str) for v in wm.values()) else wm.values():
+            confined(folder, shard, f"{INDEX_NAME} weight_map")
         missing = sorted({f for f in wm.values() if not (folder / f).is_file()})
         if missing:
             raise ValueError(f"{folder}: shard(s) listed in {INDEX_NAME} are missing: {', '.join(missing[:4])}"
@@ -387,10 +417,12 @@ def _weight_map(folder: Path) -> dict[str, str]:
         return wm
     single = folder / SINGLE_NAME
     if single.is_file():
-        from safetensors import safe_open
-
-        with safe_open(str(single), framework="pt") as f:
-            return {k: SINGLE_NAME for k in f.keys()}
+        path = confined(folder, SINGLE_NAME, "the weights file")
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                return {k: SINGLE_NAME for k in f.keys()}
+        except Exception as e:  # safetensors raises its own error types for torn files
+            raise ValueError(f"{single} is not a readable safetensors file: {e}") from None
     raise ValueError(f"{folder} is not a Kimi K3 checkpoint: neither {INDEX_NAME} nor {SINGLE_NAME}")
 
 
@@ -472,10 +504,9 @@ class _Filler:
 
 def _read_shard(folder: Path, shard: str, names: list[str], plan: dict[str, _Slot]) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(name, tensor)`` for ``names`` of one shard, checking dtype and shape before reading the bytes."""
-    from safetensors import safe_open
-
+    path = confined(folder, shard, f"{INDEX_NAME} weight_map")
     try:
-        handle = safe_open(str(folder / shard), framework="pt", device="cpu")
+        handle = safe_open(str(path), framework="pt", device="cpu")
     except Exception as e:  # safetensors raises its own error types for torn files
         raise ValueError(f"{folder / shard} is not a readable safetensors file: {e}") from None
     with handle as f:
@@ -494,24 +525,22 @@ def _read_shard(folder: Path, shard: str, names: list[str], plan: dict[str, _Slo
 
 
 def _swap_in_mxfp4(model: nn.Module) -> None:
-    from k3.layers.experts_mxfp4 import MXFP4GroupedExperts
-    from k3.layers.moe import LatentMoE
-
     for moe in (m for m in model.modules() if isinstance(m, LatentMoE)):
         e = moe.experts
         moe.experts = MXFP4GroupedExperts(e.n_experts, e.latent_dim, e.expert_dim, e.beta1, e.beta2, device="meta")
 
 
 def load_pretrained(path: str | Path, device: torch.device | str | None = None, dtype: torch.dtype | None = None,
-                    dequantize: bool = False, verbose: bool = True) -> nn.Module:
+                    dequantize: bool = False, verbose: bool = True, force_memory: bool = False) -> K3ForCausalLM:
     """Build ``K3ForCausalLM`` from a released-layout folder (see the module docstring) and return it in eval mode.
 
     ``device``: where the weights go (default CPU).  ``dtype``: the dtype of the bf16-class weights (default: the
     checkpoint's); fp32 tensors stay fp32, MXFP4 experts stay uint8.  ``dequantize``: turn MXFP4 experts into dense
     ``dtype`` weights (``GroupedExperts``, trainable) instead of keeping them 4-bit (``MXFP4GroupedExperts``).
+    Before anything is allocated, the model's bytes are estimated on ``meta`` and a model that cannot fit
+    ``device``'s memory is refused (``ValueError``) unless ``force_memory``. Every file name the folder's index
+    gives is confined to the folder.
     """
-    from k3.model import K3ForCausalLM
-
     folder = Path(path)
     config, info = read_released_config(folder, verbose=verbose)
     ckpt_dtype = _DTYPES[config.dtype]
@@ -521,6 +550,8 @@ def load_pretrained(path: str | Path, device: torch.device | str | None = None, 
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)} as a torch.dtype, got {dtype!r}")
         config = K3Config.from_dict({**config.to_dict(), "dtype": names[dtype]})
     dev = torch.device(device) if device is not None else torch.device("cpu")
+    check_fits(model_footprint(config, mxfp4_experts=info.quantized and not dequantize), dev, force_memory,
+               config=config)
     wm = _weight_map(folder)
     with torch.device("meta"):
         model = K3ForCausalLM(config)
@@ -551,8 +582,6 @@ def _entries(model: nn.Module, save_dtype: torch.dtype, quantize: bool
              ) -> Iterator[tuple[str, tuple[int, ...], torch.dtype, Any]]:
     """``(checkpoint name, shape, dtype, make)`` for every tensor to write, in model order; ``make()`` produces the
     CPU tensor only when its shard is written."""
-    from k3.layers.experts_mxfp4 import MXFP4GroupedExperts
-
     tied = getattr(model.config, "tie_word_embeddings", False)
     seen_experts: set[str] = set()
     for key, t in model.state_dict(keep_vars=True).items():
@@ -567,7 +596,7 @@ def _entries(model: nn.Module, save_dtype: torch.dtype, quantize: bool
             yield from _expert_entries(model.get_submodule(base), base, save_dtype, quantize,
                                        isinstance(model.get_submodule(base), MXFP4GroupedExperts))
             continue
-        want = torch.float32 if _keeps_fp32(key) else save_dtype
+        want = torch.float32 if keeps_fp32(key) else save_dtype
         if key.endswith(".self_attn.A_log"):
             size = _a_log_size(t.shape[0])
             yield (released_name(key), (size,), want,
@@ -621,8 +650,6 @@ def _shard_plan(entries: list[tuple[str, tuple[int, ...], torch.dtype, Any]], ma
 
 
 def _is_quantized(model: nn.Module) -> bool:
-    from k3.layers.experts_mxfp4 import MXFP4GroupedExperts
-
     return any(isinstance(m, MXFP4GroupedExperts) for m in model.modules())
 
 
@@ -638,8 +665,6 @@ def save_pretrained(model: nn.Module, path: str | Path, max_shard_bytes: int = D
     """
     if not isinstance(max_shard_bytes, int) or max_shard_bytes <= 0:
         raise ValueError(f"max_shard_bytes must be a positive integer, got {max_shard_bytes!r}")
-    from safetensors.torch import save_file
-
     config: K3Config = model.config
     held = _is_quantized(model)
     if quantize is None:

@@ -5,6 +5,7 @@ Layout of a run directory::
     runs/<name>/
       run.json, config.json          the run's arguments and model config (for people; checkpoints hold copies)
       metrics.jsonl, loss.png        the log and its plot
+      .lock                          locked (flock) by the one process training the run
       checkpoints/step-00000200/     one directory per checkpoint (the newest ``keep`` are kept)
         config.json                  K3Config
         model.safetensors            weights + persistent buffers (the Quantile Balancing biases are buffers)
@@ -14,27 +15,43 @@ Layout of a run directory::
         checkpoint.json              manifest, written LAST: step, and size + sha256 of every other file
 
 Why it survives a kill: each file goes through ``k3.utils.atomic_write_*`` (temp file, fsync, rename) inside a
-hidden ``.tmp-step-…`` directory; the manifest is written last; only then is the directory renamed to
-``step-…`` (one atomic rename). A reader only considers ``step-…`` directories with a manifest, and checks every
-file against it, so a torn or truncated checkpoint is reported, never half-loaded. Older checkpoints are pruned
-only after the new one is in place.
+hidden ``.tmp-step-…-<pid>`` directory; the manifest (``k3.ckpt.manifest``: every file hashed, whatever its size) is
+written last; only then is the directory renamed to ``step-…`` (one atomic rename). A reader only considers
+``step-…`` directories with a manifest, and checks every byte against it, so a torn or corrupt checkpoint is
+reported, never half-loaded. Older checkpoints are pruned only after the new one is in place, by renaming them
+out of sight first, so a reader sees a checkpoint whole or not at all; ``load_checkpoint`` then retries with the
+newest complete one.
+
+One writer: ``lock_run`` takes an exclusive ``flock`` on ``.lock`` for the life of a training (the OS drops it when
+the process dies, even by ``kill -9``); a second writer is refused in one line. Only the lock holder removes
+leftovers of killed saves, so a save never touches another process's temporary directory.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import fcntl
+import hashlib
 import json
 import os
 import random
 import re
 import shutil
-import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import numpy as np
 import torch
+from safetensors.torch import load_model, save_model
 
-from k3.utils import atomic_write_text, atomic_write_with, sha256_file
+from k3.ckpt.archive import check_torch_archive
+from k3.ckpt.manifest import MANIFEST, CheckpointError, verify_manifest, write_manifest
+from k3.config import K3Config
+from k3.data.tokenizers import tokenizer_from_dict
+from k3.memory import available_memory, check_fits, model_footprint
+from k3.model import K3ForCausalLM
+from k3.utils import HashingWriter, atomic_write_text, atomic_write_with, read_json
 
 __all__ = [
     "CheckpointError",
@@ -43,19 +60,22 @@ __all__ = [
     "verify_checkpoint",
     "load_checkpoint",
     "load_trainer_state",
+    "lock_run",
+    "assert_unlocked",
+    "only_bookkeeping",
     "rng_state",
     "set_rng_state",
     "MANIFEST",
+    "LOCK",
 ]
 
-MANIFEST = "checkpoint.json"
 FORMAT = "k3-run-checkpoint"
+LOCK = ".lock"
 _STEP_DIR = re.compile(r"^step-(\d+)$")
-_HASH_LIMIT = 1 << 30  # files above 1 GiB are checked by size only (hashing them on every load costs seconds)
-
-
-class CheckpointError(ValueError):
-    """A run directory or checkpoint that cannot be used; the message says what to do."""
+_LEFTOVER = re.compile(r"^\.(tmp|old)-step-")  # a killed save's or prune's directory
+# What a run directory holds before its first checkpoint: a run killed then can be started afresh in place.
+_BOOKKEEPING = {"run.json", "config.json", "metrics.jsonl", "loss.png", LOCK}
+_LOAD_RETRIES = 5
 
 
 # --- RNG ----------------------------------------------------------------------------------------------------------
@@ -84,12 +104,88 @@ def set_rng_state(state: dict[str, Any]) -> None:
             torch.cuda.set_rng_state(s, i)
 
 
+# --- the run lock --------------------------------------------------------------------------------------------------
+def _holder(lock: Path) -> str:
+    """The pid holding ``flock`` on ``lock``, from ``/proc/locks`` (Linux); the lock file itself is never written, so
+    a refused run leaves it as it was."""
+    try:
+        st = lock.stat()
+        key = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+        for line in Path("/proc/locks").read_text().splitlines():
+            parts = line.split()
+            if len(parts) >= 6 and parts[1] == "FLOCK" and parts[5] == key:
+                return parts[4]
+    except (OSError, ValueError):
+        pass
+    return "unknown"
+
+
+def _busy(run_dir: Path) -> CheckpointError:
+    return CheckpointError(f"{run_dir} is being trained by another process (pid {_holder(run_dir / LOCK)}); wait "
+                           "for it to finish (or stop it) before training or resuming this run")
+
+
+@contextlib.contextmanager
+def lock_run(run_dir: str | Path) -> Iterator[Path]:
+    """Hold the exclusive writer lock of ``run_dir`` (created if needed) for the block.
+
+    A second holder gets ``CheckpointError`` at once (``… is being trained by another process (pid N)``). The lock
+    is an ``flock`` on ``run_dir/.lock``: released on exit and by the OS when the process dies. With the lock held,
+    leftovers of killed saves and prunes (``checkpoints/.tmp-step-*``, ``.old-step-*``) belong to no live writer
+    and are removed.
+    """
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    fd = os.open(run_dir / LOCK, os.O_RDWR | os.O_CREAT, 0o666)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                raise
+            raise _busy(run_dir) from None
+        _remove_leftovers(run_dir / "checkpoints")
+        yield run_dir
+    finally:
+        os.close(fd)  # drops the flock
+
+
+def assert_unlocked(run_dir: str | Path) -> None:
+    """Refuse (``CheckpointError``) at once when another process holds ``run_dir``'s lock; creates nothing."""
+    path = Path(run_dir) / LOCK
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except OSError:
+        raise _busy(Path(run_dir)) from None
+    finally:
+        os.close(fd)
+
+
+def _remove_leftovers(root: Path) -> None:
+    if root.is_dir():
+        for d in root.iterdir():
+            if _LEFTOVER.match(d.name):
+                shutil.rmtree(d, ignore_errors=True)
+
+
+def only_bookkeeping(run_dir: str | Path) -> bool:
+    """Whether ``run_dir`` holds a run killed before its first checkpoint: its own bookkeeping files (``run.json``,
+    ``config.json``, ``metrics.jsonl``, ``loss.png``, ``.lock``) and at most leftovers of an unfinished save."""
+    run_dir = Path(run_dir)
+    names = {p.name for p in run_dir.iterdir()}
+    ckpts = run_dir / "checkpoints"
+    if "checkpoints" in names:
+        if not ckpts.is_dir() or any(not _LEFTOVER.match(p.name) for p in ckpts.iterdir()):
+            return False
+        names.discard("checkpoints")
+    return names <= _BOOKKEEPING and ("run.json" in names or names <= {LOCK})
+
+
 # --- writing --------------------------------------------------------------------------------------------------------
-def _file_entry(path: Path) -> dict[str, Any]:
-    size = path.stat().st_size
-    return {"size": size, "sha256": sha256_file(path) if size <= _HASH_LIMIT else None}
-
-
 def _fsync_dir(path: Path) -> None:
     try:
         fd = os.open(path, os.O_RDONLY)
@@ -107,45 +203,73 @@ def _json(obj: Any) -> str:
     return json.dumps(obj, indent=2, sort_keys=True) + "\n"
 
 
+def _write_text(path: Path, text: str) -> str:
+    """Atomic write; returns the sha256 of the bytes written."""
+    data = text.encode("utf-8")
+    atomic_write_text(path, text)
+    return hashlib.sha256(data).hexdigest()
+
+
+def _torch_save(path: Path, obj: Any) -> str:
+    """``torch.save`` through a hashing writer (the largest file of a checkpoint is hashed as it is written)."""
+    digest: list[str] = []
+
+    def write(tmp: str) -> None:
+        with open(tmp, "wb") as f:
+            w = HashingWriter(f)
+            torch.save(obj, w)
+            digest.append(w.hexdigest())
+
+    atomic_write_with(path, write)
+    return digest[0]
+
+
+def _discard(d: Path) -> None:
+    """Remove checkpoint directory ``d``: renamed out of sight first (readers see it whole or not at all)."""
+    gone = d.with_name(f".old-{d.name}-{os.getpid()}")
+    try:
+        os.replace(d, gone)
+    except FileNotFoundError:
+        return
+    shutil.rmtree(gone, ignore_errors=True)
+
+
 def save_checkpoint(run_dir: str | Path, step: int, model: torch.nn.Module, config: Any, tokenizer: Any,
                     trainer_state: dict[str, Any], run_args: dict[str, Any], keep: int = 2) -> Path:
     """Write checkpoint ``step`` of ``run_dir`` (see the module docstring) and return its directory.
 
     ``config`` has ``to_dict()``; ``tokenizer`` has ``save(dir) -> spec``; ``trainer_state`` is saved with
     ``torch.save`` and must hold only tensors and plain Python values. ``keep``: checkpoints to keep (≥ 1).
+    The caller holds ``lock_run(run_dir)``; this removes only its own temporary directory.
     """
     if not isinstance(step, int) or step < 0:
         raise ValueError(f"step must be a non-negative int, got {step!r}")
     if keep < 1:
         raise ValueError(f"keep must be >= 1, got {keep}")
-    from safetensors.torch import save_model
-
     root = Path(run_dir) / "checkpoints"
     root.mkdir(parents=True, exist_ok=True)
-    for stale in root.glob(".tmp-step-*"):  # leftovers of a save that was killed: never a valid checkpoint
-        shutil.rmtree(stale, ignore_errors=True)
     final = root / f"step-{step:08d}"
     tmp = root / f".tmp-step-{step:08d}-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)  # ours: a save of this step by this process that raised
     tmp.mkdir()
-
-    atomic_write_text(tmp / "config.json", _json(config.to_dict()))
-    atomic_write_text(tmp / "run.json", _json(run_args))
-    atomic_write_text(tmp / "tokenizer_spec.json", _json(tokenizer.save(tmp)))
-    # save_model (not save_file) drops aliases of shared tensors (tied embeddings) and records them.
-    atomic_write_with(tmp / "model.safetensors", lambda p: save_model(model, p, metadata={"step": str(step)}))
-    atomic_write_with(tmp / "trainer.pt", lambda p: torch.save(trainer_state, p))
-    files = {str(f.relative_to(tmp)): _file_entry(f) for f in sorted(tmp.rglob("*")) if f.is_file()}
-    manifest = {"format": FORMAT, "version": 1, "step": step, "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
-                "files": files}
-    atomic_write_text(tmp / MANIFEST, _json(manifest))  # last: a directory without it is incomplete
-    _fsync_dir(tmp)
-
-    if final.exists():  # the same step saved again (e.g. the final save right after a periodic one)
-        shutil.rmtree(final)
-    os.replace(tmp, final)
+    try:
+        digests = {"config.json": _write_text(tmp / "config.json", _json(config.to_dict())),
+                   "run.json": _write_text(tmp / "run.json", _json(run_args))}
+        digests["tokenizer_spec.json"] = _write_text(tmp / "tokenizer_spec.json", _json(tokenizer.save(tmp)))
+        # save_model (not save_file) drops aliases of shared tensors (tied embeddings) and records them.
+        atomic_write_with(tmp / "model.safetensors", lambda p: save_model(model, p, metadata={"step": str(step)}))
+        digests["trainer.pt"] = _torch_save(tmp / "trainer.pt", trainer_state)
+        write_manifest(tmp, {"format": FORMAT, "version": 1, "step": step}, digests)  # last
+        _fsync_dir(tmp)
+        if final.exists():  # the same step saved again (e.g. the final save right after a periodic one)
+            _discard(final)
+        os.replace(tmp, final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     _fsync_dir(root)
     for old in _step_dirs(root)[:-keep]:
-        shutil.rmtree(old, ignore_errors=True)
+        _discard(old)
     return final
 
 
@@ -176,57 +300,49 @@ def find_checkpoint(path: str | Path) -> Path:
         return p
     dirs = _step_dirs(p / "checkpoints")
     if not dirs:
+        if (p / "run.json").is_file() and only_bookkeeping(p):
+            raise CheckpointError(f"{p} holds no checkpoint yet (its training stopped before the first save); "
+                                  f"start it afresh with k3 train --out {p}")
         raise CheckpointError(f"{p} holds no complete checkpoint (no checkpoints/step-*/{MANIFEST}); "
                               "train first, or pass a run directory that `k3 train` wrote")
     return dirs[-1]
 
 
 def verify_checkpoint(ckpt: str | Path) -> dict[str, Any]:
-    """Check every file of checkpoint directory ``ckpt`` against its manifest; return the manifest."""
-    ckpt = Path(ckpt)
-    hint = "delete that directory to fall back to the previous checkpoint, or retrain"
-    try:
-        manifest = json.loads((ckpt / MANIFEST).read_text())
-    except OSError as e:
-        raise CheckpointError(f"checkpoint {ckpt}: cannot read {MANIFEST} ({e.strerror}); {hint}") from None
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        raise CheckpointError(f"checkpoint {ckpt}: {MANIFEST} is corrupt (not JSON); {hint}") from None
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT or not isinstance(manifest.get("files"),
-                                                                                                dict):
-        raise CheckpointError(f"checkpoint {ckpt}: {MANIFEST} is not a k3 run-checkpoint manifest; {hint}")
-    for name, want in manifest["files"].items():
-        f = ckpt / name
-        if not f.is_file():
-            raise CheckpointError(f"checkpoint {ckpt}: {name} is missing; {hint}")
-        size = f.stat().st_size
-        if size != want.get("size"):
-            raise CheckpointError(f"checkpoint {ckpt}: {name} has {size} bytes, the manifest says "
-                                  f"{want.get('size')} (truncated or corrupt); {hint}")
-        if want.get("sha256") and sha256_file(f) != want["sha256"]:
-            raise CheckpointError(f"checkpoint {ckpt}: {name} does not match its sha256 (corrupt); {hint}")
-    return manifest
+    """Check every byte of checkpoint directory ``ckpt`` against its manifest; return the manifest."""
+    return verify_manifest(ckpt, FORMAT)
 
 
 def _read_json(ckpt: Path, name: str) -> Any:
     try:
-        return json.loads((ckpt / name).read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"checkpoint {ckpt}: cannot read {name}: {e}") from None
+        return read_json(ckpt / name, f"checkpoint {ckpt}: {name}")
+    except ValueError as e:
+        raise CheckpointError(str(e)) from None
 
 
 def load_checkpoint(path: str | Path, device: str | torch.device = "cpu",
-                    model_factory: Callable[[Any], torch.nn.Module] | None = None) -> dict[str, Any]:
+                    model_factory: Callable[[Any], torch.nn.Module] | None = None, force_memory: bool = False,
+                    footprint: Callable[[Any], Any] | None = None) -> dict[str, Any]:
     """Verify and load the checkpoint at ``path`` (a run dir or a checkpoint dir).
 
     Returns ``{"dir", "step", "config", "model", "tokenizer", "run_args", "manifest"}``; the model is in eval
-    mode on ``device``. ``model_factory(config)`` builds the module (default ``K3ForCausalLM``).
+    mode on ``device``. ``model_factory(config)`` builds the module (default ``K3ForCausalLM``). Before it is
+    built, ``footprint(config)`` (default: ``k3.memory.model_footprint``) must fit ``device`` unless
+    ``force_memory``. For a run dir, a checkpoint pruned by the training between listing and loading is
+    skipped: the newest complete one is loaded instead.
     """
-    from safetensors.torch import load_model
+    for attempt in range(_LOAD_RETRIES):
+        ckpt = find_checkpoint(path)
+        try:
+            return _load(ckpt, device, model_factory, force_memory, footprint)
+        except (ValueError, OSError):
+            if ckpt.exists() or ckpt == Path(path) or attempt == _LOAD_RETRIES - 1:
+                raise
+    raise AssertionError("unreachable")  # pragma: no cover
 
-    from k3.config import K3Config
-    from k3.data.tokenizers import tokenizer_from_dict
 
-    ckpt = find_checkpoint(path)
+def _load(ckpt: Path, device: str | torch.device, model_factory: Callable[[Any], torch.nn.Module] | None,
+          force_memory: bool, footprint: Callable[[Any], Any] | None) -> dict[str, Any]:
     manifest = verify_checkpoint(ckpt)
     try:
         config = K3Config.from_dict(_read_json(ckpt, "config.json"))
@@ -234,10 +350,13 @@ def load_checkpoint(path: str | Path, device: str | torch.device = "cpu",
         raise
     except (ValueError, TypeError) as e:
         raise CheckpointError(f"checkpoint {ckpt}: config.json is invalid: {e}") from None
+    run_args = _read_json(ckpt, "run.json")
+    if not isinstance(run_args, dict) or not isinstance(manifest.get("step"), int):
+        raise CheckpointError(f"checkpoint {ckpt}: run.json or the manifest's step is malformed; delete that "
+                              "directory to fall back to the previous checkpoint")
+    check_fits((footprint or model_footprint)(config), device, force_memory, config=config)
     tokenizer = tokenizer_from_dict(_read_json(ckpt, "tokenizer_spec.json"), root=ckpt)
     if model_factory is None:
-        from k3.model import K3ForCausalLM
-
         model_factory = K3ForCausalLM
     with torch.device(device):
         model = model_factory(config)
@@ -250,15 +369,22 @@ def load_checkpoint(path: str | Path, device: str | torch.device = "cpu",
         raise CheckpointError(f"checkpoint {ckpt}: weights do not match the model (missing {sorted(missing)[:3]}, "
                               f"unexpected {sorted(unexpected)[:3]}); was it written by another k3 version?")
     model.eval()
-    return {"dir": ckpt, "step": int(manifest["step"]), "config": config, "model": model, "tokenizer": tokenizer,
-            "run_args": _read_json(ckpt, "run.json"), "manifest": manifest}
+    return {"dir": ckpt, "step": manifest["step"], "config": config, "model": model, "tokenizer": tokenizer,
+            "run_args": run_args, "manifest": manifest}
 
 
-def load_trainer_state(ckpt: str | Path) -> dict[str, Any]:
-    """``trainer.pt`` of a (verified) checkpoint directory, loaded with ``weights_only=True`` on the CPU."""
+def load_trainer_state(ckpt: str | Path, force_memory: bool = False) -> dict[str, Any]:
+    """``trainer.pt`` of a (verified) checkpoint directory, loaded with ``weights_only=True`` on the CPU, after its
+    archive records are checked against the bytes their tensors need (``k3.ckpt.archive``)."""
     ckpt = Path(ckpt)
+    path = ckpt / "trainer.pt"
+    hint = "delete that directory to fall back to the previous checkpoint"
     try:
-        return torch.load(ckpt / "trainer.pt", map_location="cpu", weights_only=True)
+        check_torch_archive(path, None if force_memory else available_memory("cpu"))
+    except ValueError as e:
+        raise CheckpointError(f"checkpoint {ckpt}: {e}; {hint}") from None
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # pickle/zip errors of a damaged file come in many types
-        raise CheckpointError(f"checkpoint {ckpt}: trainer.pt cannot be loaded ({type(e).__name__}); "
-                              "delete that directory to fall back to the previous checkpoint") from None
+        raise CheckpointError(f"checkpoint {ckpt}: trainer.pt cannot be loaded ({type(e).__name__}); {hint}") \
+            from None

@@ -19,11 +19,12 @@ import glob as _glob
 import json
 import struct
 from pathlib import Path
-from typing import Iterator
+from typing import Iterable, Iterator
 
 import numpy as np
 
 from k3.data.tokenizers import Tokenizer
+from k3.utils import atomic_write_with
 
 __all__ = [
     "BIN_MAGIC",
@@ -45,8 +46,6 @@ DATA_SUFFIXES = TEXT_SUFFIXES + (".bin",)
 # --- .bin shards ------------------------------------------------------------------------------------------------
 def write_bin_shard(path: str | Path, tokens: np.ndarray | list[int], vocab_size: int = 0) -> Path:
     """Write ``tokens`` (1-D ids) as a .bin shard (uint16 when every id fits, else uint32), atomically."""
-    from k3.utils import atomic_write_with
-
     arr = np.asarray(tokens)
     if arr.ndim != 1:
         raise ValueError(f"tokens must be 1-D, got shape {arr.shape}")
@@ -179,22 +178,44 @@ def iter_hf_documents(name: str, split: str = "train", text_field: str = "text")
         raise ValueError(f"Hugging Face dataset {name!r} (split {split!r}) cannot be loaded: {e}") from None
 
 
-def tokenize_documents(docs: Iterator[str] | list[str] | tuple[str, ...], tok: Tokenizer,
-                       max_tokens: int | None = None) -> np.ndarray:
-    """``bos ids… eos`` per non-empty document, concatenated; uint16 when the vocabulary fits, else uint32."""
-    dtype = np.uint16 if tok.vocab_size <= 2**16 else np.uint32
-    chunks: list[np.ndarray] = []
-    total = 0
+_BATCH_CHARS = 8 << 20  # text handed to the tokenizer per batch: enough to keep every core busy
+_BATCH_DOCS = 4096
+
+
+def _batches(docs: Iterable[str]) -> Iterator[list[str]]:
+    """Non-empty documents in batches of about ``_BATCH_CHARS`` characters (at most ``_BATCH_DOCS``)."""
+    batch: list[str] = []
+    chars = 0
     for doc in docs:
         if not doc.strip():
             continue
-        ids = ([tok.bos_id] if tok.bos_id is not None else []) + tok.encode(doc)
-        if tok.eos_id is not None:
-            ids.append(tok.eos_id)
-        chunks.append(np.asarray(ids, dtype=dtype))
-        total += len(ids)
-        if max_tokens is not None and total >= max_tokens:
-            break
+        batch.append(doc)
+        chars += len(doc)
+        if chars >= _BATCH_CHARS or len(batch) >= _BATCH_DOCS:
+            yield batch
+            batch, chars = [], 0
+    if batch:
+        yield batch
+
+
+def tokenize_documents(docs: Iterable[str], tok: Tokenizer, max_tokens: int | None = None) -> np.ndarray:
+    """``bos ids… eos`` per non-empty document, concatenated; uint16 when the vocabulary fits, else uint32.
+
+    Documents are encoded in batches (``Tokenizer.encode_batch``: tiktoken and Hugging Face tokenizers use every
+    core); the result equals encoding them one at a time, ``max_tokens`` included (stop after the document that
+    reaches it).
+    """
+    dtype = np.uint16 if tok.vocab_size <= 2**16 else np.uint32
+    head = [tok.bos_id] if tok.bos_id is not None else []
+    tail = [tok.eos_id] if tok.eos_id is not None else []
+    chunks: list[np.ndarray] = []
+    total = 0
+    for batch in _batches(docs):
+        for ids in tok.encode_batch(batch):
+            chunks.append(np.asarray(head + ids + tail, dtype=dtype))
+            total += chunks[-1].size
+            if max_tokens is not None and total >= max_tokens:
+                return np.concatenate(chunks)
     return np.concatenate(chunks) if chunks else np.zeros(0, dtype=dtype)
 
 

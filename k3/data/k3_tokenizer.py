@@ -26,16 +26,16 @@ so token boundaries match it.
 
 from __future__ import annotations
 
-import base64
-import binascii
-import json
 from pathlib import Path
 from typing import Any, Iterator, Sequence
+
+from k3.data.tokenizers import bounded_tokenizer_file, read_tiktoken_ranks
+from k3.utils import confined, read_json
 
 __all__ = ["K3Tokenizer", "load_k3_tokenizer", "K3_PAT_STR", "SPECIAL_NAMES", "NUM_SPECIALS"]
 
 NUM_SPECIALS = 256
-# offset from the first special id → name (k3_layout.md §5)
+# offset from the first special id → name, as in the released tokenizer_config.json
 SPECIAL_NAMES: dict[int, str] = {
     0: "[BOS]", 1: "[EOS]", 2: "<|end_of_msg|>", 3: "<|open|>", 4: "<|close|>", 5: "<|sep|>",
     6: "[start_header_id]", 7: "[end_header_id]", 9: "[EOT]",
@@ -62,43 +62,15 @@ _MAX_CHARS = 400_000  # tiktoken is fed at most this many characters at a time �
 _MAX_RUN = 25_000  # … and no longer runs of whitespace or of non-whitespace (its regex is slow on them)
 
 
-def _read_ranks(path: Path) -> dict[bytes, int]:
-    """Parse ``tiktoken.model``; ``ValueError`` on a malformed line or ranks that are not exactly 0 … n−1."""
-    try:
-        data = path.read_bytes()
-    except OSError as e:
-        raise ValueError(f"tokenizer file {path} cannot be read: {e.strerror}") from None
-    ranks: dict[bytes, int] = {}
-    for lineno, line in enumerate(data.splitlines(), 1):
-        if not line.strip():
-            continue
-        parts = line.split()
-        try:
-            if len(parts) != 2:
-                raise ValueError
-            ranks[base64.b64decode(parts[0], validate=True)] = int(parts[1])
-        except (ValueError, binascii.Error):
-            raise ValueError(f"{path}:{lineno}: expected '<base64 token> <rank>', got {line[:80]!r}") from None
-    if not ranks:
-        raise ValueError(f"{path} holds no BPE ranks")
-    if sorted(ranks.values()) != list(range(len(ranks))):
-        raise ValueError(f"{path}: ranks must be exactly 0 … {len(ranks) - 1} with no gaps or repeats")
-    missing = [b for b in range(256) if bytes([b]) not in ranks]
-    if missing:  # byte-level BPE must be able to fall back to single bytes (tiktoken panics otherwise)
-        raise ValueError(f"{path} lacks {len(missing)} single-byte token(s) (e.g. byte {missing[0]}): not a "
-                         "byte-level BPE file")
-    return ranks
-
-
 def _special_names(folder: Path | None, n_base: int) -> dict[int, str]:
     """Absolute id → name for the 256 specials; ``tokenizer_config.json``'s ``added_tokens_decoder`` wins."""
     names = {n_base + off: name for off, name in SPECIAL_NAMES.items()}
     cfg = folder / "tokenizer_config.json" if folder is not None else None
     if cfg is not None and cfg.is_file():
-        try:
-            decoder = json.loads(cfg.read_text()).get("added_tokens_decoder") or {}
-        except (OSError, json.JSONDecodeError) as e:
-            raise ValueError(f"{cfg} is not valid JSON: {e}") from None
+        raw = read_json(confined(cfg.parent, cfg.name, "tokenizer_config.json"), str(cfg))
+        decoder = (raw.get("added_tokens_decoder") if isinstance(raw, dict) else None) or {}
+        if not isinstance(decoder, dict) or not all(k.isdigit() for k in decoder):
+            raise ValueError(f"{cfg} added_tokens_decoder must map token ids to tokens")
         for k, v in decoder.items():
             i = int(k)
             content = v.get("content") if isinstance(v, dict) else v
@@ -253,5 +225,7 @@ def load_k3_tokenizer(path: str | Path) -> K3Tokenizer:
     model = p / "tiktoken.model" if p.is_dir() else p
     if not model.is_file():
         raise ValueError(f"no tiktoken.model at {p}: expected a K3 checkpoint folder or the tiktoken.model file")
-    ranks = _read_ranks(model)
+    if p.is_dir():  # a folder's tokenizer is the folder's own file, not a symlink out of it
+        model = confined(p, "tiktoken.model", "the tokenizer file")
+    ranks = read_tiktoken_ranks(bounded_tokenizer_file(model))
     return K3Tokenizer(ranks, _special_names(model.parent, len(ranks)), name=model.name)

@@ -12,11 +12,13 @@ decoder in ``k3.infer.generate`` uses it so a character split across tokens is p
 from __future__ import annotations
 
 import base64
+import binascii
+import os
 import shutil
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Sequence
 
-from k3.utils import sha256_file
+from k3.utils import atomic_write_with, confined, sha256_file
 
 __all__ = [
     "Tokenizer",
@@ -30,6 +32,7 @@ __all__ = [
 ]
 
 TOKENIZER_SPEC = "tokenizer_spec.json"
+TOKENIZER_MAX_BYTES = 512 << 20  # real vocabularies: a few MB (tiktoken.model) to tens of MB (tokenizer.json)
 
 # A GPT-style pre-tokenisation regex (contractions, letter runs, digit runs of ≤ 3, punctuation, whitespace).
 # Used for tiktoken files that do not come with their own pattern.
@@ -52,6 +55,10 @@ class Tokenizer:
 
     def decode(self, ids: Iterable[int]) -> str:
         raise NotImplementedError
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        """``encode`` of each text; the BPE tokenizers spread a batch over the CPU cores."""
+        return [self.encode(t) for t in texts]
 
     def decode_bytes(self, ids: Iterable[int]) -> bytes | None:
         """Raw bytes of ``ids`` (specials dropped), or ``None`` when the tokenizer cannot say."""
@@ -99,28 +106,35 @@ class ByteTokenizer(Tokenizer):
 
 # --------------------------------------------------------------------------------------------------------------
 def read_tiktoken_ranks(path: str | Path) -> dict[bytes, int]:
-    """Parse a tiktoken BPE file: one ``<base64 token> <rank>`` per line (Kimi ships it as ``tiktoken.model``)."""
+    """Parse a tiktoken BPE file: one ``<base64 token> <rank>`` per line (Kimi ships it as ``tiktoken.model``).
+
+    ``ValueError`` on a malformed line, ranks that are not exactly 0 … n−1, or a missing single-byte token.
+    (tiktoken's own ``load_tiktoken_bpe`` checks none of that and caches files by path in a temp directory.)
+    """
     path = Path(path)
     try:
-        text = path.read_text(encoding="ascii")
-    except (OSError, UnicodeDecodeError) as e:
-        raise ValueError(f"tokenizer file {path} cannot be read as a tiktoken BPE file: {e}") from None
+        data = path.read_bytes()
+    except OSError as e:
+        raise ValueError(f"tokenizer file {path} cannot be read: {e.strerror}") from None
     ranks: dict[bytes, int] = {}
-    for n, line in enumerate(text.splitlines(), 1):
+    for lineno, line in enumerate(data.splitlines(), 1):
         if not line.strip():
             continue
         parts = line.split()
-        if len(parts) != 2 or not parts[1].isdigit():
-            raise ValueError(f"tokenizer file {path} line {n}: expected '<base64> <rank>', got {line[:60]!r}")
         try:
-            tok = base64.b64decode(parts[0], validate=True)
-        except ValueError:
-            raise ValueError(f"tokenizer file {path} line {n}: {parts[0][:40]!r} is not base64") from None
-        ranks[tok] = int(parts[1])
+            if len(parts) != 2:
+                raise ValueError
+            ranks[base64.b64decode(parts[0], validate=True)] = int(parts[1])
+        except (ValueError, binascii.Error):  # the line itself is not echoed: it may be any bytes
+            raise ValueError(f"{path}:{lineno}: expected '<base64 token> <rank>'") from None
     if not ranks:
-        raise ValueError(f"tokenizer file {path} holds no tokens")
+        raise ValueError(f"{path} holds no BPE ranks")
     if sorted(ranks.values()) != list(range(len(ranks))):
-        raise ValueError(f"tokenizer file {path}: ranks must be 0..{len(ranks) - 1} without gaps or repeats")
+        raise ValueError(f"{path}: ranks must be exactly 0 … {len(ranks) - 1} with no gaps or repeats")
+    missing = [b for b in range(256) if bytes([b]) not in ranks]
+    if missing:  # byte-level BPE must be able to fall back to single bytes (tiktoken panics otherwise)
+        raise ValueError(f"{path} lacks {len(missing)} single-byte token(s) (e.g. byte {missing[0]}): not a "
+                         "byte-level BPE file")
     return ranks
 
 
@@ -166,6 +180,10 @@ class TiktokenTokenizer(Tokenizer):
         if not isinstance(text, str):
             raise ValueError(f"text must be a str, got {type(text).__name__}")
         return self._enc.encode_ordinary(text)  # special-token text in user data stays plain text
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        _check_texts(texts)
+        return self._enc.encode_ordinary_batch(list(texts), num_threads=os.cpu_count() or 1)
 
     def decode_bytes(self, ids: Iterable[int]) -> bytes:
         return self._enc.decode_bytes([int(i) for i in ids if 0 <= int(i) < self._n_ranks])  # specials: not text
@@ -237,6 +255,10 @@ class HFTokenizer(Tokenizer):
             raise ValueError(f"text must be a str, got {type(text).__name__}")
         return list(self._tok.encode(text, add_special_tokens=False).ids)
 
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        _check_texts(texts)
+        return [list(e.ids) for e in self._tok.encode_batch(list(texts), add_special_tokens=False)]
+
     def decode(self, ids: Iterable[int]) -> str:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=True)
 
@@ -252,9 +274,13 @@ class HFTokenizer(Tokenizer):
         return d
 
 
-def _copy_atomic(src: Path, dst: Path) -> None:
-    from k3.utils import atomic_write_with
+def _check_texts(texts: Sequence[str]) -> None:
+    bad = next((t for t in texts if not isinstance(t, str)), None)
+    if bad is not None:
+        raise ValueError(f"texts must be str, got {type(bad).__name__}")
 
+
+def _copy_atomic(src: Path, dst: Path) -> None:
     atomic_write_with(dst, lambda tmp: shutil.copyfile(src, tmp))
 
 
@@ -268,11 +294,21 @@ def load_tokenizer(spec: str | Path | None) -> Tokenizer:
     if p.is_dir():
         for name, cls in (("tokenizer.json", HFTokenizer), ("tiktoken.model", TiktokenTokenizer)):
             if (p / name).is_file():
-                return cls(p / name)
+                return cls(bounded_tokenizer_file(confined(p, name, f"tokenizer directory {p}: {name}")))
         raise ValueError(f"tokenizer directory {p} holds neither tokenizer.json nor tiktoken.model")
     if not p.is_file():
         raise ValueError(f"tokenizer {str(spec)!r} is neither 'byte' nor an existing file or directory")
+    bounded_tokenizer_file(p)
     return HFTokenizer(p) if p.suffix == ".json" else TiktokenTokenizer(p)
+
+
+def bounded_tokenizer_file(path: Path) -> Path:
+    """``path``, after checking it is no larger than a real vocabulary file can be (``TOKENIZER_MAX_BYTES``)."""
+    size = path.stat().st_size
+    if size > TOKENIZER_MAX_BYTES:
+        raise ValueError(f"tokenizer file {path} is {size:,} bytes, over the {TOKENIZER_MAX_BYTES:,}-byte limit "
+                         "(real vocabularies take a few MB)")
+    return path
 
 
 def tokenizer_from_dict(d: dict[str, Any], root: str | Path | None = None) -> Tokenizer:
@@ -284,15 +320,20 @@ def tokenizer_from_dict(d: dict[str, Any], root: str | Path | None = None) -> To
         return ByteTokenizer()
     if kind not in ("tiktoken", "hf"):
         raise ValueError(f"tokenizer spec kind must be 'byte', 'tiktoken' or 'hf', got {kind!r}")
-    path = Path(d["path"])
-    if root is not None and not path.is_absolute():
-        path = Path(root) / path
+    if root is not None:  # a spec inside a checkpoint names a file of that checkpoint, nothing else
+        path = confined(root, d.get("path"), f"{TOKENIZER_SPEC} path")
+    else:
+        path = Path(str(d.get("path")))
     if not path.is_file():
         raise ValueError(f"tokenizer file {path} named by the tokenizer spec is missing")
+    bounded_tokenizer_file(path)
+    specials = d.get("specials", {})
+    if not isinstance(specials, dict) or not all(isinstance(k, str) and isinstance(v, int) and not isinstance(v, bool)
+                                                 for k, v in specials.items()):
+        raise ValueError(f"{TOKENIZER_SPEC} specials must map token names to integer ids")
     if d.get("sha256") and sha256_file(path) != d["sha256"]:
         raise ValueError(f"tokenizer file {path} differs from the one the run trained with (sha256 mismatch)")
     if kind == "hf":
         return HFTokenizer(path, bos=d.get("bos"), eos=d.get("eos"), pad=d.get("pad"))
-    specials = {str(k): int(v) for k, v in d.get("specials", {}).items()}
     return TiktokenTokenizer(path, specials=specials, pattern=d.get("pattern", DEFAULT_BPE_PATTERN),
                              bos=d.get("bos"), eos=d.get("eos"), pad=d.get("pad"))

@@ -1,4 +1,4 @@
-"""Expert parallel for the Latent MoE with an exact per-rank volume (SPEC §5, "Expert parallel").
+"""Expert parallel for the Latent MoE with an exact per-rank volume (docs/architecture.md#expert-parallel).
 
 Letters: R ranks in the EP group, E experts, M = E/R home experts per rank (rank r owns experts [rM, (r+1)M),
 whole — experts are never split), S tokens per rank (the same on every rank), k top-k, C = S·k token-expert rows
@@ -44,6 +44,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from k3.layers.moe import LatentMoE
 from k3.ops.moe.combine import combine_norm_rows
 from k3.ops.moe.grouped import expert_counts, grouped_ffn
 
@@ -334,6 +335,4 @@ class ExpertParallelMoE(nn.Module):
 def parallelize_moe(model: nn.Module, group=None, n_hot: int | None = None) -> list[ExpertParallelMoE]:
     """Expert-parallelise every ``LatentMoE`` inside ``model`` in place (module names and state-dict keys stay;
     expert tensors become this rank's shard). Returns the wrappers (for ``check()`` and stats)."""
-    from k3.layers.moe import LatentMoE
-
     return [ExpertParallelMoE(m, group, n_hot) for m in model.modules() if isinstance(m, LatentMoE)]

@@ -1,5 +1,8 @@
-"""Inference: prefill + one-token decode with the fixed-size state, sampling, streaming; evaluation of runs."""
+"""Inference: the model runner (slot pool, chunked prefill, CUDA-graph decode, device sampling), text generation
+with streaming, evaluation of runs."""
 
-from k3.infer.generate import decode_one_token, generate, generate_ids, prefill, sample_next
+from k3.infer.generate import generate, generate_ids
+from k3.infer.runner import ModelRunner
+from k3.infer.sampling import SamplingParams
 
-__all__ = ["decode_one_token", "generate", "generate_ids", "prefill", "sample_next"]
+__all__ = ["generate", "generate_ids", "ModelRunner", "SamplingParams"]

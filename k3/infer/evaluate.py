@@ -15,7 +15,7 @@ __all__ = ["evaluate_run"]
 
 def evaluate_run(run: str | Path, device: str = "auto", batches: int | None = None,
                  batch_size: int | None = None, stream: TextIO | None = None,
-                 as_json: bool = False) -> dict[str, Any]:
+                 as_json: bool = False, force_memory: bool = False) -> dict[str, Any]:
     """Load the newest checkpoint of ``run`` (or the checkpoint directory itself) and evaluate it.
 
     ``batches``/``batch_size`` default to the run's ``eval_batches``/``batch_size``. Returns the metrics dict
@@ -26,12 +26,13 @@ def evaluate_run(run: str | Path, device: str = "auto", batches: int | None = No
     if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size <= 0):
         raise ValueError(f"--batch-size must be a positive integer, got {batch_size!r}")
     dev = resolve_device(device)
-    ck = load_checkpoint(run, device=dev)
-    args = TrainArgs.from_dict(ck["run_args"])
+    ck = load_checkpoint(run, device=dev, force_memory=force_memory)
+    args = TrainArgs.from_dict({**ck["run_args"], "threads": 0})  # the run's thread count is not eval's
     if batches is not None:
         args.eval_batches = batches
     if batch_size is not None:
         args.batch_size = batch_size
+    args.validate()
     data = build_data(args, ck["tokenizer"], ck["config"])
     with cpu_threads(dev, ck["config"].hidden_size):
         result = evaluate_model(ck["model"], data, args, dev)

@@ -1,10 +1,9 @@
-"""Text generation, gpt-fast style: prefill the prompt once, then one token per step with the fixed-size state.
+"""Text generation from a prompt: ``ModelRunner``'s chunked prefill, then one token per decode step.
 
-``prefill`` runs the whole prompt through the model with a fresh ``K3State`` (KDA: S and conv tails, fixed size;
-MLA: the latent cache); ``decode_one_token`` feeds back one token at a time and updates that state in place.
-Sampling (temperature, top-k, top-p) draws from a seeded ``torch.Generator`` with the exponential-race trick
-(``argmax(p / E)``, E ~ Exp(1)) so it needs no host sync; the same seed gives the same text.
-Text is streamed as it is produced; ``StreamDecoder`` holds back bytes of a character that a byte-level
+``generate_ids`` runs one sequence through a :class:`k3.infer.runner.ModelRunner` of one slot: the prompt in
+bounded-memory chunks (only the last position reaches ``lm_head``), then the decode step (a CUDA graph on GPU) with
+sampling on the device (temperature, top-k, top-p; a Philox stream keyed by the seed, so the same seed gives the
+same text). Text is streamed as it is produced; ``StreamDecoder`` holds back bytes of a character that a byte-level
 tokenizer has not finished yet, so nothing is printed as U+FFFD that would have been valid.
 """
 
@@ -17,7 +16,10 @@ from typing import Any, Callable, Sequence, TextIO
 
 import torch
 
-__all__ = ["StreamDecoder", "prefill", "decode_one_token", "sample_next", "generate_ids", "generate", "prompt_ids"]
+from k3.infer.runner import ModelRunner
+from k3.infer.sampling import SamplingParams
+
+__all__ = ["StreamDecoder", "generate_ids", "generate", "prompt_ids"]
 
 
 class StreamDecoder:
@@ -53,39 +55,6 @@ class StreamDecoder:
         return out
 
 
-@torch.no_grad()
-def prefill(model: torch.nn.Module, ids: torch.Tensor, state: Any) -> torch.Tensor:
-    """Run prompt ``ids [B, T]`` with ``state`` (updated in place); return the last position's logits ``[B, V]``."""
-    return model(ids, state=state).logits[:, -1]
-
-
-@torch.no_grad()
-def decode_one_token(model: torch.nn.Module, token: torch.Tensor, state: Any) -> torch.Tensor:
-    """Feed ``token [B, 1]``; return the next logits ``[B, V]``."""
-    return model(token, state=state).logits[:, -1]
-
-
-def sample_next(logits: torch.Tensor, temperature: float = 1.0, top_k: int | None = None,
-                top_p: float | None = None, generator: torch.Generator | None = None) -> torch.Tensor:
-    """Next token ``[B]`` from ``logits [B, V]``: greedy when ``temperature == 0``, else sample after top-k/top-p."""
-    if temperature < 0:
-        raise ValueError(f"temperature must be >= 0, got {temperature}")
-    if temperature == 0:
-        return logits.argmax(-1)
-    x = logits.float() / temperature
-    if top_k is not None and top_k < x.shape[-1]:
-        kth = torch.topk(x, top_k, dim=-1).values[:, -1:]
-        x = x.masked_fill(x < kth, float("-inf"))
-    if top_p is not None and top_p < 1.0:
-        sorted_x, order = torch.sort(x, dim=-1, descending=True)
-        probs = torch.softmax(sorted_x, dim=-1)
-        drop = probs.cumsum(-1) - probs > top_p  # keep the smallest prefix whose mass reaches top_p
-        x = x.scatter(-1, order, sorted_x.masked_fill(drop, float("-inf")))
-    probs = torch.softmax(x, dim=-1)
-    race = torch.empty_like(probs).exponential_(1.0, generator=generator)
-    return (probs / race).argmax(-1)  # = a draw from probs, without a device→host sync
-
-
 def _check_sampling(max_new_tokens: int, temperature: float, top_k: int | None, top_p: float | None) -> None:
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be a non-negative integer, got {max_new_tokens!r}")
@@ -113,35 +82,33 @@ def generate_ids(model: torch.nn.Module, prompt: Sequence[int], max_new_tokens: 
     _check_sampling(max_new_tokens, temperature, top_k, top_p)
     if len(prompt) == 0:
         raise ValueError("prompt must hold at least one token id")
-    device = torch.device(device) if device is not None else next(model.parameters()).device
     max_len = getattr(getattr(model, "config", None), "max_seq_len", None)
     if max_len is not None and len(prompt) + max_new_tokens > max_len:
         raise ValueError(f"prompt ({len(prompt)} tokens) + max_new_tokens ({max_new_tokens}) exceeds the model's "
                          f"max_seq_len {max_len}")
-    was_training = model.training
-    model.eval()  # inference never feeds Quantile Balancing
-    gen = torch.Generator(device=device).manual_seed(int(seed))
+    if max_new_tokens == 0:
+        return [], {"prefill_s": 0.0, "decode_s": 0.0, "prompt_tokens": len(prompt), "new_tokens": 0}
+    where = model.model.embed_tokens.weight.device
+    if device is not None and torch.device(device).type != where.type:
+        raise ValueError(f"device {device} differs from the model's {where}")
+    params = SamplingParams(max_tokens=max_new_tokens, temperature=float(temperature), top_k=top_k or 0,
+                            top_p=float(top_p) if top_p is not None else 1.0, seed=int(seed))
     stops = {int(s) for s in stop_ids}
     out: list[int] = []
+    was_training = model.training
     try:
-        state = model.init_state(1, device=device)
+        runner = ModelRunner(model, max_batch=1, capacity=len(prompt) + max_new_tokens, vocab_limit=vocab_limit)
+        runner.admit(0, params, seed=int(seed))
         t0 = time.perf_counter()
-        logits = prefill(model, torch.tensor([list(prompt)], dtype=torch.long, device=device), state)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        tok = runner.prefill(0, prompt).tokens()[0]
         t1 = time.perf_counter()
         for i in range(max_new_tokens):
-            if vocab_limit is not None and vocab_limit < logits.shape[-1]:
-                logits = logits.clone()
-                logits[:, vocab_limit:] = float("-inf")
-            nxt = sample_next(logits, temperature, top_k, top_p, gen)
-            tok = int(nxt[0])  # needed on the host anyway: to stream text and to stop
-            out.append(tok)
+            out.append(tok)  # needed on the host anyway: to stream text and to stop
             if on_token is not None:
                 on_token(tok)
             if tok in stops or i == max_new_tokens - 1:
                 break
-            logits = decode_one_token(model, nxt.view(1, 1), state)
+            tok = runner.decode([0]).tokens()[0]
         t2 = time.perf_counter()
     finally:
         model.train(was_training)

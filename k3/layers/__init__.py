@@ -1,9 +1,9 @@
-"""nn.Modules built from ``k3.ops``: one mechanism of the SPEC per file.
+"""nn.Modules built from ``k3.ops``: one mechanism of docs/architecture.md per file.
 
 ``norm``     RMSNorm (fp32 statistics)              ``conv``  depthwise causal short conv + decode tail
-``kda``      Kimi Delta Attention layer (SPEC §2)   ``mla``   Gated MLA, NoPE (SPEC §3)
-``attnres``  Block AttnRes bookkeeping (SPEC §4)    ``mlp``   dense SiTU-GLU MLP (layer 0, shared experts)
-``moe``      Latent MoE + GroupedExperts + QB bias (SPEC §5)
+``kda``      Kimi Delta Attention layer             ``mla``   Gated MLA, NoPE
+``attnres``  Block AttnRes bookkeeping              ``mlp``   dense SiTU-GLU MLP (layer 0, shared experts)
+``moe``      Latent MoE + GroupedExperts + QB bias
 """
 
 from k3.layers.attnres import ResidualStream, attn_res_mix

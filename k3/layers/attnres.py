@@ -1,4 +1,4 @@
-"""Block Attention Residuals bookkeeping with K3's rules (SPEC §4, research/attnres.md §1).
+"""Block Attention Residuals bookkeeping with K3's rules (docs/architecture.md#block-attention-residuals).
 
 The residual stream is a list of closed blocks ``b_0 = embedding, b_1, …`` plus the running partial sum ``p`` of
 the open block. Decoder layer ``l`` (0-based), block size S counted in decoder layers:
@@ -11,21 +11,29 @@ the open block. Decoder layer ``l`` (0-based), block size S counted in decoder l
 
 After the last layer, ``output_mix([b…, p])``, then the final norm and lm_head. Each mix has its own pair
 (gain γ = ``*_res_norm.weight`` [d], pseudo-query w = ``*_res_proj.weight`` [1, d]); its score vector is γ ⊙ w and
-the mix itself is ``k3.ops.attn_res`` (fp32). "Empty" is represented by ``None`` — never by an alias of a closed
-block — so the same tensor can never be both a closed block and the partial sum.
+the mix itself is ``k3.ops.attn_res`` (fp32), with the RMSNorm that follows it (``input_layernorm``,
+``post_attention_layernorm``, the final ``norm``) fused in. "Empty" is represented by ``None`` — never by an alias
+of a closed block — so the same tensor can never be both a closed block and the partial sum.
+
+A mixer is any callable ``(norm, proj, sources, eps, out_norm) → normed input``: ``attn_res_mix`` mixes all sources
+per call; ``TwoPhaseMixer`` (inference) scores every query that sees the same closed blocks in one batched pass
+when those blocks change, then merges each layer's partial sum in (exact: ``k3.ops.attnres.two_phase``).
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
+from typing import Callable, Iterable
 
 import torch
 from torch import nn
 
 from k3.layers.norm import RMSNorm
-from k3.ops.attnres.naive import attn_res
+from k3.ops.attnres import attn_res, attn_res_merge, attn_res_phase1
 
-__all__ = ["ResidualStream", "AttnResPair", "attn_res_mix", "new_res_pair"]
+__all__ = ["ResidualStream", "AttnResPair", "Mixer", "TwoPhaseMixer", "attn_res_mix", "closed_blocks_seen",
+           "new_res_pair"]
 
 
 @dataclass
@@ -64,20 +72,80 @@ def new_res_pair(dim: int) -> AttnResPair:
     return RMSNorm(dim), proj
 
 
-def attn_res_mix(norm: RMSNorm, proj: nn.Linear, sources: list[torch.Tensor], eps: float) -> torch.Tensor:
-    """Σ_i softmax_i(⟨γ ⊙ w, RMS(v_i)⟩) v_i in fp32, cast back to the sources' dtype."""
-    return attn_res(proj.weight[0], sources, norm.weight, eps)
+def attn_res_mix(norm: RMSNorm, proj: nn.Linear, sources: list[torch.Tensor], eps: float,
+                 out_norm: RMSNorm | None = None) -> torch.Tensor:
+    """Σ_i softmax_i(⟨γ ⊙ w, RMS(v_i)⟩) v_i in fp32, then ``out_norm`` (fused), cast back to the sources' dtype.
+
+    Under autocast the embedding (b_0) stays fp32 while sublayer outputs are bf16: the sources are brought to their
+    common (promoted) dtype first, since the op takes one dtype."""
+    dt = functools.reduce(torch.promote_types, (s.dtype for s in sources))
+    sources = [s if s.dtype == dt else s.to(dt) for s in sources]
+    return attn_res(proj.weight[0], sources, norm.weight, eps, None if out_norm is None else out_norm.weight)
+
+
+Mixer = Callable[[RMSNorm, nn.Linear, list[torch.Tensor], float, "RMSNorm | None"], torch.Tensor]
+
+
+def closed_blocks_seen(layer_idx: int, block_size: int, sublayer: str) -> int:
+    """How many closed blocks the ``"attn"`` / ``"mlp"`` mix of decoder layer ``layer_idx`` (or, with ``"output"``
+    and the layer count as ``layer_idx``, the output mix) sees: blocks close at layers 0, S, 2S, … after the
+    attention mix, so the attention mix of layer l ≥ 1 sees 1 + (l−1)//S of them and its MLP mix 1 + l//S."""
+    if sublayer == "attn":
+        return 1 + (layer_idx - 1) // block_size
+    if sublayer == "mlp":
+        return 1 + layer_idx // block_size
+    if sublayer == "output":
+        return 1 + (layer_idx - 1) // block_size
+    raise ValueError(f"sublayer must be 'attn', 'mlp' or 'output', got {sublayer!r}")
+
+
+class TwoPhaseMixer:
+    """Exact two-phase mixing for inference. ``pairs`` lists every mix as ``(closed blocks it sees, norm, proj)``.
+    When a call sees a new set of closed blocks, all queries that see that many blocks are scored against them in
+    one pass (phase 1); each call then merges its own partial sum in (phase 2), with the following norm fused."""
+
+    def __init__(self, pairs: Iterable[tuple[int, RMSNorm, nn.Linear]]) -> None:
+        self._groups: dict[int, list[tuple[RMSNorm, nn.Linear]]] = {}
+        for n, norm, proj in pairs:
+            self._groups.setdefault(n, []).append((norm, proj))
+        self._closed: list[torch.Tensor] = []
+        self._phase1: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def __call__(self, norm: RMSNorm, proj: nn.Linear, sources: list[torch.Tensor], eps: float,
+                 out_norm: RMSNorm | None = None) -> torch.Tensor:
+        closed, partial = sources[:-1], sources[-1]
+        if len(closed) != len(self._closed) or any(a is not b for a, b in zip(closed, self._closed)):
+            self._start_group(closed, eps)
+        if id(proj) not in self._phase1:
+            raise RuntimeError(f"AttnRes: a mix over {len(closed)} closed blocks was not in that group (bookkeeping)")
+        o1, lse = self._phase1[id(proj)]
+        return attn_res_merge(o1, lse, partial, proj.weight[0].float() * norm.weight.float(), eps,
+                              None if out_norm is None else out_norm.weight)
+
+    def _start_group(self, closed: list[torch.Tensor], eps: float) -> None:
+        group = self._groups.get(len(closed), [])
+        self._closed, self._phase1 = list(closed), {}
+        if not group:
+            return
+        scores = torch.stack([proj.weight[0].float() * norm.weight.float() for norm, proj in group])
+        o1, lse = attn_res_phase1(scores, closed, eps)
+        self._phase1 = {id(proj): (o1[i], lse[i]) for i, (_, proj) in enumerate(group)}
 
 
 def attn_input(stream: ResidualStream, layer_idx: int, block_size: int, norm: RMSNorm, proj: nn.Linear,
-               eps: float) -> torch.Tensor:
-    """Steps 1–2: the attention sublayer's (pre-norm) input, and the block boundary."""
-    h = attn_res_mix(norm, proj, stream.sources(), eps) if stream.blocks else stream.sources()[-1]
+               eps: float, out_norm: RMSNorm, mixer: Mixer | None = None) -> torch.Tensor:
+    """Steps 1–2: the attention sublayer's normed input (``out_norm`` = ``input_layernorm``), and the block
+    boundary."""
+    if stream.blocks:
+        x = (mixer or attn_res_mix)(norm, proj, stream.sources(), eps, out_norm)
+    else:
+        x = out_norm(stream.sources()[-1])
     if layer_idx % block_size == 0:
         stream.close_block()
-    return h
+    return x
 
 
-def mlp_input(stream: ResidualStream, norm: RMSNorm, proj: nn.Linear, eps: float) -> torch.Tensor:
-    """Step 4: the MLP / MoE sublayer's (pre-norm) input."""
-    return attn_res_mix(norm, proj, stream.sources(), eps)
+def mlp_input(stream: ResidualStream, norm: RMSNorm, proj: nn.Linear, eps: float, out_norm: RMSNorm,
+              mixer: Mixer | None = None) -> torch.Tensor:
+    """Step 4: the MLP / MoE sublayer's normed input (``out_norm`` = ``post_attention_layernorm``)."""
+    return (mixer or attn_res_mix)(norm, proj, stream.sources(), eps, out_norm)

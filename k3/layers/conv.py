@@ -1,4 +1,5 @@
-"""Depthwise causal short convolution (SPEC §2: kernel 4, no bias, SiLU after), with a decode tail.
+"""Depthwise causal short convolution (kernel 4, no bias, SiLU after), with a decode tail; its place in KDA:
+docs/architecture.md#kimi-delta-attention.
 
 The tail is the last ``W−1`` *inputs* of the stream: prepending it to the next piece makes piecewise and
 token-by-token calls give exactly the one-shot result. Weights are fp32 (as released); the convolution runs in fp32

@@ -19,8 +19,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from k3.ckpt.mxfp4 import GROUP, check_mxfp4, dequantize_mxfp4, quantize_mxfp4
-from k3.ops.moe.mxfp4_gemm import use_triton, check_grouped_inputs, mxfp4_grouped_glu, mxfp4_grouped_mm
+from k3.ops.moe.mxfp4 import GROUP, check_mxfp4, dequantize_mxfp4, quantize_mxfp4
+from k3.ops.moe.mxfp4_gemm import check_grouped_inputs, mxfp4_grouped_glu, mxfp4_grouped_mm, use_triton
 from k3.ops.moe.situ import situ_glu
 
 __all__ = ["MXFP4GroupedExperts"]

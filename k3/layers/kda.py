@@ -1,4 +1,4 @@
-"""Kimi Delta Attention layer (SPEC §2) with the released parameter names.
+"""Kimi Delta Attention layer (docs/architecture.md#kimi-delta-attention) with the released parameter names.
 
     q, k, v = SiLU(ShortConv(W_{q,k,v} x))              (conv fp32, kernel 4, no bias)
     q, k    ← L2Norm(q), L2Norm(k)                       (in the kernel; x / sqrt(Σx² + 1e-6))
@@ -7,7 +7,10 @@
     o       = KDA(q, k, v, g, β)                         (state S [B, H, K, V] fp32)
     y       = o_proj[ σ(g_proj x) ⊙ RMSNorm_head(o; o_norm) ]
 
-Prefill / training runs ``k3.ops.kda.chunk_kda``; decode (T == 1 with a state) runs ``fused_recurrent_kda``.
+Prefill / training runs ``k3.ops.kda.chunk_kda``; decode (T == 1 with a state, no gradient) runs
+``fused_recurrent_kda_pool``. With a state (a ``KDAState`` pool, see ``k3.state``) the forward works on the pool
+rows ``state.slots``: decode updates them in place; a longer piece gathers their states, runs the chunked op from
+them and scatters the final states back; the conv tails are gathered and scattered the same way.
 With ``impl="reference"`` the gate, L2 norm and sigmoid are computed here and the fp32 token loop
 ``naive_recurrent_kda`` runs instead: same math, the layer tests' ground truth.
 """
@@ -23,7 +26,9 @@ import k3.ops.kda as kda_ops
 from k3.config import K3Config
 from k3.layers.conv import ShortConv
 from k3.layers.norm import RMSNorm
+from k3.ops.conv import short_conv_update
 from k3.ops.kda.gate import kda_gate
+from k3.ops.norm_gate import rms_norm_gate
 from k3.state import KDAState
 
 __all__ = ["KimiDeltaAttention", "l2norm", "kda_reference"]
@@ -88,37 +93,66 @@ class KimiDeltaAttention(nn.Module):
             dt = torch.exp(u * (math.log(1e-1) - math.log(1e-3)) + math.log(1e-3)).clamp(min=1e-4)
             self.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))  # inverse softplus
 
-    def init_state(self, batch_size: int, dtype: torch.dtype, device: torch.device | str | None = None) -> KDAState:
-        return KDAState.zeros(batch_size, self.num_heads, self.head_dim, self.q_conv1d.kernel_size, dtype, device)
+    def init_state(self, pool_size: int, dtype: torch.dtype, device: torch.device | str | None = None) -> KDAState:
+        """A state pool of ``pool_size`` rows, all bound (``slots = arange(pool_size)``)."""
+        return KDAState.zeros(pool_size, self.num_heads, self.head_dim, self.q_conv1d.kernel_size, dtype, device)
 
     def forward(self, x: torch.Tensor, state: KDAState | None = None) -> torch.Tensor:
-        """``x [B, T, d]`` (normed layer input) → ``[B, T, d]``; updates ``state`` in place when given."""
+        """``x [B, T, d]`` (normed layer input) → ``[B, T, d]``; updates the pool rows ``state.slots`` in place."""
         B, T, _ = x.shape
         H, K = self.num_heads, self.head_dim
-        tails = state.conv if state is not None else [None, None, None]
-        q, tq = self.q_conv1d(self.q_proj(x), tails[0])
-        k, tk = self.k_conv1d(self.k_proj(x), tails[1])
-        v, tv = self.v_conv1d(self.v_proj(x), tails[2])
-        q, k, v = (t.view(B, T, H, K) for t in (q, k, v))
+        q, k, v = (t.view(B, T, H, K) for t in self._convs(self.q_proj(x), self.k_proj(x), self.v_proj(x), state))
         f = self.f_b_proj(self.f_a_proj(x)).view(B, T, H, K)
         b = self.b_proj(x).float()  # β logits; sigmoid in fp32
-        S0 = state.recurrent if state is not None else None
-        o, S = self._core(q, k, v, f, b, S0, output_final_state=state is not None)
-        if state is not None:
-            state.recurrent, state.conv = S, [tq, tk, tv]
-        gate = torch.sigmoid(self.g_proj(x).float()).view(B, T, H, K)
-        o = (self.o_norm(o.float()) * gate).to(x.dtype)  # o_norm weight is fp32 → fp32 result
+        o = self._recurrent(q, k, v, f, b, state)
+        g = self.g_proj(x).view(B, T, H, K)
+        if o.is_cuda and not torch.is_grad_enabled():  # inference: one kernel instead of ~ten
+            o = rms_norm_gate(o, g, self.o_norm.weight, self.o_norm.eps, x.dtype)
+        else:
+            o = (self.o_norm(o.float()) * torch.sigmoid(g.float())).to(x.dtype)  # o_norm weight fp32 → fp32
         return self.o_proj(o.reshape(B, T, H * K))
+
+    def _convs(self, xq: torch.Tensor, xk: torch.Tensor, xv: torch.Tensor, state: KDAState | None
+               ) -> tuple[torch.Tensor, ...]:
+        """The q, k, v short convs of ``[B, T, H·K]`` inputs, continuing pool rows ``state.slots``: a one-token step
+        updates their tails in place (one kernel for all three); a longer piece gathers them and scatters the new
+        tails back."""
+        convs = (self.q_conv1d, self.k_conv1d, self.v_conv1d)
+        xs = (xq, xk, xv)
+        if state is None:
+            return tuple(c(x)[0] for c, x in zip(convs, xs))
+        if xq.shape[1] == 1 and not torch.is_grad_enabled():
+            y = short_conv_update([x[:, 0] for x in xs], state.tails, state.slots, [c.weight for c in convs],
+                                  self.q_conv1d.activation)
+            return tuple(y[:, :, None].unbind(0))
+        out = []
+        for i, (c, x) in enumerate(zip(convs, xs)):
+            y, tail = c(x, state.tails[i].index_select(0, state.slots))
+            state.tails[i].index_copy_(0, state.slots, tail)
+            out.append(y)
+        return tuple(out)
+
+    def _recurrent(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Tensor, b: torch.Tensor,
+                   state: KDAState | None) -> torch.Tensor:
+        """The KDA recurrence from (and back into) the pool rows ``state.slots``, or from zero without a state."""
+        if state is None:
+            return self._core(q, k, v, f, b, None, output_final_state=False)[0]
+        # fused_recurrent_kda is forward-only: decode steps that need gradients take the chunked path.
+        if q.shape[1] == 1 and self.impl == "auto" and not torch.is_grad_enabled():
+            return kda_ops.fused_recurrent_kda_pool(q, k, v, f, b, state.recurrent, state.slots, **self._op_kwargs())
+        o, S = self._core(q, k, v, f, b, state.recurrent.index_select(0, state.slots), output_final_state=True)
+        state.recurrent.index_copy_(0, state.slots, S)
+        return o
+
+    def _op_kwargs(self) -> dict:
+        return dict(scale=self.head_dim ** -0.5, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+                    use_beta_sigmoid_in_kernel=True, safe_gate=True, lower_bound=self.lower_bound, A_log=self.A_log,
+                    dt_bias=self.dt_bias)
 
     def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Tensor, b: torch.Tensor,
               S0: torch.Tensor | None, output_final_state: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Dispatch to the chunked / fused-recurrent op (in-kernel L2 norm, gate and β sigmoid) or the reference."""
+        """The chunked op (in-kernel L2 norm, gate and β sigmoid) or the reference token loop."""
         if self.impl == "reference":
             return kda_reference(q, k, v, f, b, self.A_log, self.dt_bias, self.lower_bound, S0, output_final_state)
-        # fused_recurrent_kda is forward-only: decode steps that need gradients take the chunked path.
-        decode = q.shape[1] == 1 and S0 is not None and not torch.is_grad_enabled()
-        op = kda_ops.fused_recurrent_kda if decode else kda_ops.chunk_kda
-        return op(q, k, v, f, b, scale=self.head_dim ** -0.5, initial_state=S0,
-                  output_final_state=output_final_state, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
-                  use_beta_sigmoid_in_kernel=True, safe_gate=True, lower_bound=self.lower_bound,
-                  A_log=self.A_log, dt_bias=self.dt_bias)
+        return kda_ops.chunk_kda(q, k, v, f, b, initial_state=S0, output_final_state=output_final_state,
+                                 **self._op_kwargs())

@@ -1,48 +1,41 @@
-"""Gated Multi-head Latent Attention with no positional encoding (SPEC §3), released parameter names.
+"""Gated Multi-head Latent Attention with no positional encoding, released parameter names
+(docs/architecture.md#gated-mla).
 
     c_q  = RMSNorm(q_a_proj x)                 q = q_b_proj c_q  → per head [q_nope (n) ‖ q_pe (r)]
     c_kv ‖ k_pe = kv_a_proj_with_mqa x         c_kv ← RMSNorm(c_kv); k_pe shared by all heads, not normalised
     kv_b_proj c_kv → per head [k_nope (n) ‖ v (v)]      k = [k_nope ‖ k_pe]   (the "rope" dims are never rotated)
-    o    = causal softmax(q kᵀ / sqrt(n + r)) v   (fp32)
+    o    = causal softmax(q kᵀ / sqrt(n + r)) v   (fp32 softmax statistics)
     y    = o_proj[ σ(g_proj x) ⊙ o ]              (channel-wise gate on the concatenated heads)
 
-The decode cache holds the normalised ``c_kv ‖ k_pe`` per token (kv_lora + rope values). Short pieces against a
-cache (decode, T ≤ ``ABSORB_MAX_T``) absorb kv_b_proj: q_nope is mapped into the latent space by the k_nope rows
-and the latent output back through the v rows, so attention runs directly over the cache — the same sums in a
-different order, O(H·(kv_lora + rope)) per cached token instead of re-expanding every cached token. Longer pieces
-expand the keys and values and use SDPA.
+Three attention paths (``k3.ops.mla``; the math and the measurements: ``docs/mla.md``):
+
+- no state (training, one-call prefill): keys and values expanded, flash attention (Triton on CUDA, bf16 in,
+  fp32 statistics; the fp32 reference on CPU);
+- a state and T ≤ ``ABSORB_MAX_T`` under no_grad (decode): kv_b_proj absorbed — q_nope is mapped into the latent
+  space by the k_nope rows and the latent output back through the v rows, so attention reads the bf16 latent cache
+  ``c_kv ‖ k_pe`` directly, once per step for all heads;
+- a state otherwise (chunked prefill): the piece's queries over every cached token, the cache re-expanded segment
+  by segment and merged by log-sum-exp (working memory independent of the cache length).
+
+The decode cache (``MLACache``) holds the normalised ``c_kv ‖ k_pe`` per token (kv_lora + rope values).
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from k3.config import K3Config
 from k3.layers.norm import RMSNorm
+from k3.ops.mla import attention, expand_latent, mla_decode, mla_prefill
 from k3.state import MLACache
 
-__all__ = ["GatedMLA", "causal_attention", "ABSORB_MAX_T"]
+__all__ = ["GatedMLA", "ABSORB_MAX_T"]
 
-ABSORB_MAX_T = 16  # pieces up to this length attend over the latent cache directly (scores are [B, H, T, L])
-
-
-def _visible(T: int, L: int, device: torch.device) -> torch.Tensor:
-    """``[T, L]`` bool: the T queries sit at the last T of L positions; key j is visible to query i iff j ≤ L−T+i."""
-    i = torch.arange(T, device=device)[:, None]
-    j = torch.arange(L, device=device)[None, :]
-    return j <= (L - T + i)
-
-
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """``q [B, H, T, E]``, ``k [B, H, L, E]``, ``v [B, H, L, V]`` with the T queries at the LAST T positions of
-    the L keys (L ≥ T) → ``[B, H, T, V]`` in fp32. Softmax in fp32 (inputs upcast)."""
-    T, L = q.shape[2], k.shape[2]
-    qf, kf, vf = q.float(), k.float(), v.float()
-    if T == L:
-        return F.scaled_dot_product_attention(qf, kf, vf, is_causal=True, scale=scale)
-    return F.scaled_dot_product_attention(qf, kf, vf, attn_mask=_visible(T, L, q.device), scale=scale)
+# Pieces up to this length attend over the latent cache in absorbed form. Below ~150 queries per row the absorbed
+# form is cheaper: it reads each cached latent once for all T·H query rows, while the expanded form re-expands
+# every cached latent through kv_b_proj (c·(n + v) multiply-adds per token and head) for the piece.
+ABSORB_MAX_T = 16
 
 
 class GatedMLA(nn.Module):
@@ -54,6 +47,7 @@ class GatedMLA(nn.Module):
         self.layer_idx, self.num_heads = layer_idx, H
         self.nope, self.rope, self.v_dim = config.qk_nope_head_dim, config.qk_rope_head_dim, config.v_head_dim
         self.kv_lora_rank = config.kv_lora_rank
+        self.max_seq_len = config.max_seq_len
         self.scale = (self.nope + self.rope) ** -0.5
         self.absorb_max_t = ABSORB_MAX_T  # 0 forces the expanded path (tests compare the two)
         qk = self.nope + self.rope
@@ -71,8 +65,9 @@ class GatedMLA(nn.Module):
         return self.kv_lora_rank + self.rope
 
     def init_state(self, batch_size: int, dtype: torch.dtype, device: torch.device | str | None = None,
-                   capacity: int = 256) -> MLACache:
-        return MLACache(batch_size, self.cache_dim, dtype, device, capacity)
+                   capacity: int | None = None) -> MLACache:
+        """An empty cache for ``batch_size`` sequences of up to ``capacity`` tokens (default: ``max_seq_len``)."""
+        return MLACache(batch_size, self.max_seq_len if capacity is None else capacity, self.cache_dim, dtype, device)
 
     def latent(self, x: torch.Tensor) -> torch.Tensor:
         """``x [B, T, d]`` → the cached per-token latent ``[B, T, kv_lora + rope]`` = RMSNorm(c_kv) ‖ k_pe."""
@@ -80,42 +75,31 @@ class GatedMLA(nn.Module):
         return torch.cat([self.kv_a_layernorm(c_kv), k_pe], dim=-1)
 
     def forward(self, x: torch.Tensor, state: MLACache | None = None) -> torch.Tensor:
-        """``x [B, T, d]`` → ``[B, T, d]``; appends this piece's latents to ``state`` when given."""
+        """``x [B, T, d]`` → ``[B, T, d]``. With ``state``: this piece's latents are written at positions
+        ``state.start + t`` and the piece attends over everything cached up to itself (``start`` is not moved)."""
         B, T, _ = x.shape
         H = self.num_heads
         q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))).view(B, T, H, self.nope + self.rope)
         lat = self.latent(x)
-        if state is not None:
-            lat = state.append(lat)  # all cached tokens, this piece last
-        if state is not None and T <= self.absorb_max_t:
-            o = self._absorbed(q, lat)
+        if state is None:
+            k, v = expand_latent(lat, self.kv_b_proj.weight, H, self.nope, self.v_dim)
+            o, _ = attention(q, k, v, self.scale)
         else:
-            o = self._expanded(q, lat)
-        return self.o_proj((o * torch.sigmoid(self.g_proj(x).float())).to(x.dtype))
+            start = state.write(lat)
+            if T <= self.absorb_max_t and not torch.is_grad_enabled():
+                o = self._absorbed(q, state, start + T)
+            else:
+                o = mla_prefill(q, state.buf, state.slots, start, self.kv_b_proj.weight, self.nope, self.v_dim,
+                                self.scale)
+        gate = torch.sigmoid(self.g_proj(x))
+        return self.o_proj(o.reshape(B, T, H * self.v_dim) * gate)
 
-    def _expanded(self, q: torch.Tensor, lat: torch.Tensor) -> torch.Tensor:
-        """Keys/values re-expanded through kv_b_proj, SDPA in fp32. ``q [B, T, H, n + r]``, ``lat [B, L, c + r]``
-        → ``[B, T, H·v]`` (fp32, before the output gate)."""
-        B, T, H, _ = q.shape
-        L = lat.shape[1]
-        c_kv, k_pe = lat.split([self.kv_lora_rank, self.rope], dim=-1)
-        kv = self.kv_b_proj(c_kv).view(B, L, H, self.nope + self.v_dim)
-        k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
-        k = torch.cat([k_nope, k_pe[:, :, None, :].expand(B, L, H, self.rope)], dim=-1)
-        o = causal_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), self.scale)  # [B,H,T,V]
-        return o.transpose(1, 2).reshape(B, T, H * self.v_dim)
-
-    def _absorbed(self, q: torch.Tensor, lat: torch.Tensor) -> torch.Tensor:
-        """Attention over the latent cache, fp32. ``q [B, T, H, n + r]``, ``lat [B, L, c + r]`` →
-        ``[B, T, H·v]`` (fp32, before the output gate)."""
-        B, T, H, _ = q.shape
-        L, c = lat.shape[1], self.kv_lora_rank
-        w = self.kv_b_proj.weight.float().view(H, self.nope + self.v_dim, c)
-        w_uk, w_uv = w[:, : self.nope], w[:, self.nope :]  # [H, n, c], [H, v, c]
-        q_nope, q_pe = q.float().split([self.nope, self.rope], dim=-1)
-        c_kv, k_pe = lat.float().split([c, self.rope], dim=-1)
-        q_lat = torch.einsum("bthn,hnc->bthc", q_nope, w_uk)  # q_nope · k_nope = (W_UKᵀ q_nope) · c_kv
-        s = torch.einsum("bthc,blc->bhtl", q_lat, c_kv) + torch.einsum("bthr,blr->bhtl", q_pe, k_pe)
-        s = (s * self.scale).masked_fill(~_visible(T, L, q.device), float("-inf"))
-        o_lat = torch.einsum("bhtl,blc->bthc", torch.softmax(s, dim=-1), c_kv)
-        return torch.einsum("bthc,hvc->bthv", o_lat, w_uv).reshape(B, T, H * self.v_dim)
+    def _absorbed(self, q: torch.Tensor, state: MLACache, lengths: torch.Tensor) -> torch.Tensor:
+        """Attention over the latent cache with kv_b_proj folded into both sides (views of its weight, in its own
+        dtype). ``q [B, T, H, n + r]`` → ``[B, T, H, v]``."""
+        H, c = self.num_heads, self.kv_lora_rank
+        w = self.kv_b_proj.weight.view(H, self.nope + self.v_dim, c)
+        q_nope, q_pe = q.split([self.nope, self.rope], dim=-1)
+        q_lat = torch.einsum("bthn,hnc->bthc", q_nope, w[:, : self.nope])  # q_nope·k_nope = (W_UKᵀ q_nope)·c_kv
+        o_lat = mla_decode(q_lat.contiguous(), q_pe.contiguous(), state.buf, state.slots, lengths, self.scale)
+        return torch.einsum("bthc,hvc->bthv", o_lat, w[:, self.nope :])  # o = W_UV o_lat

@@ -1,4 +1,4 @@
-"""Dense SiTU-GLU MLP (SPEC §5): y = down_proj( SiTU-GLU(gate_proj x, up_proj x) ).
+"""Dense SiTU-GLU MLP (docs/architecture.md#situ-glu): y = down_proj( SiTU-GLU(gate_proj x, up_proj x) ).
 
 Layer 0's MLP (width ``dense_intermediate_size``) and the fused shared experts of every MoE layer (width
 ``n_shared_experts · expert_dim``: two experts stored as one MLP, which is exactly their sum).

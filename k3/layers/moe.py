@@ -1,4 +1,4 @@
-"""Latent MoE (SPEC §5) with Quantile Balancing, released parameter names.
+"""Latent MoE (docs/architecture.md#latent-moe) with Quantile Balancing, released parameter names.
 
 Letters: m tokens, d hidden, n experts, k top-k, ℓ latent width, F expert width, R = m·k expert rows.
 

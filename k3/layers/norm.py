@@ -1,11 +1,12 @@
-"""RMSNorm with fp32 statistics (SPEC §6): y = x / sqrt(mean(x²) + eps) · γ, computed in fp32, cast back to x.dtype."""
+"""RMSNorm with fp32 statistics: y = x / sqrt(mean(x²) + eps) · γ, computed in fp32, cast back to x.dtype
+(docs/architecture.md#numerics); the fused Triton kernels of ``k3.ops.norm`` on CUDA."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from k3.ops.moe.combine import rms_norm
+from k3.ops.norm import rms_norm
 
 __all__ = ["RMSNorm"]
 

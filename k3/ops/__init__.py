@@ -1,14 +1,15 @@
 """Pure functions, each fast path beside its plain reference.
 
 ``kda``       Kimi Delta Attention: recurrent/chunked references, Triton kernels, span summaries, context parallel.
+``mla``       Gated MLA attention: flash (training, prefill segments), absorbed decode over the latent cache.
 ``situ_glu``  the bounded GLU of the experts and dense MLPs.
-``attn_res``  the Block Attention Residuals mix.
+``attn_res``  the Block Attention Residuals mix (``fused_attnres`` / ``naive_attnres``: fla's entries).
 ``qb_bias_update``  Quantile Balancing by histograms.
 """
 
 from k3.ops import kda
-from k3.ops.attnres.naive import attn_res
+from k3.ops.attnres import attn_res, fused_attnres, naive_attnres
 from k3.ops.moe.qb import qb_bias_update
 from k3.ops.moe.situ import situ_glu
 
-__all__ = ["kda", "attn_res", "qb_bias_update", "situ_glu"]
+__all__ = ["kda", "attn_res", "fused_attnres", "naive_attnres", "qb_bias_update", "situ_glu"]

@@ -24,24 +24,31 @@ import torch
 import torch.nn.functional as F
 
 from k3.ckpt.run import (
+    MANIFEST,
     CheckpointError,
+    assert_unlocked,
     find_checkpoint,
     load_checkpoint,
     load_trainer_state,
+    lock_run,
+    only_bookkeeping,
     rng_state,
     save_checkpoint,
     set_rng_state,
     verify_checkpoint,
 )
-from k3.config import K3Config
+from k3.config import MAX_INT, K3Config
 from k3.data import EMBEDDED, IGNORE, RecallLoader, RecallTask, WindowLoader, load_tokenizer, text_streams
 from k3.data.loader import TokenStream, eval_windows
 from k3.data.tokenizers import Tokenizer
 from k3.distributed.data_parallel import DataParallel, all_reduce_grads, init_from_env, mean_over, rank_rows
+from k3.infer.generate import generate, prompt_ids
+from k3.memory import check_fits, training_footprint
+from k3.model import K3ForCausalLM
 from k3.train.optim import SCHEDULES, build_optimizer, lr_factor
 from k3.train.plot import plot_loss
 from k3.train.progress import Progress
-from k3.utils import atomic_write_text
+from k3.utils import atomic_write_text, read_json
 
 __all__ = ["TrainArgs", "TrainResult", "train", "prepare_args", "resolve_device", "cpu_threads", "default_lr",
            "RESUMABLE", "RECALL_EVAL_SEED"]
@@ -49,7 +56,9 @@ __all__ = ["TrainArgs", "TrainResult", "train", "prepare_args", "resolve_device"
 RECALL_EVAL_SEED = 20_250_707  # the recall task's evaluation stream: never the training stream, same for every run
 # Flags that may differ when resuming without changing what the continued steps compute.
 RESUMABLE = ("steps", "device", "threads", "activation_checkpointing", "log_every", "save_every", "keep",
-             "eval_every", "eval_batches", "sample_tokens", "prompt", "out", "name", "plot")
+             "eval_every", "eval_batches", "sample_tokens", "prompt", "out", "name", "plot", "force_memory")
+# Upper bounds where a larger value cannot be meaningful (the CLI refuses it before any work).
+_MOST = {"eval_batches": 1 << 20, "keep": 1 << 20, "max_tokens": 1 << 40}
 
 
 @dataclass(kw_only=True)
@@ -89,9 +98,11 @@ class TrainArgs:
     sample_tokens: int = 200
     prompt: str = "The "
     plot: bool = True
+    force_memory: bool = False  # skip the memory estimate's refusal (k3.memory)
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming the first bad field (the CLI turns it into one line, exit 2)."""
+        self._check_types()
         for name in ("steps", "batch_size", "seq_len", "grad_accum", "keep", "log_every", "eval_batches"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
@@ -100,6 +111,7 @@ class TrainArgs:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be a non-negative integer, got {v!r}")
+        self._check_bounds()
         for name in ("lr", "grad_clip"):
             v = getattr(self, name)
             if name == "lr" and v is None:
@@ -118,6 +130,31 @@ class TrainArgs:
             raise ValueError(f"--optimizer must be 'adamw' or 'muon', got {self.optimizer!r}")
         if self.name is not None and (not self.name or "/" in self.name or self.name in (".", "..")):
             raise ValueError(f"--name must be a plain directory name, got {self.name!r}")
+
+    def _check_types(self) -> None:
+        """Each field against its annotation (``run.json`` is a file: its values may be of any JSON type)."""
+        kinds = {"int": int, "float": (int, float), "bool": bool, "str": str}
+        for f in dataclasses.fields(self):
+            v, kind = getattr(self, f.name), str(f.type)
+            want = kinds[kind.split(" | ")[0]]
+            if (v is None and "None" in kind) or (isinstance(v, want) and (want is bool or not isinstance(v, bool))):
+                continue
+            raise ValueError(f"--{f.name.replace('_', '-')} must be of type {kind}, got {str(v)[:40]!r}")
+
+    def _check_bounds(self) -> None:
+        """Values past which a number cannot mean anything (each count fits int32; a micro-batch's token count
+        too, since kernels index it in int32; threads up to the CPUs there are)."""
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            most = _MOST.get(f.name, MAX_INT)
+            if isinstance(v, int) and not isinstance(v, bool) and v > most:
+                raise ValueError(f"--{f.name.replace('_', '-')} must be <= {most:,}, got {v:,}")
+        if self.batch_size * self.seq_len > MAX_INT:
+            raise ValueError(f"--batch-size × --seq-len must be <= {MAX_INT:,} tokens, got "
+                             f"{self.batch_size * self.seq_len:,}")
+        cpus = os.cpu_count() or 1
+        if self.threads > cpus:
+            raise ValueError(f"--threads must be <= {cpus} (the CPUs of this machine), got {self.threads:,}")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -168,8 +205,6 @@ def _autocast(dtype: torch.dtype | None, device: torch.device) -> contextlib.Abs
 
 
 def _fp32_model(config: K3Config) -> torch.nn.Module:
-    from k3.model import K3ForCausalLM
-
     return K3ForCausalLM(config).float()  # master weights
 
 
@@ -212,10 +247,21 @@ def _new_run_dir(args: TrainArgs) -> Path:
             run_dir = Path("runs") / f"{base}-{n}"
     if run_dir.exists() and not run_dir.is_dir():
         raise ValueError(f"--out {run_dir} exists and is not a directory; choose another --out")
-    if run_dir.exists() and any(run_dir.iterdir()):
-        raise ValueError(f"run directory {run_dir} already exists and is not empty; pass --resume {run_dir} to "
-                         "continue it, or choose another --out/--name")
+    _check_fresh(run_dir)
     return run_dir
+
+
+def _check_fresh(run_dir: Path, locked: bool = False) -> bool:
+    """Whether ``run_dir`` holds a run stopped before its first checkpoint (restarted in place); ``ValueError`` when
+    it holds anything else or another process trains it (``locked``: we hold its lock); False when new or empty."""
+    if not run_dir.exists() or not any(run_dir.iterdir()):
+        return False
+    if not locked:
+        assert_unlocked(run_dir)  # a run being trained: say so, rather than "not empty"
+    if only_bookkeeping(run_dir):
+        return True
+    raise ValueError(f"run directory {run_dir} already exists and is not empty; pass --resume {run_dir} to "
+                     "continue it, or choose another --out/--name")
 
 
 def _model_config(args: TrainArgs, tok: Tokenizer) -> K3Config:
@@ -315,13 +361,21 @@ def prepare_args(overrides: dict[str, Any], resume: str | None = None) -> tuple[
             if v is not None and v != EMBEDDED and not v.startswith("hf:"):
                 setattr(args, name, os.path.abspath(v))
         return args, None
+    p = Path(resume)
+    assert_unlocked(p.parent.parent if (p / MANIFEST).is_file() else p)  # before any work: a live run is not ours
     ckpt = find_checkpoint(resume)
-    verify_checkpoint(ckpt)
+    # Read, not yet verified: every byte is verified once, under the run's lock, when the checkpoint is loaded.
     try:
-        saved = json.loads((ckpt / "run.json").read_text())
+        step = read_json(ckpt / MANIFEST, f"checkpoint {ckpt}: {MANIFEST}").get("step")
+        saved = read_json(ckpt / "run.json", f"checkpoint {ckpt}: run.json")
+        if not isinstance(saved, dict):
+            raise ValueError("not a JSON object")
         args = TrainArgs.from_dict(saved)
-    except (OSError, ValueError, TypeError) as e:
+    except (ValueError, TypeError, AttributeError) as e:
+        verify_checkpoint(ckpt)  # a damaged file: name it
         raise CheckpointError(f"checkpoint {ckpt}: run.json is unreadable ({e}); cannot resume") from None
+    if "threads" not in overrides:  # the run's thread count, as far as this machine has CPUs
+        args.threads = min(args.threads, os.cpu_count() or 1) if isinstance(args.threads, int) else args.threads
     for k, v in overrides.items():
         if k not in RESUMABLE and v != getattr(args, k):
             raise ValueError(f"--{k.replace('_', '-')} cannot change on --resume (the run used "
@@ -329,6 +383,9 @@ def prepare_args(overrides: dict[str, Any], resume: str | None = None) -> tuple[
         setattr(args, k, v)
     args.out = str(Path(resume) if (Path(resume) / "checkpoints").is_dir() else ckpt.parent.parent)
     args.validate()
+    if isinstance(step, int) and args.steps <= step:
+        raise ValueError(f"--steps {args.steps} must exceed the checkpoint's step {step} to continue; "
+                         f"pass e.g. --steps {step + args.steps}")
     return args, ckpt
 
 
@@ -341,7 +398,7 @@ def _rewind_metrics(path: Path, step: int) -> None:
         try:
             if json.loads(line).get("step", 0) <= step:
                 keep.append(line)
-        except json.JSONDecodeError:  # a line torn by a kill: drop it
+        except (ValueError, AttributeError, TypeError, RecursionError):  # a line torn by a kill: drop it
             continue
     atomic_write_text(path, "".join(l + "\n" for l in keep))
 
@@ -352,7 +409,7 @@ def _read_metrics(path: Path) -> list[dict[str, Any]]:
         for line in path.read_text().splitlines():
             try:
                 rows.append(json.loads(line))
-            except json.JSONDecodeError:
+            except (ValueError, RecursionError):
                 continue
     return rows
 
@@ -383,9 +440,32 @@ class _Session:
     dp: DataParallel = field(default_factory=DataParallel)
 
 
+def _check_memory(args: TrainArgs, config: K3Config, device: torch.device) -> None:
+    fp = training_footprint(config, args.batch_size, args.seq_len, args.optimizer, args.activation_checkpointing)
+    check_fits(fp, device, args.force_memory, config=config,
+               extra={"batch_size": args.batch_size, "seq_len": args.seq_len})
+
+
+def _check_prompt(args: TrainArgs, tok: Tokenizer, config: K3Config) -> None:
+    """The end-of-run sample's prompt, checked before any work (not after hundreds of steps)."""
+    if not args.sample_tokens or args.task != "text":
+        return
+    try:
+        n = len(prompt_ids(tok, args.prompt))
+    except ValueError as e:  # UnicodeEncodeError for undecodable bytes in argv is a ValueError
+        raise ValueError(f"--prompt cannot be encoded by the {tok.kind} tokenizer ({e}); fix --prompt or pass "
+                         "--sample-tokens 0") from None
+    if n + args.sample_tokens > config.max_seq_len:
+        raise ValueError(f"--prompt ({n} tokens) + --sample-tokens {args.sample_tokens} exceeds the model's "
+                         f"max_seq_len {config.max_seq_len}")
+
+
 def _resume_session(args: TrainArgs, ckpt: Path, device: torch.device, dp: DataParallel) -> _Session:
-    state = load_trainer_state(ckpt)
-    loaded = load_checkpoint(ckpt, device=device, model_factory=_fp32_model)
+    loaded = load_checkpoint(ckpt, device=device, model_factory=_fp32_model, force_memory=args.force_memory,
+                             footprint=lambda c: training_footprint(c, args.batch_size, args.seq_len, args.optimizer,
+                                                                    args.activation_checkpointing))
+    _check_prompt(args, loaded["tokenizer"], loaded["config"])
+    state = load_trainer_state(ckpt, force_memory=args.force_memory)
     start = int(state["step"])
     if args.steps <= start:
         raise ValueError(f"--steps {args.steps} must exceed the checkpoint's step {start} to continue; "
@@ -396,10 +476,12 @@ def _resume_session(args: TrainArgs, ckpt: Path, device: torch.device, dp: DataP
 
 
 def _fresh_session(args: TrainArgs, device: torch.device, dp: DataParallel) -> _Session:
+    run_dir = _new_run_dir(args)
     tok = load_tokenizer(args.tokenizer)
     config = _model_config(args, tok)
+    _check_prompt(args, tok, config)
+    _check_memory(args, config, device)
     data = build_data(args, tok, config, dp.world_size)
-    run_dir = _new_run_dir(args)
     with torch.device(device):
         model = _fp32_model(config)  # same seed on every rank: identical initial weights
     return _Session(model, config, tok, data, run_dir, 0, None, dp)
@@ -408,6 +490,8 @@ def _fresh_session(args: TrainArgs, device: torch.device, dp: DataParallel) -> _
 def _train(args: TrainArgs, device: torch.device, resume_from: Path | None, out: TextIO,
            stack: contextlib.ExitStack, dp: DataParallel) -> TrainResult:
     torch.manual_seed(args.seed)
+    if resume_from is not None and dp.is_main:  # one writer per run directory, from before the checkpoint is read
+        stack.enter_context(lock_run(args.out))
     s = (_resume_session(args, resume_from, device, dp) if resume_from is not None
          else _fresh_session(args, device, dp))
     stack.enter_context(cpu_threads(device, s.config.hidden_size, args.threads))
@@ -423,7 +507,8 @@ def _train(args: TrainArgs, device: torch.device, resume_from: Path | None, out:
     run_args = {**args.to_dict(), "out": str(s.run_dir)}
     metrics_path = s.run_dir / "metrics.jsonl" if dp.is_main else Path(os.devnull)
     if dp.is_main:
-        s.run_dir.mkdir(parents=True, exist_ok=True)
+        if resume_from is None:
+            _claim(s.run_dir, stack, out)
         atomic_write_text(s.run_dir / "run.json", json.dumps(run_args, indent=2) + "\n")
         atomic_write_text(s.run_dir / "config.json", s.config.to_json() + "\n")
         _rewind_metrics(metrics_path, s.start)
@@ -447,6 +532,16 @@ def _train(args: TrainArgs, device: torch.device, resume_from: Path | None, out:
     out.write(f"k3: checkpoint in {s.run_dir}/checkpoints/step-{args.steps:08d}/ — next: {nxt}\n")
     out.flush()
     return result
+
+
+def _claim(run_dir: Path, stack: contextlib.ExitStack, out: TextIO) -> None:
+    """Take the writer lock of a fresh run's directory (held until training ends) and check, under the lock, that
+    it is still new, empty, or a run stopped before its first checkpoint (whose log and plot are then reset)."""
+    stack.enter_context(lock_run(run_dir))
+    if _check_fresh(run_dir, locked=True) and any((run_dir / n).exists() for n in ("metrics.jsonl", "run.json")):
+        out.write(f"k3: note: {run_dir} held a run stopped before its first checkpoint; starting it afresh\n")
+        for name in ("metrics.jsonl", "loss.png"):
+            (run_dir / name).unlink(missing_ok=True)
 
 
 def _loop(s: _Session, opt: torch.optim.Optimizer, args: TrainArgs, device: torch.device, metrics_path: Path,
@@ -548,8 +643,6 @@ def _plot(run_dir: Path, metrics_path: Path) -> None:
 
 
 def _sample(model: torch.nn.Module, tok: Tokenizer, args: TrainArgs, device: torch.device, out: TextIO) -> str:
-    from k3.infer.generate import generate
-
     out.write(f"k3: sample ({args.sample_tokens} tokens, temperature 0.8, seed {args.seed}):\n")
     out.flush()
     text = generate(model, tok, args.prompt, max_new_tokens=args.sample_tokens, temperature=0.8, top_k=None,

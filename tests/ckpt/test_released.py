@@ -3,7 +3,7 @@ padding, sharded index, 1-based layer lists, vision tensors) must load into a mo
 built in memory from the same weights; load → save must reproduce every tensor bit-exactly; bad folders, shards,
 tensors and configs must raise one-line ValueErrors.
 
-The writer below spells the released names out independently of ``k3.ckpt.released`` (from k3_layout.md §1, §4).
+The writer below spells the released names out independently of ``k3.ckpt.released``.
 """
 
 from __future__ import annotations
@@ -17,12 +17,12 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from k3.ckpt.mxfp4 import dequantize_mxfp4, quantize_mxfp4
 from k3.ckpt.released import config_from_released, config_to_released, load_pretrained, save_pretrained
 from k3.config import K3Config
 from k3.layers.experts_mxfp4 import MXFP4GroupedExperts
 from k3.layers.moe import GroupedExperts
 from k3.model import K3ForCausalLM
+from k3.ops.moe.mxfp4 import dequantize_mxfp4, quantize_mxfp4
 
 # ---------------------------------------------------------------------------------------------------------------
 # a miniature release: 7 layers (1-based KDA 1,2,3,5; MLA 4 and the last two, 6,7), AttnRes blocks of 3
@@ -275,7 +275,7 @@ def test_load_save_reproduces_every_tensor_bit_exactly(release, tmp_path):
     assert config_from_released(cfg)[0] == config_from_released(mini_config_json())[0]
     assert not list(tmp_path.glob(".saved.*"))  # no temp folder left behind
     # the saved folder loads again (and via the model's own entry points)
-    again = K3ForCausalLM.from_pretrained(str(out), dtype=torch.float32, verbose=False)
+    again = load_pretrained(str(out), dtype=torch.float32, verbose=False)
     assert isinstance(again.model.layers[1].block_sparse_moe.experts, MXFP4GroupedExperts)
 
 
@@ -292,7 +292,7 @@ def test_dequantized_save_and_requantize(release, tmp_path):
     reloaded = load_pretrained(tmp_path / "dense", verbose=False)  # unquantised layout loads too
     assert torch.equal(reloaded.model.layers[1].block_sparse_moe.experts.w1, dense.model.layers[1].block_sparse_moe.experts.w1)
     # quantize=True writes MXFP4 again; values on the grid come back exactly
-    dense.save_pretrained(str(tmp_path / "q"), quantize=True)
+    save_pretrained(dense, str(tmp_path / "q"), quantize=True)
     q = _read_all(tmp_path / "q")
     want = dequantize_mxfp4(tensors[name + "weight_packed"], tensors[name + "weight_scale"], torch.float32)
     assert torch.equal(dequantize_mxfp4(q[name + "weight_packed"], q[name + "weight_scale"], torch.float32), want)
@@ -302,7 +302,7 @@ def test_dequantized_save_and_requantize(release, tmp_path):
 
 # --- config ------------------------------------------------------------------------------------------------------
 def released_k3_config() -> dict:
-    """The released config.json's language-model part (k3_layout.md §1)."""
+    """The released config.json's language-model part."""
     L93 = 93
     kda = [l for l in range(1, L93 + 1) if l <= 91 and l % 4 != 0]
     text = dict(mini_config_json()["text_config"])

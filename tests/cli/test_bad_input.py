@@ -1,6 +1,7 @@
 """Every kind of bad input: exit code 2, ONE line on stderr saying what is wrong, and nothing on disk changed."""
 
 import json
+import os
 
 import pytest
 
@@ -114,20 +115,55 @@ def test_existing_run_dir_is_never_overwritten(tiny_run, tmp_path):
     assert k3_runs.tree_digest(run) == before
 
 
+def test_bench_unknown_name_from_the_command_line(tmp_path):
+    """``python -m k3.bench nope``: one line on stderr, exit 2, no traceback."""
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "k3.bench", "nope"], capture_output=True, text=True, timeout=120,
+                       cwd=tmp_path)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "unknown benchmark 'nope'" in r.stderr, repr(r.stderr)
+    assert "Traceback" not in r.stderr
+
+
 @pytest.mark.parametrize("argv,needle", [
-    (["nope"], "unknown benchmark 'nope'"),
     (["kda", "--sections", "decode,bogus"], "--sections must be a comma list"),
     (["kda", "--T", "0"], "--T/--H positive"),
     (["kda", "--T", "ten"], "invalid int value"),
     (["moe", "--bogus-flag"], "unrecognized arguments"),
 ])
-def test_bench_bad_input(tmp_path, argv, needle):
-    """``python -m k3.bench``: a bad name or flag is one line on stderr, exit 2, no traceback, nothing written."""
-    import subprocess
-    import sys
+def test_bench_bad_input(tmp_path, capsys, argv, needle):
+    """``k3.bench`` flags: a bad one is one line on stderr, exit 2, no traceback, nothing written."""
+    from k3.bench.__main__ import main
 
-    r = subprocess.run([sys.executable, "-m", "k3.bench", *argv, "--out", str(tmp_path / "o")] if argv[0] != "nope"
-                       else [sys.executable, "-m", "k3.bench", *argv], capture_output=True, text=True, timeout=120)
-    assert r.returncode == 2, r.stderr
-    assert r.stderr.count("\n") == 1 and "Traceback" not in r.stderr and needle in r.stderr, repr(r.stderr)
+    try:
+        code = main([*argv, "--out", str(tmp_path / "o")])
+    except SystemExit as e:
+        code = e.code
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert err.count("\n") == 1 and "Traceback" not in err and needle in err, repr(err)
     assert not any(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("exc,code,needles", [
+    (RuntimeError("boom"), 1, ["unexpected RuntimeError: boom", "full traceback in", "please report it"]),
+    (RecursionError("deep"), 1, ["unexpected RecursionError: deep", "full traceback in"]),
+    (MemoryError(), 1, ["out of memory", "--batch-size"]),
+])
+def test_unexpected_failure_is_one_line_with_the_traceback_in_a_file(tmp_path, monkeypatch, exc, code, needles):
+    import k3.cli
+
+    def broken(*a, **kw):
+        raise exc
+
+    monkeypatch.setattr(k3.cli, "evaluate_run", broken)
+    got, _, err = k3_runs.run_cli("eval", "--run", str(tmp_path))
+    assert got == code and err.startswith("k3: error: ") and err.count("\n") == 1, err
+    for n in needles:
+        assert n in err, (n, err)
+    if "full traceback in" in err:
+        path = err.split("full traceback in ")[1].split(";")[0]
+        text = open(path).read()
+        assert "Traceback" in text and type(exc).__name__ in text and "broken" in text
+        os.unlink(path)

@@ -1,10 +1,12 @@
-"""Tokenizers round-trip: byte-level, a tiktoken BPE file written here, a Hugging Face tokenizer.json built here."""
+"""Tokenizers round-trip: byte-level, a tiktoken BPE file written here, a Hugging Face tokenizer.json built here;
+batched encoding equals one document at a time."""
 
 import base64
 import json
 
 import pytest
 
+from k3.data import files
 from k3.data.tokenizers import (
     ByteTokenizer,
     HFTokenizer,
@@ -61,7 +63,7 @@ def test_tiktoken_bad_files(tmp_path):
     pytest.importorskip("tiktoken")
     bad = tmp_path / "bad.model"
     bad.write_text("not base64! 0\n")
-    with pytest.raises(ValueError, match="base64"):
+    with pytest.raises(ValueError, match=r"bad.model:1: expected '<base64 token> <rank>'"):
         read_tiktoken_ranks(bad)
     bad.write_text(f"{base64.b64encode(b'a').decode()} 0\n{base64.b64encode(b'b').decode()} 5\n")
     with pytest.raises(ValueError, match="gaps"):
@@ -106,3 +108,29 @@ def test_load_tokenizer_bad_spec(tmp_path):
         load_tokenizer(tmp_path)
     with pytest.raises(ValueError, match="kind"):
         tokenizer_from_dict({"kind": "sentencepiece"})
+
+
+@pytest.mark.parametrize("kind", ["byte", "tiktoken", "hf"])
+def test_batched_tokenization_equals_one_document_at_a_time(kind, tmp_path, monkeypatch):
+    """``k3 tokenize`` / ``--data`` encode documents in batches across cores; the shard must not change."""
+    if kind == "byte":
+        tok = ByteTokenizer()
+    elif kind == "tiktoken":
+        pytest.importorskip("tiktoken")
+        _write_tiktoken(tmp_path / "tiktoken.model")
+        tok = load_tokenizer(tmp_path / "tiktoken.model")
+    else:
+        pytest.importorskip("tokenizers")
+        _build_hf(tmp_path / "tokenizer.json")
+        tok = load_tokenizer(tmp_path / "tokenizer.json")
+    docs = [TEXTS[i % len(TEXTS)] * (1 + i % 3) + f" doc {i}" for i in range(23)] + ["", "  \n"]
+    monkeypatch.setattr(files, "_BATCH_DOCS", 4)  # several batches, the last one partial
+    one_by_one = [[*([tok.bos_id] if tok.bos_id is not None else []), *tok.encode(d),
+                   *([tok.eos_id] if tok.eos_id is not None else [])] for d in docs if d.strip()]
+    flat = [i for ids in one_by_one for i in ids]
+    assert files.tokenize_documents(iter(docs), tok).tolist() == flat
+    assert tok.encode_batch(docs) == [tok.encode(d) for d in docs]
+    five = sum(len(ids) for ids in one_by_one[:5])
+    assert files.tokenize_documents(docs, tok, max_tokens=five - 3).tolist() == flat[:five]  # ends after doc 5
+    with pytest.raises(ValueError, match="str"):
+        tok.encode_batch(["ok", b"bytes"])

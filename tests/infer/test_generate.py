@@ -1,14 +1,16 @@
 """Generation: fixed-size-state decoding matches a full forward, a fixed seed gives fixed text, UTF-8 streams whole."""
 
+import base64
 import io
 
+import k3_runs
 import pytest
 import torch
 
-import k3_runs
+from k3 import K3Config, K3ForCausalLM, save_pretrained
 from k3.ckpt.run import load_checkpoint
 from k3.data.tokenizers import ByteTokenizer
-from k3.infer.generate import StreamDecoder, generate, generate_ids, sample_next
+from k3.infer.generate import StreamDecoder, generate, generate_ids
 
 
 def test_greedy_decode_matches_full_recompute(tiny_run):
@@ -58,21 +60,6 @@ def test_stream_decoder_holds_back_partial_utf8():
     assert "".join(dec.feed(b) for b in "né🦊".encode()) + dec.flush() == "né🦊"
 
 
-def test_sampling_filters():
-    logits = torch.tensor([[0.0, 3.0, 2.9, -1.0]])
-    g = torch.Generator().manual_seed(0)
-    assert int(sample_next(logits, 0.0)) == 1
-    assert all(int(sample_next(logits, 1.0, top_k=1, generator=g)) == 1 for _ in range(20))
-    assert all(int(sample_next(logits, 1.0, top_p=0.01, generator=g)) == 1 for _ in range(20))
-    draws = {int(sample_next(logits, 1.0, top_k=2, generator=g)) for _ in range(200)}
-    assert draws == {1, 2}
-    draws = torch.stack([sample_next(logits, 1.0, generator=g) for _ in range(4000)]).flatten()
-    freq = torch.bincount(draws, minlength=4).float() / 4000  # the race trick samples from softmax(logits)
-    assert torch.allclose(freq, torch.softmax(logits[0], -1), atol=0.03)
-    with pytest.raises(ValueError, match="temperature"):
-        sample_next(logits, -1.0)
-
-
 def test_generate_bad_input(tiny_run):
     model = load_checkpoint(tiny_run)["model"]
     with pytest.raises(ValueError, match="max_new_tokens"):
@@ -86,14 +73,9 @@ def test_generate_bad_input(tiny_run):
 
 
 def test_generate_from_a_released_folder_with_chat(tmp_path):
-    """--model: K3ForCausalLM.from_pretrained + K3's tokenizer; --chat renders a user turn (byte-only BPE here)."""
-    import base64
-
-    from k3.config import K3Config
-    from k3.model import K3ForCausalLM
-
+    """--model: k3.load_pretrained + K3's tokenizer; --chat renders a user turn (byte-only BPE here)."""
     cfg = K3Config.from_preset("tiny", vocab_size=512, bos_token_id=256, eos_token_id=258, pad_token_id=511)
-    K3ForCausalLM(cfg).save_pretrained(str(tmp_path))
+    save_pretrained(K3ForCausalLM(cfg), tmp_path)
     (tmp_path / "tiktoken.model").write_text("".join(f"{base64.b64encode(bytes([i])).decode()} {i}\n"
                                                      for i in range(256)))
     code, out, err = k3_runs.run_cli("generate", "--model", str(tmp_path), "--prompt", "hi", "--max-new-tokens", "4")

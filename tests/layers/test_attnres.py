@@ -83,9 +83,9 @@ def test_attnres_93_layers_matches_hand_loop(monkeypatch) -> None:
     seen: list[int] = []
     real_mix = k3_model.attn_res_mix
 
-    def counting_mix(norm, proj, sources, eps):
+    def counting_mix(norm, proj, sources, eps, out_norm=None):
         seen.append(len(sources))
-        return real_mix(norm, proj, sources, eps)
+        return real_mix(norm, proj, sources, eps, out_norm)
 
     monkeypatch.setattr(k3_model, "attn_res_mix", counting_mix)
     monkeypatch.setattr(k3_attnres, "attn_res_mix", counting_mix)
@@ -100,6 +100,46 @@ def test_attnres_93_layers_matches_hand_loop(monkeypatch) -> None:
     # fp32 model vs fp64 mixes: 93 layers amplify rounding (a 1e-6 embedding perturbation moves the output by
     # ~4e-3 here), so 1e-4; a block size of 11 or 13 in the hand loop gives ~1.2.
     assert rel(got, want) < 1e-4
+
+
+def test_two_phase_mixer_equals_per_layer_mix() -> None:
+    """Every mix of the 93-layer model, run both ways on the same inputs: the two-phase result (phase 1 once per
+    group of queries that see the same closed blocks, then the online-softmax merge) equals the per-layer mix."""
+    torch.manual_seed(2)
+    model = K3ForCausalLM(deep_config()).eval()
+    model.set_kda_impl("reference")
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("_res_proj.weight"):
+                p.normal_(0.0, 1.0)
+            elif name.endswith("_res_norm.weight") or name.endswith("layernorm.weight"):
+                p.uniform_(0.5, 1.5)
+    two_phase = model.model.two_phase_mixer()
+    errs: list[float] = []
+    phase1_calls = [0]
+    real_phase1 = k3_attnres.attn_res_phase1
+
+    def counting_phase1(*a, **kw):
+        phase1_calls[0] += 1
+        return real_phase1(*a, **kw)
+
+    def both(norm, proj, sources, eps, out_norm=None):
+        want = k3_attnres.attn_res_mix(norm, proj, sources, eps, out_norm)
+        errs.append(rel(two_phase(norm, proj, sources, eps, out_norm), want))
+        return want
+
+    k3_attnres.attn_res_phase1, saved = counting_phase1, k3_attnres.attn_res_phase1
+    try:
+        with torch.no_grad():
+            m = model.model
+            blocks, partial = [], m.embed_tokens(torch.randint(0, 32, (2, 3)))
+            for layer in m.layers:
+                blocks, partial = layer(blocks, partial, None, both)
+            both(m.output_attn_res_norm, m.output_attn_res_proj, [*blocks, partial], model.config.rms_norm_eps, m.norm)
+    finally:
+        k3_attnres.attn_res_phase1 = saved
+    assert len(errs) == 1 + 2 * 92 + 1 and max(errs) <= 1e-6
+    assert phase1_calls[0] == 8  # one batched pass per set of closed blocks: b_0, b_0..b_1, …, b_0..b_7
 
 
 def test_layer0_attention_pair_is_never_read() -> None:
@@ -127,3 +167,15 @@ def test_stream_never_aliases_block_and_partial() -> None:
     s.add(a)
     assert torch.equal(s.partial, 2 * a) and s.partial is not a
     assert len(s.sources()) == 2
+
+
+def test_mix_of_mixed_dtype_sources_promotes() -> None:
+    """Autocast leaves b_0 (the embedding) in fp32 and sublayer outputs in bf16: the layer's mix promotes."""
+    from k3.layers.attnres import attn_res_mix, new_res_pair
+    from k3.ops.attnres import attn_res_reference
+
+    norm, proj = new_res_pair(8)
+    a, b = torch.randn(2, 8), torch.randn(2, 8).to(torch.bfloat16)
+    out = attn_res_mix(norm, proj, [a, b], 1e-5)
+    assert out.dtype == torch.float32
+    assert torch.equal(out, attn_res_reference(proj.weight[0], [a, b.float()], norm.weight, 1e-5))

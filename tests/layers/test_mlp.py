@@ -1,4 +1,4 @@
-"""Dense SiTU-GLU MLP: formula, the (−100, 100) bound for huge inputs, and the gradient vs the SPEC's closed form."""
+"""Dense SiTU-GLU MLP: formula, the (−100, 100) bound for huge inputs, and the gradient vs the closed form."""
 
 import torch
 
@@ -47,7 +47,7 @@ def test_situ_gradient_vs_closed_form() -> None:
     b1, b2 = 4.0, 25.0
     tg, tu, sg = torch.tanh(gd / b1), torch.tanh(ud / b2), torch.sigmoid(gd)
     gate, up = b1 * tg * sg, b2 * tu
-    d_gate = (1 - tg**2) * sg + b1 * tg * sg * (1 - sg)  # SPEC §5
+    d_gate = (1 - tg**2) * sg + b1 * tg * sg * (1 - sg)  # ∂/∂g of β1·tanh(g/β1)·σ(g)
     d_up = 1 - tu**2
     assert rel(dg, d_gate * up) < 1e-5
     assert rel(du, gate * d_up) < 1e-5

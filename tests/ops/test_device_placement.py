@@ -12,10 +12,10 @@ import contextlib
 import pytest
 import torch
 
-from k3.ckpt.mxfp4 import quantize_mxfp4
 from k3.ops._device import on_device_of
 from k3.ops.kda import chunk_kda, fused_recurrent_kda
 from k3.ops.moe.combine import combine_norm
+from k3.ops.moe.mxfp4 import quantize_mxfp4
 from k3.ops.moe.mxfp4_gemm import mxfp4_grouped_mm
 from k3.ops.moe.router import route
 from k3.ops.moe.situ import situ_glu

@@ -17,7 +17,7 @@ from k3.ops.moe.combine import combine_norm, combine_norm_reference, combine_nor
 from k3.ops.moe.grouped import expert_counts, grouped_ffn, grouped_ffn_packed, sort_by_expert
 from k3.ops.moe.qb import qb_bias_from_histogram, qb_exact_bias, qb_histogram, qb_range
 from k3.ops.moe.router import route, route_reference
-from k3.ops.moe.situ import situ_glu, situ_glu_packed, situ_glu_reference
+from k3.ops.moe.situ import situ_bound, situ_glu, situ_glu_packed, situ_glu_reference
 
 triton = pytest.importorskip("triton")
 from k3.ops.moe.combine_triton import combine_norm_fused  # noqa: E402
@@ -43,6 +43,14 @@ def leaf(t: torch.Tensor) -> torch.Tensor:
     return t.detach().clone().requires_grad_(True)
 
 
+def situ_fused(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    return situ_glu_fused(g, u, 4.0, 25.0, situ_bound(4.0, 25.0, g.dtype))
+
+
+def situ_fused_packed(gu: torch.Tensor) -> torch.Tensor:
+    return situ_glu_fused_packed(gu, 4.0, 25.0, situ_bound(4.0, 25.0, gu.dtype))
+
+
 # ---------------------------------------------------------------------------------------------- SiTU-GLU
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.float16, 2e-3)])
 @pytest.mark.parametrize("shape", [(1, 5), (63, 100), (2, 3, 33)])
@@ -52,7 +60,7 @@ def test_situ_fused_matches_reference(shape, dtype, tol):
     u = (torch.randn(shape, device=DEV) * 40).to(dtype)
     dy = torch.randn(shape, device=DEV).to(dtype)
     g1, u1, g2, u2 = leaf(g), leaf(u), leaf(g.float()), leaf(u.float())
-    y = situ_glu_fused(g1, u1)
+    y = situ_fused(g1, u1)
     y_ref = situ_glu_reference(g2, u2)
     y.backward(dy)
     y_ref.backward(dy.float())
@@ -66,13 +74,13 @@ def test_situ_packed_and_strided_views():
     h = torch.randn(37, 2 * 24, device=DEV) * 5
     dy = torch.randn(37, 24, device=DEV)
     h1, h2 = leaf(h), leaf(h)
-    y = situ_glu_fused_packed(h1)
+    y = situ_fused_packed(h1)
     y_ref = situ_glu_reference(*h2.chunk(2, -1))
     (y * dy).sum().backward()
     (y_ref * dy).sum().backward()
     assert rel(y, y_ref) < 1e-5 and rel(h1.grad, h2.grad) < 1e-5
     h3 = leaf(h)  # the two halves passed as strided views into one buffer
-    y3 = situ_glu_fused(*h3.chunk(2, -1))
+    y3 = situ_fused(*h3.chunk(2, -1))
     (y3 * dy).sum().backward()
     assert rel(y3, y_ref) < 1e-5 and rel(h3.grad, h2.grad) < 1e-5
 
@@ -81,7 +89,7 @@ def test_situ_extremes_are_bounded_and_finite():
     g = torch.tensor([[-1e4, -30.0, -1e-6, 0.0, 1e-6, 30.0, 1e4, 3.0]], device=DEV)
     u = torch.tensor([[1e4, -1e4, 5.0, 0.0, -5.0, 1e3, -1e3, 25.0]], device=DEV)
     g1, u1, g2, u2 = leaf(g), leaf(u), leaf(g), leaf(u)
-    y = situ_glu_fused(g1, u1)
+    y = situ_fused(g1, u1)
     y_ref = situ_glu_reference(g2, u2)
     y.sum().backward()
     y_ref.sum().backward()
@@ -123,7 +131,7 @@ def test_route_fused_matches_reference(m, n, k, scaling):
     bias = torch.randn(n, device=DEV) * 0.1
     hist, hist_ref = (torch.zeros(n, 50, dtype=torch.int32, device=DEV) for _ in range(2))
     x1, w1, x2, w2 = leaf(x), leaf(w), leaf(x), leaf(w)
-    idx, p = route_fused(x1, w1, bias, k, hist=hist, scaling=scaling)
+    idx, p = route_fused(x1, w1, bias, k, hist=hist, scaling=scaling, hist_range=qb_range(bias))
     idx_ref, p_ref = route_reference(x2, w2, bias, k, hist=hist_ref, scaling=scaling)
     same = _same_selection(idx, idx_ref, x, w, bias)
     assert idx.dtype == torch.int64 and p.dtype == torch.float32
@@ -170,7 +178,7 @@ def test_qb_histogram_fused_matches_reference_and_exact_quantile():
     m, n, k, nb = 300, 24, 3, 200
     s = torch.sigmoid(torch.randn(m, n, device=DEV) + torch.linspace(-2, 2, n, device=DEV))
     bias = torch.randn(n, device=DEV) * 0.2
-    h = qb_histogram_fused(s, bias, k, torch.zeros(n, nb, dtype=torch.int32, device=DEV))
+    h = qb_histogram_fused(s, bias, k, torch.zeros(n, nb, dtype=torch.int32, device=DEV), qb_range(bias))
     h_ref = qb_histogram(s.cpu(), bias.cpu(), k, nb).to(DEV)  # CPU tensors: torch reference path
     assert (h - h_ref).abs().sum() <= 2
     b_hist = qb_bias_from_histogram(h, bias, k)
@@ -245,7 +253,7 @@ def test_gpu_bf16_kernels_against_references():
     bias = torch.randn(n, device="cuda") * 0.05
     hist, hist_ref = (torch.zeros(n, 1000, dtype=torch.int32, device="cuda") for _ in range(2))
     x1, w1, x2, w2 = leaf(x), leaf(w), leaf(x), leaf(w)
-    idx, p = route_fused(x1, w1, bias, k, hist=hist)
+    idx, p = route_fused(x1, w1, bias, k, hist=hist, hist_range=qb_range(bias))
     idx_ref, p_ref = route_reference(x2, w2, bias, k, hist=hist_ref)
     same = _same_selection(idx, idx_ref, x, w, bias)
     assert same.float().mean() > 0.99 and rel(p[same], p_ref[same]) < 1e-5
@@ -258,7 +266,7 @@ def test_gpu_bf16_kernels_against_references():
     h = (torch.randn(4097, 2 * F, device="cuda") * 4).to(torch.bfloat16)
     dy = torch.randn(4097, F, device="cuda").to(torch.bfloat16)
     h1, h2 = leaf(h), leaf(h)
-    y = situ_glu_fused_packed(h1)
+    y = situ_fused_packed(h1)
     y_ref = situ_glu_reference(*h2.chunk(2, -1))
     y.backward(dy)
     y_ref.backward(dy)
@@ -292,3 +300,11 @@ def test_permute_rows_fused_backward_matches_index():
     out.backward(g)
     ref.backward(g)
     assert torch.equal(out, ref) and rel(z1.grad, z2.grad) < 1e-6
+
+
+def test_fallback_notice_once_per_path(capsys):
+    from k3.ops import _fastpath
+
+    _fastpath.fallback_notice("test path", "needs X", "Y")
+    _fastpath.fallback_notice("test path", "needs X", "Y")
+    assert capsys.readouterr().err == "k3: test path needs X: using Y\n"

@@ -1,8 +1,11 @@
-"""Block Attention Residuals mix (SPEC §4), the plain fp32 reference.
+"""Block Attention Residuals mix (docs/architecture.md#block-attention-residuals), the plain fp32 reference (and fla's
+``naive_attnres`` entry over it).
 
-    mix(w, γ; v_1..v_N) = Σ_i softmax_i(⟨γ ⊙ w, RMS(v_i)⟩) · v_i,    RMS(v) = v / sqrt(mean(v²) + eps)
+    mix(w, γ; v_1..v_N) = Σ_i softmax_i(c · ⟨γ ⊙ w, RMS(v_i)⟩) · v_i,    RMS(v) = v / sqrt(mean(v²) + eps)
 
-No 1/√d; the raw v_i are mixed; all in fp32, cast back to the sources' dtype.
+No 1/√d (c = 1 in K3); the raw v_i are mixed; all in fp32 (fp64 for fp64 sources, so the reference can check itself
+in fp64), cast back to the sources' dtype. With ``out_norm_weight`` the RMSNorm that follows the mix is applied to
+the fp32 mix before the cast: RMS(mix) · out_norm_weight, same eps.
 """
 
 from __future__ import annotations
@@ -11,35 +14,47 @@ from typing import Sequence
 
 import torch
 
-__all__ = ["attn_res"]
+from k3.ops.attnres.checks import check_inputs
+
+__all__ = ["attn_res_reference", "naive_attnres"]
 
 
-def attn_res(
+def attn_res_reference(
     query: torch.Tensor,
-    sources: Sequence[torch.Tensor] | torch.Tensor,
+    sources: Sequence[torch.Tensor],
     norm_weight: torch.Tensor | None = None,
     eps: float = 1e-5,
-) -> torch.Tensor:
-    """Mix ``sources`` (a list of ``[..., D]`` tensors, or one stacked ``[N, ..., D]``) with pseudo-query ``query [D]``."""
-    if isinstance(sources, torch.Tensor):
-        if sources.dim() < 2:
-            raise ValueError(f"sources as a tensor must be [N, ..., D], got shape {tuple(sources.shape)}")
-        sources = list(sources.unbind(0))
-    if len(sources) == 0:
-        raise ValueError("sources must hold at least one tensor")
-    shape = sources[0].shape
-    for i, s in enumerate(sources):
-        if s.shape != shape:
-            raise ValueError(f"sources[{i}] has shape {tuple(s.shape)}, expected {tuple(shape)} like sources[0]")
-    D = shape[-1]
-    if query.shape != (D,):
-        raise ValueError(f"query must be [D] = [{D}], got {tuple(query.shape)}")
-    if norm_weight is not None and norm_weight.shape != (D,):
-        raise ValueError(f"norm_weight must be [D] = [{D}], got {tuple(norm_weight.shape)}")
-    # fp32 mixing (fp64 when the sources are fp64, so the op can serve as its own fp64 reference)
+    out_norm_weight: torch.Tensor | None = None,
+    scale: float = 1.0,
+    return_weights: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Mix the equally shaped ``[..., D]`` ``sources`` with pseudo-query ``query [D]`` (no input checks: see
+    ``k3.ops.attn_res``). ``return_weights`` adds the fp32 softmax weights ``[N, ...]``."""
     acc = torch.float64 if sources[0].dtype == torch.float64 else torch.float32
     w = query.to(acc) if norm_weight is None else query.to(acc) * norm_weight.to(acc)
     v = torch.stack([s.to(acc) for s in sources])  # [N, ..., D]
     r = v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + eps)
-    p = torch.softmax((r * w).sum(-1), dim=0)  # over sources
-    return (p.unsqueeze(-1) * v).sum(0).to(sources[0].dtype)
+    p = torch.softmax((r * w).sum(-1) * scale, dim=0)  # over sources
+    o = (p.unsqueeze(-1) * v).sum(0)
+    if out_norm_weight is not None:
+        o = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + eps) * out_norm_weight.to(acc)
+    o = o.to(sources[0].dtype)
+    return (o, p) if return_weights else o
+
+
+def naive_attnres(
+    query: torch.Tensor,
+    residuals: Sequence[torch.Tensor],
+    rms_weight: torch.Tensor,
+    output_rms_weight: torch.Tensor | None = None,
+    rms_eps: float = 1e-6,
+    scale: float = 1.0,
+    return_weights: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """fla's ``naive_attnres`` (same signature and meaning): ``query [D]`` or ``[D, 1]``, ``residuals`` a non-empty
+    sequence of ``[..., D]`` tensors, key-norm weight ``rms_weight [D]``, optional output norm → ``o [..., D]`` in
+    the residuals' dtype (and the fp32 depth weights ``[L, ...]`` with ``return_weights``)."""
+    srcs = check_inputs(query.reshape(-1), residuals, rms_weight.reshape(-1), output_rms_weight, rms_eps,
+                        names=("query", "residuals", "rms_weight", "output_rms_weight", "rms_eps"))
+    return attn_res_reference(query.reshape(-1), srcs, rms_weight.reshape(-1), rms_eps, output_rms_weight, scale,
+                              return_weights)

@@ -7,21 +7,17 @@ kernels when triton imports and everything else takes the references.
 
 from __future__ import annotations
 
-import functools
 import os
 
 import torch
 
+from k3.ops._fastpath import fallback_notice, triton_version
+
 __all__ = ["use_triton", "triton_available"]
 
 
-@functools.lru_cache(maxsize=1)
 def triton_available() -> bool:
-    try:
-        import triton  # noqa: F401
-    except Exception:  # pragma: no cover - triton is an optional dependency
-        return False
-    return True
+    return triton_version() is not None
 
 
 def use_triton(t: torch.Tensor) -> bool:
@@ -31,7 +27,11 @@ def use_triton(t: torch.Tensor) -> bool:
         return False
     if mode == "triton":
         return triton_available()
-    return t.is_cuda and triton_available()
+    if t.is_cuda and not triton_available():
+        fallback_notice("the MoE Triton kernels", "need triton (pip install 'triton>=3.6,<3.7'), which does not import",
+                        "the PyTorch references")
+        return False
+    return t.is_cuda
 
 
 def alloc(shape: tuple[int, ...] | list[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""Weighted combine of expert outputs followed by the latent RMSNorm (SPEC §5 step 4):
+"""Weighted combine of expert outputs followed by the latent RMSNorm (docs/architecture.md#latent-rmsnorm):
 u = Σ_{i∈T} p_i E_i(z),  then RMSNorm(u) (with gain, eps 1e-5) — the norm that keeps the four chained matmuls
 W↓ → W1/W3 → W2 → W↑ from blowing up.
 
@@ -13,17 +13,9 @@ import torch
 
 from k3.ops._device import on_device_of
 from k3.ops.moe._backend import use_triton
+from k3.ops.norm import rms_norm_reference
 
-__all__ = ["combine_norm", "combine_norm_reference", "combine_norm_rows", "rms_norm"]
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
-    """RMSNorm with fp32 statistics, result in x.dtype."""
-    xf = x.float()
-    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    if weight is not None:
-        y = y * weight.float()
-    return y.to(x.dtype)
+__all__ = ["combine_norm", "combine_norm_reference", "combine_norm_rows"]
 
 
 def _check(y_rows: torch.Tensor, index: torch.Tensor, p: torch.Tensor, norm_weight: torch.Tensor | None,
@@ -54,7 +46,7 @@ def combine_norm_reference(
     y = torch.empty_like(y_rows[: m * k])
     y[order] = y_rows[: m * k]  # back to (token, slot) order
     u = (y.view(m, k, -1).float() * p.unsqueeze(-1)).sum(1)
-    return rms_norm(u.to(y_rows.dtype), norm_weight, eps)
+    return rms_norm_reference(u.to(y_rows.dtype), norm_weight, eps)
 
 
 def combine_norm_rows(
@@ -72,7 +64,7 @@ def combine_norm_rows(
             return combine_norm_fused(y_rows, row_of.reshape(m, k).long(), p, norm_weight, eps)
     y = y_rows[row_of.reshape(-1).long()]
     u = (y.view(m, k, -1).float() * p.unsqueeze(-1)).sum(1)
-    return rms_norm(u.to(y_rows.dtype), norm_weight, eps)
+    return rms_norm_reference(u.to(y_rows.dtype), norm_weight, eps)
 
 
 def combine_norm(

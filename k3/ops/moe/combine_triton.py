@@ -1,4 +1,4 @@
-"""Fused weighted combine + RMSNorm (Triton), forward and backward (SPEC §5 step 4).
+"""Fused weighted combine + RMSNorm (Triton), forward and backward (docs/architecture.md#latent-rmsnorm).
 
 Forward, one program per token t, the whole ℓ-row in registers:
     u_t = Σ_j p_tj · y[row(t, j)]   (fp32 sum of the k expert rows, read straight from the expert-sorted buffer

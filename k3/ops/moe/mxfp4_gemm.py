@@ -8,7 +8,7 @@ Letters: R rows (token-expert pairs, sorted by expert), E experts, N output feat
 ``mxfp4_grouped_glu(x, w1 (packed, scale), w3 (packed, scale), offs, beta1, beta2) -> [R,N]``
     the experts' first half fused: SiTU-GLU(x·W1ᵀ, x·W3ᵀ) from the two fp32 accumulators, one read of x.
 
-MXFP4 (see ``k3.ckpt.mxfp4``): two E2M1 codes per byte, low nibble first; one E8M0 scale 2^(s−127) per 32 inputs.
+MXFP4 (see ``k3.ops.moe.mxfp4``): two E2M1 codes per byte, low nibble first; one E8M0 scale 2^(s−127) per 32 inputs.
 The weights stay 4-bit in memory (0.53 B per weight instead of 2), which is what lets the released model's 2.72 T
 expert weights fit in ~1.45 TB of accelerator memory.
 
@@ -27,8 +27,9 @@ import os
 
 import torch
 
-from k3.ckpt.mxfp4 import GROUP, check_mxfp4, dequantize_mxfp4
 from k3.ops._device import on_device_of
+from k3.ops._fastpath import fallback_notice
+from k3.ops.moe.mxfp4 import GROUP, check_mxfp4, dequantize_mxfp4
 from k3.ops.moe.situ import situ_glu
 
 __all__ = [
@@ -237,7 +238,12 @@ def use_triton(x: torch.Tensor) -> bool:
     backend = (os.environ.get("K3_MXFP4_BACKEND") or os.environ.get("K3_MOE_BACKEND") or "").lower()
     if backend not in ("", "triton", "torch"):
         raise ValueError(f"K3_MXFP4_BACKEND / K3_MOE_BACKEND must be 'triton' or 'torch', got {backend!r}")
-    if backend == "torch" or not HAS_TRITON:
+    if backend == "torch":
+        return False
+    if not HAS_TRITON:
+        if x.is_cuda:
+            fallback_notice("the W4A16 expert kernel", "needs triton (pip install 'triton>=3.6,<3.7'), which does "
+                            "not import", "dequantise-per-expert in PyTorch")
         return False
     return backend == "triton" or x.is_cuda
 

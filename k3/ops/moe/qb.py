@@ -1,4 +1,5 @@
-"""Quantile Balancing (SPEC §5): per-expert routing bias from a histogram of required biases, no sort over tokens.
+"""Quantile Balancing: per-expert routing bias from a histogram of required biases, no sort over tokens
+(docs/architecture.md#quantile-balancing).
 
 For m tokens, n experts, top-k: route with top-(k+1) on s + b; α_i is token i's (k+1)-th largest biased score and
 r_ij = α_i − s_ij is the bias expert j would need to take token i. The new bias b̂_j is the ⌈q⌉-th smallest r_ij
@@ -67,7 +68,7 @@ def qb_histogram(
     if use_triton(scores):  # fused: top-(k+1) and atomic bin counts in one pass, no [m, n] bin tensor
         from k3.ops.moe.router_triton import qb_histogram_fused
 
-        return qb_histogram_fused(scores, bias, top_k, out)
+        return qb_histogram_fused(scores, bias, top_k, out, qb_range(bias))
     s = scores.float()
     alpha = torch.topk(s + bias.float(), top_k + 1, dim=-1).values[:, -1:]  # [m, 1] cutoff
     return qb_accumulate(alpha - s, bias, out)

@@ -1,5 +1,6 @@
-"""The Latent MoE router (SPEC §5): fp32 sigmoid scores on the full-d token, selection by top-k of score + bias,
-weights renormalised from the UNBIASED scores, and (in training) the Quantile Balancing histogram of the step.
+"""The Latent MoE router (docs/architecture.md#router): fp32 sigmoid scores on the full-d token, selection by
+top-k of score + bias, weights renormalised from the UNBIASED scores, and (in training) the Quantile Balancing
+histogram of the step.
 
 Letters: m tokens, d hidden, n experts, k top-k.
 
@@ -14,7 +15,7 @@ import torch
 
 from k3.ops._device import on_device_of
 from k3.ops.moe._backend import use_triton
-from k3.ops.moe.qb import qb_accumulate
+from k3.ops.moe.qb import qb_accumulate, qb_range
 
 __all__ = ["route", "route_reference", "check_route_inputs"]
 
@@ -84,5 +85,6 @@ def route(
         from k3.ops.moe.router_triton import route_fused
 
         with on_device_of(x):
-            return route_fused(x, weight, bias, top_k, hist=hist, scaling=scaling)
+            hist_range = qb_range(bias) if hist is not None else None
+            return route_fused(x, weight, bias, top_k, hist=hist, scaling=scaling, hist_range=hist_range)
     return route_reference(x, weight, bias, top_k, hist=hist, scaling=scaling)

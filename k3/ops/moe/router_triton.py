@@ -8,7 +8,7 @@ with all n experts in registers:
   with a histogram: α = the (k+1)-th biased score, r_ij = α_i − s_ij, and one int32 atomic add per (token, expert)
   into ``hist[j, bin(r_ij)]`` — no ``[tokens, experts]`` bin-index tensor is ever written.
 The bin is ``clamp(floor((r − lo)·scale), 0, B − 1)`` with ``lo, scale`` read from device memory (no host sync),
-the same expression as ``k3.ops.moe.qb.qb_accumulate``.
+the same expression as ``k3.ops.moe.qb.qb_accumulate``; the caller passes ``(lo, span) = qb_range(bias)``.
 
 Backward (torch, cheap): only the k selected logits of each token get a gradient,
   ∂L/∂s_j = (c/S)·dp_j − (c/S²)·Σ_i dp_i s_i  (S = Σ_selected s, c = scaling),  ∂L/∂logit_j = ∂L/∂s_j · s_j(1 − s_j),
@@ -77,17 +77,20 @@ def _router_kernel(l_ptr, b_ptr, idx_ptr, p_ptr, ssel_ptr, h_ptr, lo_ptr, scale_
                       mask=m_x, sem="relaxed")
 
 
+HistRange = tuple[torch.Tensor, torch.Tensor]  # (lo, span) of the histogram: ``k3.ops.moe.qb.qb_range(bias)``
+
+
 def _launch(logits: torch.Tensor, bias: torch.Tensor, top_k: int, scaling: float, hist: torch.Tensor | None,
-            apply_sigmoid: bool, write_route: bool):
+            hist_range: HistRange | None, apply_sigmoid: bool, write_route: bool):
     M, N = logits.shape
     dev = logits.device
     idx = alloc((M, top_k), torch.int64, dev) if write_route else None
     p = alloc((M, top_k), torch.float32, dev) if write_route else None
     ssel = alloc((M, top_k), torch.float32, dev) if write_route else None
     if hist is not None:
-        from k3.ops.moe.qb import qb_range
-
-        lo, span = qb_range(bias)
+        if hist_range is None:
+            raise ValueError("hist_range (k3.ops.moe.qb.qb_range(bias)) is required with hist")
+        lo, span = hist_range
         scale = hist.shape[1] / span
         lo, scale = lo.reshape(1).float(), scale.reshape(1).float()
     else:
@@ -118,9 +121,9 @@ def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 class _FusedRoute(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, top_k, hist, scaling):
+    def forward(ctx, x, weight, bias, top_k, hist, hist_range, scaling):
         logits = router_logits(x, weight)
-        idx, p, ssel = _launch(logits, bias.float().contiguous(), top_k, scaling, hist, True, True)
+        idx, p, ssel = _launch(logits, bias.float().contiguous(), top_k, scaling, hist, hist_range, True, True)
         ctx.save_for_backward(x, weight, idx, ssel)
         ctx.scaling, ctx.n = scaling, weight.shape[0]
         ctx.mark_non_differentiable(idx)
@@ -141,17 +144,21 @@ class _FusedRoute(torch.autograd.Function):
             dx = (dl @ (weight if low else weight.float())).to(x.dtype)
         if ctx.needs_input_grad[1]:
             dw = (dl.t() @ (x if low else x.float())).to(weight.dtype)
-        return dx, dw, None, None, None, None
+        return dx, dw, None, None, None, None, None
 
 
 def route_fused(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, top_k: int,
-                hist: torch.Tensor | None = None, scaling: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Same contract as ``k3.ops.moe.router.route_reference`` (inputs already validated)."""
-    return _FusedRoute.apply(x, weight, bias, top_k, hist, scaling)
+                hist: torch.Tensor | None = None, scaling: float = 1.0, hist_range: HistRange | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Same contract as ``k3.ops.moe.router.route_reference`` (inputs already validated); with ``hist`` also
+    ``hist_range = qb_range(bias)``."""
+    return _FusedRoute.apply(x, weight, bias, top_k, hist, hist_range, scaling)
 
 
-def qb_histogram_fused(scores: torch.Tensor, bias: torch.Tensor, top_k: int, hist: torch.Tensor) -> torch.Tensor:
-    """Accumulate the QB histogram of sigmoid ``scores [m, n]`` into ``hist [n, B]`` int32 (in place)."""
+def qb_histogram_fused(scores: torch.Tensor, bias: torch.Tensor, top_k: int, hist: torch.Tensor,
+                       hist_range: HistRange) -> torch.Tensor:
+    """Accumulate the QB histogram of sigmoid ``scores [m, n]`` into ``hist [n, B]`` int32 (in place) over
+    ``hist_range = qb_range(bias)``."""
     s = scores if scores.dtype == torch.float32 and scores.stride(-1) == 1 else scores.float().contiguous()
-    _launch(s, bias.float().contiguous(), top_k, 1.0, hist, False, False)
+    _launch(s, bias.float().contiguous(), top_k, 1.0, hist, hist_range, False, False)
     return hist

@@ -1,4 +1,5 @@
-"""SiTU-GLU (SPEC §5): [β1·tanh(g/β1)·σ(g)] · [β2·tanh(u/β2)]; every output lies in (−β1·β2, β1·β2).
+"""SiTU-GLU: [β1·tanh(g/β1)·σ(g)] · [β2·tanh(u/β2)]; every output lies in (−β1·β2, β1·β2)
+(docs/architecture.md#situ-glu).
 
 Computed in fp32 and cast back; SwiGLU to first order near 0. ``situ_glu_reference`` is the plain PyTorch ground
 truth; ``situ_glu`` dispatches to the fused Triton forward/backward (``situ_triton.py``) on CUDA tensors
@@ -52,7 +53,7 @@ def situ_glu(gate: torch.Tensor, up: torch.Tensor, beta1: float = 4.0, beta2: fl
         from k3.ops.moe.situ_triton import situ_glu_fused
 
         with on_device_of(gate):
-            return situ_glu_fused(gate, up, beta1, beta2)
+            return situ_glu_fused(gate, up, beta1, beta2, situ_bound(beta1, beta2, gate.dtype))
     return situ_glu_reference(gate, up, beta1, beta2)
 
 
@@ -65,6 +66,6 @@ def situ_glu_packed(gu: torch.Tensor, beta1: float = 4.0, beta2: float = 25.0) -
         from k3.ops.moe.situ_triton import situ_glu_fused_packed
 
         with on_device_of(gu):
-            return situ_glu_fused_packed(gu, beta1, beta2)
+            return situ_glu_fused_packed(gu, beta1, beta2, situ_bound(beta1, beta2, gu.dtype))
     g, u = gu.chunk(2, dim=-1)
     return situ_glu_reference(g, u, beta1, beta2)

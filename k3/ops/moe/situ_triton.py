@@ -1,6 +1,7 @@
 """Fused SiTU-GLU forward and backward (Triton): one pass over gate/up in, one pass out.
 
-Math (SPEC §5), in fp32 whatever the storage dtype, with t_g = tanh(g/β1), t_u = tanh(u/β2), σ = sigmoid(g):
+Math (docs/architecture.md#situ-glu), in fp32 whatever the storage dtype, with t_g = tanh(g/β1),
+t_u = tanh(u/β2), σ = sigmoid(g):
     y      = A·B,  A = β1·t_g·σ,  B = β2·t_u
     ∂A/∂g  = (1 − t_g²)·σ + β1·t_g·σ·(1 − σ),   ∂B/∂u = 1 − t_u²
     dg = dy·B·∂A/∂g,  du = dy·A·∂B/∂u
@@ -16,7 +17,6 @@ import triton
 import triton.language as tl
 
 from k3.ops.moe._backend import alloc
-from k3.ops.moe.situ import situ_bound
 
 __all__ = ["situ_glu_fused", "situ_glu_fused_packed"]
 
@@ -65,13 +65,8 @@ def _situ_bwd_kernel(g_ptr, u_ptr, dy_ptr, dg_ptr, du_ptr, M, F, s_g, s_u, s_dy,
     tl.store(du_ptr + o_m[:, None] * s_du + o_f[None, :], (b_dy * b_a * b_db).to(du_ptr.dtype.element_ty), mask=m_x)
 
 
-_OVERRIDE: tuple[int, int, int] | None = None  # (BM, BF, num_warps), set only by the benchmark's config sweep
-
-
 def _blocks(F: int) -> tuple[int, int, int]:
     """(BM rows, BF columns, warps) of one program: 4096 elements, 16-byte bf16 vectors per thread."""
-    if _OVERRIDE is not None:
-        return _OVERRIDE
     bf = min(1024, triton.next_power_of_2(max(F, 1)))
     return max(1, 4096 // bf), bf, 4
 
@@ -82,14 +77,14 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
     return t2 if t2.stride(-1) == 1 or t2.shape[-1] == 1 else t2.contiguous()
 
 
-def _fwd(g: torch.Tensor, u: torch.Tensor, beta1: float, beta2: float) -> torch.Tensor:
+def _fwd(g: torch.Tensor, u: torch.Tensor, beta1: float, beta2: float, bound: float) -> torch.Tensor:
     M, F = g.shape
     y = alloc((M, F), g.dtype, g.device)
     if M and F:
         BM, BF, nw = _blocks(F)
         _situ_fwd_kernel[(triton.cdiv(M, BM), triton.cdiv(F, BF))](
             g, u, y, M, F, g.stride(0), u.stride(0), y.stride(0), float(beta1), float(beta2),
-            situ_bound(beta1, beta2, y.dtype), BM=BM, BF=BF, num_warps=nw)
+            float(bound), BM=BM, BF=BF, num_warps=nw)
     return y
 
 
@@ -105,30 +100,30 @@ def _bwd(g: torch.Tensor, u: torch.Tensor, dy: torch.Tensor, dg: torch.Tensor, d
 
 class _SituGLU(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, gate: torch.Tensor, up: torch.Tensor, beta1: float, beta2: float) -> torch.Tensor:
+    def forward(ctx, gate: torch.Tensor, up: torch.Tensor, beta1: float, beta2: float, bound: float) -> torch.Tensor:
         shape = gate.shape
         g, u = _rows(gate), _rows(up)
         ctx.save_for_backward(g, u)
         ctx.betas, ctx.shape = (beta1, beta2), shape
-        return _fwd(g, u, beta1, beta2).view(shape)
+        return _fwd(g, u, beta1, beta2, bound).view(shape)
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
         g, u = ctx.saved_tensors
         dg, du = alloc(g.shape, g.dtype, g.device), alloc(u.shape, u.dtype, u.device)
         _bwd(g, u, _rows(dy), dg, du, *ctx.betas)
-        return dg.view(ctx.shape), du.view(ctx.shape), None, None
+        return dg.view(ctx.shape), du.view(ctx.shape), None, None, None
 
 
 class _SituGLUPacked(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, gu: torch.Tensor, beta1: float, beta2: float) -> torch.Tensor:
+    def forward(ctx, gu: torch.Tensor, beta1: float, beta2: float, bound: float) -> torch.Tensor:
         shape = gu.shape
         h = _rows(gu)
         F = h.shape[1] // 2
         ctx.save_for_backward(h)
         ctx.betas, ctx.shape = (beta1, beta2), shape
-        return _fwd(h[:, :F], h[:, F:], beta1, beta2).view(*shape[:-1], F)
+        return _fwd(h[:, :F], h[:, F:], beta1, beta2, bound).view(*shape[:-1], F)
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
@@ -136,14 +131,16 @@ class _SituGLUPacked(torch.autograd.Function):
         F = h.shape[1] // 2
         dh = alloc(h.shape, h.dtype, h.device)
         _bwd(h[:, :F], h[:, F:], _rows(dy), dh[:, :F], dh[:, F:], *ctx.betas)
-        return dh.view(ctx.shape), None, None
+        return dh.view(ctx.shape), None, None, None
 
 
-def situ_glu_fused(gate: torch.Tensor, up: torch.Tensor, beta1: float = 4.0, beta2: float = 25.0) -> torch.Tensor:
-    """SiTU-GLU of ``gate, up [..., F]`` (same shape and dtype) → ``[..., F]``; one fused kernel each way."""
-    return _SituGLU.apply(gate, up, beta1, beta2)
+def situ_glu_fused(gate: torch.Tensor, up: torch.Tensor, beta1: float, beta2: float, bound: float) -> torch.Tensor:
+    """SiTU-GLU of ``gate, up [..., F]`` (same shape and dtype) → ``[..., F]``; one fused kernel each way.
+    Outputs are clamped to ±``bound`` (``k3.ops.moe.situ.situ_bound``: just inside ±β1·β2 in the output dtype)."""
+    return _SituGLU.apply(gate, up, beta1, beta2, bound)
 
 
-def situ_glu_fused_packed(gu: torch.Tensor, beta1: float = 4.0, beta2: float = 25.0) -> torch.Tensor:
-    """SiTU-GLU of a packed ``gu [..., 2F]`` (gate = first half, up = second half) → ``[..., F]``."""
-    return _SituGLUPacked.apply(gu, beta1, beta2)
+def situ_glu_fused_packed(gu: torch.Tensor, beta1: float, beta2: float, bound: float) -> torch.Tensor:
+    """SiTU-GLU of a packed ``gu [..., 2F]`` (gate = first half, up = second half) → ``[..., F]``, clamped to
+    ±``bound`` as ``situ_glu_fused``."""
+    return _SituGLUPacked.apply(gu, beta1, beta2, bound)

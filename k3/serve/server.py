@@ -1,0 +1,86 @@
+"""``k3 serve``: load a run or a released checkpoint, start the engine, serve the API with uvicorn.
+
+The listening socket is bound here, before uvicorn starts, so a busy port or a bad host is reported as one
+``k3: error:`` line; ``--port 0`` lets the system pick a free port (the ready line on stdout names it).
+"""
+
+from __future__ import annotations
+
+import socket
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+import uvicorn
+
+from k3.ckpt.released import load_pretrained
+from k3.ckpt.run import load_checkpoint
+from k3.data.k3_tokenizer import load_k3_tokenizer
+from k3.serve.api import create_app
+from k3.serve.chat import chat_format, find_chat_template
+from k3.serve.engine import Engine
+from k3.train.trainer import cpu_threads
+
+__all__ = ["serve", "load_for_serving", "bind_socket"]
+
+
+def load_for_serving(run: str | None, model_path: str | None, device: Any, dtype: str | None,
+                     force_memory: bool = False) -> tuple[Any, Any, list[Path], str]:
+    """``(model, tokenizer, folders that may hold a chat template, default model name)``."""
+    if run is not None:
+        if dtype is not None:
+            raise ValueError("--dtype applies to --model only; drop it with --run")
+        ck = load_checkpoint(run, device=device, force_memory=force_memory)
+        folders = [Path(ck["dir"]), Path(ck["dir"]) / "tokenizer_files"]
+        return ck["model"], ck["tokenizer"], folders, Path(run).resolve().name
+    tok = load_k3_tokenizer(model_path)
+    model = load_pretrained(model_path, device=device, dtype=getattr(torch, dtype) if dtype else None,
+                            force_memory=force_memory)
+    return model.eval(), tok, [Path(model_path)], Path(model_path).resolve().name
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A bound TCP socket for ``host:port`` (IPv4 or IPv6); ``ValueError`` with the reason when it cannot be."""
+    try:
+        family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    except socket.gaierror as e:
+        raise ValueError(f"--host {host!r} cannot be resolved: {e.strerror}") from None
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(addr)
+    except OSError as e:
+        sock.close()
+        raise ValueError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    return sock
+
+
+def serve(run: str | None, model_path: str | None, host: str = "127.0.0.1", port: int = 8000, max_batch: int = 8,
+          max_queue: int = 64, max_seq_len: int | None = None, prefill_chunk: int | None = None,
+          name: str | None = None, device: Any = "cpu", dtype: str | None = None, force_memory: bool = False) -> int:
+    """Serve until interrupted (SIGINT/SIGTERM: graceful shutdown). Returns the exit status."""
+    if not 0 <= port <= 65535:
+        raise ValueError(f"--port must be in [0, 65535], got {port}")
+    sock = bind_socket(host, port)  # before the (slow) model load: a busy port fails at once
+    try:
+        model, tok, folders, default_name = load_for_serving(run, model_path, device, dtype, force_memory)
+        if max_seq_len is not None and max_seq_len > model.config.max_seq_len:
+            raise ValueError(f"--max-seq-len {max_seq_len} exceeds the model's max_seq_len {model.config.max_seq_len}")
+        folder = next((f for f in folders if find_chat_template(f) is not None), None)
+        engine = Engine(model, tok, max_batch=max_batch, max_queue=max_queue, capacity=max_seq_len,
+                        prefill_chunk=prefill_chunk)
+        app = create_app(engine, name or default_name, chat_format(tok, folder))
+        with cpu_threads(engine.runner.device, model.config.hidden_size):
+            engine.start()
+        bound = sock.getsockname()
+        print(f"k3: serving {name or default_name!r} on http://{host}:{bound[1]} (OpenAI API under /v1; "
+              f"{engine.max_batch} slots, context {engine.capacity} tokens, device {engine.runner.device})",
+              flush=True)
+        config = uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=5)
+        with cpu_threads(engine.runner.device, model.config.hidden_size):
+            uvicorn.Server(config).run(sockets=[sock])
+    finally:
+        sock.close()
+    sys.stdout.flush()
+    return 0

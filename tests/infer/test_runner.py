@@ -1,0 +1,140 @@
+"""ModelRunner: chunked prefill equals one-call prefill (logits and every state), decode over the slot pool equals a
+full recompute, slots are independent and reset on admission, bad input is refused before anything runs; on GPU the
+CUDA-graph decode step equals the eager step bitwise."""
+
+import pytest
+import torch
+
+from k3.config import K3Config
+from k3.infer.runner import ModelRunner, auto_prefill_chunk, batch_buckets
+from k3.infer.sampling import SamplingParams
+from k3.model import K3ForCausalLM
+from k3.state import KDAState
+
+GREEDY = SamplingParams(max_tokens=64, temperature=0)
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp(min=1e-30)).item()
+
+
+def tiny(seed: int = 0, device: str = "cpu", **kw) -> K3ForCausalLM:
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = K3ForCausalLM(K3Config.from_preset("tiny", **kw))
+    with torch.no_grad():  # away from the zero / ones init so that every AttnRes mix matters
+        for name, p in model.named_parameters():
+            if name.endswith("_res_proj.weight"):
+                p.normal_(0.0, 1.0)
+            elif name.endswith("_res_norm.weight"):
+                p.uniform_(0.5, 1.5)
+    return model.eval()
+
+
+def _state_rows(state, slot: int, n: int) -> list[torch.Tensor]:
+    """Every per-slot tensor of ``state`` at ``slot`` (MLA: the first n cached latents)."""
+    out = []
+    for s in state.layers:
+        if isinstance(s, KDAState):
+            out += [s.recurrent[slot], *(t[slot] for t in s.conv)]
+        else:
+            out.append(s.buf[slot, :n])
+    return out
+
+
+@pytest.mark.parametrize("chunk", [8, 13, 37, 64])
+def test_chunked_prefill_equals_one_call(chunk):
+    """Chunk sizes that divide the prompt, do not, equal it and exceed it; the prompt lands in slot 1 of 3."""
+    model = tiny(1)
+    ids = torch.randint(0, 256, (1, 40), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ref_state = model.init_state(1, capacity=64)
+        ref = model(ids, state=ref_state).logits[:, -1]
+    runner = ModelRunner(model, max_batch=3, capacity=64, prefill_chunk=chunk)
+    runner.admit(1, GREEDY, seed=0)
+    logits = model.lm_head(runner.feed(1, ids[0].tolist()))
+    assert rel(logits, ref) <= 1e-5
+    for got, want in zip(_state_rows(runner.state, 1, 40), _state_rows(ref_state, 0, 40)):
+        assert rel(got, want) <= 1e-5
+    assert runner.state.lengths.tolist() == [0, 40, 0, 0] and runner.length(1) == 40
+
+
+def test_decode_equals_full_recompute_and_slots_are_independent():
+    model = tiny(2)
+    runner = ModelRunner(model, max_batch=4, capacity=96, prefill_chunk=7)
+    g = torch.Generator().manual_seed(1)
+    prompts = {s: torch.randint(0, 256, (n,), generator=g).tolist() for s, n in ((3, 11), (0, 5))}
+    out = {}
+    for slot, p in prompts.items():
+        runner.admit(slot, GREEDY, seed=0)
+        out[slot] = runner.prefill(slot, p).tokens()
+    for step in range(6):
+        slots = [3, 0] if step % 2 else [0, 3]  # order and membership of the batch do not matter
+        for s, t in zip(slots, runner.decode(slots).tokens()):
+            out[s].append(t)
+    # a slot reused by a new sequence starts from scratch
+    runner.admit(3, GREEDY, seed=0)
+    again = runner.prefill(3, prompts[3]).tokens() + runner.decode([3]).tokens()
+    assert again == out[3][:2]
+    for slot, p in prompts.items():
+        ids = list(p)
+        with torch.no_grad():
+            for _ in range(7):
+                ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+        assert out[slot] == ids[len(p):]
+
+
+def test_bad_input_is_refused_before_running():
+    model = tiny(3)
+    runner = ModelRunner(model, max_batch=2, capacity=16)
+    with pytest.raises(ValueError, match="slot"):
+        runner.admit(2, GREEDY, seed=0)  # the scratch row is not a slot
+    with pytest.raises(ValueError, match="admitted"):
+        runner.prefill(0, [1, 2])
+    runner.admit(0, GREEDY, seed=0)
+    with pytest.raises(ValueError, match="ids"):
+        runner.prefill(0, [1, 260])
+    with pytest.raises(ValueError, match="capacity"):
+        runner.prefill(0, list(range(17)))
+    with pytest.raises(ValueError, match="prefilled"):
+        runner.decode([0])
+    runner.prefill(0, [1, 2, 3])
+    with pytest.raises(ValueError, match="distinct"):
+        runner.decode([0, 0])
+    assert runner.state.lengths.tolist() == [3, 0, 0]
+    for kw in ({"max_batch": 0}, {"prefill_chunk": 0}, {"cuda_graphs": "yes"}, {"capacity": 0}):
+        with pytest.raises(ValueError, match=next(iter(kw))):
+            ModelRunner(model, **kw)
+
+
+def test_buckets_and_auto_chunk():
+    assert batch_buckets(1) == [1] and batch_buckets(8) == [1, 2, 4, 8] and batch_buckets(12) == [1, 2, 4, 8, 12]
+    small = K3ForCausalLM(K3Config.from_preset("tiny"))
+    c = auto_prefill_chunk(small, torch.device("cpu"), budget_bytes=64 << 20)
+    assert c % 64 == 0 and 64 <= c <= 65536
+    assert auto_prefill_chunk(small, torch.device("cpu"), budget_bytes=1) == 64
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+@pytest.mark.parametrize("mode_params", [GREEDY, SamplingParams(max_tokens=64, temperature=0.8, top_k=20, top_p=0.9)])
+def test_cuda_graph_decode_equals_eager_step_bitwise(mode_params):
+    """Two runners fed alike, one replaying graphs, one running the same padded step eagerly: identical tokens and
+    identical state pools, step after step (bf16 model)."""
+    model = tiny(4, device="cuda", dtype="bfloat16")
+    runners = [ModelRunner(model, max_batch=4, capacity=128, cuda_graphs=g) for g in (True, False)]
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (9, 30, 17)]
+    for r in runners:
+        for s, p in enumerate(prompts):
+            r.admit(s, mode_params, seed=100 + s)
+            r.prefill(s, p)
+    graph, eager = runners
+    for _ in range(8):
+        got = graph.decode([0, 1, 2]).tokens()
+        eager._bind_batch((0, 1, 2, eager.scratch))  # the graph's padded bucket, run eagerly
+        with torch.no_grad():
+            eager._step(4, "greedy" if mode_params.temperature == 0 else "filtered")
+        assert got == eager._out[:3].tolist()
+        for a, b in zip(_state_rows(graph.state, slice(0, 3), 128), _state_rows(eager.state, slice(0, 3), 128)):
+            assert torch.equal(a, b)
+    assert graph.use_graphs and (4, "greedy" if mode_params.temperature == 0 else "filtered") in graph._graphs

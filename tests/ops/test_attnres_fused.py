@@ -1,0 +1,173 @@
+"""The fused AttnRes Triton kernels (interpreter, fp32, on CPU; the same tests run on CUDA when present) against the
+fp32 reference: outputs and every gradient, with and without the fused output norm, 1 and 16 sources, odd token
+counts, NaN-poisoned outputs; fla's entries; the two-phase form; torch.library registration."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from k3.ops import attn_res, fused_attnres, naive_attnres
+from k3.ops.attnres import attn_res_fused, attn_res_merge, attn_res_phase1, attn_res_reference
+from k3.ops.attnres.two_phase import attn_res_merge_fused
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp(min=1e-30)).item()
+
+
+def _inputs(n: int, shape: tuple[int, ...], onorm: bool, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    D = shape[-1]
+    srcs = [(torch.randn(*shape, generator=g) * (1 + i)).to(DEV).requires_grad_() for i in range(n)]
+    q = (torch.randn(D, generator=g) * 3 / D ** 0.5).to(DEV).requires_grad_()  # scores of a few units
+    w = (torch.rand(D, generator=g) + 0.5).to(DEV).requires_grad_()
+    ow = (torch.rand(D, generator=g) + 0.5).to(DEV).requires_grad_() if onorm else None
+    return srcs, q, w, ow
+
+
+@pytest.mark.parametrize("n,shape,onorm,save_pre", [
+    (1, (5, 24), False, False), (1, (5, 24), True, True), (3, (7, 40), True, False), (4, (3, 3, 100), True, True),
+    (16, (3, 33), False, True), (2, (1, 64), True, False),
+])
+def test_fused_matches_reference(n, shape, onorm, save_pre, nan_empty) -> None:
+    """Against the reference in fp64 on the same inputs. The score gradients (query, gain) sum over tokens with
+    cancellation, so fp32 itself — the fp32 reference included — is only good to ~1e-5 there."""
+    srcs, q, w, ow = _inputs(n, shape, onorm, n * 7 + len(shape))
+    leaves = [q, w, *srcs] + ([ow] if onorm else [])
+    y = attn_res_fused(q, srcs, w, 1e-5, ow, 0.7, save_pre)
+    dy = torch.randn(y.shape, generator=torch.Generator().manual_seed(n)).to(DEV)
+    got = torch.autograd.grad(y, leaves, dy)
+    ref = [t.detach().cpu().double().requires_grad_() for t in leaves]
+    want_y = attn_res_reference(ref[0], ref[2:2 + n], ref[1], 1e-5, ref[-1] if onorm else None, 0.7)
+    want = torch.autograd.grad(want_y, ref, dy.cpu().double())
+    assert y.shape == want_y.shape and y.dtype == torch.float32
+    assert rel(y, want_y) < 1e-6
+    for i, (a, b) in enumerate(zip(got, want)):
+        if n == 1 and i < 2:  # one source: the scores get no gradient at all
+            assert torch.count_nonzero(a) == 0 and torch.count_nonzero(b) == 0
+        else:
+            assert rel(a, b) < (1e-4 if i < 2 else 1e-5), i
+
+
+def test_peaked_weights_stay_accurate() -> None:
+    """Scores tens of units apart (depth weights ~1e-4 / 0.9998): the score gradients are then tiny differences;
+    the kernel forms δ = ⟨g, o⟩ from the fp32 mix, so their relative error grows like 1e-7 / (1 − p_max)."""
+    srcs, q, w, ow = _inputs(2, (4, 64), True, 16)
+    q = (q.detach() * 8).requires_grad_()
+    leaves = [q, w, *srcs, ow]
+    y = attn_res_fused(q, srcs, w, 1e-5, ow, 0.7)
+    do = torch.randn_like(y)
+    got = torch.autograd.grad(y, leaves, do)
+    ref = [t.detach().cpu().double().requires_grad_() for t in leaves]
+    y64 = attn_res_reference(ref[0], ref[2:4], ref[1], 1e-5, ref[4], 0.7)
+    want = torch.autograd.grad(y64, ref, do.cpu().double())
+    assert rel(y, y64) < 1e-6
+    assert [rel(a, b) < tol for a, b, tol in zip(got, want, [2e-3, 2e-3, 1e-5, 1e-5, 1e-5])] == [True] * 5
+
+
+def test_zero_query_gives_the_plain_mean() -> None:
+    torch.manual_seed(0)
+    srcs = [torch.randn(5, 24, device=DEV) * (i + 1) for i in range(3)]
+    mean = torch.stack(srcs).mean(0)
+    for y in (attn_res(torch.zeros(24, device=DEV), srcs, torch.rand(24, device=DEV)),
+              attn_res_fused(torch.zeros(24, device=DEV), srcs, None, 1e-5),
+              attn_res_reference(torch.zeros(24), [s.cpu() for s in srcs])):
+        assert rel(y, mean) < 1e-6
+
+
+def test_bad_input_names_the_argument() -> None:
+    s = torch.zeros(2, 4)
+    cases = [
+        (lambda: attn_res(torch.zeros(4), []), "sources"),
+        (lambda: attn_res(torch.zeros(4), [s, torch.zeros(3, 4)]), r"sources\[1\] has shape"),
+        (lambda: attn_res(torch.zeros(4), [s, s.double()]), r"sources\[1\] has dtype"),
+        (lambda: attn_res(torch.zeros(4), [s, torch.zeros(2, 4, device="meta")]), r"sources\[1\] lives on"),
+        (lambda: attn_res(torch.zeros(4), [s.long()]), r"sources\[0\]"),
+        (lambda: attn_res(torch.zeros(5), [s]), "query"),
+        (lambda: attn_res(torch.zeros(4), [s], torch.ones(3)), "norm_weight"),
+        (lambda: attn_res(torch.zeros(4), [s], None, 1e-5, torch.ones(5)), "out_norm_weight"),
+        (lambda: attn_res(torch.zeros(4), [s], None, 0.0), "eps"),
+        (lambda: fused_attnres(torch.zeros(4), [], torch.ones(4)), "residuals"),
+        (lambda: fused_attnres(torch.zeros(4), [s], torch.ones(4), checkpoint_level=2), "checkpoint_level"),
+        (lambda: naive_attnres(torch.zeros(4), [s], torch.ones(3)), "rms_weight"),
+    ]
+    for call, match in cases:
+        with pytest.raises(ValueError, match=match):
+            call()
+
+
+def _fla_naive(query, residuals, rms_weight, output_rms_weight=None, rms_eps=1e-6, scale=1.0):
+    """fla's reference formula: keys rms_norm(v) · rms_weight scored against query · scale, depth softmax."""
+    D = residuals[0].shape[-1]
+    v = torch.stack([r.reshape(-1, D).float() for r in residuals])
+    k = F.rms_norm(v, (D,), rms_weight.flatten().float(), rms_eps)
+    p = torch.einsum("lnd,d->ln", k, query.flatten().float() * scale).softmax(0)
+    o = torch.einsum("ln,lnd->nd", p, v).view(residuals[0].shape)
+    if output_rms_weight is not None:
+        o = F.rms_norm(o, (D,), output_rms_weight.float(), rms_eps)
+    return o.to(residuals[0].dtype), p.view(len(residuals), *residuals[0].shape[:-1])
+
+
+@pytest.mark.parametrize("onorm", [False, True])
+def test_fla_entries_match_fla_semantics(onorm: bool) -> None:
+    srcs, q, w, ow = _inputs(3, (2, 5, 48), onorm, 11)
+    want_o, want_p = _fla_naive(q[:, None], srcs, w, ow, 1e-6, 48 ** -0.5)
+    o, p = naive_attnres(q[:, None], srcs, w, ow, scale=48 ** -0.5, return_weights=True)
+    assert rel(o, want_o) < 1e-6 and rel(p, want_p) < 1e-6 and p.shape == (3, 2, 5)
+    for level in (0, 1):
+        o, p = fused_attnres(q[:, None], srcs, w, ow, scale=48 ** -0.5, return_weights=True, checkpoint_level=level)
+        assert rel(o, want_o) < 1e-5 and rel(p, want_p) < 1e-5
+    o, p = attn_res_fused(q, srcs, w, 1e-6, ow, 48 ** -0.5, return_weights=True)  # the Triton path on any device
+    assert rel(o, want_o) < 1e-5 and rel(p, want_p) < 1e-5 and p.dtype == torch.float32
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_two_phase_equals_the_per_layer_mix(dtype: torch.dtype) -> None:
+    torch.manual_seed(3)
+    closed = [torch.randn(2, 7, 32, dtype=dtype) * (i + 1) for i in range(4)]
+    queries = [(torch.randn(32, dtype=dtype), torch.rand(32, dtype=dtype) + 0.5) for _ in range(5)]
+    partials = [torch.randn(2, 7, 32, dtype=dtype) * 3 for _ in queries]
+    ow = torch.rand(32, dtype=dtype) + 0.5
+    o1, lse = attn_res_phase1(torch.stack([q * g for q, g in queries]), closed, 1e-5)
+    assert o1.shape == (5, 2, 7, 32) and lse.shape == (5, 2, 7)
+    tol = 1e-6 if dtype == torch.float32 else 1e-12
+    for i, ((q, g), p) in enumerate(zip(queries, partials)):
+        for out_w in (None, ow):
+            got = attn_res_merge(o1[i], lse[i], p, q * g, 1e-5, out_w)
+            assert rel(got, attn_res_reference(q, [*closed, p], g, 1e-5, out_w)) <= tol
+
+
+def test_registered_ops_pass_opcheck() -> None:
+    srcs, q, w, ow = _inputs(2, (3, 16), True, 5)
+    qw = (q * w).detach()
+    flat = [s.detach().requires_grad_() for s in srcs]
+    for save_pre in (False, True):
+        torch.library.opcheck(torch.ops.k3.attn_res_fwd.default, (flat, qw.requires_grad_(), ow, 1e-5, 1.0, save_pre),
+                              test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
+
+
+def test_fla_signatures() -> None:
+    """fla 0.6.0's ``fla.ops.attnres`` signatures: names, order and defaults."""
+    import inspect
+
+    fla_fused = [("query", None), ("residuals", None), ("rms_weight", None), ("output_rms_weight", None),
+                 ("rms_eps", 1e-6), ("scale", 1.0), ("return_weights", False), ("checkpoint_level", 1)]
+    for fn, want in ((fused_attnres, fla_fused), (naive_attnres, fla_fused[:-1])):
+        got = [(p.name, None if p.default is inspect.Parameter.empty else p.default)
+               for p in inspect.signature(fn).parameters.values()]
+        assert got == want
+
+
+@pytest.mark.parametrize("onorm", [False, True])
+def test_merge_kernel_matches_the_reference(onorm: bool, nan_empty) -> None:
+    """The Triton merge (forward kernel started from phase 1's state) equals the per-layer mix."""
+    torch.manual_seed(4)
+    closed = [torch.randn(3, 5, 40, device=DEV) * (i + 1) for i in range(3)]
+    q, g = torch.randn(40, device=DEV) * 0.5, torch.rand(40, device=DEV) + 0.5
+    p = torch.randn(3, 5, 40, device=DEV) * 2
+    ow = torch.rand(40, device=DEV) + 0.5 if onorm else None
+    o1, lse = attn_res_phase1((q * g)[None], closed, 1e-5)
+    got = attn_res_merge_fused(o1[0], lse[0], p, q * g, 1e-5, ow)
+    assert got.shape == p.shape and rel(got, attn_res_reference(q, [*closed, p], g, 1e-5, ow)) < 1e-6
