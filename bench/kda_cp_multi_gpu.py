@@ -3,8 +3,8 @@
     NCCL_NVLS_ENABLE=0 torchrun --nproc_per_node=2 bench/kda_cp_multi_gpu.py [--T 524288] [--H 32] [--check-T 65536]
 
 Rank 0 alone runs the full sequence (the 1-GPU time) while rank 1 waits; then both ranks run their slices with
-``chunk_kda(..., cp_context=ctx)``, with the halves of a one-piece slice (the default) and without. Inputs are the K3 setting
-(bf16, K=V=128, bounded gate fused in the kernel, in-kernel L2 norm and β sigmoid), B=1. Uses the Triton backend
+``chunk_kda(..., cp_context=ctx)``, with the halves of a one-piece slice (the default) and without. Inputs are the K3
+setting (bf16, K=V=128, bounded gate fused in the kernel, in-kernel L2 norm and β sigmoid), B=1. Uses the Triton backend
 when present (K3_KDA_BACKEND is honoured). A smaller ``--check-T`` run compares the CP output and every gradient
 against the single-GPU result, worst over ranks, three ways: the K3 init (states fade within a few tokens), slowly
 decaying gates in bf16 and in fp32 (the entry state carries over the slice), each with how far the output would be

@@ -13,7 +13,7 @@ status=0
 timeout 170 python -m k3.bench kda --out "$dir" --sections decode,prefill,train --T 131072 1048576 --H 32 8 \
     2>&1 | tee "$dir/bench.log" || status=$?
 timeout 75 bash bench/gpu_tests_parallel.sh gpu_quick 12 "$dir/tests" tests/ops/test_kda_train.py \
-    tests/ops/test_kda_inference.py tests/ops/test_kda_split.py tests/ops/test_kda_decode.py \
+    tests/ops/test_kda_inference.py tests/ops/test_kda_split.py tests/ops/test_kda_decode.py tests/ops/test_kda_compile.py \
     > "$dir/tests.log" 2>&1 || status=$?
 echo
 echo "== house-kda summary =="

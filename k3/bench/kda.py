@@ -22,7 +22,8 @@ from typing import Any, Callable
 import torch
 
 from k3.bench import BenchParser
-from k3.utils import env_var
+from k3.ops.kda import chunk_kda, fused_recurrent_kda
+from k3.utils import atomic_write_text, env_var
 
 __all__ = ["main"]
 
@@ -61,8 +62,6 @@ def never_forgetting(x: dict) -> dict:
 
 
 def _ours(x: dict, **kw) -> tuple:
-    from k3.ops.kda import chunk_kda
-
     return chunk_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], A_log=x["A_log"], dt_bias=x["dt_bias"],
                      output_final_state=True, **{**K3_FLAGS, **kw})
 
@@ -179,8 +178,6 @@ def train_rows(shapes: list[tuple[int, int, int]], with_fla: bool) -> list[dict]
 
 
 def decode_rows(with_fla: bool, B: int = 64, H: int = 32) -> list[dict]:
-    from k3.ops.kda import fused_recurrent_kda
-
     x = _inputs(B, 1, H)
     h0 = torch.randn(B, H, 128, 128, device="cuda", dtype=torch.float32)
     pool = torch.randn(2 * B, H, 128, 128, device="cuda", dtype=torch.float32)
@@ -367,8 +364,6 @@ def main(argv: list[str] | None = None) -> int:
     md = markdown(rows, header)
     print(md)
     if a.out:
-        from k3.utils import atomic_write_text
-
         atomic_write_text(os.path.join(a.out, "kda_bench.json"), json.dumps(dict(header=header, rows=rows), indent=1))
         atomic_write_text(os.path.join(a.out, "kda_bench.md"), md)
     return 0

@@ -27,6 +27,8 @@ from typing import Any, Callable
 import torch
 
 from k3.bench import BenchParser
+from k3.ops.kda import chunk_kda
+from k3.ops.kda.prefix import SplitCostModel, balanced_cut, choose_splits
 from k3.utils import atomic_write_text, env_var
 
 __all__ = ["split_rows", "check_rows", "format_rows", "main"]
@@ -82,8 +84,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 def _model_ms(unsplit_ms: float, H: int, T: int, K: int, P: int, sm: int) -> float:
     """Cost-model prediction for a row: the measured unsplit time moved by the model's difference between that
     row's path (P segments of one T-token sequence) and the (overlapped) unsplit path."""
-    from k3.ops.kda.prefix import SplitCostModel, balanced_cut
-    from k3.ops.kda.triton import unsplit_windows
+    from k3.ops.kda.triton import unsplit_windows  # triton is optional
 
     m = SplitCostModel(sm_count=sm)
     n = -(-T // 64)
@@ -105,9 +106,7 @@ def split_rows(shapes: list[tuple[int, int]], splits: list[int], with_fla: bool 
                K: int = 128, device: str = "cuda", dtype: torch.dtype = torch.bfloat16,
                log: Callable[[str], None] = print) -> list[dict[str, Any]]:
     """Rows ``{H, T, impl, P, ms, extra_gib, err, state_err, model_ms}`` for B=1 prefill (see the module doc)."""
-    from k3.ops.kda import chunk_kda
-    from k3.ops.kda.prefix import choose_splits
-    from k3.ops.kda.triton import unsplit_windows
+    from k3.ops.kda.triton import unsplit_windows  # triton is optional
 
     fla = _fla() if with_fla else None
     sm = torch.cuda.get_device_properties(0).multi_processor_count if device == "cuda" else 132
@@ -161,8 +160,6 @@ def check_rows(splits: tuple[int, ...] = (2, 3, 7), H: int = 8, K: int = 128, le
                ) -> list[dict[str, Any]]:
     """Forced splits against the unsplit path on a varlen batch with initial states (g ≈ −0.01, so states carry
     across segment boundaries): relative RMS of outputs and final states."""
-    from k3.ops.kda import chunk_kda
-
     lens = lens or [100_000, 3, 200_000, 777]
     cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), device=device)
     rows = []

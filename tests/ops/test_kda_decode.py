@@ -21,7 +21,7 @@ import k3.ops.kda.triton.decode_gluon as dg  # noqa: E402
 from k3.ops.kda import fused_recurrent_kda, naive_recurrent_kda  # noqa: E402
 from k3.ops.kda.args import _checked_dims, _common_call_dims, kda_args  # noqa: E402
 from k3.ops.kda.gate import kda_gate_fused  # noqa: E402
-from k3.ops.kda.triton import common  # noqa: E402
+from k3.ops.kda.triton import _common as common  # noqa: E402
 from tests.ops.kernel_spy import KernelSpy  # noqa: E402
 
 CUDA = torch.cuda.is_available()
@@ -339,14 +339,15 @@ def on_gpu(x: dict, dtype: torch.dtype) -> dict:
 
 
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
-
+QUICK = pytest.mark.gpu_quick
 
 
 # ------------------------------------------------------------------------------------------------ GPU
 
 
 @gpu
-@pytest.mark.parametrize("Kd,Vd", [(16, 128), (128, 16), (100, 72), (64, 64), (128, 128)])
+@pytest.mark.parametrize("Kd,Vd", [(16, 128), (128, 16), pytest.param(100, 72, marks=QUICK), (64, 64),
+                                   pytest.param(128, 128, marks=QUICK)])
 def test_gpu_decode_head_dims_bf16(monkeypatch, Kd, Vd):
     """The default dispatch (the Gluon kernel at K = V = 128, the Triton kernels otherwise) at other head dims, bf16:
     one step (B = 5) and a varlen prefix of 7 tokens, outputs and states against the fp64 recurrence."""
@@ -359,10 +360,9 @@ def test_gpu_decode_head_dims_bf16(monkeypatch, Kd, Vd):
         assert rel(o.cpu(), ro) <= 2e-2 and rel(s.cpu(), rs) <= 2e-2, (B, T)
 
 
-@pytest.mark.gpu_quick
 @gluon_gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("K,V", [(128, 128), (12, 20), (100, 72)])
+@pytest.mark.parametrize("K,V", [pytest.param(128, 128, marks=QUICK), (12, 20), pytest.param(100, 72, marks=QUICK)])
 @pytest.mark.parametrize("h0", [True, False])
 def test_gpu_gluon_step(gluon, nan_empty, dtype, K, V, h0):
     """One token, K3 flags, fp64 reference: output and final state (fp32 state: 1e-5 whatever the inputs)."""
@@ -505,7 +505,7 @@ def test_spec_key_separates_what_triton_specialises():
     native = pytest.importorskip("triton._C.libtriton").native_specialize_impl
     from triton.backends.compiler import BaseBackend
 
-    from k3.ops.kda.triton.common import _spec_key
+    from k3.ops.kda.triton._common import _spec_key
 
     buf = torch.zeros(64, dtype=torch.float32)
     samples = [buf, buf[1:], buf[4:], buf.half(), buf.half()[1:], buf.half()[8:], buf.bfloat16(), buf.long(),

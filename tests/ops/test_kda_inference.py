@@ -21,7 +21,7 @@ pytest.importorskip("triton")
 from k3.ops.kda.triton import chunk_kda as chunk_kda_triton  # noqa: E402
 from k3.ops.kda.triton import inference_prep as ip  # noqa: E402
 from k3.ops.kda.triton import inference_prep_gluon as ipg  # noqa: E402
-from k3.ops.kda.triton.common import HAVE_GLUON, make_chunk_table  # noqa: E402
+from k3.ops.kda.triton._common import HAVE_GLUON, make_chunk_table  # noqa: E402
 from k3.ops.kda.triton.inference import InferencePlan, use_c16  # noqa: E402
 from tests.ops.kda_ref import (  # noqa: E402
     CUDA,

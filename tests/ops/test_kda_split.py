@@ -251,43 +251,31 @@ def _triton_split(args: tuple, kw: dict, P: int, plan=None, spy_m: list | None =
             split.launch_span = real
 
 
-def _unsplit(args: tuple, kw: dict):
-    """The unsplit Triton call on the 16-token flow (the split's prep and state pass)."""
-    from k3.ops.kda.triton import chunk_kda as chunk_kda_triton
-    from k3.ops.kda.triton.inference import InferencePlan
-
-    with torch.no_grad():
-        return chunk_kda_triton(*args, kw["initial_state"], kw["A_log"], kw["dt_bias"], _args(args, kw),
-                                inference=InferencePlan(c16_min_programs=0))
-
-
 @triton_cpu
 def test_split_windows_varlen(nan_empty):
     """Forced 3 segments over windows of 3 chunks (a sequence crossing windows, one shorter than a segment, an
-    empty one), initial states: equal to the unsplit path to fp32 rounding and to the fp64 recurrence to 1e-4."""
+    empty one), initial states: equal to the fp64 recurrence to fp32 rounding."""
     from k3.ops.kda.triton.inference_prep import c16_chunk_bytes
     from k3.ops.kda.triton.split import SplitPlan
 
-    args, kw = _k3_case([300, 20, 0, 100], H=1)
-    ref = _unsplit(args, kw)
+    args, kw = _k3_case([150, 20, 0, 50], H=1)
     out = _triton_split(args, kw, 3, SplitPlan(window_bytes=3 * c16_chunk_bytes(1, 16, 16, torch.float32)))
     exact = _fp64_reference(args, kw)
-    assert rel(out[0], ref[0]) <= 1e-5 and rel(out[1], ref[1]) <= 1e-5
-    assert rel(out[0], exact[0]) <= 1e-4 and rel(out[1], exact[1]) <= 1e-4
+    assert rel(out[0], exact[0]) <= 1e-5 and rel(out[1], exact[1]) <= 1e-5, (rel(out[0], exact[0]), rel(out[1], exact[1]))
 
 
 @triton_cpu
 def test_split_forget_is_exact(nan_empty):
     """``SplitPlan.forget_log2``: where a row's suffix provably scales its history by ≤ 2^−20, its M is stored as 0
     and S_ext runs over the suffix alone — on a head whose gates forget (the benchmark's) some rows do so, on a
-    head with long memory none may — and the result still equals the unsplit path and the fp64 recurrence."""
+    head with long memory none may — and the result still equals the fp64 recurrence to fp32 rounding."""
     from k3.ops.kda.triton.split import SplitPlan
 
-    args, kw = _k3_case([260, 20], seed=3)
+    args, kw = _k3_case([170, 20], seed=3)
     dt = kw["dt_bias"].clone().view(2, -1)
     dt[0] = 0.0  # head 0: the benchmark's gates (each 16-token block's bound ~2^−7 here); head 1 remembers
     kw = {**kw, "dt_bias": dt.flatten()}
-    ref = _unsplit(args, kw)
+    ref = _fp64_reference(args, kw)
     m_rows: list = []
     out = _triton_split(args, kw, 3, SplitPlan(forget_log2=20.0), spy_m=m_rows)
     zero = [(h, bool((m == 0).all())) for h, m in m_rows]
@@ -301,10 +289,10 @@ def test_split_forget_detects_a_loose_bound():
     without the in-kernel L2 norm (the bound's premise) the same bound is not applied."""
     from k3.ops.kda.triton.split import SplitPlan
 
-    args, kw = _k3_case([200], H=1)
+    args, kw = _k3_case([100], H=1)
     for norm, bad in ((True, True), (False, False)):
         kwn = {**kw, "use_qk_l2norm_in_kernel": norm}
-        ref = _unsplit(args, kwn)
+        ref = _fp64_reference(args, kwn)
         out = _triton_split(args, kwn, 3, SplitPlan(forget_log2=0.05))
         assert (rel(out[0], ref[0]) > 1e-2) == bad, (norm, rel(out[0], ref[0]))
 
@@ -312,12 +300,11 @@ def test_split_forget_detects_a_loose_bound():
 @triton_cpu
 def test_forced_split_unbounded_gate_via_summaries(monkeypatch, nan_empty):
     """An unbounded gate with ``K3_KDA_SPLITS`` on the Triton backend: the summaries pass (``span.py``), the fold and
-    one varlen forward from the entry states; equal to unsplit."""
-    args, kw = _k3_case([70, 0, 40], H=1)
+    one varlen forward from the entry states; equal to the fp64 recurrence to fp32 rounding."""
+    args, kw = _k3_case([70, 0], H=1)  # two chunks, an empty sequence
     kw = {**kw, "lower_bound": None, "A_log": torch.full((1,), -4.0)}
+    ref = _fp64_reference(args, kw)
     monkeypatch.setenv("K3_KDA_BACKEND", "triton")
-    with torch.no_grad():
-        ref = chunk_kda(*args, **kw)
     monkeypatch.setenv("K3_KDA_SPLITS", "3")
     with torch.no_grad():
         out = chunk_kda(*args, **kw)
@@ -358,7 +345,7 @@ def test_prep_decay_bound():
     """The prep's per-block bound ("DEC", log2) is 16 × the block's largest log2 decay of the gate the kernels apply,
     0 for a block with rows past its sequence's end; the buffer exists only when asked for."""
     from k3.ops.kda.triton import inference_prep as ip
-    from k3.ops.kda.triton.common import make_chunk_table
+    from k3.ops.kda.triton._common import make_chunk_table
 
     lens = [37, 64]
     (q, k, v, g, b), kw = _k3_case(lens)

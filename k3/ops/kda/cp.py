@@ -71,6 +71,7 @@ class KDACPContext:
     last_halo_bytes: int = field(default=0)
     # the Triton training step runs a one-piece slice of at least this many chunks as two halves side by side
     halves_min_chunks: int = 64
+    last_halves: bool = field(default=False)  # whether the last Triton training step took them
 
     # fla's FLACPContext metadata under fla's names and meaning (for code written against it). One difference:
     # fla's ``cu_seqlens`` are the rank's LOCAL boundaries — here ``local_cu_seqlens``; ``cu_seqlens`` is global.

@@ -50,7 +50,8 @@ def kda_gate(
     dt_bias: torch.Tensor | None,
     lower_bound: float = -5.0,
 ) -> torch.Tensor:
-    """Bounded log-decay g from raw gate pre-activations ``f [..., H, K]``; without A_log, g = lb·sigmoid(f + dt_bias)."""
+    """Bounded log-decay g from raw gate pre-activations ``f [..., H, K]``; without A_log,
+    g = lb·sigmoid(f + dt_bias)."""
     lb = check_lower_bound(lower_bound)
     x = _biased(f, dt_bias)
     if A_log is not None:

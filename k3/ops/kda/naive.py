@@ -71,7 +71,8 @@ def varlen_pad_index(cu_seqlens: torch.Tensor, chunk_size: int) -> tuple[torch.T
     start = torch.tensor(cs[:-1], dtype=torch.long)[:, None]
     length = torch.tensor(lens, dtype=torch.long)[:, None]
     src = torch.where(pos[None] < length, start + pos[None], torch.full_like(pos[None], total))
-    dst = torch.cat([n * T_pad + torch.arange(L) for n, L in enumerate(lens)]) if total else torch.zeros(0, dtype=torch.long)
+    dst = (torch.cat([n * T_pad + torch.arange(L) for n, L in enumerate(lens)]) if total
+           else torch.zeros(0, dtype=torch.long))
     return src, dst.long(), T_pad
 
 

@@ -175,8 +175,9 @@ class SplitCostModel:
         return sum(lens) * H * self.prep_sm_us / self.sm_count
 
     def unsplit_total_us(self, lens: list[int], H: int, K: int, V: int, windows: int = 1) -> float:
-        """Prep + state pass unsplit. ``windows`` > 1: the overlapped path over that many equal windows: the prep of window w + 1 runs beside the state pass of window w, on the SMs its
-        programs leave free (first prep and last state pass alone)."""
+        """Prep + state pass unsplit. ``windows`` > 1: the overlapped path over that many equal windows: the prep of
+        window w + 1 runs beside the state pass of window w, on the SMs its programs leave free (first prep and last
+        state pass alone)."""
         prep, serial = self.prep_us(lens, H), self.predict_us([[n] for n in lens], H, K, V)
         if windows <= 1:
             return prep + serial

@@ -11,9 +11,9 @@
 Every function takes the tensors, then a ``KDAArgs``. The file map by pipeline stage: ``docs/kda-kernels.md``.
 """
 
+from k3.ops.kda.triton._common import sm_count
 from k3.ops.kda.triton.chunk import chunk_kda_triton as chunk_kda
 from k3.ops.kda.triton.chunk import saved_like, train_backward, train_forward
-from k3.ops.kda.triton.common import sm_count
 from k3.ops.kda.triton.cp import cp_chunk_kda_train
 from k3.ops.kda.triton.decode import fused_recurrent_kda_triton as fused_recurrent_kda
 from k3.ops.kda.triton.inference import unsplit_windows

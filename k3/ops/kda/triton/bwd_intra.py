@@ -35,7 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-from k3.ops.kda.triton.common import _chunk_pos, _gate_fwd, _sigmoid, _softplus
+from k3.ops.kda.triton._common import _chunk_pos, _sigmoid, _softplus
 
 # all of K (≤ 128) in one slice at 8 warps, capped at 128 registers: dq, dk finish in registers (no scratch round
 # trip); the dG → dg pass in K-slices of 32 at 2 warps

@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from k3.ops.kda.triton.common import (
+from k3.ops.kda.triton._common import (
     BT,
     ChunkTable,
     _chunk_range,

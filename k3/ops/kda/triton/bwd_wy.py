@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from k3.ops.kda.triton.common import _chunk_beta, _chunk_pos, _gate_fwd, state_stages
+from k3.ops.kda.triton._common import _chunk_beta, _chunk_pos, _gate_fwd, state_stages
 
 # K-blocks of 32 columns, V-blocks of 64, 4 warps, 3 stages (H200, fwd+bwd B=8 T=4096 H=32: 10.76 ms against
 # 11.75 for one program per chunk-head; 2 stages 10.88, K-block 64 at 8 warps 11.92)

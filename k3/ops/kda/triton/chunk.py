@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from k3.ops.kda.triton.common import BT, ChunkTable, alloc_output_state, make_chunk_table, next_pow2, store_dtype
+from k3.ops.kda.triton._common import BT, ChunkTable, alloc_output_state, make_chunk_table, next_pow2, store_dtype
 from k3.ops.kda.triton.inference import InferencePlan, kda_fwd_inference
 from k3.ops.kda.triton.training import TrainPlan, kda_bwd, prep_all, state_all
 

@@ -13,8 +13,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from k3.ops.kda.cp import _HEADER, _OK_GRAD, KDACPContext, _check_headers, _fold_right, _gather, _header
+from k3.ops.kda.triton._common import BT, ChunkTable, alloc_output_state, make_chunk_table
 from k3.ops.kda.triton.bwd_state import bwd_state_pass
-from k3.ops.kda.triton.common import BT, ChunkTable, alloc_output_state, make_chunk_table
 from k3.ops.kda.triton.span import span_from_buffers, span_rows
 from k3.ops.kda.triton.training import kda_bwd, prep_all, state_all
 
@@ -84,8 +84,8 @@ class _CPChunkTriton(torch.autograd.Function):
     r+1's one piece runs through), and runs its full backward with that as the gradient of its last piece's final
     state. No rank waits on another's backward; each sends ``H·K·V·4`` bytes more (``ctx.last_bwd_bytes_sent``).
 
-    A one-piece slice long enough (``KDACPContext.halves_min_chunks``) runs each of those serial passes as two chunk-aligned halves
-    side by side, its summary from the span pass (``_span_halves``) and its reverse passes by
+    A one-piece slice long enough (``KDACPContext.halves_min_chunks``) runs each of those serial passes as two
+    chunk-aligned halves side by side, its summary from the span pass (``_span_halves``) and its reverse passes by
     ``_halves_state_grads``: what the other ranks wait for is a span pass or two half passes, not a whole pass.
     """
 
@@ -102,6 +102,7 @@ class _CPChunkTriton(torch.autograd.Function):
         E = torch.zeros(H, K, V, dtype=torch.float32, device=dev)
         saved = None
         hv = _halves_plan(ctx, tab)
+        ctx.last_halves = hv is not None
         if hv is not None:
             E_A, hv.M_A, E_B, hv.M_B = _span_halves(bufs, hv, ctx.first_continues, ctx.last_continues, H, K, V)
             if ctx.last_continues:  # the whole piece's map, (M_B, E_B) ∘ (M_A, E_A)

@@ -20,9 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
-from k3.ops.kda.triton.common import _gate_fwd, _seq_bounds, _sigmoid
 from k3.ops.kda.triton import decode_gluon
-
+from k3.ops.kda.triton._common import _gate_fwd, _seq_bounds, _sigmoid
 
 # 32 state columns per program at 2 warps
 _BV = 32

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from k3.ops.kda.triton.common import HAVE_GLUON, LaunchCache, gluon_enabled, gluon_unavailable, sm_count
+from k3.ops.kda.triton._common import HAVE_GLUON, LaunchCache, gluon_enabled, gluon_unavailable, sm_count
 
 if HAVE_GLUON:
     from triton.experimental import gluon

@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from k3.ops.kda.triton.common import BT, ChunkTable, _state_program, dot_precision, state_stages
+from k3.ops.kda.triton._common import BT, ChunkTable, _state_program, dot_precision, state_stages
 
 # BV 64 at 4 warps, 3 stages (H200: half the re-reads of W, kg, qg, A_qk of BV 32; 3 stages 39.6 → 31.2 ms per 1M)
 _STATE_BV = 64

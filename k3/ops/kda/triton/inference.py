@@ -8,7 +8,7 @@ Two flows, chosen per call by :func:`use_c16`:
   factor k e^{−G} needs the bound) and few heads, where the 64-token state pass is faster per token.
 
 On CUDA with more than one window, the prep of window w + 1 runs on a side stream beside the state pass of window w
-(two window buffers; ``common.pipelined``).
+(two window buffers; ``_common.pipelined``).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Callable
 
 import torch
 
-from k3.ops.kda.triton.common import ChunkTable, alloc_output_state, next_pow2, pipelined, store_dtype
+from k3.ops.kda.triton._common import ChunkTable, alloc_output_state, next_pow2, pipelined, store_dtype
 from k3.ops.kda.triton.fwd_state import launch_state
 from k3.ops.kda.triton.inference_prep import alloc_c16_buffers, c16_window_chunks, launch_c16_prep
 from k3.ops.kda.triton.inference_state import launch_c16_state, state_blocks
@@ -85,7 +85,7 @@ def kda_fwd_inference(q, k, v, g, beta, A_log, dt_bias, scale: float, initial_st
 def run_windows(NC: int, ncw: int, device: torch.device, alloc: Callable[[], dict],
                 prep: Callable[[dict, int, int], None], state: Callable[[dict, int, int], None]) -> None:
     """``prep(bufs, c0, n)`` fills a window's buffers, ``state(bufs, c0, n)`` runs the state pass over them. On CUDA
-    with more than one window the prep runs on a side stream one window ahead (``common.pipelined``)."""
+    with more than one window the prep runs on a side stream one window ahead (``_common.pipelined``)."""
     if not (device.type == "cuda" and NC > ncw):
         bufs = alloc()
         for c0 in range(0, NC, ncw):

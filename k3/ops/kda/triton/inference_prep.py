@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from k3.ops.kda.triton import inference_prep_gluon
-from k3.ops.kda.triton.common import (
+from k3.ops.kda.triton._common import (
     BC,
     BT,
     ChunkTable,

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from k3.ops.kda.triton.common import HAVE_GLUON, gluon_enabled, gluon_unavailable
+from k3.ops.kda.triton._common import HAVE_GLUON, gluon_enabled, gluon_unavailable
 
 if HAVE_GLUON:
     from triton.experimental import gluon

@@ -17,7 +17,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from k3.ops.kda.triton.common import BC, BT, ChunkTable, _state_program, dot_precision, next_pow2, state_stages
+from k3.ops.kda.triton._common import BC, BT, ChunkTable, _state_program, dot_precision, next_pow2, state_stages
 
 # BV 64 at 4 warps with an 8-stage load pipeline (H200, B=1 H=32 per 1M: 6 / 8 / 10 / 13 stages 43.6–44.9 /
 # 42.9–43.6 / 43.5–43.6 / ~44 ms for the prefill; BV 128 at 8 warps 48)

@@ -12,7 +12,7 @@ buffers (the 16-token flow's, ``inference_prep``):
    (``_fold_rows``, fp32, products at tf32x3);
 4. ONE state pass over the segment table (``inference_state``) writes the outputs and final states.
 
-On CUDA the prep of window w + 1 runs on a side stream beside steps 2–4 of window w (``common.pipelined``).
+On CUDA the prep of window w + 1 runs on a side stream beside steps 2–4 of window w (``_common.pipelined``).
 
 Forgotten history (``SplitPlan.forget_log2``, with the in-kernel L2 norm and β sigmoid: ‖k̂‖ ≤ 1, β ∈ (0, 1)):
 each token's transition (I − β k̂k̂ᵀ) Diag(α_t) has norm ≤ max_c α_t,c, so a 16-token block's is ≤ 2^{16·max log2 α}
@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from k3.ops.kda.triton.common import (
+from k3.ops.kda.triton._common import (
     BC,
     BT,
     ChunkTable,

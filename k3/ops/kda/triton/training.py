@@ -12,10 +12,10 @@ from dataclasses import dataclass
 
 import torch
 
+from k3.ops.kda.triton._common import BC, BT, ChunkTable, dot_precision, next_pow2, store_dtype
 from k3.ops.kda.triton.bwd_intra import launch_intra
 from k3.ops.kda.triton.bwd_state import bwd_state_pass
 from k3.ops.kda.triton.bwd_wy import launch_wy
-from k3.ops.kda.triton.common import BC, BT, ChunkTable, dot_precision, next_pow2, store_dtype
 from k3.ops.kda.triton.fwd_state import launch_state
 from k3.ops.kda.triton.prep import alloc_chunk_buffers, launch_prep
 
