@@ -118,7 +118,7 @@ class K3Model(nn.Module):
         """``input_ids [B, T]`` (validated by ``K3ForCausalLM``) → final-normed hidden states ``[B, T, d]``.
         With ``state``: continues the sequences of its bound pool rows and advances them by T (device-side only:
         a caller that validated its inputs may call this directly, e.g. inside a CUDA graph); the AttnRes mixes then
-        run in the exact two-phase form (``TwoPhaseMixer``)."""
+        run through ``TwoPhaseMixer`` (exact two-phase form for long pieces, one fused pass per mix for short ones)."""
         if state is not None:
             state.begin()
         blocks: list[torch.Tensor] = []
@@ -228,6 +228,15 @@ class K3ForCausalLM(nn.Module):
     def gradient_checkpointing_enable(self, enabled: bool = True) -> None:
         """Recompute each decoder layer in the backward pass (training forwards without a state)."""
         self.model.gradient_checkpointing = bool(enabled)
+
+    def fuse_projections(self) -> None:
+        """Serving: inference forwards run each layer's projections of one input as one GEMM (KDA's six input
+        projections; the MoE's down projection with the shared experts' gate and up; a dense MLP's gate and up).
+        Stacked copies of those weights, kept in step with them (``k3.layers.fused``); training is unaffected."""
+        for layer in self.model.layers:
+            for m in (layer.self_attn, layer.ffn):
+                if hasattr(m, "fuse_projections"):
+                    m.fuse_projections()
 
     def set_kda_impl(self, impl: str) -> None:
         """"auto" (chunk / fused-recurrent ops) or "reference" (fp32 token loop) for every KDA layer."""

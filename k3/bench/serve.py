@@ -1,30 +1,37 @@
 """``python -m k3.bench serve``: serving on one GPU — decode, prefill, the HTTP server — beside the eager path.
 
-Sections (``--sections``; run in the order decode, prefill, server, with kdaprobe first when asked):
+Sections (``--sections``; by default decode, server, prefill, in that order; kdaprobe only when asked):
 
 ``decode``   preset ``small``, random bf16 weights, B = 1 / 8 / 64 sequences with 4K-token prompts: tokens/s of the
              ``ModelRunner`` decode step (CUDA graph per batch bucket, sampling on the device), timed as the engine
-             runs it (each step's tokens read back one step later), and the graph replay alone (device time per
-             step). Beside it, the eager path ``k3.infer.generate`` had: ``model(token, state=…)`` per step with the
-             model's input checks, all logits, and a host read of the token every step.
-``prefill``  ``small`` (hybrid: 9 KDA + 3 MLA layers) and ``small`` with every layer KDA, 32K / 128K / 1M-token
-             prompts through the runner (chunked, only the last position through ``lm_head``): seconds and peak
-             memory beyond what was allocated before the call (weights + decode state + latent cache + the ids).
-             Beside it, the eager one-call ``model(ids, state=…)`` at 32K (and 128K all-KDA).
+             runs it (each step's tokens read back one step later), the graph replay alone (device time per step)
+             and the kernels of one step (profiler). Beside it, the eager path ``k3.infer.generate`` had:
+             ``model(token, state=…)`` per step with the model's input checks, all logits, and a host read of the
+             token every step.
+``prefill``  ``small`` with every layer KDA and ``small`` (hybrid: 9 KDA + 3 MLA layers), 32K and 1M-token prompts
+             through the runner (chunked, only the last position through ``lm_head``): seconds and peak memory beyond
+             what was allocated before the call (weights + decode state + latent cache + the ids). Beside it, the
+             eager one-call ``model(ids, state=…)`` at 32K.
 ``server``   ``k3 serve``'s app (uvicorn in this process, the engine thread behind it) under 1 / 16 / 64 concurrent
              streaming clients (their own process: ``_serve_client.py``), 1K-token prompts, 256 tokens each:
              tokens/s over the run, time to first token p50 / p99, failed requests; the same requests submitted to
              the engine in-process (no HTTP) for the ratio.
 ``kdaprobe`` the first and second KDA split-prefill call of a process (B=1, H=8, T=1M, bf16): peak memory beyond
              inputs and output, and the largest live allocations at the first call's peak with their source lines
-             (``torch.cuda.memory`` history). Run it in a fresh process (first in ``bench/gpu/serve.sh``).
+             (``torch.cuda.memory`` history).
+
+Isolation: on a GPU every unit (the decode batches together, each prefill model, the server, the probe) runs in its
+own child process under a time limit (``--budget-s`` for the whole run). A unit that fails — an exception, a CUDA
+fault (which poisons the whole process), a timeout — is recorded as an error row and the parent starts a new child
+for the unit's remaining items, so one fault never hides the other numbers. Rows are saved as they come.
 
 Results: ``serve_bench.json`` and ``serve_bench.md`` in ``--out`` (default ``$OUT/serve``). ``--smoke`` runs every
-section on tiny CPU shapes to check the script (no timing claims).
+section on tiny CPU shapes in this process to check the script (no timing claims).
 """
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import json
 import os
@@ -90,7 +97,8 @@ def _peak(fn: Callable[[], Any]) -> tuple[float, float, Any]:
 
 
 # ----------------------------------------------------------------------------------------------------------- decode
-def _runner_decode(model: K3ForCausalLM, B: int, prompt_len: int, steps: int, device: str) -> dict[str, Any]:
+def _runner_decode(model: K3ForCausalLM, B: int, prompt_len: int, steps: int, device: str,
+                   profile: bool = True) -> dict[str, Any]:
     runner = ModelRunner(model, max_batch=B, capacity=prompt_len + steps + 8, cuda_graphs="auto")
     for s in range(B):
         runner.admit(s, GREEDY, seed=s)
@@ -98,6 +106,7 @@ def _runner_decode(model: K3ForCausalLM, B: int, prompt_len: int, steps: int, de
     slots = list(range(B))
     runner.decode(slots).tokens()  # capture (first use of the bucket) and warm up
     _sync()
+    lengths = runner.state.lengths.clone()  # prompt + 1: where the replays below start again
     t0 = time.perf_counter()
     prev = None
     for _ in range(steps):  # as the engine runs it: step n's tokens are read after step n + 1 is launched
@@ -109,29 +118,52 @@ def _runner_decode(model: K3ForCausalLM, B: int, prompt_len: int, steps: int, de
     dt = time.perf_counter() - t0
     row = {"batch": B, "prompt": prompt_len, "steps": steps, "graphs": runner.use_graphs,
            "tok_s": B * steps / dt, "step_ms": 1e3 * dt / steps}
-    b = next(x for x in runner.buckets if x >= B)
-    graph = runner._graphs.get((b, "greedy"))
-    if graph is not None:  # device time of the step alone: back-to-back replays
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(steps):
-            graph.replay()
-        end.record()
-        _sync()
-        row["replay_ms"] = start.elapsed_time(end) / steps
-        row["kernels"] = _kernel_profile(graph)
+    b = next(x for x in runner.buckets if x >= B) if runner.use_graphs else B
+    step = _step_fn(runner, b)
+    runner.state.lengths.copy_(lengths)
+    row["replay_ms"] = _device_ms(step, steps)
+    if device == "cuda" and profile:
+        runner.state.lengths.copy_(lengths)
+        row["kernels"] = _kernel_profile(step)
+    runner.state.lengths.copy_(lengths)
     del runner
     _free()
     return row
 
 
-def _kernel_profile(graph: Any, reps: int = 5, top: int = 15) -> dict[str, Any]:
+def _step_fn(runner: ModelRunner, b: int) -> Callable[[], None]:
+    """One decode step of the bound batch outside the runner's bookkeeping: the bucket's graph replay (the eager
+    step without graphs). Every call advances the slots' lengths on the device, so the caller puts them back before
+    more calls than the capacity has room for: a latent written past the capacity is an out-of-bounds write."""
+    graph = runner._graphs.get((b, "greedy"))
+    if graph is not None:
+        return graph.replay
+    return lambda: runner._step(b, "greedy")
+
+
+def _device_ms(step: Callable[[], None], n: int) -> float:
+    """Milliseconds per call of ``step`` over ``n`` back-to-back calls (CUDA events; wall clock on CPU)."""
+    if not torch.cuda.is_available():
+        t0 = time.perf_counter()
+        for _ in range(n):
+            step()
+        return 1e3 * (time.perf_counter() - t0) / n
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(n):
+        step()
+    end.record()
+    _sync()
+    return start.elapsed_time(end) / n
+
+
+def _kernel_profile(step: Callable[[], None], reps: int = 5, top: int = 15) -> dict[str, Any]:
     """Kernels of one decode step (a graph replay) from the profiler: how many, and the ``top`` by device time."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(reps):
-            graph.replay()
+            step()
         _sync()
     per: dict[str, list[float]] = {}
     for e in prof.events():
@@ -166,64 +198,59 @@ def _eager_decode(model: K3ForCausalLM, B: int, prompt_len: int, steps: int, dev
     return {"batch": B, "prompt": prompt_len, "steps": steps, "tok_s": B * steps / dt, "step_ms": 1e3 * dt / steps}
 
 
-def bench_decode(model: K3ForCausalLM, batches: list[int], prompt_len: int, steps: int, eager_steps: int,
-                 device: str) -> list[dict[str, Any]]:
-    rows = []
-    for B in batches:
-        row = {"path": "runner", **_runner_decode(model, B, prompt_len, steps, device)}
-        print(json.dumps(row), flush=True)
-        rows.append(row)
-        row = {"path": "eager", **_eager_decode(model, B, prompt_len, eager_steps, device)}
-        print(json.dumps(row), flush=True)
-        rows.append(row)
-    return rows
+Emit = Callable[[dict[str, Any]], None]
+
+
+def bench_decode(emit: Emit, model: K3ForCausalLM, B: int, prompt_len: int, steps: int, eager_steps: int,
+                 device: str, full: bool = True) -> None:
+    """One batch size: the runner's row; with ``full`` (the smallest and largest batch) also the kernel profile and
+    the eager path (time is the benchmark's budget)."""
+    emit({"section": "decode", "item": B, "path": "runner",
+          **_runner_decode(model, B, prompt_len, steps, device, profile=full)})
+    if full:
+        emit({"section": "decode", "item": B, "path": "eager",
+              **_eager_decode(model, B, prompt_len, eager_steps, device)})
 
 
 # ---------------------------------------------------------------------------------------------------------- prefill
-def bench_prefill(preset: str, lengths: list[int], eager_lengths: dict[str, list[int]], device: str,
-                  chunk: int | None) -> list[dict[str, Any]]:
-    rows = []
-    for name, over in (("small", {}), ("small all-KDA", {"mla_layers": []})):
-        model = _model(preset, device, max_seq_len=max(lengths) + 64, **over)
-        runner = ModelRunner(model, max_batch=1, capacity=max(lengths) + 64, prefill_chunk=chunk)
+PREFILL_MODELS = {"small all-KDA": {"mla_layers": []}, "small": {}}
+
+
+def bench_prefill(emit: Emit, preset: str, name: str, lengths: list[int], eager_lengths: list[int], device: str,
+                  chunk: int | None) -> None:
+    model = _model(preset, device, max_seq_len=max(lengths) + 64, **PREFILL_MODELS[name])
+    runner = ModelRunner(model, max_batch=1, capacity=max(lengths) + 64, prefill_chunk=chunk)
+    runner.admit(0, GREEDY, seed=0)
+    runner.prefill(0, _ids(min(8192, max(lengths)), model.config.vocab_size, device)).tokens()  # compile, warm
+    for T in lengths:
+        ids = _ids(T, model.config.vocab_size, device, seed=T)
         runner.admit(0, GREEDY, seed=0)
-        runner.prefill(0, _ids(min(8192, max(lengths)), model.config.vocab_size, device)).tokens()  # compile, warm
-        auto = runner.prefill_chunk
-        runs = [(T, auto) for T in lengths]
-        if chunk is None and over:  # all-KDA: the longest prompt again at twice the chunk (time vs memory)
-            runs.append((max(lengths), 2 * auto))
-        for T, c in runs:
-            ids = _ids(T, model.config.vocab_size, device, seed=T)
-            runner.prefill_chunk = c
-            runner.admit(0, GREEDY, seed=0)
-            dt, extra, _ = _peak(lambda r=runner, x=ids: r.prefill(0, x).tokens())
-            row = {"model": name, "path": "runner", "tokens": T, "s": dt, "tok_s": T / dt, "extra_gib": extra,
-                   "chunk": c, "state_gib": runner.memory_bytes() / GIB}
-            print(json.dumps(row), flush=True)
-            rows.append(row)
-            del ids
-        del runner
-        _free()
-        for T in eager_lengths.get(name, []):
-            ids = _ids(T, model.config.vocab_size, device, seed=T)[None]
-            state = model.init_state(1, capacity=T + 8)
+        dt, extra, _ = _peak(lambda r=runner, x=ids: r.prefill(0, x).tokens())
+        emit({"section": "prefill", "item": name, "model": name, "path": "runner", "tokens": T, "s": dt,
+              "tok_s": T / dt, "extra_gib": extra, "chunk": runner.prefill_chunk,
+              "state_gib": runner.memory_bytes() / GIB})
+        del ids
+    del runner
+    _free()
+    for T in eager_lengths:
+        ids = _ids(T, model.config.vocab_size, device, seed=T)[None]
+        state = model.init_state(1, capacity=T + 8)
 
-            def eager(m: K3ForCausalLM = model, x: torch.Tensor = ids, st: Any = state) -> int:
-                with torch.no_grad():
-                    return int(m(x, state=st).logits[0, -1].argmax())
+        def eager(m: K3ForCausalLM = model, x: torch.Tensor = ids, st: Any = state) -> int:
+            with torch.no_grad():
+                return int(m(x, state=st).logits[0, -1].argmax())
 
-            try:
-                dt, extra, _ = _peak(eager)
-                row = {"model": name, "path": "eager", "tokens": T, "s": dt, "tok_s": T / dt, "extra_gib": extra}
-            except torch.OutOfMemoryError:
-                row = {"model": name, "path": "eager", "tokens": T, "error": "out of memory"}
-            print(json.dumps(row), flush=True)
-            rows.append(row)
-            del state, ids
-            _free()
-        del model
+        row = {"section": "prefill", "item": name, "model": name, "path": "eager", "tokens": T}
+        try:
+            dt, extra, _ = _peak(eager)
+            row.update(s=dt, tok_s=T / dt, extra_gib=extra)
+        except torch.OutOfMemoryError:
+            row["error"] = "out of memory"
+        emit(row)
+        del state, ids
         _free()
-    return rows
+    del model
+    _free()
 
 
 # ----------------------------------------------------------------------------------------------------------- server
@@ -282,21 +309,20 @@ def _engine_direct(engine: Any, n: int, prompt_len: int, max_tokens: int) -> dic
     return _summary(rows, time.perf_counter() - t0)
 
 
-def bench_server(model: K3ForCausalLM, clients: list[int], prompt_len: int, max_tokens: int,
-                 max_batch: int) -> list[dict[str, Any]]:
+def bench_server(emit: Emit, preset: str, clients: list[int], prompt_len: int, max_tokens: int, device: str) -> None:
     import uvicorn
 
     from k3.serve.api import create_app
     from k3.serve.server import bind_socket
 
+    model = _model(preset, device, max_seq_len=prompt_len + max_tokens + 64)
+    max_batch = max(clients)
     tok = _IdTokenizer(model.config.vocab_size)
     engine = Engine(model, tok, max_batch=max_batch, max_queue=max(clients), capacity=prompt_len + max_tokens + 8)
     engine.start()
-    rows = []
     for n in clients:  # the engine alone first (the server's app stops the engine when it shuts down)
-        row = {"path": "engine", "clients": n, **_engine_direct(engine, n, prompt_len, max_tokens)}
-        print(json.dumps(row), flush=True)
-        rows.append(row)
+        emit({"section": "server", "item": "server", "path": "engine", "clients": n,
+              **_engine_direct(engine, n, prompt_len, max_tokens)})
     sock = bind_socket("127.0.0.1", 0)
     url = f"http://127.0.0.1:{sock.getsockname()[1]}"
     server = uvicorn.Server(uvicorn.Config(create_app(engine, "small", chat_format(tok)), log_level="warning",
@@ -312,23 +338,22 @@ def bench_server(model: K3ForCausalLM, clients: list[int], prompt_len: int, max_
                                   str(max_tokens), str(n)], capture_output=True, text=True, timeout=900)
             wall = time.perf_counter() - t0
             reqs = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+            row = {"section": "server", "item": "server", "path": "http", "clients": n}
             if out.returncode != 0 or len(reqs) != n:
-                row = {"path": "http", "clients": n, "error": out.stderr[-2000:]}
+                row["error"] = out.stderr[-2000:]
             else:
                 span = max(r.get("end", 0.0) for r in reqs) - min(r["start"] for r in reqs)
-                row = {"path": "http", "clients": n, **_summary(reqs, span), "client_wall_s": wall}
-            print(json.dumps(row), flush=True)
-            rows.append(row)
+                row.update(_summary(reqs, span), client_wall_s=wall)
+            emit(row)
     finally:
         server.should_exit = True
         thread.join(timeout=30)
         sock.close()
         engine.stop()
-    return rows
 
 
 # --------------------------------------------------------------------------------------------------------- kdaprobe
-def bench_kdaprobe(T: int, H: int, device: str) -> dict[str, Any]:
+def bench_kdaprobe(emit: Emit, T: int, H: int, device: str) -> None:
     """Peak memory of the first and second KDA prefill call of this process, and who holds the first call's peak."""
     g = torch.Generator(device=device).manual_seed(0)
     r = lambda *s: torch.randn(*s, generator=g, device=device, dtype=torch.bfloat16)  # noqa: E731
@@ -342,7 +367,7 @@ def bench_kdaprobe(T: int, H: int, device: str) -> dict[str, Any]:
                                      use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True, safe_gate=True,
                                      lower_bound=-5.0, A_log=A_log, dt_bias=dt_bias)
 
-    out: dict[str, Any] = {"T": T, "H": H}
+    out: dict[str, Any] = {"section": "kdaprobe", "item": "kdaprobe", "T": T, "H": H}
     cuda = device == "cuda"
     if cuda:
         torch.cuda.memory._record_memory_history(max_entries=200_000)
@@ -353,8 +378,7 @@ def bench_kdaprobe(T: int, H: int, device: str) -> dict[str, Any]:
             out["call1"]["top_live_at_peak"] = _live_at_peak(torch.cuda.memory._snapshot())
             torch.cuda.memory._record_memory_history(enabled=None)
         del res
-    print(json.dumps(out), flush=True)
-    return out
+    emit(out)
 
 
 def _live_at_peak(snapshot: dict) -> list[dict[str, Any]]:
@@ -380,119 +404,241 @@ def _live_at_peak(snapshot: dict) -> list[dict[str, Any]]:
 
 
 # ------------------------------------------------------------------------------------------------------------ report
-def _markdown(header: dict[str, Any], res: dict[str, Any]) -> str:
-    lines = [f"# Serving benchmark\n\n{header['gpu']}, torch {header['torch']}, triton {header['triton']}, "
-             f"{header['date']}. Command: `{header['command']}`. Preset `small`, random bf16 weights.\n"]
-    if res.get("decode"):
+def _nan(r: dict[str, Any], k: str) -> float:
+    v = r.get(k)
+    return float("nan") if v is None else float(v)
+
+
+def _markdown(header: dict[str, Any], rows: list[dict[str, Any]]) -> str:
+    lines = [f"# Serving benchmark\n\n{header.get('gpu', '?')}, torch {header['torch']}, triton {header['triton']}, "
+             f"{header['date']}. Command: `{header['command']}`. Preset `{header.get('preset', 'small')}`, random "
+             f"weights in the preset's dtype.\n"]
+    dec = [r for r in rows if r.get("section") == "decode" and "error" not in r]
+    if dec:
         lines += ["## Decode (tokens/s; 4K-token prompts)\n",
                   "| batch | runner tok/s | step ms (host loop) | graph replay ms | eager tok/s | eager step ms | × |",
                   "|---|---|---|---|---|---|---|"]
-        by = {(r["path"], r["batch"]): r for r in res["decode"]}
-        for B in sorted({r["batch"] for r in res["decode"]}):
+        by = {(r["path"], r["batch"]): r for r in dec}
+        for B in sorted({r["batch"] for r in dec}):
             a, e = by.get(("runner", B), {}), by.get(("eager", B), {})
-            ratio = a.get("tok_s", float("nan")) / e.get("tok_s", float("nan"))
-            lines.append(f"| {B} | {a.get('tok_s', float('nan')):,.0f} | {a.get('step_ms', float('nan')):.3f} | "
-                         f"{a.get('replay_ms', float('nan')):.3f} | {e.get('tok_s', float('nan')):,.0f} | "
-                         f"{e.get('step_ms', float('nan')):.2f} | {ratio:.1f} |")
-    for r in res.get("decode") or []:
+            lines.append(f"| {B} | {_nan(a, 'tok_s'):,.0f} | {_nan(a, 'step_ms'):.3f} | {_nan(a, 'replay_ms'):.3f} | "
+                         f"{_nan(e, 'tok_s'):,.0f} | {_nan(e, 'step_ms'):.2f} | "
+                         f"{_nan(a, 'tok_s') / _nan(e, 'tok_s'):.1f} |")
+    for r in dec:
         k = r.get("kernels")
         if k:
             lines += [f"\nKernels of one step at batch {r['batch']}: {k['per_step']:.0f} launches, "
-                      f"{k['us_per_step']:.0f} µs of kernel time; the largest:\n", "| kernel | per step | µs |", "|---|---|---|"]
+                      f"{k['us_per_step']:.0f} µs of kernel time; the largest:\n",
+                      "| kernel | per step | µs |", "|---|---|---|"]
             lines += [f"| `{t['name']}` | {t['calls']:.0f} | {t['us']:.1f} |" for t in k["top"][:10]]
-    if res.get("prefill"):
+    pre = [r for r in rows if r.get("section") == "prefill"]
+    if pre:
         lines += ["\n## Prefill (one sequence; memory = peak allocated beyond weights + decode state + cache + ids)\n",
                   "| model | path | tokens | s | tokens/s | + GiB | chunk |", "|---|---|---|---|---|---|---|"]
-        for r in res["prefill"]:
+        for r in pre:
             if "error" in r:
-                lines.append(f"| {r['model']} | {r['path']} | {r['tokens']:,} | {r['error']} | | | |")
+                err = r["error"][:80]
+                lines.append(f"| {r['item']} | {r.get('path') or ''} | {r.get('tokens', 0):,} | {err} | | | |")
                 continue
             lines.append(f"| {r['model']} | {r['path']} | {r['tokens']:,} | {r['s']:.2f} | {r['tok_s']:,.0f} | "
                          f"{r['extra_gib']:.2f} | {r.get('chunk', '')} |")
-    if res.get("server"):
+    srv = [r for r in rows if r.get("section") == "server" and "clients" in r]
+    if srv:
         lines += ["\n## Server (streaming clients; 1K-token prompts, 256 tokens each)\n",
                   "| path | clients | tok/s | TTFT p50 ms | TTFT p99 ms | failed |", "|---|---|---|---|---|---|"]
-        for r in res["server"]:
+        for r in srv:
             if "error" in r:
                 lines.append(f"| {r['path']} | {r['clients']} | error | | | |")
                 continue
             lines.append(f"| {r['path']} | {r['clients']} | {r['tok_s']:,.0f} | {r['ttft_p50_ms']:.1f} | "
                          f"{r['ttft_p99_ms']:.1f} | {r['failed']} |")
-    if res.get("kdaprobe"):
-        p = res["kdaprobe"]
+    for p in (r for r in rows if r.get("section") == "kdaprobe" and "call1" in r):
         lines += [f"\n## KDA prefill memory, first vs second call of the process (B=1, H={p['H']}, T={p['T']:,})\n",
                   f"call 1: +{p['call1']['extra_gib_incl_output']:.2f} GiB, {p['call1']['s']:.2f} s; "
                   f"call 2: +{p['call2']['extra_gib_incl_output']:.2f} GiB, {p['call2']['s']:.3f} s\n"]
         for row in p["call1"].get("top_live_at_peak", [])[:8]:
             lines.append(f"- {row['gib']:.2f} GiB (stream {row['stream']}): {' ← '.join(row['frames'])}")
+    errors = [r for r in rows if "error" in r and r.get("path") is None]
+    if errors:
+        lines += ["\n## Failed\n"] + [f"- {r['section']} {r['item']}: {r['error'][:300]}" for r in errors]
     return "\n".join(lines) + "\n"
+
+
+# ------------------------------------------------------------------------------------------------------------- runs
+class Rows:
+    """Result rows: appended to ``path`` (when given) as they come, printed when ``echo``, kept in ``rows``."""
+
+    def __init__(self, path: str | None = None, echo: bool = True) -> None:
+        self.path, self.echo, self.rows = path, echo, []
+
+    def __call__(self, row: dict[str, Any]) -> None:
+        self.rows.append(row)
+        if self.echo:
+            print(json.dumps(row), flush=True)
+        if self.path:
+            with open(self.path, "a") as f:
+                f.write(json.dumps(row) + "\n")
+
+
+def _plan(smoke: bool) -> dict[str, Any]:
+    """Sizes of every section (``smoke``: tiny CPU shapes)."""
+    if smoke:
+        return dict(preset="tiny", batches=[1, 3], prompt=64, steps=12, eager_steps=2, lengths=[300, 700],
+                    eager_lengths=[300], clients=[1, 3], s_prompt=16, s_tokens=4, probe=(256, 2))
+    return dict(preset="small", batches=[1, 8, 64], prompt=4096, steps=128, eager_steps=8,
+                lengths=[32768, 1 << 20], eager_lengths=[32768], clients=[1, 16, 64], s_prompt=1024, s_tokens=256,
+                probe=(1 << 20, 8))
+
+
+def _units(sections: list[str], plan: dict[str, Any]) -> list[tuple[str, list[Any]]]:
+    """(section, items) in run order. An item is what a failure skips: a decode batch, a prefill model."""
+    items = {"decode": plan["batches"], "prefill": list(PREFILL_MODELS)}
+    return [(s, items.get(s, [s])) for s in ("kdaprobe", "decode", "server", "prefill") if s in sections]
+
+
+def run_unit(emit: Emit, section: str, items: list[Any], plan: dict[str, Any], device: str,
+             chunk: int | None) -> None:
+    """The unit's items in order, each followed by a ``done`` marker row."""
+    p = plan
+    model = _model(p["preset"], device, max_seq_len=p["prompt"] + p["steps"] + 64) if section == "decode" else None
+    for item in items:
+        if section == "decode":
+            full = item in (min(p["batches"]), max(p["batches"]))
+            bench_decode(emit, model, item, p["prompt"], p["steps"], p["eager_steps"], device, full)
+        elif section == "prefill":
+            bench_prefill(emit, p["preset"], item, p["lengths"], p["eager_lengths"], device, chunk)
+        elif section == "server":
+            bench_server(emit, p["preset"], p["clients"], p["s_prompt"], p["s_tokens"], device)
+        else:
+            bench_kdaprobe(emit, *p["probe"], device)
+        emit({"section": section, "item": item, "path": "done"})
+
+
+def _error_row(section: str, item: Any, error: str) -> dict[str, Any]:
+    return {"section": section, "item": item, "path": None, "error": error}
+
+
+def run_in_process(emit: Emit, units: list[tuple[str, list[Any]]], plan: dict[str, Any], device: str,
+                   chunk: int | None) -> None:
+    """Every item here (CPU smoke runs); an exception is recorded as the item's error row, the others still run."""
+    for section, items in units:
+        for item in items:
+            try:
+                run_unit(emit, section, [item], plan, device, chunk)
+            except Exception as e:  # noqa: BLE001 — a failed item is a result
+                import traceback
+
+                traceback.print_exc()
+                emit(_error_row(section, item, f"{type(e).__name__}: {e}"))
+
+
+def run_isolated(emit: Emit, units: list[tuple[str, list[Any]]], args: list[str], deadline: float,
+                 tmp_dir: str) -> None:
+    """Each unit in a child process (``args``: its extra arguments) with the time left. When a child fails
+    (exception, CUDA fault, timeout), the item it was on is recorded as failed and the unit's remaining items get a
+    new child."""
+    for section, todo in units:
+        while todo:
+            left = deadline - time.monotonic()
+            if left < 5:
+                for item in todo:
+                    emit(_error_row(section, item, "not run: the time budget is spent"))
+                break
+            path = os.path.join(tmp_dir, f".rows_{section}_{os.getpid()}.jsonl")
+            if os.path.exists(path):
+                os.remove(path)
+            cmd = [sys.executable, "-m", "k3.bench", "serve", "--child", section, "--items", json.dumps(todo),
+                   "--rows", path, *args]
+            try:
+                rc = subprocess.run(cmd, timeout=left).returncode
+                why = f"the child process exited with status {rc} (its log above)"
+            except subprocess.TimeoutExpired:
+                rc, why = -1, f"timed out: the run's time budget ended {left:.0f} s into this unit"
+            got = []
+            if os.path.exists(path):
+                with open(path) as f:
+                    got = [json.loads(line) for line in f if line.strip()]
+                os.remove(path)
+            for row in got:
+                emit(row)
+            done = [r["item"] for r in got if r.get("path") == "done"]
+            rest = [it for it in todo if it not in done]
+            if rc == 0 or not rest:
+                break
+            emit(_error_row(section, rest[0], why))
+            todo = rest[1:]
+
+
+def _header(device: str) -> dict[str, Any]:
+    import triton
+
+    gpu = torch.cuda.get_device_name() if device == "cuda" else "CPU (smoke)"
+    return dict(gpu=gpu, torch=torch.__version__, triton=triton.__version__, host=platform.node(),
+                date=datetime.date.today().isoformat())
 
 
 def main(argv: list[str] | None = None) -> int:
     p = BenchParser(prog="python -m k3.bench serve", description=__doc__.split("\n\n")[0])
-    p.add_argument("--sections", default="decode,prefill,server", help=f"comma-separated of {', '.join(SECTIONS)}")
+    p.add_argument("--sections", default="decode,server,prefill", help=f"comma-separated of {', '.join(SECTIONS)}")
     p.add_argument("--out", default=None, help="results folder (default $OUT/serve)")
-    p.add_argument("--smoke", action="store_true", help="tiny CPU shapes: checks the script, no timing claims")
+    p.add_argument("--smoke", action="store_true", help="tiny CPU shapes, in this process: checks the script")
     p.add_argument("--prefill-chunk", type=int, default=None, help="override the automatic prefill chunk")
-    args = p.parse_args(argv)
-    sections = [s for s in args.sections.split(",") if s]
+    p.add_argument("--budget-s", type=float, default=600.0, help="wall-clock limit of the whole run (children)")
+    p.add_argument("--isolated", action="store_true", help="every unit in a child process (the default on a GPU)")
+    p.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--items", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--rows", default=None, help=argparse.SUPPRESS)
+    a = p.parse_args(argv)
+    if a.smoke:
+        torch.set_num_threads(1)  # tiny ops: OpenMP threads only cost
+    device = "cuda" if torch.cuda.is_available() and not a.smoke else "cpu"
+    plan = _plan(a.smoke)
+    if a.child:  # one unit of run_isolated: rows to --rows; a failure is this process's exit status
+        emit = Rows(a.rows)
+        emit({"section": a.child, "item": None, "path": "header", **_header(device)})
+        run_unit(emit, a.child, json.loads(a.items), plan, device, a.prefill_chunk)
+        return 0
+    sections = [s for s in a.sections.split(",") if s]
     bad = [s for s in sections if s not in SECTIONS]
     if bad:
         p.error(f"unknown section(s) {bad}; choose from {', '.join(SECTIONS)}")
-    out_dir = args.out or os.path.join(os.environ.get("OUT", "."), "serve")
+    out_dir = a.out or os.path.join(os.environ.get("OUT", "."), "serve")
     os.makedirs(out_dir, exist_ok=True)
-    device = "cuda" if torch.cuda.is_available() and not args.smoke else "cpu"
-    if args.smoke:  # tiny model, short prompts, few steps: every code path, seconds on a CPU
-        torch.set_num_threads(1)  # tiny ops: OpenMP threads only cost
-        preset, batches, prompt, steps, eager_steps = "tiny", [1, 3], 64, 4, 2
-        lengths, eager_lengths, clients, s_prompt, s_tokens = [300, 700], {"small": [300]}, [1, 3], 16, 4
-        probe = (256, 2)
+    command = "python -m k3.bench serve " + " ".join(argv if argv is not None else sys.argv[1:])
+    header = {**_header("cpu"), "command": command, "preset": plan["preset"]}
+    isolated = device == "cuda" or a.isolated
+    rows = Rows(echo=not isolated)  # a child prints its own rows
+
+    def emit(row: dict[str, Any]) -> None:
+        if row.get("path") == "header":  # the children's: the GPU's name
+            header.update({k: v for k, v in row.items() if k not in ("section", "item", "path")})
+        elif row.get("path") != "done":
+            rows(row)
+            _save(out_dir, header, rows.rows)
+
+    units = _units(sections, plan)
+    if isolated:
+        extra = ["--prefill-chunk", str(a.prefill_chunk)] if a.prefill_chunk else []
+        extra += ["--smoke"] if a.smoke else []
+        run_isolated(emit, units, extra, time.monotonic() + a.budget_s, out_dir)
     else:
-        preset, batches, prompt, steps, eager_steps = "small", [1, 8, 64], 4096, 128, 16
-        lengths, eager_lengths = [32768, 131072, 1048576], {"small": [32768], "small all-KDA": [32768, 131072]}
-        clients, s_prompt, s_tokens, probe = [1, 16, 64], 1024, 256, (1 << 20, 8)
-    import triton
-
-    header = dict(gpu=torch.cuda.get_device_name() if device == "cuda" else "CPU (smoke)", torch=torch.__version__,
-                  triton=triton.__version__, host=platform.node(), date=datetime.date.today().isoformat(),
-                  command="python -m k3.bench serve " + " ".join(argv if argv is not None else sys.argv[1:]))
-    res: dict[str, Any] = {"header": header}
-    failed = False
-
-    def run(name: str, fn: Callable[[], Any]) -> None:
-        """One section; an exception is recorded (and the others still run), results are saved after each."""
-        nonlocal failed
-        try:
-            res[name] = fn()
-        except Exception as e:  # noqa: BLE001 — a failed section is a result; the exit status says so
-            import traceback
-
-            traceback.print_exc()
-            res[name + "_error"] = f"{type(e).__name__}: {e}"
-            failed = True
-        _free()
-        with open(os.path.join(out_dir, "serve_bench.json"), "w") as f:
-            json.dump(res, f, indent=1)
-
-    if "kdaprobe" in sections:
-        run("kdaprobe", lambda: bench_kdaprobe(*probe, device))
-    model = None
-    if "decode" in sections or "server" in sections:
-        model = _model(preset, device, max_seq_len=max(prompt, s_prompt) + max(steps, s_tokens) + 64)
-    if "decode" in sections:
-        run("decode", lambda: bench_decode(model, batches, prompt, steps, eager_steps, device))
-    if "prefill" in sections:
-        run("prefill", lambda: bench_prefill(preset, lengths, eager_lengths, device, args.prefill_chunk))
-    if "server" in sections:
-        run("server", lambda: bench_server(model, clients, s_prompt, s_tokens, max(clients)))
-    md = _markdown(header, res)
-    errors = [f"- {k[:-6]}: {v}" for k, v in res.items() if k.endswith("_error")]
-    if errors:
-        md += "\n## Failed sections\n\n" + "\n".join(errors) + "\n"
-    with open(os.path.join(out_dir, "serve_bench.md"), "w") as f:
-        f.write(md)
+        header.update(_header(device))
+        run_in_process(emit, units, plan, device, a.prefill_chunk)
+    md = _save(out_dir, header, rows.rows)
     print(md)
-    return 1 if failed else 0
+    return 1 if any("error" in r for r in rows.rows) else 0
+
+
+def _save(out_dir: str, header: dict[str, Any], rows: list[dict[str, Any]]) -> str:
+    """serve_bench.json and serve_bench.md (written whole each time: a run cut short keeps what it had)."""
+    md = _markdown(header, rows)
+    for name, text in (("serve_bench.json", json.dumps({"header": header, "rows": rows}, indent=1)),
+                       ("serve_bench.md", md)):
+        tmp = os.path.join(out_dir, f".{name}.tmp")
+        with open(tmp, "w") as f:
+            f.write(text)
+        os.replace(tmp, os.path.join(out_dir, name))
+    return md
 
 
 if __name__ == "__main__":

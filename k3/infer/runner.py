@@ -126,6 +126,7 @@ class ModelRunner:
         if cuda_graphs not in (True, False, "auto"):
             raise ValueError(f"cuda_graphs must be True, False or 'auto', got {cuda_graphs!r}")
         self.model = model.eval()
+        model.fuse_projections()  # a decode step is launch-bound: one GEMM per layer input where it can
         cfg = model.config
         self.device = model.model.embed_tokens.weight.device
         self.max_batch = max_batch

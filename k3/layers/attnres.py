@@ -99,37 +99,51 @@ def closed_blocks_seen(layer_idx: int, block_size: int, sublayer: str) -> int:
     raise ValueError(f"sublayer must be 'attn', 'mlp' or 'output', got {sublayer!r}")
 
 
+# Up to this many tokens per forward (decode steps, short pieces) a mix reads its few sources directly in one
+# fused launch; phase 1 would cost about ten small launches per group to save reads that are a few KiB here.
+DIRECT_MAX_TOKENS = 256
+
+
 class TwoPhaseMixer:
     """Exact two-phase mixing for inference. ``pairs`` lists every mix as ``(closed blocks it sees, norm, proj)``.
     When a call sees a new set of closed blocks, all queries that see that many blocks are scored against them in
-    one pass (phase 1); each call then merges its own partial sum in (phase 2), with the following norm fused."""
+    one pass (phase 1); each call then merges its own partial sum in (phase 2), with the following norm fused.
+    Forwards of at most ``DIRECT_MAX_TOKENS`` tokens mix each call's sources in one fused pass instead (the same
+    mix; no phase 1). The score vectors γ ⊙ w of all pairs are made in one batched op per mixer (a forward)."""
 
     def __init__(self, pairs: Iterable[tuple[int, RMSNorm, nn.Linear]]) -> None:
-        self._groups: dict[int, list[tuple[RMSNorm, nn.Linear]]] = {}
-        for n, norm, proj in pairs:
-            self._groups.setdefault(n, []).append((norm, proj))
+        pairs = list(pairs)
+        self._groups: dict[int, list[nn.Linear]] = {}
+        for n, _, proj in pairs:
+            self._groups.setdefault(n, []).append(proj)
+        scores = (torch.stack([proj.weight[0] for _, _, proj in pairs]).float()
+                  * torch.stack([norm.weight for _, norm, _ in pairs]).float()) if pairs else None
+        self._score = {id(proj): scores[i] for i, (_, _, proj) in enumerate(pairs)}
         self._closed: list[torch.Tensor] = []
         self._phase1: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def __call__(self, norm: RMSNorm, proj: nn.Linear, sources: list[torch.Tensor], eps: float,
                  out_norm: RMSNorm | None = None) -> torch.Tensor:
+        if id(proj) not in self._score:
+            raise RuntimeError("AttnRes: a mix that is not one of the mixer's pairs (bookkeeping)")
+        score, onw = self._score[id(proj)], None if out_norm is None else out_norm.weight
         closed, partial = sources[:-1], sources[-1]
+        if partial.numel() <= DIRECT_MAX_TOKENS * partial.shape[-1]:
+            return attn_res(score, sources, None, eps, onw)
         if len(closed) != len(self._closed) or any(a is not b for a, b in zip(closed, self._closed)):
             self._start_group(closed, eps)
         if id(proj) not in self._phase1:
             raise RuntimeError(f"AttnRes: a mix over {len(closed)} closed blocks was not in that group (bookkeeping)")
         o1, lse = self._phase1[id(proj)]
-        return attn_res_merge(o1, lse, partial, proj.weight[0].float() * norm.weight.float(), eps,
-                              None if out_norm is None else out_norm.weight)
+        return attn_res_merge(o1, lse, partial, score, eps, onw)
 
     def _start_group(self, closed: list[torch.Tensor], eps: float) -> None:
         group = self._groups.get(len(closed), [])
         self._closed, self._phase1 = list(closed), {}
         if not group:
             return
-        scores = torch.stack([proj.weight[0].float() * norm.weight.float() for norm, proj in group])
-        o1, lse = attn_res_phase1(scores, closed, eps)
-        self._phase1 = {id(proj): (o1[i], lse[i]) for i, (_, proj) in enumerate(group)}
+        o1, lse = attn_res_phase1(torch.stack([self._score[id(proj)] for proj in group]), closed, eps)
+        self._phase1 = {id(proj): (o1[i], lse[i]) for i, proj in enumerate(group)}
 
 
 def attn_input(stream: ResidualStream, layer_idx: int, block_size: int, norm: RMSNorm, proj: nn.Linear,

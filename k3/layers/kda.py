@@ -25,6 +25,7 @@ from torch import nn
 import k3.ops.kda as kda_ops
 from k3.config import K3Config
 from k3.layers.conv import ShortConv
+from k3.layers.fused import FusedProjections
 from k3.layers.norm import RMSNorm
 from k3.ops.conv import short_conv_update
 from k3.ops.kda.gate import kda_gate
@@ -83,7 +84,15 @@ class KimiDeltaAttention(nn.Module):
         self.g_proj = nn.Linear(d, P, bias=False)
         self.o_norm = RMSNorm(K, eps=config.rms_norm_eps, dtype=torch.float32)
         self.o_proj = nn.Linear(P, d, bias=False)
+        self.fused: FusedProjections | None = None  # serving: the six input projections as one GEMM
         self.reset_gate_parameters()
+
+    def fuse_projections(self) -> None:
+        """Inference forwards run q, k, v, g, f_a and b from one GEMM (``k3.layers.fused``)."""
+        self.fused = FusedProjections(*self._inputs())
+
+    def _inputs(self) -> tuple[nn.Linear, ...]:
+        return self.q_proj, self.k_proj, self.v_proj, self.g_proj, self.f_a_proj, self.b_proj
 
     def reset_gate_parameters(self) -> None:
         """A_log = 0 (the safe gate's init); dt_bias = softplus⁻¹(dt), dt ~ logU(1e-3, 1e-1) clamped ≥ 1e-4."""
@@ -101,12 +110,15 @@ class KimiDeltaAttention(nn.Module):
         """``x [B, T, d]`` (normed layer input) → ``[B, T, d]``; updates the pool rows ``state.slots`` in place."""
         B, T, _ = x.shape
         H, K = self.num_heads, self.head_dim
-        q, k, v = (t.view(B, T, H, K) for t in self._convs(self.q_proj(x), self.k_proj(x), self.v_proj(x), state))
-        f = self.f_b_proj(self.f_a_proj(x)).view(B, T, H, K)
-        b = self.b_proj(x).float()  # β logits; sigmoid in fp32
-        o = self._recurrent(q, k, v, f, b, state)
-        g = self.g_proj(x).view(B, T, H, K)
-        if o.is_cuda and not torch.is_grad_enabled():  # inference: one kernel instead of ~ten
+        if self.fused is not None and not torch.is_grad_enabled():
+            xq, xk, xv, g, fa, b = self.fused(x)
+        else:
+            xq, xk, xv, g, fa, b = (lin(x) for lin in self._inputs())
+        q, k, v = (t.view(B, T, H, K) for t in self._convs(xq, xk, xv, state))
+        f = self.f_b_proj(fa).view(B, T, H, K)
+        o = self._recurrent(q, k, v, f, b, state)  # b: β logits (the ops take their sigmoid in fp32)
+        g = g.view(B, T, H, K)
+        if not torch.is_grad_enabled():  # inference: one kernel instead of ~ten on CUDA
             o = rms_norm_gate(o, g, self.o_norm.weight, self.o_norm.eps, x.dtype)
         else:
             o = (self.o_norm(o.float()) * torch.sigmoid(g.float())).to(x.dtype)  # o_norm weight fp32 → fp32
@@ -154,5 +166,5 @@ class KimiDeltaAttention(nn.Module):
         """The chunked op (in-kernel L2 norm, gate and β sigmoid) or the reference token loop."""
         if self.impl == "reference":
             return kda_reference(q, k, v, f, b, self.A_log, self.dt_bias, self.lower_bound, S0, output_final_state)
-        return kda_ops.chunk_kda(q, k, v, f, b, initial_state=S0, output_final_state=output_final_state,
+        return kda_ops.chunk_kda(q, k, v, f, b.float(), initial_state=S0, output_final_state=output_final_state,
                                  **self._op_kwargs())

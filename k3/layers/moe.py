@@ -19,10 +19,11 @@ import torch
 from torch import nn
 
 from k3.config import K3Config
+from k3.layers.fused import FusedProjections
 from k3.layers.mlp import SiTUMLP
 from k3.layers.norm import RMSNorm
-from k3.ops.moe.combine import combine_norm
-from k3.ops.moe.grouped import grouped_mm, sort_by_expert
+from k3.ops.moe.combine import combine_norm_rows
+from k3.ops.moe.grouped import expert_rows, grouped_mm
 from k3.ops.moe.qb import qb_bias_from_histogram
 from k3.ops.moe.router import route
 from k3.ops.moe.situ import situ_glu
@@ -103,6 +104,13 @@ class LatentMoE(nn.Module):
                                if config.n_shared_experts > 0 else None)
         self.qb_enabled = True  # switched off while activation checkpointing recomputes a forward
         self.last_load: torch.Tensor | None = None  # [n] token-expert rows per expert, last training forward
+        self.fused: FusedProjections | None = None  # serving: the down projection and the shared gate/up as one GEMM
+
+    def fuse_projections(self) -> None:
+        """Inference forwards run routed_expert_down_proj and the shared experts' gate and up projections from one
+        GEMM (``k3.layers.fused``; the router keeps its own fp32-output GEMM)."""
+        sh = self.shared_experts
+        self.fused = FusedProjections(self.routed_expert_down_proj, *((sh.gate_proj, sh.up_proj) if sh else ()))
 
     def recording(self) -> bool:
         """Whether this forward is a training forward that feeds Quantile Balancing."""
@@ -114,16 +122,21 @@ class LatentMoE(nn.Module):
         xf = x.reshape(-1, shape[-1])
         record = self.recording()
         idx, p = self.gate(xf, record=record)
-        u = self.routed(self.routed_expert_down_proj(xf), idx, p, record)
-        y = self.routed_expert_up_proj(u)
-        if self.shared_experts is not None:
+        if self.fused is not None and not torch.is_grad_enabled():
+            z, *shared = self.fused(xf)
+        else:
+            z, shared = self.routed_expert_down_proj(xf), None
+        y = self.routed_expert_up_proj(self.routed(z, idx, p, record))
+        if shared:  # serving: the shared experts' output added inside their down GEMM
+            y = self.shared_experts.act_down(*shared, add=y)
+        elif self.shared_experts is not None:
             y = y + self.shared_experts(xf)
         return y.reshape(shape)
 
     def routed(self, z: torch.Tensor, idx: torch.Tensor, p: torch.Tensor, record: bool = False) -> torch.Tensor:
         """``z [m, ℓ]``, ``idx/p [m, k]`` → ``RMSNorm(Σ_j p_j E_j(z)) [m, ℓ]``."""
-        order, token_of_row, offs = sort_by_expert(idx, self.experts.n_experts)
+        row_of, token_of_row, offs = expert_rows(idx, self.experts.n_experts)
         rows = self.experts(z[token_of_row], offs)
         if record:
             self.last_load = torch.diff(offs, prepend=offs.new_zeros(1)).detach()
-        return combine_norm(rows, order, p, self.routed_expert_norm.weight, self.eps)
+        return combine_norm_rows(rows, row_of, p, self.routed_expert_norm.weight, self.eps)

@@ -107,6 +107,36 @@ def test_bad_input_is_refused_before_running():
             ModelRunner(model, **kw)
 
 
+def test_decode_fills_the_capacity_and_no_further():
+    """A slot decodes until prompt + generated tokens = capacity; the next step is refused on the host and changes
+    nothing. A step run outside the runner's bookkeeping (the benchmark's back-to-back replays) that would write a
+    latent past the capacity raises on CPU — on a GPU that write is an out-of-bounds index_put that poisons the
+    CUDA context."""
+    model = tiny(5)
+    runner = ModelRunner(model, max_batch=2, capacity=12)
+    runner.admit(1, GREEDY, seed=0)
+    runner.prefill(1, list(range(1, 9)))
+    for _ in range(4):
+        runner.decode([1]).tokens()
+    assert runner.length(1) == 12 and runner.state.lengths.tolist() == [0, 12, 0]
+    with pytest.raises(ValueError, match="full"):
+        runner.decode([1])
+    assert runner.state.lengths.tolist() == [0, 12, 0]
+    runner._bind_batch((1,))
+    with pytest.raises(ValueError, match="capacity"), torch.no_grad():
+        runner._step(1, "greedy")
+
+
+def test_bench_decode_replays_stay_within_the_capacity():
+    """The benchmark's decode row (capacity = prompt + steps + 8) times the steps as the engine runs them, then the
+    same number of back-to-back steps again: the slots' lengths are put back in between, never past the capacity."""
+    from k3.bench.serve import _runner_decode
+
+    model = tiny(6)
+    row = _runner_decode(model, B=2, prompt_len=16, steps=12, device="cpu")
+    assert row["steps"] == 12 and row["replay_ms"] > 0 and row["tok_s"] > 0
+
+
 def test_buckets_and_auto_chunk():
     assert batch_buckets(1) == [1] and batch_buckets(8) == [1, 2, 4, 8] and batch_buckets(12) == [1, 2, 4, 8, 12]
     small = K3ForCausalLM(K3Config.from_preset("tiny"))

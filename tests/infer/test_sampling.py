@@ -108,3 +108,13 @@ def test_sampling_params_checks_and_modes():
     assert sampling_mode([SamplingParams(temperature=0, top_k=3)]) == "greedy"
     with pytest.raises(ValueError, match="mode"):
         sample_tokens(torch.zeros(1, 3), *_batch(1), "nucleus")
+
+
+def test_gumbel_op_is_registered():
+    """``k3::gumbel_argmax``: schema, fake tensor and tracing checks of torch.library (interpreter on CPU)."""
+    from k3.ops.sampling.gumbel_triton import gumbel_argmax_triton
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    x = torch.randn(3, 50, device=dev)
+    seeds, steps = torch.tensor([1, 2, 3], device=dev), torch.tensor([0, 5, 9], device=dev)
+    torch.library.opcheck(gumbel_argmax_triton, (x, seeds, steps))

@@ -1,6 +1,7 @@
 """Block AttnRes bookkeeping (K3 rules) against a hand-written loop with explicit block index arithmetic, on a
 93-layer config with tiny widths: blocks close at layers 0, 12, …, 84 and the output mix sees 9 sources."""
 
+import pytest
 import torch
 
 import k3.layers.attnres as k3_attnres
@@ -102,9 +103,12 @@ def test_attnres_93_layers_matches_hand_loop(monkeypatch) -> None:
     assert rel(got, want) < 1e-4
 
 
-def test_two_phase_mixer_equals_per_layer_mix() -> None:
+@pytest.mark.parametrize("direct_max", [0, k3_attnres.DIRECT_MAX_TOKENS])
+def test_two_phase_mixer_equals_per_layer_mix(direct_max: int, monkeypatch) -> None:
     """Every mix of the 93-layer model, run both ways on the same inputs: the two-phase result (phase 1 once per
-    group of queries that see the same closed blocks, then the online-softmax merge) equals the per-layer mix."""
+    group of queries that see the same closed blocks, then the online-softmax merge) equals the per-layer mix; so
+    does the mixer's direct form for few tokens (no phase 1)."""
+    monkeypatch.setattr(k3_attnres, "DIRECT_MAX_TOKENS", direct_max)
     torch.manual_seed(2)
     model = K3ForCausalLM(deep_config()).eval()
     model.set_kda_impl("reference")
@@ -139,7 +143,8 @@ def test_two_phase_mixer_equals_per_layer_mix() -> None:
     finally:
         k3_attnres.attn_res_phase1 = saved
     assert len(errs) == 1 + 2 * 92 + 1 and max(errs) <= 1e-6
-    assert phase1_calls[0] == 8  # one batched pass per set of closed blocks: b_0, b_0..b_1, …, b_0..b_7
+    # one batched pass per set of closed blocks (b_0, b_0..b_1, …, b_0..b_7), none in the direct form
+    assert phase1_calls[0] == (8 if direct_max == 0 else 0)
 
 
 def test_layer0_attention_pair_is_never_read() -> None:

@@ -47,6 +47,19 @@ def test_triton_kernel_equals_reference(n, dtype, C):
     assert torch.equal(a, b)
 
 
+def test_triton_kernel_reads_column_slices_of_one_projection():
+    """q, k, v as column slices of one [B, 3C + 5] projection output (FusedProjections): read in place."""
+    xs, tails, slots, convs = _setup(C=40, seed=4, device=DEV)
+    packed = torch.cat([*xs, torch.randn(3, 5, device=DEV)], dim=1)
+    sliced = list(packed.split([40, 40, 40, 5], dim=1)[:3])
+    assert sliced[0].stride() == (125, 1)
+    ws = [c.weight for c in convs]
+    a, b = tails.clone(), tails.clone()
+    y_ref = short_conv_update_reference(xs, a, slots, ws)
+    y = short_conv_update_triton(sliced, b, slots, ws)
+    assert torch.allclose(y, y_ref, atol=1e-6, rtol=1e-6) and torch.equal(a, b)
+
+
 def test_bad_shapes():
     xs, tails, slots, convs = _setup()
     ws = [c.weight for c in convs]
@@ -68,3 +81,12 @@ def test_triton_kernel_bf16_on_gpu():
     y_ref = short_conv_update_reference(xs, a, slots, ws)
     y = short_conv_update_triton(xs, b, slots, ws)
     assert torch.allclose(y.float(), y_ref.float(), atol=1e-2, rtol=1e-2) and torch.equal(a, b)
+
+
+def test_op_is_registered():
+    """``k3::short_conv_update`` (mutates the tails): schema, fake tensor and tracing checks of torch.library."""
+    from k3.ops.conv.update_triton import _conv_update_op
+
+    xs, tails, slots, convs = _setup(n=2, C=16, seed=7, device=DEV)
+    ws = [c.weight.detach() for c in convs]  # forward only (decode)
+    torch.library.opcheck(_conv_update_op, (xs, tails, slots, ws, True))

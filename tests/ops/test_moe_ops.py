@@ -302,6 +302,26 @@ def test_permute_rows_fused_backward_matches_index():
     assert torch.equal(out, ref) and rel(z1.grad, z2.grad) < 1e-6
 
 
+@pytest.mark.parametrize("m, k, E", [(1, 8, 128), (3, 4, 16), (64, 8, 128), (13, 16, 896), (0, 4, 8), (40, 2, 3)])
+def test_expert_rows_fused_equals_the_sort(m, k, E):
+    """The rank kernel gives the stable sort's layout exactly (row of every entry, token of every row, group ends),
+    with ties, empty experts, R not a multiple of the tile and more experts than rows (and the reverse)."""
+    from k3.ops.moe.grouped import expert_rows
+    from k3.ops.moe.rows_triton import expert_rows_fused
+
+    g = torch.Generator().manual_seed(m * 1000 + k)
+    idx = torch.randint(0, E, (m, k), generator=g)
+    if m > 1:
+        idx[1] = idx[0]  # ties across tokens
+    order, tok, offs = sort_by_expert(idx, E)
+    row_of, tok_f, offs_f = (t.cpu() for t in expert_rows_fused(idx.to(DEV), E))  # outputs poisoned first
+    assert torch.equal(offs_f, offs) and offs_f.dtype == torch.int32
+    assert torch.equal(tok_f, tok)
+    assert torch.equal(row_of.reshape(-1)[order], torch.arange(m * k))
+    ref_row, ref_tok, ref_offs = expert_rows(idx, E)  # the dispatcher's torch path on CPU tensors
+    assert torch.equal(ref_row, row_of) and torch.equal(ref_tok, tok) and torch.equal(ref_offs, offs)
+
+
 def test_fallback_notice_once_per_path(capsys):
     from k3.ops import _fastpath
 

@@ -16,7 +16,8 @@ import torch.nn.functional as F
 from k3.ops.moe._backend import use_triton
 from k3.ops.moe.situ import situ_glu, situ_glu_packed
 
-__all__ = ["grouped_mm", "sort_by_expert", "permute_rows", "grouped_ffn", "grouped_ffn_packed", "expert_counts"]
+__all__ = ["grouped_mm", "sort_by_expert", "expert_rows", "permute_rows", "grouped_ffn", "grouped_ffn_packed",
+           "expert_counts"]
 
 _gmm = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
 
@@ -57,6 +58,27 @@ def sort_by_expert(idx: torch.Tensor, n_experts: int) -> tuple[torch.Tensor, tor
     token_of_row = order // idx.shape[1]
     offs = torch.cumsum(expert_counts(flat, n_experts), 0).to(torch.int32)
     return order, token_of_row, offs
+
+
+def expert_rows(idx: torch.Tensor, n_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The expert-sorted layout of routing ``idx [m, k]`` addressed from the token side.
+
+    Returns ``(row_of [m, k] int64, token_of_row [m*k] int64, offs [E] int32)``: entry (t, j) is row ``row_of[t, j]``
+    of the layout of ``sort_by_expert`` (same stable order, same ``token_of_row`` and ``offs``), i.e. ``row_of`` is
+    the inverse of its ``order``. On CUDA, small routings (decode batches, m·k ≤ ``rows_triton.MAX_ROWS``) take one
+    Triton launch instead of the sort's ten.
+    """
+    if idx.dim() != 2 or idx.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"idx must be an integer tensor [m, k], got {idx.dtype} {tuple(idx.shape)}")
+    if use_triton(idx):
+        from k3.ops.moe.rows_triton import MAX_ROWS, expert_rows_fused
+
+        if idx.numel() <= MAX_ROWS:
+            return expert_rows_fused(idx, n_experts)
+    order, token_of_row, offs = sort_by_expert(idx, n_experts)
+    row_of = torch.empty_like(order)
+    row_of[order] = torch.arange(order.numel(), device=order.device)
+    return row_of.view(idx.shape), token_of_row, offs
 
 
 class _PermuteRows(torch.autograd.Function):

@@ -2,8 +2,8 @@
 
 One program per row walks the vocabulary (a constexpr: one compile per model) in ``BLOCK`` columns:
 ``U`` = Philox4x32-10 (``tl.randint``, key = the row's seed, counter = column | step << 32), ``G = −log(−log U)``,
-and keeps the first index of the largest ``x + G``. The same stream as :func:`k3.ops.sampling.gumbel.philox_uniform`; a decode step at batch B reads the
-``[B, V]`` scaled logits once and writes B ids.
+and keeps the first index of the largest ``x + G``. The same stream as :func:`k3.ops.sampling.gumbel.philox_uniform`;
+a decode step at batch B reads the ``[B, V]`` scaled logits once and writes B ids.
 """
 
 from __future__ import annotations
@@ -41,8 +41,10 @@ def _gumbel_argmax(x, seeds, steps, out, stride, V: tl.constexpr, BLOCK: tl.cons
     tl.store(out + i_b, idx.to(tl.int64))
 
 
+@torch.library.custom_op("k3::gumbel_argmax", mutates_args=())
 def gumbel_argmax_triton(x: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
-    """``x [B, V]`` fp32 (row stride any, unit column stride), ``seeds``, ``steps [B]`` int64 → ``[B]`` int64."""
+    """``x [B, V]`` fp32 (row stride any, unit column stride), ``seeds``, ``steps [B]`` int64 → ``[B]`` int64.
+    A ``torch.library`` op (``torch.compile`` keeps the launch as one graph node)."""
     B, V = x.shape
     if x.stride(1) != 1:
         x = x.contiguous()
@@ -52,3 +54,8 @@ def gumbel_argmax_triton(x: torch.Tensor, seeds: torch.Tensor, steps: torch.Tens
             _gumbel_argmax[(B,)](x, seeds.to(torch.int64).contiguous(), steps.to(torch.int64).contiguous(), out,
                                  x.stride(0), V=V, BLOCK=1024, num_warps=4)
     return out
+
+
+@gumbel_argmax_triton.register_fake
+def _(x, seeds, steps):
+    return x.new_empty(x.shape[0], dtype=torch.int64)
