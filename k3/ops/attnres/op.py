@@ -23,7 +23,8 @@ _FUSED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 @torch.library.custom_op("k3::attn_res_fwd", mutates_args=())
 def _fwd_op(sources: list[torch.Tensor], qw: torch.Tensor, out_norm_weight: torch.Tensor | None, eps: float,
-            scale: float, save_pre: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+            scale: float, save_pre: bool
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     return attn_res_fwd(sources, qw, out_norm_weight, eps, scale, save_pre)
 
 
@@ -33,18 +34,18 @@ def _(sources, qw, out_norm_weight, eps, scale, save_pre):
     T = s0.shape[0]
     o_pre = torch.empty_like(s0) if save_pre else s0.new_empty(0)
     return (torch.empty_like(s0), o_pre, s0.new_empty(T, dtype=torch.float32),
-            s0.new_empty(len(sources), T, dtype=torch.float32))
+            s0.new_empty(len(sources), T, dtype=torch.float32), s0.new_empty(len(sources), T, dtype=torch.float32))
 
 
 @torch.library.custom_op("k3::attn_res_bwd", mutates_args=())
 def _bwd_op(do: torch.Tensor, sources: list[torch.Tensor], qw: torch.Tensor, out_norm_weight: torch.Tensor | None,
-            o_pre: torch.Tensor, lse: torch.Tensor, eps: float, scale: float, save_pre: bool
-            ) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
-    return attn_res_bwd(do, sources, qw, out_norm_weight, o_pre, lse, eps, scale, save_pre)
+            o_pre: torch.Tensor, lse: torch.Tensor, logit: torch.Tensor, rstd: torch.Tensor, eps: float, scale: float,
+            save_pre: bool) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
+    return attn_res_bwd(do, sources, qw, out_norm_weight, o_pre, lse, logit, rstd, eps, scale, save_pre)
 
 
 @_bwd_op.register_fake
-def _(do, sources, qw, out_norm_weight, o_pre, lse, eps, scale, save_pre):
+def _(do, sources, qw, out_norm_weight, o_pre, lse, logit, rstd, eps, scale, save_pre):
     D = do.shape[-1]
     dow = do.new_empty(D if out_norm_weight is not None else 0, dtype=torch.float32)
     return [torch.empty_like(s) for s in sources], do.new_empty(D, dtype=torch.float32), dow
@@ -52,15 +53,15 @@ def _(do, sources, qw, out_norm_weight, o_pre, lse, eps, scale, save_pre):
 
 def _setup_context(ctx, inputs, output) -> None:
     sources, qw, out_norm_weight, eps, scale, save_pre = inputs
-    _, o_pre, lse, _ = output
-    ctx.save_for_backward(qw, out_norm_weight, o_pre, lse, *sources)
+    _, o_pre, lse, logit, rstd = output
+    ctx.save_for_backward(qw, out_norm_weight, o_pre, lse, logit, rstd, *sources)
     ctx.eps, ctx.scale, ctx.save_pre = eps, scale, save_pre
 
 
-def _backward(ctx, dy, _do_pre, _dlse, _dlogit):
-    qw, out_norm_weight, o_pre, lse, *sources = ctx.saved_tensors
-    dsrc, dqw, dow = _bwd_op(dy.contiguous(), sources, qw, out_norm_weight, o_pre, lse, ctx.eps, ctx.scale,
-                             ctx.save_pre)
+def _backward(ctx, dy, _do_pre, _dlse, _dlogit, _drstd):
+    qw, out_norm_weight, o_pre, lse, logit, rstd, *sources = ctx.saved_tensors
+    dsrc, dqw, dow = _bwd_op(dy.contiguous(), sources, qw, out_norm_weight, o_pre, lse, logit, rstd, ctx.eps,
+                             ctx.scale, ctx.save_pre)
     d_onw = dow.to(out_norm_weight.dtype) if out_norm_weight is not None else None
     return list(dsrc), dqw, d_onw, None, None, None
 
@@ -83,11 +84,11 @@ def attn_res_fused(
     D = shape[-1]
     flat = [s.reshape(-1, D).contiguous() for s in sources]
     qw = query.float() if norm_weight is None else query.float() * norm_weight.float()
-    y, _, lse, logit = _fwd_op(flat, qw, out_norm_weight, float(eps), float(scale), bool(save_pre))
+    y, _, lse, logit, _ = _fwd_op(flat, qw, out_norm_weight, float(eps), float(scale), bool(save_pre))
     y = y.view(shape)
     if not return_weights:
         return y
-    p = torch.exp(logit.detach() - lse.detach()).view(len(sources), *shape[:-1])
+    p = torch.exp(logit.detach() * scale - lse.detach()).view(len(sources), *shape[:-1])
     return y, p
 
 

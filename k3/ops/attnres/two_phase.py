@@ -58,7 +58,7 @@ def attn_res_phase1(scores: torch.Tensor, sources: Sequence[torch.Tensor], eps: 
 @torch.library.custom_op("k3::attn_res_merge", mutates_args=())
 def _merge_op(o1: torch.Tensor, lse1: torch.Tensor, partial: torch.Tensor, score: torch.Tensor, eps: float,
               out_norm_weight: torch.Tensor | None, scale: float) -> torch.Tensor:
-    y, _, _, _ = attn_res_fwd([partial], score, out_norm_weight, eps, scale, False, (o1, lse1))
+    y, *_ = attn_res_fwd([partial], score, out_norm_weight, eps, scale, False, (o1, lse1))
     return y
 
 

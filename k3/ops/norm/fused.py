@@ -3,7 +3,8 @@
     y = x · r · w,  r = rsqrt(mean(x²) + eps)          (x, w upcast to fp32; y cast back to x.dtype)
     ∂x = r (w ⊙ dy − x̂ · mean(x̂ ⊙ w ⊙ dy)),  x̂ = x · r        ∂w = Σ_rows x̂ ⊙ dy
 
-The forward keeps r ([T] fp32) for the backward. Each backward program walks a run of consecutive rows and writes one
+The forward keeps r ([T] fp32) for the backward. Each backward program walks a run of consecutive rows, software
+pipelined (the next rows' x and dy are copied into shared memory while the current row is reduced), and writes one
 fp32 partial ∂w row (at most about 4 programs per SM), summed after: no [T, D] fp32 buffer.
 """
 
@@ -43,15 +44,15 @@ def _configs(pairs: tuple[tuple[int, int], ...]) -> list[triton.Config]:
     return [triton.Config({"BT": bt}, num_warps=w) for bt, w in pairs]
 
 
-# sm_90, D 7168 (BD 8192): forward (1, 8) / (1, 16) 52–95 registers; backward (1, 16) 128 without spills (wider
-# tiles per thread spill there: the backward keeps five row vectors live)
+# sm_90, D 7168 (BD 8192): forward (1, 8) / (1, 16) 40–59 registers; backward (1, 16) 115 registers and 64 KB of
+# shared memory for its software pipeline (x and dy of the next two rows in flight), no spills
 _FWD = _configs(((1, 4), (2, 8), (4, 8), (1, 8), (1, 16), (16, 4)))
 _BWD = _configs(((1, 8), (2, 4), (4, 8), (1, 16), (16, 4)))
 _BWD_MAX_BT = max(c.kwargs["BT"] for c in _BWD)
 
 
 @triton.autotune(configs=_FWD, key=["BD"], prune_configs_by={"early_config_prune": _pruner(32)})
-@triton.jit
+@triton.jit(do_not_specialize=["T"])  # one binary for every token count
 def rms_norm_fwd_kernel(x, w, y, rstd, T, eps, D: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr):
     o_t = tl.program_id(0).to(tl.int64) * BT + tl.arange(0, BT)
     o_d = tl.arange(0, BD)[None, :]  # row vectors as [1, BD]: the tiles' own layout, no conversions
@@ -67,24 +68,27 @@ def rms_norm_fwd_kernel(x, w, y, rstd, T, eps, D: tl.constexpr, BT: tl.constexpr
 
 
 @triton.autotune(configs=_BWD, key=["BD"], prune_configs_by={"early_config_prune": _pruner(16)})
-@triton.jit
+@triton.jit(do_not_specialize=["T"])
 def rms_norm_bwd_kernel(x, w, rstd, dy, dx, dw, T, D: tl.constexpr, ROWS: tl.constexpr, BT: tl.constexpr,
                         BD: tl.constexpr):
     i_p = tl.program_id(0)
     o_d = tl.arange(0, BD)[None, :]
     m_d = o_d < D
+    b_w = tl.load(w + o_d, mask=m_d, other=0.0).to(tl.float32)
     b_dw = tl.zeros([BT, BD], tl.float32)  # per-row partials, reduced over the rows once at the end
-    for i_j in range(ROWS // BT):  # rows past T load zeros and add nothing
+    # software-pipelined over the rows (cp.async into shared memory): the next rows' x and dy are on their way while
+    # this one is reduced. Rows past T re-read the last row with dy taken as zero: they add nothing, and the
+    # pipeline carries row indices rather than [BD] offsets and masks.
+    for i_j in tl.range(0, ROWS // BT, num_stages=3):
         o_t = i_p.to(tl.int64) * ROWS + i_j * BT + tl.arange(0, BT)
-        m_t = o_t < T
-        m_td = m_t[:, None] & m_d
-        o_td = o_t[:, None] * D + o_d
-        b_r = tl.load(rstd + o_t, mask=m_t, other=0.0)
-        b_xh = tl.load(x + o_td, mask=m_td, other=0.0).to(tl.float32) * b_r[:, None]
-        b_dy = tl.load(dy + o_td, mask=m_td, other=0.0).to(tl.float32)
-        b_gw = b_dy * tl.load(w + o_d, mask=m_d, other=0.0).to(tl.float32)  # re-read: one register row less
+        o_c = tl.minimum(o_t, T - 1)
+        b_r = tl.load(rstd + o_c)
+        b_xh = tl.load(x + o_c[:, None] * D + o_d, mask=m_d, other=0.0).to(tl.float32) * b_r[:, None]
+        b_dy = tl.load(dy + o_c[:, None] * D + o_d, mask=m_d, other=0.0).to(tl.float32)
+        b_dy = tl.where((o_t < T)[:, None], b_dy, 0.0)
+        b_gw = b_dy * b_w
         b_dx = (b_gw - b_xh * (tl.sum(b_xh * b_gw, 1) / D)[:, None]) * b_r[:, None]
-        tl.store(dx + o_td, b_dx.to(dx.dtype.element_ty), mask=m_td)
+        tl.store(dx + o_t[:, None] * D + o_d, b_dx.to(dx.dtype.element_ty), mask=(o_t < T)[:, None] & m_d)
         b_dw += b_xh * b_dy
     tl.store(dw + i_p * D + o_d, tl.sum(b_dw, 0)[None, :], mask=m_d)
 
