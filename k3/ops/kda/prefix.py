@@ -17,6 +17,7 @@ forward (:func:`_split_via_forward`).
 from __future__ import annotations
 
 import functools
+import heapq
 import os
 from dataclasses import dataclass
 
@@ -106,8 +107,6 @@ def _list_schedule_us(durations: list[float], slots: int) -> float:
         return max(durations, default=0.0)
     if len(durations) > 50_000:  # huge varlen batches: the bound work / slots (the scheduler packs them well)
         return max(max(durations), sum(durations) / slots)
-    import heapq  # noqa: PLC0415
-
     free = [0.0] * slots
     for d in durations:
         heapq.heapreplace(free, free[0] + d)
