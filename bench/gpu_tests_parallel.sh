@@ -2,7 +2,7 @@
 # Run the GPU tests of one pytest marker as parallel processes (one per test id): most of `pytest -m gpu_quick`'s
 # time is Triton compiling kernels on one CPU core, and separate processes compile in parallel.
 #   bash bench/gpu_tests_parallel.sh [marker=gpu_quick] [jobs=8] [logdir=/tmp/gpu_tests] [test paths...]
-# e.g. every GPU test of two files: bash bench/gpu_tests_parallel.sh "not gpu_quick" 14 /tmp/g tests/ops/test_kda_triton.py
+# e.g. every GPU test of two files: bash bench/gpu_tests_parallel.sh "not gpu_quick" 14 /tmp/g tests/ops/test_kda_train.py
 set -u
 marker=${1:-gpu_quick}; jobs=${2:-8}; logdir=${3:-/tmp/gpu_tests}; shift 3 2>/dev/null || shift $#
 mkdir -p "$logdir"

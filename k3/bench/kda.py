@@ -1,13 +1,12 @@
-"""``python -m k3.bench kda``: k3's KDA kernels vs fla's ``chunk_kda`` side by side in one process.
+"""``python -m k3.bench kda``: k3's KDA kernels vs fla's ``chunk_kda`` / ``fused_recurrent_kda`` in one process.
 
-Cases (shared/BASELINES.md): inference prefill B=1, H=32/8, T=16K/128K/1M; training forward+backward B=8 T=4096
-and B=1 T=32768 at H=32; one decode step B=64 H=32 with fp32 states. K3 setting: bf16 q/k/v/g, bounded gate
-(lower_bound −5) fused in the kernel with A_log / dt_bias, in-kernel L2 norm and β sigmoid, K = V = 128.
-Times are ``triton.testing.do_bench`` medians (ms); "extra" is the peak memory allocated during the call minus what
-was resident before it (inputs), "beyond out" subtracts the output tensor too.
-
-``--breakdown`` times each of our kernels alone; ``--sweep`` tries launch variants; ``--warm GROUP`` only compiles
-(the device runs several of those in parallel first, so compile time is paid once and concurrently).
+Cases: inference prefill B=1, H=32/8, T=16K/128K/1M (the automatic split, the same with a never-forgetting channel
+per head, unsplit, fla); training forward+backward B=8 T=4096 and B=1 T=32768 at H=32; one decode step B=64 H=32
+with fp32 states (eager and replayed from a CUDA graph). K3 setting: bf16 q/k/v/g, bounded gate (lower_bound −5)
+fused in the kernel with A_log / dt_bias, in-kernel L2 norm and β sigmoid, K = V = 128. Times are
+``triton.testing.do_bench`` medians (ms); "extra" is the peak memory allocated during the call minus what was
+resident before it (inputs), "beyond out" subtracts the output tensor too. ``--sections breakdown`` lists each
+kernel's time (profiler) in the training step and the 1M-token prefill.
 """
 
 from __future__ import annotations
@@ -23,7 +22,8 @@ from typing import Any, Callable
 import torch
 
 from k3.bench import BenchParser
-from k3.utils import env_var
+from k3.ops.kda import chunk_kda, fused_recurrent_kda
+from k3.utils import atomic_write_text, env_var
 
 __all__ = ["main"]
 
@@ -62,18 +62,8 @@ def never_forgetting(x: dict) -> dict:
 
 
 def _ours(x: dict, **kw) -> tuple:
-    from k3.ops.kda import chunk_kda
-
     return chunk_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], A_log=x["A_log"], dt_bias=x["dt_bias"],
                      output_final_state=True, **{**K3_FLAGS, **kw})
-
-
-def _ours_unsplit(x: dict) -> tuple:
-    from k3.ops.kda.triton import chunk_kda_triton
-
-    K = x["q"].shape[-1]
-    return chunk_kda_triton(x["q"], x["k"], x["v"], x["g"], x["beta"], K**-0.5, None, True, True, True, True, -5.0,
-                            None, x["A_log"], x["dt_bias"])
 
 
 def _fla_module():
@@ -136,13 +126,13 @@ def prefill_rows(shapes: list[tuple[int, int]], with_fla: bool) -> list[dict]:
         r_auto = _timed_inference(lambda: _ours(x), rep, out_bytes)
         rows.append(_row(case, "k3 chunk_kda (auto split)", **r_auto))
         # the same call where one channel per head never forgets: the split's decay bound then never drops a
-        # segment's history (``SplitConfig.forget_log2``), so this is its cost on gates that remember
+        # segment's history, so this is its cost on gates that remember
         xm = never_forgetting(x)
         rows.append(_row(case, "k3 chunk_kda (auto split), a never-forgetting channel per head",
                          **_timed_inference(lambda: _ours(xm), rep, out_bytes)))
         del xm
         with env_var("K3_KDA_SPLITS", "1"):
-            rows.append(_row(case, "k3 unsplit", **_timed_inference(lambda: _ours_unsplit(x), rep, out_bytes)))
+            rows.append(_row(case, "k3 unsplit", **_timed_inference(lambda: _ours(x), rep, out_bytes)))
         if with_fla and _fla_module() is not None:
             try:
                 rf = _timed_inference(lambda: _fla(x), rep, out_bytes)
@@ -188,8 +178,6 @@ def train_rows(shapes: list[tuple[int, int, int]], with_fla: bool) -> list[dict]
 
 
 def decode_rows(with_fla: bool, B: int = 64, H: int = 32) -> list[dict]:
-    from k3.ops.kda import fused_recurrent_kda
-
     x = _inputs(B, 1, H)
     h0 = torch.randn(B, H, 128, 128, device="cuda", dtype=torch.float32)
     pool = torch.randn(2 * B, H, 128, 128, device="cuda", dtype=torch.float32)
@@ -260,199 +248,37 @@ def copy_bandwidth() -> float:
     return 2 * 2 * GIB / ms / 1e9
 
 
-def _window_1m() -> tuple:
-    """One inference window of the 1M-token, H=32 prefill: (T, H, flags, inputs, chunk table, chunks per window,
-    window buffers, output, states, prep arguments)."""
-    from k3.ops.kda.triton import chunk_fwd as cf
-    from k3.ops.kda.triton._common import make_chunk_table
-
-    flags = dict(l2norm=True, use_gate=True, beta_sigmoid=True, exact_diag=False)
-    T, H = 1 << 20, 32
-    x = _inputs(1, T, H)
-    tab = make_chunk_table(1, T, None, x["q"].device)
-    ncw = max(1, cf.FwdConfig.window_bytes // cf.chunk_bytes(H, 128, 128, torch.bfloat16))
-    bufs = cf.alloc_chunk_buffers(H, ncw, 128, 128, torch.bfloat16, x["q"].device, store_t=False)
-    o = torch.empty_like(x["v"])
-    ht = torch.zeros(1, H, 128, 128, device="cuda")
-    args = (x["q"], x["k"], x["v"], x["g"], x["beta"], x["A_log"], x["dt_bias"])
-    return T, H, flags, x, tab, ncw, bufs, o, ht, args
-
-
 def breakdown_rows() -> list[dict]:
-    """Each of our kernels alone: prep/state at 1M H=32 (one window, scaled to the sequence) and the training set."""
-    from k3.ops.kda.triton import chunk_bwd as cb
-    from k3.ops.kda.triton import chunk_fwd as cf
-    from k3.ops.kda.triton._common import make_chunk_table
-
+    """Each kernel's time (the profiler, CUDA time per call) in the training step B=8 T=4096 H=32 and in the prefill
+    B=1 H=32 T=1M."""
     rows = []
-    # inference window at T = 1M, H = 32
-    T, H, flags, x, tab, ncw, bufs, o, ht, args = _window_1m()
-    prep = lambda: cf.launch_prep(*args, bufs, tab, 0, ncw, 128**-0.5, -5.0, flags, False)  # noqa: E731
-    state = lambda: cf.launch_state(bufs, o, None, ht, tab, 0, ncw, H, 128, 128)  # noqa: E731
-    scale = tab.NC / ncw
-    for name, f in (("prep (K1) per window", prep), ("state pass (K2) per window", state)):
-        f()
-        ms = _bench(f, 200.0)
-        rows.append(_row(f"breakdown 1M H=32 (window {ncw} chunks)", name, ms=ms, ms_full_T=ms * scale))
-    del x, bufs, o
+    x = _inputs(8, 4096, 32, grad=True)
+    do = torch.randn(8, 4096, 32, 128, device="cuda", dtype=torch.bfloat16)
+    rows += _profile_kernels(lambda: _ours(x)[0].backward(do), "breakdown fwd+bwd B=8 T=4096 H=32")
+    del x, do
     torch.cuda.empty_cache()
-    # training B=8 T=4096 H=32
-    B, T = 8, 4096
-    x = _inputs(B, T, H)
-    tab = make_chunk_table(B, T, None, x["q"].device)
-    args = (x["q"], x["k"], x["v"], x["g"], x["beta"], x["A_log"], x["dt_bias"])
-    o_, ht_, saved = cf.kda_fwd(*args, 128**-0.5, None, tab, -5.0, flags, True)
-    bufs = {n: saved[n] for n in ("W", "U", "KG", "QG", "AQK", "GAM", "TM") if n in saved}
-    scratch = cf.alloc_chunk_buffers(H, tab.NC, 128, 128, torch.bfloat16, "cuda", store_t=False)
-    # the prep's scratches (not saved), and U when the forward kept V' in its place (FwdConfig.store_vn)
-    bufs.update({n: scratch[n] for n in ("LD", "TOT", "U") if n in scratch and n not in bufs})
-    o = torch.empty_like(x["v"])
-    ht = torch.zeros(B, H, 128, 128, device="cuda")
-    do = torch.randn_like(x["v"])
-    fns = {
-        "prep (K1, stores T)": lambda: cf.launch_prep(*args, bufs, tab, 0, tab.NC, 128**-0.5, -5.0, flags, True),
-        "state pass (K2, stores h)": lambda: cf.launch_state(bufs, o, saved["HS"], ht, tab, 0, tab.NC, H, 128, 128,
-                                                             vn=saved.get("VN")),
-        "backward (3 kernels)": lambda: cb.kda_bwd(x["q"], x["k"], x["v"], x["g"], x["beta"], x["A_log"],
-                                                   x["dt_bias"], None, 128**-0.5, do, None, saved, tab, -5.0,
-                                                   flags),
-    }
-    for name, f in fns.items():
-        f()
-        rows.append(_row(f"breakdown fwd+bwd B={B} T={T} H={H}", name, ms=_bench(f, 200.0)))
-    # the backward's kernels one by one, through the profiler
-    rows += _profile_kernels(fns["backward (3 kernels)"], f"breakdown bwd B={B} T={T} H={H}")
+    x = _inputs(1, 1 << 20, 32)
+    with torch.inference_mode():
+        rows += _profile_kernels(lambda: _ours(x), "breakdown prefill B=1 H=32 T=1M")
     return rows
 
 
-def _profile_kernels(fn: Callable[[], Any], case: str) -> list[dict]:
+def _profile_kernels(fn: Callable[[], Any], case: str, calls: int = 3) -> list[dict]:
     from torch.profiler import ProfilerActivity, profile
 
     fn()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(5):
+        for _ in range(calls):
             fn()
         torch.cuda.synchronize()
     rows = []
     for ev in prof.key_averages():
-        if ev.device_type.name == "CUDA" and ev.count >= 5:
-            us = getattr(ev, "device_time_total", getattr(ev, "cuda_time_total", 0)) / ev.count
+        if ev.device_type.name == "CUDA":
+            us = getattr(ev, "device_time_total", getattr(ev, "cuda_time_total", 0)) / calls
             if us > 5:
-                rows.append(_row(case, ev.key[:60], ms=us / 1e3))
+                rows.append(_row(case, ev.key[:60], ms=us / 1e3, launches=ev.count // calls))
     return rows
-
-
-STATE_VARIANTS = ((32, 4), (64, 4), (64, 8), (128, 8))
-PREP_WARPS = (4, 8, 16)
-DECODE_VARIANTS = ((16, 2), (32, 2), (32, 4), (32, 8), (64, 4), (64, 8))
-
-
-def sweep_rows() -> list[dict]:
-    """Launch variants: the state pass and the prep kernel on one 1M-token window (H=32), and the decode step."""
-    from k3.ops.kda.triton import chunk_fwd as cf
-    from k3.ops.kda.triton import fused_recurrent as fr
-
-    rows = []
-    T, H, flags, x, tab, ncw, bufs, o, ht, args = _window_1m()
-    base = (cf.FwdConfig.state_bv, cf.FwdConfig.state_warps, cf.FwdConfig.prep_warps)
-    case = f"sweep 1M H=32, one window of {ncw} chunks (x{tab.NC / ncw:.1f} for the sequence)"
-    for w in PREP_WARPS:
-        cf.FwdConfig.prep_warps = w
-        try:
-            f = lambda: cf.launch_prep(*args, bufs, tab, 0, ncw, 128**-0.5, -5.0, flags, False)  # noqa: E731
-            f()
-            rows.append(_row(case, f"prep warps={w}", ms=_bench(f, 200.0)))
-        except Exception as e:  # noqa: BLE001
-            rows.append(_row(case, f"prep warps={w}", error=repr(e)[:200]))
-    cf.FwdConfig.prep_warps = base[2]
-    for bv, w in STATE_VARIANTS:
-        cf.FwdConfig.state_bv, cf.FwdConfig.state_warps = bv, w
-        try:
-            f = lambda: cf.launch_state(bufs, o, None, ht, tab, 0, ncw, H, 128, 128)  # noqa: E731
-            f()
-            rows.append(_row(case, f"state bv={bv} warps={w}", ms=_bench(f, 200.0)))
-        except Exception as e:  # noqa: BLE001
-            rows.append(_row(case, f"state bv={bv} warps={w}", error=repr(e)[:200]))
-    cf.FwdConfig.state_bv, cf.FwdConfig.state_warps = base[:2]
-    del x, bufs, o
-    torch.cuda.empty_cache()
-    dbase = (fr.DecodeConfig.bv, fr.DecodeConfig.warps)
-    for bv, w in DECODE_VARIANTS:
-        fr.DecodeConfig.bv, fr.DecodeConfig.warps = bv, w
-        for r in decode_rows(False)[:1]:
-            r["impl"] = f"decode bv={bv} warps={w}"
-            rows.append(r)
-    fr.DecodeConfig.bv, fr.DecodeConfig.warps = dbase
-    return rows
-
-
-def warm(group: int) -> None:
-    """Compile (on tiny inputs) the kernel variants one group of the benchmark/tests needs."""
-    from k3.ops.kda import chunk_kda, fused_recurrent_kda
-    from k3.ops.kda.triton import chunk_fwd as cf
-    from k3.ops.kda.triton import fused_recurrent as fr
-    from k3.ops.kda.triton import span_summaries_triton
-
-    cu = torch.tensor([0, 100, 300], device="cuda")
-
-    def fb(B, T, H, D=128, dtype=torch.bfloat16, **kw):
-        x = _inputs(B, T, H, D, grad=True)
-        if dtype != torch.bfloat16:
-            x = {n: (t.detach().to(dtype).requires_grad_() if t.dtype == torch.bfloat16 else t) for n, t in x.items()}
-        o, h = _ours(x, **kw)
-        (o.float().sum() + h.sum()).backward()
-
-    if group == 0:
-        fb(2, 200, 2)
-    elif group == 1:
-        fb(1, 300, 2, cu_seqlens=cu, initial_state=torch.zeros(2, 2, 128, 128, device="cuda"))
-    elif group == 2:
-        fb(2, 200, 2, lower_bound=None, safe_gate=False)
-    elif group == 3:
-        with torch.inference_mode():
-            x = _inputs(1, 300, 2)
-            _ours_unsplit(x)
-            _ours(x, cu_seqlens=cu)
-            span_summaries_triton(x["q"], x["k"], x["v"], x["g"], x["beta"], 0.1, True, True, True, -5.0, None,
-                                  x["A_log"], x["dt_bias"])
-            span_summaries_triton(x["q"], x["k"], x["v"], x["g"], x["beta"], 0.1, True, True, True, -5.0, cu,
-                                  x["A_log"], x["dt_bias"])
-    elif group == 4:
-        fb(1, 300, 2, D=64, dtype=torch.float32)
-    elif group == 5:
-        with torch.inference_mode():
-            x = _inputs(4, 1, 2)
-            h0 = torch.zeros(4, 2, 128, 128, device="cuda")
-            for bv, w in DECODE_VARIANTS:
-                fr.DecodeConfig.bv, fr.DecodeConfig.warps = bv, w
-                fused_recurrent_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], A_log=x["A_log"], dt_bias=x["dt_bias"],
-                                    initial_state=h0, output_final_state=True, **K3_FLAGS)
-            fr.DecodeConfig.bv, fr.DecodeConfig.warps = 32, 4
-            fused_recurrent_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], A_log=x["A_log"], dt_bias=x["dt_bias"],
-                                initial_state=h0, ssm_state_indices=torch.arange(4, device="cuda"), **K3_FLAGS)
-    elif group in (6, 7, 8):
-        bv, w = STATE_VARIANTS[group - 5]
-        cf.FwdConfig.state_bv, cf.FwdConfig.state_warps = bv, w
-        with torch.inference_mode():
-            _ours_unsplit(_inputs(1, 300, 2))
-    elif group in (9, 10):
-        cf.FwdConfig.prep_warps = {9: 8, 10: 16}[group]
-        with torch.inference_mode():
-            _ours_unsplit(_inputs(1, 300, 2))
-    elif group == 11:  # unbounded gate, no grad
-        with torch.inference_mode():
-            _ours(_inputs(1, 300, 2), lower_bound=None, safe_gate=False)
-    elif group == 12:  # log-decay given directly (test of gates at the bound), bf16 and fp16
-        for dt in (torch.bfloat16, torch.float16):
-            x = _inputs(1, 300, 2, grad=True)
-            x = {n: (t.detach().to(dt).requires_grad_() if t.dtype == torch.bfloat16 else t) for n, t in x.items()}
-            x["g"] = (-x["g"].detach().abs()).requires_grad_()
-            o, h = chunk_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], output_final_state=True,
-                             use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True, safe_gate=True,
-                             lower_bound=-5.0)
-            (o.float().sum() + h.sum()).backward()
-    torch.cuda.synchronize()
 
 
 # ---------------------------------------------------------------------------------------------------- report
@@ -490,14 +316,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=None, help="folder for kda_bench.json / kda_bench.md")
     ap.add_argument("--no-fla", action="store_true")
     ap.add_argument("--sections", default="decode,prefill,train",
-                    help="comma list, run in this order, of: decode,prefill,train,breakdown,sweep")
+                    help="comma list, run in this order, of: decode,prefill,train,breakdown")
     ap.add_argument("--budget-s", type=float, default=None,
                     help="start no new section after this many seconds (the rows so far are still written)")
     ap.add_argument("--T", type=int, nargs="+", default=[16384, 131072, 1048576])
     ap.add_argument("--H", type=int, nargs="+", default=[32, 8])
-    ap.add_argument("--warm", type=int, default=None, help="compile one group of kernel variants and exit")
     a = ap.parse_args(argv)
-    known = ("decode", "prefill", "train", "breakdown", "sweep")
+    known = ("decode", "prefill", "train", "breakdown")
     bad = [s for s in a.sections.split(",") if s not in known]
     if bad or min(a.T + a.H) < 1:
         ap.error(f"--sections must be a comma list of {', '.join(known)} and --T/--H positive; got "
@@ -505,9 +330,6 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("k3.bench kda needs a CUDA GPU", file=sys.stderr)
         return 2
-    if a.warm is not None:
-        warm(a.warm)
-        return 0
     import triton
 
     fk = _fla_module()
@@ -529,7 +351,6 @@ def main(argv: list[str] | None = None) -> int:
     runs = {"decode": lambda: decode_rows(with_fla),
             "train": lambda: train_rows([(8, 4096, 32), (1, 32768, 32)], with_fla),
             "breakdown": breakdown_rows,
-            "sweep": sweep_rows,
             "prefill": lambda: prefill_rows([(h, t) for h in a.H for t in a.T], with_fla)}
     for name in a.sections.split(","):
         if a.budget_s is not None and time.monotonic() - t0 > a.budget_s:
@@ -543,8 +364,6 @@ def main(argv: list[str] | None = None) -> int:
     md = markdown(rows, header)
     print(md)
     if a.out:
-        from k3.utils import atomic_write_text
-
         atomic_write_text(os.path.join(a.out, "kda_bench.json"), json.dumps(dict(header=header, rows=rows), indent=1))
         atomic_write_text(os.path.join(a.out, "kda_bench.md"), md)
     return 0

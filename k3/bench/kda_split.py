@@ -1,29 +1,25 @@
-"""KDA split prefill on one card: auto and forced splits vs unsplit (vs fla when importable), time and memory.
+"""KDA split prefill on one card: automatic and forced splits vs unsplit (vs fla when importable), time and memory.
 
 ``python -m k3.bench kda_split`` times, for B=1 and each H in ``--H`` (8 32) and T in ``--T`` (128K 1M), the K3
 inference call (bf16, bounded gate fused in the kernel, in-kernel L2 norm and β sigmoid, final state, no grad):
 
-- ``unsplit``   ``K3_KDA_SPLITS=1`` without the overlap: windowed prep + one serial state pass per sequence;
-- ``unsplit+overlap`` the same with ``FwdConfig.overlap_windows`` (prep of the next window on a side stream);
-- ``auto``      the library default: the cost model (``k3.ops.kda.prefix.SplitCostModel``) picks P (1 = no
-  split, then with the overlapped windows where ``FwdConfig.overlap_windows`` is on, as it is by default);
-- ``split n``   ``K3_KDA_SPLITS=n`` for n in ``--splits`` (2 4 8 16): one prep per chunk, span pass, fold, one
-  segmented state pass; ``split n bv64`` for n in ``--bv64-splits`` (8): that state pass at BV 64;
-  ``split n overlap`` for n in ``--overlap-splits`` (4): the next window's prep on a side stream;
-- ``fla``       fla's ``chunk_kda`` (same arguments), when importable.
+- ``unsplit``  ``K3_KDA_SPLITS=1``: the windowed prep + one serial state pass per sequence;
+- ``auto``     the library default: the cost model (``k3.ops.kda.prefix.SplitCostModel``) picks P (1 = no split);
+- ``split n``  ``K3_KDA_SPLITS=n`` for n in ``--splits`` (2 4 8 16): one prep per chunk, span pass, fold, one
+  segmented state pass;
+- ``fla``      fla's ``chunk_kda`` (same arguments), when importable.
 
 Each row: median ms (CUDA events), peak memory beyond the inputs (GiB, includes the output), relative RMS error of
-output and final state against unsplit, and the cost model's prediction (measured unsplit − its predicted unsplit
-time + its predicted time for that row's path; ``split n overlap`` rows get the non-overlapped figure).
-``--check`` first compares forced splits 2, 3, 7 with unsplit on a varlen batch in fp32 and bf16. The summary
-table is printed last (and written to ``--out`` as markdown). ``--cpu-smoke`` runs the whole script on CPU with the Triton interpreter at tiny shapes (a wiring check, no
-meaningful times).
+output and final state against unsplit, and the cost model's prediction (the measured unsplit time moved by the
+model's difference between that row's path and the unsplit one). ``--check`` first compares forced splits 2, 3, 7
+with unsplit on a varlen batch in fp32 and bf16. The summary table is printed last (and written to ``--out`` as
+markdown). ``--cpu-smoke`` runs the whole script on CPU with the Triton interpreter at tiny shapes (a wiring check,
+no meaningful times).
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import time
 from typing import Any, Callable
@@ -31,17 +27,14 @@ from typing import Any, Callable
 import torch
 
 from k3.bench import BenchParser
-from k3.utils import atomic_write_text, env_var, overridden_attrs
+from k3.ops.kda import chunk_kda
+from k3.ops.kda.prefix import SplitCostModel, balanced_cut, choose_splits
+from k3.utils import atomic_write_text, env_var
 
 __all__ = ["split_rows", "check_rows", "format_rows", "main"]
 
 _FLAGS = dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
               safe_gate=True, lower_bound=-5.0, output_final_state=True)
-
-
-def _sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
 
 
 def _time_ms(fn: Callable[[], Any], warmup: int = 1, iters: int = 3) -> float:
@@ -88,44 +81,17 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30))
 
 
-def _model_ms(unsplit_ms: float, H: int, T: int, K: int, P: int, impl: str) -> float:
+def _model_ms(unsplit_ms: float, H: int, T: int, K: int, P: int, sm: int) -> float:
     """Cost-model prediction for a row: the measured unsplit time moved by the model's difference between that
-    row's path (P segments of one T-token sequence, or the overlapped unsplit path) and the plain unsplit path."""
-    from k3.ops.kda.prefix import SplitCostModel, balanced_cut
+    row's path (P segments of one T-token sequence) and the (overlapped) unsplit path."""
+    from k3.ops.kda.triton import unsplit_windows  # triton is optional
 
-    sm = torch.cuda.get_device_properties(0).multi_processor_count if torch.cuda.is_available() else 132
     m = SplitCostModel(sm_count=sm)
     n = -(-T // 64)
-    base = m.unsplit_total_us([n], H, K, K)
-    if impl.endswith("bv64"):  # BV 64: 2.7 µs per step in the v3 sweep (2 stages; the split runs 3)
-        m = SplitCostModel(sm_count=sm, state_bv=64, state_step_us=2.7)
-    if impl == "unsplit+overlap":
-        from k3.ops.kda.prefix import _unsplit_overlaps
-
-        with _overlap(True):
-            windows = _unsplit_overlaps([T], H, K, K, torch.bfloat16)
-        return unsplit_ms + (m.unsplit_total_us([n], H, K, K, windows=windows) - base) / 1e3
+    base = m.unsplit_total_us([n], H, K, K, windows=unsplit_windows([T], H, K, K, torch.bfloat16))
+    if P <= 1:
+        return unsplit_ms
     return unsplit_ms + (m.prep_us([n], H) + m.predict_us(balanced_cut([n], P), H, K, K) - base) / 1e3
-
-
-def _split_cfg(impl: str) -> contextlib.AbstractContextManager:
-    """``SplitConfig`` overrides of a row: ``… bv64`` → the split's state pass at BV 64, ``… overlap`` → the split's
-    prep of the next window on a side stream."""
-    from k3.ops.kda.triton.span import SplitConfig
-
-    over = {}
-    if impl.endswith("bv64"):
-        over["state_bv"] = 64
-    if impl.startswith("split") and impl.endswith("overlap"):
-        over["overlap_prep"] = True
-    return overridden_attrs(SplitConfig, **over)
-
-
-def _overlap(on: bool) -> contextlib.AbstractContextManager:
-    """``FwdConfig.overlap_windows`` set inside the block."""
-    from k3.ops.kda.triton.chunk_fwd import FwdConfig
-
-    return overridden_attrs(FwdConfig, overlap_windows=on)
 
 
 def _fla() -> Callable[..., Any] | None:
@@ -136,39 +102,25 @@ def _fla() -> Callable[..., Any] | None:
     return chunk_kda
 
 
-def split_rows(
-    shapes: list[tuple[int, int]], splits: list[int], with_fla: bool = True, iters: int = 3, K: int = 128,
-    device: str = "cuda", dtype: torch.dtype = torch.bfloat16, log: Callable[[str], None] = print,
-    bv64_splits: list[int] = (), overlap_splits: list[int] = (),
-) -> list[dict[str, Any]]:
+def split_rows(shapes: list[tuple[int, int]], splits: list[int], with_fla: bool = True, iters: int = 3,
+               K: int = 128, device: str = "cuda", dtype: torch.dtype = torch.bfloat16,
+               log: Callable[[str], None] = print) -> list[dict[str, Any]]:
     """Rows ``{H, T, impl, P, ms, extra_gib, err, state_err, model_ms}`` for B=1 prefill (see the module doc)."""
-    from k3.ops.kda import chunk_kda
-    from k3.ops.kda.prefix import _unsplit_overlaps, choose_splits
-    from k3.ops.kda.triton.chunk_fwd import FwdConfig
+    from k3.ops.kda.triton import unsplit_windows  # triton is optional
 
     fla = _fla() if with_fla else None
     sm = torch.cuda.get_device_properties(0).multi_processor_count if device == "cuda" else 132
     rows = []
-    default_overlap = getattr(FwdConfig, "overlap_windows", False)
     for H, T in shapes:
         x = _inputs(T, H, K, device, dtype)
         run = lambda: chunk_kda(**x, **_FLAGS)  # noqa: E731
-        auto_p = choose_splits(1, H, T, sm, K, K, overlap=_unsplit_overlaps([T], H, K, K, dtype))
-        variants: list[tuple[str, str, int | None]] = [("unsplit", "1", 1), ("auto", "", auto_p)]
-        if device == "cuda" and hasattr(FwdConfig, "overlap_windows"):
-            variants.append(("unsplit+overlap", "1", 1))  # prep of window w+1 beside the state pass of window w
-        variants += [(f"split {n}", str(n), n) for n in splits]
-        variants += [(f"split {n} bv64", str(n), n) for n in bv64_splits]
-        variants += [(f"split {n} overlap", str(n), n) for n in overlap_splits]
+        auto_p = choose_splits(1, H, T, sm, K, K, overlap=unsplit_windows([T], H, K, K, dtype))
+        variants = [("unsplit", "1", 1), ("auto", "", auto_p)] + [(f"split {n}", str(n), n) for n in splits]
         ref = None
         unsplit_ms = float("nan")
         with torch.no_grad():
             for impl, env, P in variants:
-                # unsplit: the serial windows; unsplit+overlap: the side-stream prep; every other row: the library
-                # default (what a plain chunk_kda call does)
-                ov = {"unsplit": False, "unsplit+overlap": True}.get(impl, default_overlap)
-                with env_var("K3_KDA_SPLITS", env or None), _overlap(ov), \
-                        _split_cfg(impl):
+                with env_var("K3_KDA_SPLITS", env or None):
                     o, s = run()
                     if ref is None:
                         ref = (o, s)
@@ -179,9 +131,9 @@ def split_rows(
                 if impl == "unsplit":
                     unsplit_ms = ms
                 row = dict(H=H, T=T, impl=impl, P=P, ms=ms, extra_gib=mem, err=err, state_err=state_err,
-                           model_ms=_model_ms(unsplit_ms, H, T, K, P, impl))
+                           model_ms=_model_ms(unsplit_ms, H, T, K, P, sm))
                 rows.append(row)
-                log(f"H={H} T={T} {impl:15s} P={P}: {ms:8.2f} ms (model {row['model_ms']:.2f}), "
+                log(f"H={H} T={T} {impl:10s} P={P}: {ms:8.2f} ms (model {row['model_ms']:.2f}), "
                     f"+{mem:.2f} GiB, err {err:.1e} / {state_err:.1e}")
             if fla is not None:
                 try:
@@ -208,8 +160,6 @@ def check_rows(splits: tuple[int, ...] = (2, 3, 7), H: int = 8, K: int = 128, le
                ) -> list[dict[str, Any]]:
     """Forced splits against the unsplit path on a varlen batch with initial states (g ≈ −0.01, so states carry
     across segment boundaries): relative RMS of outputs and final states."""
-    from k3.ops.kda import chunk_kda
-
     lens = lens or [100_000, 3, 200_000, 777]
     cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), device=device)
     rows = []
@@ -247,10 +197,6 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--T", type=int, nargs="+", default=[131072, 1048576], help="sequence lengths (B = 1)")
     ap.add_argument("--H", type=int, nargs="+", default=[8, 32], help="head counts")
     ap.add_argument("--splits", type=int, nargs="*", default=[2, 4, 8, 16], help="forced segment counts")
-    ap.add_argument("--bv64-splits", type=int, nargs="*", default=[8],
-                    help="forced segment counts also timed with the split's state pass at BV 64 (SplitConfig.state_bv)")
-    ap.add_argument("--overlap-splits", type=int, nargs="*", default=[4],
-                    help="forced segment counts also timed with the split's prep overlapped (SplitConfig.overlap_prep)")
     ap.add_argument("--no-fla", action="store_true", help="skip fla even when importable")
     ap.add_argument("--iters", type=int, default=3, help="timed calls per row (median)")
     ap.add_argument("--check", action="store_true", help="first compare forced splits 2, 3, 7 with unsplit")
@@ -268,7 +214,6 @@ def main(argv: list[str] | None = None) -> None:
         K, device, dtype = 16, "cpu", torch.float32
         a.T, a.H, a.iters = [300], [2], 1
         a.splits = [s for s in a.splits if s <= 4] or [2]
-        a.bv64_splits, a.overlap_splits = [2], [2]
     elif not torch.cuda.is_available():
         raise SystemExit("kda_split needs a CUDA GPU (or --cpu-smoke)")
     if a.check:
@@ -278,8 +223,7 @@ def main(argv: list[str] | None = None) -> None:
             print(f"check {r['dtype']} P={r['P']}: out rel err {r['err']:.2e}, state rel err {r['state_err']:.2e},"
                   f" finite={r['finite']}", flush=True)
     rows = split_rows([(h, t) for h in a.H for t in a.T], a.splits, not a.no_fla and not a.cpu_smoke, a.iters,
-                      K=K, device=device, dtype=dtype, log=lambda s: print(s, flush=True), bv64_splits=a.bv64_splits,
-                      overlap_splits=a.overlap_splits)
+                      K=K, device=device, dtype=dtype, log=lambda s: print(s, flush=True))
     table = format_rows(rows)
     print(table)
     if a.out:

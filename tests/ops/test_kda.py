@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from k3.ops.kda import chunk_kda, fused_recurrent_kda, fused_recurrent_kda_pool, naive_chunk_kda, naive_recurrent_kda
-from k3.ops.kda.chunk import select_backend
+from k3.ops.kda.args import get_backend, select_backend
 
 
 @pytest.fixture(autouse=True)
@@ -51,19 +51,19 @@ def grads(fn, tensors, seed=1):
 
 def assert_all_close(got, ref, tol):
     (o1, S1), g1 = got
-    (o2, S2), g2 = ref
+    (o2, S_b), g_b = ref
     assert rel(o1, o2) <= tol, f"output rel err {rel(o1, o2)}"
-    if S2 is not None:
-        assert rel(S1, S2) <= tol, f"final state rel err {rel(S1, S2)}"
-    for i, (a, b) in enumerate(zip(g1, g2)):
+    if S_b is not None:
+        assert rel(S1, S_b) <= tol, f"final state rel err {rel(S1, S_b)}"
+    for i, (a, b) in enumerate(zip(g1, g_b)):
         assert a is not None and b is not None, f"missing gradient #{i}"
         assert rel(a, b) <= tol, f"gradient #{i} rel err {rel(a, b)}"
 
 
-@pytest.mark.parametrize("T,H,K,V", [(1, 2, 8, 8), (63, 2, 8, 12), (100, 3, 16, 8), (1000, 1, 8, 4)])
+@pytest.mark.parametrize("T,H,K,V", [(1, 2, 8, 8), (63, 2, 8, 12), (100, 3, 16, 8), (400, 1, 8, 4)])
 @pytest.mark.parametrize("with_state", [False, True])
 def test_chunk_matches_recurrent_fp64(T, H, K, V, with_state):
-    (q, k, v, g, b), S0 = make(2 if T < 1000 else 1, T, H, K, V, state=with_state)
+    (q, k, v, g, b), S0 = make(2 if T < 400 else 1, T, H, K, V, state=with_state)
     ins = [q, k, v, g, b] + ([S0] if with_state else [])
 
     def ours(q, k, v, g, b, S0=None):
@@ -166,13 +166,13 @@ def test_causality_bitwise(t):
     (q, k, v, g, b), _ = make(1, 100, 2, 8, 8, dtype=torch.float32)
     o1, _ = chunk_kda(q, k, v, g, b)
     gen = torch.Generator().manual_seed(7)
-    q2, k2, v2, b2 = (x.clone() for x in (q, k, v, b))
-    g2 = g.clone()
-    for x in (q2, k2, v2, g2):
+    q_b, k_b, v_b, b_b = (x.clone() for x in (q, k, v, b))
+    g_b = g.clone()
+    for x in (q_b, k_b, v_b, g_b):
         x[:, t:] = torch.randn(x[:, t:].shape, generator=gen)
-    g2[:, t:] = -g2[:, t:].abs()
-    b2[:, t:] = torch.rand(b2[:, t:].shape, generator=gen)
-    o2, _ = chunk_kda(q2, k2, v2, g2, b2)
+    g_b[:, t:] = -g_b[:, t:].abs()
+    b_b[:, t:] = torch.rand(b_b[:, t:].shape, generator=gen)
+    o2, _ = chunk_kda(q_b, k_b, v_b, g_b, b_b)
     assert torch.equal(o1[:, :t], o2[:, :t])
     assert not torch.equal(o1[:, t:], o2[:, t:])
 
@@ -181,8 +181,8 @@ def test_output_dtype_and_state_dtype():
     (q, k, v, g, b), _ = make(1, 20, 2, 8, 8, dtype=torch.bfloat16)
     o, S = chunk_kda(q, k, v, g, b, output_final_state=True)
     assert o.dtype == torch.bfloat16 and S.dtype == torch.float32 and o.shape == (1, 20, 2, 8)
-    o2, S2 = fused_recurrent_kda(q, k, v, g, b, output_final_state=True)
-    assert rel(o2, o) < 2e-2 and rel(S2, S) < 1e-4 and o2.dtype == torch.bfloat16
+    o2, S_b = fused_recurrent_kda(q, k, v, g, b, output_final_state=True)
+    assert rel(o2, o) < 2e-2 and rel(S_b, S) < 1e-4 and o2.dtype == torch.bfloat16
     # mixed dtypes: the output takes v's dtype, as fla allocates it (zeros_like(v))
     o3, _ = chunk_kda(q, k, v.float(), g, b)
     o4, _ = fused_recurrent_kda(q, k, v.float(), g, b)
@@ -198,9 +198,9 @@ def test_fused_recurrent_matches_chunk(lower_bound):
               lower_bound=lower_bound, A_log=torch.zeros(2), dt_bias=torch.zeros(16), cu_seqlens=cu,
               initial_state=S0, output_final_state=True)
     o1, S1 = chunk_kda(q, k, v, g, b, **kw)
-    o2, S2 = fused_recurrent_kda(q, k, v, g, b, **kw)
+    o2, S_b = fused_recurrent_kda(q, k, v, g, b, **kw)
     assert not o2.requires_grad
-    assert rel(o2, o1) < 1e-5 and rel(S2, S1) < 1e-5 and len(lens) == S2.shape[0]
+    assert rel(o2, o1) < 1e-5 and rel(S_b, S1) < 1e-5 and len(lens) == S_b.shape[0]
 
 
 def test_fused_recurrent_takes_fla_positional_order():
@@ -210,12 +210,12 @@ def test_fused_recurrent_takes_fla_positional_order():
     (q, k, v, g, b), S0 = make(2, 5, 2, 8, 8, gate="raw", state=True, dtype=torch.float32)
     A_log, dt_bias = torch.randn(2) * 0.3, torch.randn(16) * 0.3
     o1, S1 = fused_recurrent_kda(q, k, v, g, b, A_log, dt_bias, 0.3, S0, True, True, True, True)
-    o2, S2 = fused_recurrent_kda(q, k, v, g, b, A_log=A_log, dt_bias=dt_bias, scale=0.3, initial_state=S0,
+    o2, S_b = fused_recurrent_kda(q, k, v, g, b, A_log=A_log, dt_bias=dt_bias, scale=0.3, initial_state=S0,
                                  output_final_state=True, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
                                  use_beta_sigmoid_in_kernel=True)
     o3, _ = fused_recurrent_kda(q, k, v, g, b, A_log=A_log, dt_bias=dt_bias, scale=0.5, initial_state=S0,
                                 use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True)
-    assert torch.equal(o1, o2) and torch.equal(S1, S2) and not torch.equal(o1, o3)
+    assert torch.equal(o1, o2) and torch.equal(S1, S_b) and not torch.equal(o1, o3)
 
 
 def test_state_pool_in_place():
@@ -299,8 +299,8 @@ def test_empty_batch_or_sequence(B, T):
     assert o.shape == (B, T, 2, 8) and S.shape == (B, 2, 8, 8) and torch.equal(S, S0)
     (o.sum() + S.sum()).backward()
     assert q.grad.shape == q.shape and torch.equal(S0.grad, torch.ones_like(S0))
-    o2, S2 = fused_recurrent_kda(q.detach(), k, v, g, b, initial_state=S0.detach(), output_final_state=True)
-    assert o2.shape == o.shape and torch.equal(S2, S0.detach())
+    o2, S_b = fused_recurrent_kda(q.detach(), k, v, g, b, initial_state=S0.detach(), output_final_state=True)
+    assert o2.shape == o.shape and torch.equal(S_b, S0.detach())
 
 
 def _bad_calls():
@@ -341,6 +341,23 @@ def test_value_errors(fn):
             fn(**kw)
 
 
+def test_lower_bound_reaches_the_kernels_only_as_a_promise():
+    """What the kernels read as ``lower_bound`` (``KDAArgs.lower_bound``): the bounded form's bound with the gate in
+    the kernel; with a precomputed g, a bound only under safe_gate (−5 if not given: the caller's promise that every
+    log-decay is ≥ it), else None — a lower_bound alone bounds nothing (as in fla), the exact path runs."""
+    from k3.ops.kda.args import kda_args
+
+    (q, k, v, g, b), _ = make(1, 4, 1, 8, 8, dtype=torch.float32)
+    base = dict(scale=None, initial_state=None, output_final_state=False, use_qk_l2norm_in_kernel=False,
+                use_beta_sigmoid_in_kernel=False, cu_seqlens=None, A_log=torch.zeros(1), dt_bias=None)
+    lb = lambda **kw: kda_args(q, k, v, g, b, **{**base, **kw}).lower_bound  # noqa: E731
+    assert lb(use_gate_in_kernel=True, safe_gate=True, lower_bound=-3.0) == -3.0
+    assert lb(use_gate_in_kernel=True, safe_gate=False, lower_bound=None) is None  # the softplus gate
+    assert lb(use_gate_in_kernel=False, safe_gate=False, lower_bound=-3.0) is None
+    assert lb(use_gate_in_kernel=False, safe_gate=True, lower_bound=-3.0) == -3.0
+    assert lb(use_gate_in_kernel=False, safe_gate=True, lower_bound=None) == -5.0
+
+
 def test_backend_selection(monkeypatch):
     assert select_backend(torch.device("cpu")) == "torch"
     monkeypatch.setenv("K3_KDA_BACKEND", "cuda")
@@ -348,9 +365,9 @@ def test_backend_selection(monkeypatch):
         select_backend(torch.device("cpu"))
     monkeypatch.delenv("K3_KDA_BACKEND")
     assert select_backend(torch.device("cpu")) == "torch"
-    from k3.ops.kda.chunk import _triton_module
-
-    if _triton_module(required=False) is None:
+    try:
+        get_backend("triton")
+    except RuntimeError:
         monkeypatch.setenv("K3_KDA_BACKEND", "triton")
         with pytest.raises(RuntimeError, match="triton"):
             select_backend(torch.device("cpu"))

@@ -1,17 +1,18 @@
-"""Kimi Delta Attention ops (fla-compatible API). The math: ``k3/ops/kda/README.md``.
+"""Kimi Delta Attention ops (fla-compatible API). The math and the kernels: ``docs/kda-kernels.md``.
 
 ``chunk_kda``            chunked KDA, autograd; torch reference on CPU, Triton on CUDA (``K3_KDA_BACKEND`` forces).
 ``fused_recurrent_kda``  decode (forward only); ``fused_recurrent_kda_pool`` for an in-place state pool.
 ``naive_recurrent_kda``  token-by-token fp32/fp64 reference; ``naive_chunk_kda`` its chunked torch form.
-``kda_gate``             the bounded forget gate of SPEC §2.
+``kda_gate``             the bounded forget gate; ``kda_softplus_gate`` the unbounded one; ``kda_gate_fused`` either.
 ``build_cp_context``     context parallel over a process group: ``chunk_kda(..., cp_context=ctx)``, ``cp_conv_halo``.
 Long no-grad prefills are split into exactly-chained segments on their own (``prefix.py``; ``K3_KDA_SPLITS``).
+Inside ``torch.compile`` both entry points run as registered ops (``k3::chunk_kda``, ``k3::fused_recurrent_kda``).
 """
 
 from k3.ops.kda.chunk import chunk_kda
 from k3.ops.kda.cp import KDACPContext, build_cp_context, cp_conv_halo
 from k3.ops.kda.fused_recurrent import fused_recurrent_kda, fused_recurrent_kda_pool
-from k3.ops.kda.gate import kda_gate, kda_softplus_gate
+from k3.ops.kda.gate import kda_gate, kda_gate_fused, kda_softplus_gate
 from k3.ops.kda.naive import naive_chunk_kda, naive_recurrent_kda
 
 __all__ = [
@@ -22,6 +23,7 @@ __all__ = [
     "naive_chunk_kda",
     "kda_gate",
     "kda_softplus_gate",
+    "kda_gate_fused",
     "build_cp_context",
     "cp_conv_halo",
     "KDACPContext",

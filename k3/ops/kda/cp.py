@@ -1,4 +1,4 @@
-"""Context parallel KDA over a ``torch.distributed`` group (SPEC §2, "Across cards"); fla's API shape.
+"""Context parallel KDA over a ``torch.distributed`` group; fla's API shape.
 
 The packed (B = 1, varlen) token stream is cut into W equal contiguous slices, one per rank. Only the first local
 piece of a rank can continue a sequence from earlier ranks, and only the last local piece can continue into later
@@ -26,6 +26,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from k3.ops.kda.args import KDAArgs, get_backend
+from k3.ops.kda.prefix import span_summaries
 
 __all__ = ["KDACPContext", "build_cp_context", "cp_chunk_kda", "cp_conv_halo", "cp_reported"]
 
@@ -66,6 +69,9 @@ class KDACPContext:
     last_bytes_sent: int = field(default=0)
     last_bwd_bytes_sent: int = field(default=0)
     last_halo_bytes: int = field(default=0)
+    # the Triton training step runs a one-piece slice of at least this many chunks as two halves side by side
+    halves_min_chunks: int = 64
+    last_halves: bool = field(default=False)  # whether the last Triton training step took them
 
     # fla's FLACPContext metadata under fla's names and meaning (for code written against it). One difference:
     # fla's ``cu_seqlens`` are the rank's LOCAL boundaries — here ``local_cu_seqlens``; ``cu_seqlens`` is global.
@@ -266,42 +272,31 @@ def cp_chunk_kda(
     v: torch.Tensor,
     g: torch.Tensor,
     beta: torch.Tensor,
-    scale: float,
     initial_state: torch.Tensor | None,
-    output_final_state: bool,
-    use_qk_l2norm_in_kernel: bool,
-    use_gate_in_kernel: bool,
-    use_beta_sigmoid_in_kernel: bool,
-    lower_bound: float | None,
-    cu_seqlens: torch.Tensor | None,
     A_log: torch.Tensor | None,
     dt_bias: torch.Tensor | None,
+    args: KDAArgs,
 ) -> tuple[torch.Tensor, None]:
-    """``chunk_kda`` on this rank's slice ``[1, T/W, H, *]`` of the global stream; returns ``(o_local, None)``."""
-    from k3.ops.kda.chunk import backend_fn  # noqa: PLC0415
-    from k3.ops.kda.prefix import span_summaries  # noqa: PLC0415
-
+    """``chunk_kda`` on this rank's slice ``[1, T/W, H, *]`` of the global stream; returns ``(o_local, None)``.
+    ``args.cu_seqlens``: None or the global ones (checked against the context)."""
     if not isinstance(ctx, KDACPContext):
         raise ValueError(f"cp_context must come from k3.ops.kda.build_cp_context, got {type(ctx).__name__}")
     H, K, V = q.shape[2], q.shape[3], v.shape[3]
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
-    flags = (use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel, lower_bound)
     need_grad = torch.is_grad_enabled() and any(
         isinstance(x, torch.Tensor) and x.requires_grad for x in (q, k, v, g, beta, A_log, dt_bias))
-    problem = _local_problem(ctx, q, cu_seqlens, initial_state, output_final_state)
+    problem = _local_problem(ctx, q, args.cu_seqlens, initial_state, args.output_final_state)
     dev = q.device
-    if backend == "triton" and need_grad and problem is None:
-        if not use_gate_in_kernel:
-            A_log = dt_bias = None
-        o = _CPChunkTriton.apply(q, k, v, g, beta, A_log, dt_bias, ctx, float(scale), flags, lower_bound)
-        return o, None
+    be = get_backend(backend)
+    if need_grad and problem is None and hasattr(be, "cp_chunk_kda_train"):
+        return be.cp_chunk_kda_train(ctx, q, k, v, g, beta, A_log, dt_bias, args), None
     local_cu = ctx.local_cu_seqlens.to(dev)
+    local = args._replace(cu_seqlens=local_cu, N=local_cu.numel() - 1)
     # Without gradients, a rank whose first piece starts fresh runs its forward first: the final state of its last
     # piece IS that piece's S_ext (no summary pass, no second prep).
     early = problem is None and not need_grad and not ctx.first_continues
     if early:
-        o, ht = backend_fn(backend, "chunk_kda")(q, k, v, g, beta, scale, None, True, *flags[:3], lower_bound,
-                                                 local_cu, A_log, dt_bias)
+        o, ht = be.chunk_kda(q, k, v, g, beta, None, A_log, dt_bias, local._replace(output_final_state=True))
 
     # 1. Summary of the last local piece, only where a later rank will read it.
     M = torch.zeros(H, K, K, dtype=acc, device=dev)
@@ -311,7 +306,7 @@ def cp_chunk_kda(
     elif problem is None and ctx.last_continues:
         a = int(ctx.local_cu_seqlens[-2])
         piece = [x[:, a:] for x in (q, k, v, g, beta)]
-        Ms, Es = span_summaries(backend, *piece, scale, *flags[:3], lower_bound, None, A_log, dt_bias,
+        Ms, Es = span_summaries(backend, *piece, A_log, dt_bias, args._replace(cu_seqlens=None, N=1),
                                 need_M=ctx.send_M, need_grad=need_grad)
         E = Es[0].to(acc)
         if ctx.send_M:
@@ -343,8 +338,7 @@ def cp_chunk_kda(
         h0 = h0.float()
 
     # 3. The local forward from the exact entry states.
-    o, _ = backend_fn(backend, "chunk_kda")(q, k, v, g, beta, scale, h0, False, *flags[:3], lower_bound, local_cu,
-                                            A_log, dt_bias)
+    o, _ = be.chunk_kda(q, k, v, g, beta, h0, A_log, dt_bias, local._replace(output_final_state=False))
     return o, None
 
 
@@ -375,99 +369,6 @@ def cp_reported(ctx: Any, q: torch.Tensor, v: torch.Tensor, initial_state: torch
         raise
 
 
-def _span_from_buffers(bufs: dict, tab: Any, H: int, K: int, V: int, need_M: bool
-                       ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per local piece ``(M [N, H, K, K], S_ext [N, H, K, V])`` fp32 from the training forward's kept chunk
-    buffers (no second prep): the extended state pass of ``span.py`` over every chunk at once; the M columns
-    only when ``need_M``."""
-    from k3.ops.kda.triton._common import BT, dot_precision  # noqa: PLC0415
-    from k3.ops.kda.triton.span import SpanConfig, _kda_span_state  # noqa: PLC0415
-
-    BK, BVP = bufs["W"].shape[-1], bufs["U"].shape[-1]
-    dev = bufs["W"].device
-    S_ext = torch.zeros(tab.N, H, K, V, dtype=torch.float32, device=dev)
-    M = torch.eye(K, dtype=torch.float32, device=dev).repeat(tab.N, H, 1, 1).contiguous()
-    bv = min(SpanConfig.bv, BVP, BK)
-    cols = BVP + (BK if need_M else 0)
-    _kda_span_state[(cols // bv, tab.N * H)](
-        bufs["W"], bufs["U"], bufs["KG"], bufs["GAM"], S_ext, M, tab.chunk_off, 0, tab.NC, tab.NC, tab.NT,
-        H, K, V, BT=BT, BK=BK, BV=bv, BVP=BVP, IS_VARLEN=tab.varlen, PREC=dot_precision(bufs["W"].dtype),
-        num_warps=SpanConfig.warps, num_stages=SpanConfig.stages)
-    return M, S_ext
-
-
-class CPConfig:
-    """Knobs of the Triton context-parallel training step (class attributes, so a benchmark can switch them)."""
-
-    # A rank whose slice is one piece of a sequence that crosses ranks cuts it into two chunk-aligned halves A, B for
-    # its serial passes (see ``_CPChunkTriton``). At H = 32 a state pass fills 64 of an H200's 132 SMs, so the
-    # two halves run side by side, and what the other rank waits for comes from the span pass (no outputs) rather
-    # than a whole state pass. H200, 256K tokens per rank (bench/x2_cp_parts.py): forward state pass 9.78 ms whole
-    # vs 5.50 as two halves, reverse 7.17 vs 4.69, span pass over a half (V + K columns) 2.07.
-    halves = True
-    halves_min_chunks = 64  # shorter slices keep one piece: the extra launches would cost more than they hide
-    span_bv = 64  # span pass launch: 64 columns (sweep above: 2.07 ms vs 2.39 at 32), 3 stages
-    span_warps = 4
-    span_stages = 3
-
-
-@dataclass
-class _Halves:
-    """The two chunk-aligned halves of a one-piece slice: A = chunks [0, m), B = [m, NC); segment tables for the
-    state passes (both halves, A alone, B alone) and the halves' transition matrices once the forward has them."""
-
-    both: Any
-    a: Any
-    b: Any
-    M_A: torch.Tensor | None = None
-    M_B: torch.Tensor | None = None
-
-
-def _halves_plan(ctx: KDACPContext, tab: Any) -> _Halves | None:
-    """Halves for this rank's slice when it is one piece continuing across a rank edge and long enough."""
-    from k3.ops.kda.triton._common import BT, ChunkTable  # noqa: PLC0415
-
-    if not CPConfig.halves or ctx.local_cu_seqlens.numel() != 2 or tab.NC < max(2, CPConfig.halves_min_chunks):
-        return None
-    if not (ctx.first_continues or ctx.last_continues):
-        return None
-    m, L = tab.NC // 2, tab.cu_cpu[-1]
-    to = dict(dtype=torch.int32, device=tab.chunk_seq.device)
-
-    def table(cu: list[int], off: list[int]) -> Any:  # chunk numbers of the slice's table: the buffers' indexing
-        return ChunkTable(len(cu) - 1, tab.NC, 0, 0, True, torch.tensor(cu, **to), tab.chunk_seq,
-                          torch.tensor(off, **to), cu, off)
-
-    return _Halves(table([0, m * BT, L], [0, m, tab.NC]), table([0, m * BT], [0, m]),
-                   table([m * BT, L], [m, tab.NC]))
-
-
-def _span_halves(bufs: dict, hv: _Halves, first: bool, last: bool, H: int, K: int, V: int
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """``(E_A, M_A, E_B, M_B)`` fp32 from one span launch over the kept chunk buffers: half A from the slice's
-    entry (zero: with ``first`` its map (M_A, E_A) from [0 | I], else its final state E_A alone), half B's map
-    only with ``last`` (else None)."""
-    from k3.ops.kda.triton._common import BT, dot_precision  # noqa: PLC0415
-    from k3.ops.kda.triton.chunk_fwd import state_stages  # noqa: PLC0415
-    from k3.ops.kda.triton.span import _kda_span_rows  # noqa: PLC0415
-
-    BK, BVP = bufs["W"].shape[-1], bufs["U"].shape[-1]
-    dev = bufs["W"].device
-    off = hv.both.chunk_off_cpu
-    R = 2 if last else 1
-    rows = torch.tensor([off[0], off[1]][:R] + [off[1], off[2]][:R] + [int(first), 1][:R], dtype=torch.int32,
-                        device=dev)  # row starts, ends, "M wanted", in one upload
-    cs, ce, row_m = rows[:R], rows[R:2 * R], rows[2 * R:]
-    SE = torch.zeros(R, H, K, V, dtype=torch.float32, device=dev)
-    Mt = torch.eye(K, dtype=torch.float32, device=dev).repeat(R, H, 1, 1)
-    bv = min(CPConfig.span_bv, BVP, BK)
-    _kda_span_rows[((BVP + BK) // bv, R * H)](
-        bufs["W"], bufs["U"], bufs["KG"], bufs["GAM"], SE, Mt, cs, ce, row_m, 0, bufs["W"].shape[1], H, K, V,
-        BT=BT, BK=BK, BV=bv, BVP=BVP, PREC=dot_precision(bufs["W"].dtype),
-        num_warps=CPConfig.span_warps, num_stages=state_stages(CPConfig.span_stages, bufs["W"].dtype))
-    return SE[0], Mt[0], (SE[1] if last else None), (Mt[1] if last else None)
-
-
 def _fold_right(ctx: KDACPContext, J_all: torch.Tensor, M_all: torch.Tensor) -> torch.Tensor:
     """The gradient on this rank's last final state: later ranks' entry-state gradients folded from the right,
     ``dS_out(r) = J(r+1) + M(r+1)ᵀ dS_out(r+1)`` (the M term only where rank r+1's one piece runs through)."""
@@ -477,133 +378,6 @@ def _fold_right(ctx: KDACPContext, J_all: torch.Tensor, M_all: torch.Tensor) -> 
         dS = d_in if ctx.last_continues_all[j - 1] else torch.zeros_like(dS)
     return dS
 
-
-class _CPChunkTriton(torch.autograd.Function):
-    """Context-parallel training step on the Triton kernels, with every rank's backward running in parallel.
-
-    Forward: the prep of every local chunk (kept for the backward, as in the one-card training forward); the
-    summary of the last piece — a rank whose first piece starts fresh takes it from its own state pass (S_ext =
-    that piece's final state), a rank that continues a sequence from the kept buffers (no second prep) — then one
-    all_gather of ``[H, K, V+K]``, the fold of the earlier ranks into the entry state, and the state pass.
-
-    Backward (the transposed mirror): a rank whose first piece continues runs the reverse state pass alone to get
-    J = ∂L_own/∂S_entry (its own outputs' pull on the entry state); one all_gather of J ``[H, K, V]``; each rank folds
-    the later ranks' J from the right, ``dS_out(r) = J(r+1) + M(r+1)ᵀ dS_out(r+1)`` (the M term only where rank
-    r+1's one piece runs through), and runs its full backward with that as the gradient of its last piece's final
-    state. No rank waits on another's backward; each sends ``H·K·V·4`` bytes more (``ctx.last_bwd_bytes_sent``).
-
-    A one-piece slice long enough (``CPConfig.halves``) runs each of those serial passes as two chunk-aligned halves
-    side by side, its summary from the span pass (``_span_halves``) and its reverse passes by
-    ``_halves_state_grads``: what the other ranks wait for is a span pass or two half passes, not a whole pass.
-    """
-
-    @staticmethod
-    def forward(fctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                A_log: torch.Tensor | None, dt_bias: torch.Tensor | None, ctx: KDACPContext, scale: float,
-                flags: tuple, lower_bound: float | None) -> torch.Tensor:
-        from k3.ops.kda.triton._common import make_chunk_table  # noqa: PLC0415
-        from k3.ops.kda.triton.chunk import _flags  # noqa: PLC0415
-        from k3.ops.kda.triton.chunk_fwd import alloc_output_state, prep_all, state_all  # noqa: PLC0415
-
-        q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
-        L, H, K, V, dev = q.shape[1], q.shape[2], q.shape[3], v.shape[3], q.device
-        kflags = _flags(*flags[:3], lower_bound)
-        tab = make_chunk_table(1, L, ctx.local_cu_seqlens, dev)  # the CPU copy: no device round trip
-        bufs = prep_all(q, k, v, g, beta, A_log, dt_bias, scale, tab, lower_bound, kflags)
-        o, ht = alloc_output_state(q, v, None, tab)  # ht: zero entries, the first piece's filled after the fold
-        M = torch.zeros(H, K, K, dtype=torch.float32, device=dev)
-        E = torch.zeros(H, K, V, dtype=torch.float32, device=dev)
-        saved = None
-        hv = _halves_plan(ctx, tab)
-        if hv is not None:
-            E_A, hv.M_A, E_B, hv.M_B = _span_halves(bufs, hv, ctx.first_continues, ctx.last_continues, H, K, V)
-            if ctx.last_continues:  # the whole piece's map, (M_B, E_B) ∘ (M_A, E_A)
-                E = hv.M_B @ E_A + E_B
-                if ctx.send_M:
-                    M = hv.M_B @ hv.M_A
-        elif not ctx.first_continues:
-            saved = state_all(bufs, o, ht, tab, H, K, V)
-            if ctx.last_continues:
-                E = ht[-1]
-        elif ctx.last_continues:
-            Ms, Es = _span_from_buffers(bufs, tab, H, K, V, need_M=ctx.send_M)
-            E, M = Es[-1], (Ms[-1] if ctx.send_M else M)
-        packed = torch.cat([torch.cat([E, M], -1).flatten(), _header(ctx, L, _OK_GRAD, dev)])
-        gathered = _gather(packed, ctx.group, ctx.world_size)
-        ctx.last_bytes_sent = packed.numel() * packed.element_size()
-        _check_headers(gathered, ctx, None)
-        body = gathered[:, :-_HEADER].reshape(ctx.world_size, H, K, V + K)
-        S = torch.zeros(H, K, V, dtype=torch.float32, device=dev)
-        for j in ctx.pre_ranks:
-            S = body[j, :, :, V:] @ S + body[j, :, :, :V]
-        if hv is not None:  # both halves' state passes at once, from their exact entry states
-            ht = torch.stack([S, hv.M_A @ S + E_A if ctx.first_continues else E_A])
-            saved = state_all(bufs, o, ht, hv.both, H, K, V)
-        elif ctx.first_continues:
-            ht[0] = S
-            saved = state_all(bufs, o, ht, tab, H, K, V)
-        fctx.save_for_backward(q, k, v, g, beta, A_log, dt_bias)
-        fctx.saved, fctx.tab, fctx.M_all, fctx.halves = saved, tab, body[:, :, :, V:].contiguous(), hv
-        fctx.cp, fctx.scale, fctx.kflags, fctx.lower_bound = ctx, scale, kflags, lower_bound
-        return o
-
-    @staticmethod
-    def backward(fctx: Any, do: torch.Tensor) -> tuple:
-        from k3.ops.kda.triton.chunk_bwd import bwd_state_pass, kda_bwd  # noqa: PLC0415
-
-        q, k, v, g, beta, A_log, dt_bias = fctx.saved_tensors
-        ctx, tab, saved = fctx.cp, fctx.tab, fctx.saved
-        H, K, V, dev = q.shape[2], q.shape[3], v.shape[3], q.device
-        do = do.contiguous()
-        dht = None
-        if fctx.halves is not None:
-            first = _halves_state_grads(fctx, do, q.dtype, H, K, V)
-        else:
-            first = None
-            J = torch.zeros(H, K, V, dtype=torch.float32, device=dev)
-            if ctx.first_continues:
-                first = bwd_state_pass(do, None, saved, tab, H, K, V, q.dtype)
-                J = first[2][0]
-            J_all = _gather(J, ctx.group, ctx.world_size)
-            ctx.last_bwd_bytes_sent = J.numel() * J.element_size()
-            if ctx.last_continues:
-                dht = torch.zeros(tab.N, H, K, V, dtype=torch.float32, device=dev)
-                dht[-1] = _fold_right(ctx, J_all, fctx.M_all)
-                first = None  # the state pass must see dht
-        dq, dk, dv, dg, db, dA, ddt, _ = kda_bwd(q, k, v, g, beta, A_log, dt_bias, None, fctx.scale, do, dht, saved,
-                                                 tab, fctx.lower_bound, fctx.kflags, state_grads=first)
-        fctx.saved = None
-        return dq, dk, dv, dg, db, dA, ddt, None, None, None, None
-
-
-def _halves_state_grads(fctx: Any, do: torch.Tensor, dtype: torch.dtype, H: int, K: int, V: int
-                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The reverse state passes of a rank whose slice runs as two halves: ``(DHS, DV, dh0)`` for ``kda_bwd``.
-
-    Before the gather of J, the pass that needs no other rank: with ``first_continues`` both halves side by side
-    from a zero terminal gradient (B's results are then final if nothing comes from later ranks), giving
-    J = dh0_A + M_Aᵀ dh0_B; else (the rank's entry is known) half B alone from zero, its pull dh0_B. After it, with
-    the gradient dS on the slice's final state from later ranks: both halves again, B from dS and A from
-    dh0_B + M_Bᵀ dS (B's pull on A's end); without one: half A alone from dh0_B."""
-    from k3.ops.kda.triton.chunk_bwd import bwd_state_pass  # noqa: PLC0415
-
-    ctx, saved, hv = fctx.cp, fctx.saved, fctx.halves
-    J = torch.zeros(H, K, V, dtype=torch.float32, device=do.device)
-    if ctx.first_continues:
-        DHS, DV, d0 = bwd_state_pass(do, None, saved, hv.both, H, K, V, dtype)
-        pull_B = d0[1]
-        J = d0[0] + hv.M_A.transpose(-1, -2) @ pull_B
-    else:
-        DHS, DV, d0 = bwd_state_pass(do, None, saved, hv.b, H, K, V, dtype)
-        pull_B = d0[0]
-    out = (DHS, DV)  # the passes after the gather rewrite their chunks in place
-    J_all = _gather(J, ctx.group, ctx.world_size)
-    ctx.last_bwd_bytes_sent = J.numel() * J.element_size()
-    if ctx.last_continues:
-        dS = _fold_right(ctx, J_all, fctx.M_all)
-        dht = torch.stack([pull_B + hv.M_B.transpose(-1, -2) @ dS, dS])
-        return bwd_state_pass(do, dht, saved, hv.both, H, K, V, dtype, out=out)
-    return bwd_state_pass(do, pull_B[None].contiguous(), saved, hv.a, H, K, V, dtype, out=out)
 
 
 def cp_conv_halo(x_local: torch.Tensor, ctx: KDACPContext, kernel_size: int | None = None) -> torch.Tensor:

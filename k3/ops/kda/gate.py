@@ -1,4 +1,4 @@
-"""KDA's forget gates, g = log α (SPEC §2).
+"""KDA's forget gates, g = log α.
 
 Bounded ("safe") gate, the one K3 uses:  g = lower_bound · sigmoid(exp(A_log_h) · (f + dt_bias_h)) ∈ (lower_bound, 0).
 α = exp(g) ∈ (e^lower_bound, 1): the bound is what keeps 16-token decay products representable in bf16.
@@ -50,7 +50,8 @@ def kda_gate(
     dt_bias: torch.Tensor | None,
     lower_bound: float = -5.0,
 ) -> torch.Tensor:
-    """Bounded log-decay g from raw gate pre-activations ``f [..., H, K]``; without A_log, g = lb·sigmoid(f + dt_bias)."""
+    """Bounded log-decay g from raw gate pre-activations ``f [..., H, K]``; without A_log,
+    g = lb·sigmoid(f + dt_bias)."""
     lb = check_lower_bound(lower_bound)
     x = _biased(f, dt_bias)
     if A_log is not None:

@@ -1,4 +1,4 @@
-"""Step-by-step KDA reference (SPEC §2), computed in fp32 (or fp64 when the inputs are fp64).
+"""Step-by-step KDA reference, computed in fp32 (or fp64 when the inputs are fp64).
 
     S_t = (I − β_t k_t k_tᵀ) · Diag(α_t) · S_{t−1} + β_t k_t v_tᵀ,     o_t = S_tᵀ (scale · q_t),   g = log α.
 
@@ -9,6 +9,8 @@ states ``[N, H, K, V]``.
 from __future__ import annotations
 
 import torch
+
+from k3.ops.kda.args import check_kda_inputs
 
 __all__ = ["naive_recurrent_kda", "naive_chunk_kda", "naive_chunk_kda_summary"]
 
@@ -24,8 +26,6 @@ def naive_recurrent_kda(
     output_final_state: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Token-by-token KDA. Returns ``(o [B,T,H,V] in q.dtype, final_state [B,H,K,V] fp32 or None)``."""
-    from k3.ops.kda.checks import check_kda_inputs
-
     B, T, H, K, V = check_kda_inputs(q, k, v, g, beta, initial_state=initial_state)
     if scale is None:
         scale = K**-0.5
@@ -45,7 +45,7 @@ def naive_recurrent_kda(
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Chunked form (SPEC §2 "Chunked form"), plain PyTorch, differentiable by autograd.
+# Chunked form (``docs/kda-kernels.md``), plain PyTorch, differentiable by autograd.
 #
 # Letters: B batch, N sequences, T tokens, n chunks, C chunk size, H heads, K key dim, V value dim.
 # Varlen batches are turned into a padded batch [N, T_pad] with padding only at each sequence's END: a padded token
@@ -71,7 +71,8 @@ def varlen_pad_index(cu_seqlens: torch.Tensor, chunk_size: int) -> tuple[torch.T
     start = torch.tensor(cs[:-1], dtype=torch.long)[:, None]
     length = torch.tensor(lens, dtype=torch.long)[:, None]
     src = torch.where(pos[None] < length, start + pos[None], torch.full_like(pos[None], total))
-    dst = torch.cat([n * T_pad + torch.arange(L) for n, L in enumerate(lens)]) if total else torch.zeros(0, dtype=torch.long)
+    dst = (torch.cat([n * T_pad + torch.arange(L) for n, L in enumerate(lens)]) if total
+           else torch.zeros(0, dtype=torch.long))
     return src, dst.long(), T_pad
 
 
@@ -162,8 +163,6 @@ def naive_chunk_kda(
     initial_state ``[N, H, K, V]``; ``cu_seqlens [N+1]`` packs N sequences along T (B must be 1).
     Returns ``(o [B, T, H, V] in q.dtype, final_state [N, H, K, V] fp32 (fp64 for fp64 inputs) or None)``.
     """
-    from k3.ops.kda.checks import check_kda_inputs
-
     B, T, H, K, V = check_kda_inputs(q, k, v, g, beta, initial_state=initial_state, cu_seqlens=cu_seqlens)
     if chunk_size not in (16, 32, 64):
         raise ValueError(f"chunk_size must be 16, 32 or 64, got {chunk_size}")

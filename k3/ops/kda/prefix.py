@@ -1,4 +1,4 @@
-"""Exact parallel prefix for KDA (SPEC §2): span summaries, their composition, and the split prefill.
+"""Exact parallel prefix for KDA: span summaries, their composition, and the split prefill.
 
 The state leaving a span is affine in the state entering it, ``S_out = M · S_in + S_ext`` (M ``[K, K]`` per head,
 S_ext ``[K, V]`` = the span's output state from zero), and spans compose:
@@ -6,23 +6,24 @@ S_ext ``[K, V]`` = the span's output state from zero), and spans compose:
 segments, summarises all segments in parallel, folds the summaries into every segment's exact entry state, and runs
 all segments' outputs in parallel (one varlen state pass with per-segment initial states).
 
-Triton backend: ``k3.ops.kda.triton.span.split_prefill_triton`` runs the chunk prep ONCE per chunk (segments are
-chunk-aligned, so the chunks are the unsplit ones) and feeds the same buffers to the span pass and to one segmented
-state pass; the split pays off when the serial state pass, not the prep, bounds the unsplit time (few heads, long
-sequences). :class:`SplitCostModel` predicts both and the automatic rule splits only when it predicts a clear win.
-Torch backend (reference, CPU): summaries and outputs through its own chunked forward.
+Triton backend, bounded gates: ``split_prefill`` (``k3.ops.kda.triton.split``) runs the chunk prep ONCE per chunk
+(segments are chunk-aligned, so the chunks are the unsplit ones) and feeds the same buffers to the span pass and to
+one segmented state pass; the split pays off when the serial state pass, not the prep, bounds the unsplit time (few
+heads, long sequences). :class:`SplitCostModel` predicts both and the automatic rule splits only when it predicts a
+clear win. Any other backend or gate (a forced ``K3_KDA_SPLITS``): summaries and outputs through the backend's own
+forward (:func:`_split_via_forward`).
 """
 
 from __future__ import annotations
 
 import functools
+import heapq
 import os
 from dataclasses import dataclass
 
 import torch
 
-from k3.ops.kda.chunk import _preprocess, backend_fn
-from k3.ops.kda.naive import naive_chunk_kda_summary
+from k3.ops.kda.args import KDAArgs, get_backend
 
 __all__ = ["compose", "fold_entry_states", "span_summaries", "split_plan", "choose_splits", "split_chunk_kda",
            "maybe_split_chunk_kda", "SplitCostModel", "balanced_cut"]
@@ -36,61 +37,37 @@ _MAX_SPLITS = 32
 # ---------------------------------------------------------------- summaries
 
 
-def _span_summaries_torch(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
-    scale: float,
-    use_qk_l2norm_in_kernel: bool,
-    use_gate_in_kernel: bool,
-    use_beta_sigmoid_in_kernel: bool,
-    lower_bound: float | None,
-    cu_seqlens: torch.Tensor | None,
-    A_log: torch.Tensor | None,
-    dt_bias: torch.Tensor | None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per sequence ``(M [N, H, K, K], S_ext [N, H, K, V])`` fp32 (fp64 for fp64 inputs); differentiable."""
-    _, kp, gp, bp = _preprocess(q, k, g, beta, use_qk_l2norm_in_kernel, use_gate_in_kernel,
-                                use_beta_sigmoid_in_kernel, lower_bound, A_log, dt_bias)
-    return naive_chunk_kda_summary(kp, v.to(kp.dtype), gp, bp, cu_seqlens=cu_seqlens)
-
-
 def _span_summaries_via_forward(
-    backend: str, *args: object, need_M: bool = True
+    backend: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+    A_log: torch.Tensor | None, dt_bias: torch.Tensor | None, args: KDAArgs, need_M: bool = True,
 ) -> tuple[torch.Tensor | None, torch.Tensor]:
     """Summaries from calls of the backend's forward, by linearity in (S_in, v) for fixed q, k, g, β:
     ``S_ext`` = final state from S_in = 0; ``M`` = final state with v = 0 and S_in = I (a ``[K, K]`` state).
     Exact; autograd-capable whenever the backend's forward is. ``need_M=False`` skips the second call (M = None)."""
-    q, k, v, g, beta, scale, l2, gate, bsig, lb, cu, A_log, dt_bias = args
-    fwd = backend_fn(backend, "chunk_kda")
-    N = q.shape[0] if cu is None else cu.numel() - 1
+    fwd = get_backend(backend).chunk_kda
     H, K = q.shape[2], q.shape[3]
-    _, S_ext = fwd(q, k, v, g, beta, scale, None, True, l2, gate, bsig, lb, cu, A_log, dt_bias)
+    run = args._replace(output_final_state=True)
+    _, S_ext = fwd(q, k, v, g, beta, None, A_log, dt_bias, run)
     if not need_M:
         return None, S_ext
-    eye = torch.eye(K, dtype=S_ext.dtype, device=q.device).expand(N, H, K, K).contiguous()
-    v0 = v.new_zeros(v.shape[:-1] + (K,))
-    _, M = fwd(q, k, v0, g, beta, scale, eye, True, l2, gate, bsig, lb, cu, A_log, dt_bias)
+    eye = torch.eye(K, dtype=S_ext.dtype, device=q.device).expand(args.N, H, K, K).contiguous()
+    v_zero = v.new_zeros(v.shape[:-1] + (K,))
+    _, M = fwd(q, k, v_zero, g, beta, eye, A_log, dt_bias, run)
     return M, S_ext
 
 
 def span_summaries(
-    backend: str, *args: object, need_M: bool = True, need_grad: bool = False
+    backend: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+    A_log: torch.Tensor | None, dt_bias: torch.Tensor | None, args: KDAArgs, need_M: bool = True,
+    need_grad: bool = False,
 ) -> tuple[torch.Tensor | None, torch.Tensor]:
-    """``(M [N, H, K, K], S_ext [N, H, K, V])`` per sequence, exact. ``args`` = (q, k, v, g, beta, scale,
-    l2norm, gate_in_kernel, beta_sigmoid, lower_bound, cu_seqlens, A_log, dt_bias), validated.
+    """``(M [N, H, K, K], S_ext [N, H, K, V])`` per sequence, exact, for validated inputs.
 
-    The torch backend uses the chunked reference (differentiable). The Triton backend uses its summary kernel when
-    it has one and no gradient is needed, else its (autograd-capable) forward; M may then be None if not
-    ``need_M``."""
-    if backend == "torch":
-        return _span_summaries_torch(*args)
-    fn = backend_fn(backend, "span_summaries")
-    if fn is None or need_grad:
-        return _span_summaries_via_forward(backend, *args, need_M=need_M)
-    return fn(*args)
+    The torch backend uses the chunked reference (differentiable). The Triton backend uses its summary pass when no
+    gradient is needed, else its (autograd-capable) forward; M may then be None if not ``need_M``."""
+    if backend == "torch" or not need_grad:
+        return get_backend(backend).span_summaries(q, k, v, g, beta, A_log, dt_bias, args)
+    return _span_summaries_via_forward(backend, q, k, v, g, beta, A_log, dt_bias, args, need_M=need_M)
 
 
 def compose(
@@ -130,8 +107,6 @@ def _list_schedule_us(durations: list[float], slots: int) -> float:
         return max(durations, default=0.0)
     if len(durations) > 50_000:  # huge varlen batches: the bound work / slots (the scheduler packs them well)
         return max(max(durations), sum(durations) / slots)
-    import heapq  # noqa: PLC0415
-
     free = [0.0] * slots
     for d in durations:
         heapq.heapreplace(free, free[0] + d)
@@ -147,43 +122,27 @@ class SplitCostModel:
     either pass walks its chunks one dependent step after the other; programs are list-scheduled on
     ``sm_count × per_sm`` slots in grid order.
 
-    Constants (one H200). State step: 1.55 µs per chunk at BV 64 / 4 warps (sweep v6: 25.3 ms over 16384 chunks at
-    B=1, H=32, 64 programs; BV 32 took 1.8–1.9 µs per 32 columns), and the step does not slow with one program per
-    SM. CTAs per SM from the sm_90 compile: the state pass at 3 stages holds one per SM, and so does the span pass at
-    BV 64 (at BV 32 it held 112 KiB, 2 per SM: the same slots per column, so the same predictions). The span step
-    (same two dependent products, 60 % of the loads, two programs sharing an SM) is an assumption: 1.6 µs. The
-    per-window and per-fold-step costs are host/launch estimates. The prep (to compare whole calls, and for the
-    overlapped unsplit path): 16.6 SM·µs per chunk and head (v6 rows prep: 66 ms per 1M tokens at H = 32; v5 18.4,
-    v3 29.2). Checked against the v6 kernels (one H200, B=1, H=8, T=1M): P = 8
-    predicted 26.4 ms, measured 25.1; P = 4 29.5 / 27.4; the overlapped unsplit path 31.2 measured. The
-    predictions are saw-toothed in P (waves of programs), so a larger P must win by ``tie_margin``."""
+    Constants (one H200, the 16-token kernels): a state-pass step 1.72 µs per chunk and program (28.2 ms over
+    16384 chunks at B=1, H=32, 64 programs, one per SM), the span pass taken as the same per chunk with two programs
+    per SM, the prep 6.27 SM·µs per chunk and head (24.9 ms per 1M tokens at H=32); the per-window and per-fold-step
+    costs are host/launch estimates. Checked at B=1, H=8, T=1M: predicted P = 6 / 8 / 10 / 12 / 16: 15.7 / 13.4 /
+    17.7 / 15.8 / 13.5 ms, measured 17.6 / 15.2 / 19.6 / 18.3 / 16.3 — ~2 ms low, the same saw-tooth, the same best
+    P. The span pass runs 64 columns (or the backward chain's 64 rows) per program, as calibrated. The predictions
+    are saw-toothed in P (waves of programs), so a larger P must win by ``tie_margin``."""
 
     sm_count: int = 132
-    state_step_us: float = 1.55
-    span_step_us: float = 1.6
+    state_step_us: float = 1.72
+    span_step_us: float = 1.72
     state_per_sm: int = 1
-    span_per_sm: int = 1
+    span_per_sm: int = 2
     state_bv: int = 64
     span_bv: int = 64
     window_us: float = 80.0  # span launch, fold set-up, index copies of one split window
-    fold_step_us: float = 12.0  # one batched fp64 [K, K] × [K, V] product of the fold
-    prep_sm_us: float = 16.6  # SM·µs per chunk and head: v6 rows prep, 66 ms for 16384 chunks × 32 heads
+    fold_step_us: float = 12.0  # one [K, K] × [K, V] product of the fold per segment
+    prep_sm_us: float = 6.27  # SM·µs per chunk and head
     min_gain: float = 0.10  # split only when the whole call is predicted ≥ 10 % shorter
     tie_margin: float = 0.03  # a larger P must be predicted this much faster than the best smaller one
     overlap_exposed: float = 0.65  # share of the shorter of prep / state pass left exposed when they overlap
-
-    @classmethod
-    def c16(cls, sm_count: int = 132) -> "SplitCostModel":
-        """The split on the 16-token kernels (``SplitConfig.flow = "c16"``). One H200 (session 14): the state pass
-        1.72 µs per chunk and program (28.2 ms over 16384 chunks at B=1, H=32, 64 programs, 8 stages: one per SM),
-        the span pass taken as the same per chunk with two programs per SM (86 KiB, 168 registers at sm_90), the
-        prep 6.27 SM·µs per chunk and head (24.9 ms per 1M at H=32). Checked at B=1, H=8, T=1M: predicted P = 6 /
-        8 / 10 / 12 / 16: 15.7 / 13.4 / 17.7 / 15.8 / 13.5 ms, measured 17.6 / 15.2 / 19.6 / 18.3 / 16.3 — ~2 ms
-        low, the same saw-tooth, the same best P. The span pass has run 128 columns per program since session 24
-        (``C16Config.span_bv``); the model keeps its 64-column calibration, whose pick (P = 8 at H = 8) measured
-        best again then (P = 6, 7, 9, 10, 12, 16: the same or slower, NOTES_kda.md v26), while the same constants
-        at 128 columns would pick P = 15."""
-        return cls(sm_count=sm_count, state_step_us=1.72, span_step_us=1.72, span_per_sm=2, prep_sm_us=6.27)
 
     def state_us(self, cuts: list[list[int]], H: int, V: int) -> float:
         """The state pass over all segments (``cuts``: chunk counts of each piece's segments)."""
@@ -215,14 +174,14 @@ class SplitCostModel:
         return sum(lens) * H * self.prep_sm_us / self.sm_count
 
     def unsplit_total_us(self, lens: list[int], H: int, K: int, V: int, windows: int = 1) -> float:
-        """Prep + state pass unsplit. ``windows`` > 1: the overlapped path (``FwdConfig.overlap_windows``) over that
-        many equal windows: the prep of window w + 1 runs beside the state pass of window w, on the SMs its
-        programs leave free (first prep and last state pass alone)."""
+        """Prep + state pass unsplit. ``windows`` > 1: the overlapped path over that many equal windows: the prep of
+        window w + 1 runs beside the state pass of window w, on the SMs its programs leave free (first prep and last
+        state pass alone)."""
         prep, serial = self.prep_us(lens, H), self.predict_us([[n] for n in lens], H, K, V)
         if windows <= 1:
             return prep + serial
-        # measured (sweep run 4b, one H200, 1M tokens): overlapped 47.9 ms vs prep 28 + state 29 at H=8, 131.2 vs
-        # 111.8 + 30.8 at H=32: the shorter of the two stays ~65 % exposed (they compete for the same SMs)
+        # measured (one H200, 1M tokens): overlapped 47.9 ms vs prep 28 + state 29 at H=8, 131.2 vs 111.8 + 30.8 at
+        # H=32: the shorter of the two stays ~65 % exposed (they compete for the same SMs)
         side = max(prep, serial) + self.overlap_exposed * min(prep, serial)
         return (prep + serial + (windows - 1) * side) / windows
 
@@ -291,51 +250,34 @@ def split_plan(lengths: list[int], P: int, align: int = _ALIGN, seg_len: int | N
     return plan
 
 
-AUTO_SPLIT = True  # the automatic rule on CUDA with the Triton backend (``K3_KDA_SPLITS=1`` turns it off)
-
-
 @functools.lru_cache(maxsize=256)
 def _best_splits(model: SplitCostModel, lens: tuple[int, ...], H: int, K: int, V: int, overlap: int = 1) -> int:
     """:meth:`SplitCostModel.best`, cached: every layer of a prefill asks the same question."""
     return model.best(list(lens), H, K, V, _MAX_SPLITS, overlap)
 
 
-def _unsplit_overlaps(lens: list[int], H: int, K: int, V: int, dtype: torch.dtype) -> int:
-    """Windows of the unsplit Triton inference forward when it overlaps prep and state pass (its knob is on and
-    the call needs more than one window), else 1."""
-    from k3.ops.kda.triton._common import next_pow2, store_dtype  # noqa: PLC0415 (triton is optional)
-    from k3.ops.kda.triton.chunk_fwd import FwdConfig, chunk_bytes  # noqa: PLC0415
-
-    if not getattr(FwdConfig, "overlap_windows", False):
-        return 1
-    ncw = max(1, FwdConfig.window_bytes // chunk_bytes(H, next_pow2(K), next_pow2(V), store_dtype(dtype)))
-    return -(-sum(-(-n // _ALIGN) for n in lens) // ncw)
-
-
 def _auto_splits(lens: list[int], H: int, K: int, V: int, device: torch.device, backend: str,
                  dtype: torch.dtype = torch.bfloat16, lower_bound: float | None = None
                  ) -> tuple[int, SplitCostModel | None]:
     """``(P, model)`` for this call. ``K3_KDA_SPLITS=n`` forces n on any device (model None: even cuts).
-    Otherwise, on CUDA with the Triton backend while ``AUTO_SPLIT`` is on (or ``K3_KDA_SPLITS=auto``): the
-    :class:`SplitCostModel` on the sequences' chunk counts — P > 1 only when it predicts a clear win, which needs
-    few programs in the unsplit state pass (B·H·V/32 well under the SM count) and a sequence ≥ 2·16K tokens."""
+    Otherwise, on CUDA with the Triton backend and a bounded gate: the :class:`SplitCostModel` on the sequences'
+    chunk counts — P > 1 only when it predicts a clear win, which needs few programs in the unsplit state pass
+    (B·H·V/64 well under the SM count) and a sequence ≥ 2·16K tokens."""
     forced = _forced_splits()
     if isinstance(forced, int):
         return forced, None
-    if device.type != "cuda" or backend != "triton" or (forced != "auto" and not AUTO_SPLIT):
-        return 1, None  # on CPU the torch path is serial anyway: splitting only adds the summary work
+    if device.type != "cuda" or backend != "triton" or lower_bound is None:
+        # on CPU the torch path is serial anyway; the split kernels run the 16-token flow, which needs the bound
+        return 1, None
     if max(lens, default=0) < 2 * _MIN_SEG:
         return 1, None
-    from k3.ops.kda.triton._common import sm_count  # noqa: PLC0415 (triton is optional)
-    from k3.ops.kda.triton.span import split_flow  # noqa: PLC0415
-
-    sms = sm_count(device)
-    model = SplitCostModel.c16(sms) if split_flow(lower_bound) == "c16" else SplitCostModel(sm_count=sms)
+    be = get_backend(backend)
+    model = SplitCostModel(sm_count=be.sm_count(device))
     slots = model.sm_count * model.state_per_sm
     if sum(1 for n in lens if n) * H * max(1, _pow2(V) // model.state_bv) >= slots:
         return 1, None  # the unsplit state pass fills every SM already
     chunks = tuple(-(-n // _ALIGN) for n in lens if n)
-    return _best_splits(model, chunks, H, K, V, _unsplit_overlaps(lens, H, K, V, dtype)), model
+    return _best_splits(model, chunks, H, K, V, be.unsplit_windows(lens, H, K, V, dtype)), model
 
 
 # ---------------------------------------------------------------- the split forward
@@ -349,28 +291,19 @@ def split_chunk_kda(
     v: torch.Tensor,
     g: torch.Tensor,
     beta: torch.Tensor,
-    scale: float,
     initial_state: torch.Tensor | None,
-    output_final_state: bool,
-    use_qk_l2norm_in_kernel: bool,
-    use_gate_in_kernel: bool,
-    use_beta_sigmoid_in_kernel: bool,
-    lower_bound: float | None,
-    cu_seqlens: torch.Tensor | None,
     A_log: torch.Tensor | None,
     dt_bias: torch.Tensor | None,
+    args: KDAArgs,
     model: SplitCostModel | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``chunk_kda`` with every sequence cut into chunk-aligned segments (validated inputs; the same result to
     rounding). ``model`` None: every sequence in ``min(P, chunks)`` even segments; else the model picks the cut of
-    every window (Triton). Triton: :func:`k3.ops.kda.triton.span.split_prefill_triton` (one prep per chunk);
-    torch: :func:`_split_via_forward`."""
-    args = (q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, use_gate_in_kernel,
-            use_beta_sigmoid_in_kernel, lower_bound, cu_seqlens, A_log, dt_bias)
-    if backend != "triton":
-        return _split_via_forward(backend, P, *args)
-    from k3.ops.kda.triton.span import split_prefill_triton  # noqa: PLC0415 (triton is optional)
-
+    every window. Triton with a bounded gate: its ``split_prefill`` (one prep per chunk); otherwise
+    :func:`_split_via_forward`."""
+    be = get_backend(backend)
+    if not hasattr(be, "split_prefill") or args.lower_bound is None:
+        return _split_via_forward(backend, P, q, k, v, g, beta, initial_state, A_log, dt_bias, args)
     K, V = q.shape[-1], v.shape[-1]
     if model is None:
         def cut(lens: list[int], H: int) -> list[list[int]]:
@@ -378,7 +311,7 @@ def split_chunk_kda(
     else:
         def cut(lens: list[int], H: int) -> list[list[int]]:
             return balanced_cut(lens, _best_splits(model, tuple(lens), H, K, V))
-    return split_prefill_triton(cut, *args)
+    return be.split_prefill(cut, q, k, v, g, beta, initial_state, A_log, dt_bias, args)
 
 
 def _split_via_forward(
@@ -389,30 +322,23 @@ def _split_via_forward(
     v: torch.Tensor,
     g: torch.Tensor,
     beta: torch.Tensor,
-    scale: float,
     initial_state: torch.Tensor | None,
-    output_final_state: bool,
-    use_qk_l2norm_in_kernel: bool,
-    use_gate_in_kernel: bool,
-    use_beta_sigmoid_in_kernel: bool,
-    lower_bound: float | None,
-    cu_seqlens: torch.Tensor | None,
     A_log: torch.Tensor | None,
     dt_bias: torch.Tensor | None,
+    args: KDAArgs,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The split through the backend's own forward and summaries (any backend; the torch reference path): every
-    sequence in up to P segments, summaries of all but each sequence's last, fold, one varlen forward."""
+    """The split through the backend's own forward and summaries (any backend and gate): every sequence in up to P
+    segments, summaries of all but each sequence's last, fold, one varlen forward."""
     B, T, H, K = q.shape
     V = v.shape[-1]
-    if cu_seqlens is None:  # a fixed-length batch is a varlen stream of B equal sequences
+    if args.cu_seqlens is None:  # a fixed-length batch is a varlen stream of B equal sequences
         bounds = [b * T for b in range(B + 1)]
         q, k, v, g, beta = (x.reshape((1, B * T) + tuple(x.shape[2:])) for x in (q, k, v, g, beta))
     else:
-        bounds = [int(c) for c in cu_seqlens.detach().cpu().tolist()]
+        bounds = [int(c) for c in args.cu_seqlens.detach().cpu().tolist()]
     lengths = [b - a for a, b in zip(bounds[:-1], bounds[1:])]
     plan = split_plan(lengths, P)
     Pmax, N = max(len(s) for s in plan), len(plan)
-    flags = (use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel, lower_bound)
 
     # 1. Summaries of every segment but each sequence's last (the last one's summary is never used).
     seg_cu, pre_idx, pre_cu, slot = [0], [], [0], []  # slot: (sequence, segment) of each summarised segment
@@ -436,7 +362,7 @@ def _split_via_forward(
             idx = torch.cat(pre_idx).to(dev)
             sub = [x.index_select(1, idx) for x in (q, k, v, g, beta)]
         cu_pre = torch.tensor(pre_cu, dtype=torch.int64, device=dev)
-        M, E = span_summaries(backend, *sub, scale, *flags[:3], lower_bound, cu_pre, A_log, dt_bias)
+        M, E = span_summaries(backend, *sub, A_log, dt_bias, args._replace(cu_seqlens=cu_pre, N=len(slot)))
         rows = torch.tensor([s[0] for s in slot], device=dev)
         cols = torch.tensor([s[1] for s in slot], device=dev)
         Mg[rows, cols] = M.to(acc)
@@ -449,33 +375,30 @@ def _split_via_forward(
 
     # 3. All segments' outputs in parallel from their entry states.
     cu_seg = torch.tensor(seg_cu, dtype=torch.int64, device=dev)
-    o, S = backend_fn(backend, "chunk_kda")(q, k, v, g, beta, scale, entries, output_final_state, *flags[:3],
-                                            lower_bound, cu_seg, A_log, dt_bias)
-    if output_final_state:
+    o, S = get_backend(backend).chunk_kda(q, k, v, g, beta, entries, A_log, dt_bias,
+                                          args._replace(cu_seqlens=cu_seg, N=len(seg_cu) - 1))
+    if args.output_final_state:
         last = torch.tensor([sum(len(s) for s in plan[:n + 1]) - 1 for n in range(N)], device=dev)
         S = S[last]
-    if cu_seqlens is None:
+    if args.cu_seqlens is None:
         o = o.reshape(B, T, H, V)
-    return o, (S if output_final_state else None)
+    return o, (S if args.output_final_state else None)
 
 
 def maybe_split_chunk_kda(
-    backend: str, *args: object
+    backend: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+    initial_state: torch.Tensor | None, A_log: torch.Tensor | None, dt_bias: torch.Tensor | None, args: KDAArgs,
 ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
     """The split path when it applies (inference only: no gradient needed; P > 1 from ``K3_KDA_SPLITS`` or the
-    cost model on CUDA), else ``None``. ``args`` as the backend ``chunk_kda``."""
-    q, k, v, g, beta = args[:5]
-    A_log, dt_bias = args[13], args[14]
+    cost model on CUDA), else ``None``."""
     needs_grad = torch.is_grad_enabled() and any(
-        isinstance(x, torch.Tensor) and x.requires_grad for x in (q, k, v, g, beta, args[6], A_log, dt_bias))
+        isinstance(x, torch.Tensor) and x.requires_grad for x in (q, k, v, g, beta, initial_state, A_log, dt_bias))
     if needs_grad:
         return None
-    cu = args[12]
+    cu = args.cu_seqlens
     B, T, H, K = q.shape
     lens = [T] * B if cu is None else (cu[1:] - cu[:-1]).detach().cpu().tolist()
-    P, model = _auto_splits(lens, H, K, v.shape[-1], q.device, backend, q.dtype, args[11])
+    P, model = _auto_splits(lens, H, K, v.shape[-1], q.device, backend, q.dtype, args.lower_bound)
     if P <= 1 or max(lens, default=0) <= _ALIGN:
         return None
-    if model is None:
-        return split_chunk_kda(backend, P, *args)
-    return split_chunk_kda(backend, P, *args, model=model)
+    return split_chunk_kda(backend, P, q, k, v, g, beta, initial_state, A_log, dt_bias, args, model=model)

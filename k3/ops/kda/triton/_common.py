@@ -8,7 +8,9 @@ power-of-two head dims (BK, BV) so the sequential state pass needs no masks.
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import dataclass
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -16,6 +18,47 @@ import triton
 import triton.language as tl
 
 _SM_COUNT: dict[int, int] = {}
+_NOTED: set[str] = set()
+
+
+def note_once(msg: str) -> None:
+    """``k3: note: msg`` on stderr, once per process and message (a fast path that is unavailable here, and why)."""
+    if msg not in _NOTED:
+        _NOTED.add(msg)
+        print(f"k3: note: {msg}", file=sys.stderr, flush=True)
+
+
+# Gluon's API is experimental and changes between Triton releases: the kernel is used only with the release it is
+# tested on (3.6.x); any other Triton, or a failed import, leaves their work to the Triton kernels
+TESTED_TRITON = (3, 6)
+try:
+    from triton.experimental import gluon  # noqa: F401
+
+    HAVE_GLUON = tuple(int(p) for p in triton.__version__.split(".")[:2]) == TESTED_TRITON
+except Exception:  # noqa: BLE001 — no Gluon, or an unparsable version string
+    HAVE_GLUON = False
+
+
+def gluon_enabled() -> bool:
+    """``K3_KDA_GLUON`` (read at call time): unset or 1 uses the Gluon kernels where they apply, 0 turns them off."""
+    flag = os.environ.get("K3_KDA_GLUON", "1").strip()
+    if flag not in ("0", "1"):
+        raise ValueError(f"K3_KDA_GLUON must be 0 or 1, got {flag!r}")
+    return flag == "1"
+
+
+def gluon_unavailable(what: str) -> bool:
+    """True (after a note on stderr, once) when the Gluon kernels cannot run here: another Triton release than the
+    tested one, or no Gluon in it."""
+    if HAVE_GLUON:
+        return False
+    tested = ".".join(map(str, TESTED_TRITON)) + ".x"
+    found = getattr(triton, "__version__", "?")
+    if found.startswith(tested[:-1]):
+        note_once(f"Gluon {what} is unavailable in triton {found}: using the Triton fallback")
+    else:
+        note_once(f"Gluon {what} needs triton {tested}, found {found}: using the Triton fallback")
+    return True
 
 
 def sm_count(device: torch.device) -> int:
@@ -27,17 +70,6 @@ def sm_count(device: torch.device) -> int:
     if i not in _SM_COUNT:
         _SM_COUNT[i] = torch.cuda.get_device_properties(i).multi_processor_count
     return _SM_COUNT[i]
-
-
-def ptxas_kw(options: str | None) -> dict:
-    """Extra ptxas flags (a config's ``ptxas_options``) as a launch's compile option: variants of one kernel then
-    coexist in one process (``NOTES_kda.md`` v21)."""
-    return {"ptx_options": str(options)} if options else {}
-
-
-def maxnreg_kw(cap: int | None) -> dict:
-    """A config's register cap as a launch option; None (or 0) leaves the count to the compiler."""
-    return {"maxnreg": int(cap)} if cap else {}
 
 
 def _spec_key(a: object) -> object:
@@ -140,6 +172,13 @@ RCP_LN2 = 1.4426950408889634
 
 def next_pow2(n: int, lo: int = 16) -> int:
     return max(lo, triton.next_power_of_2(int(n)))
+
+
+def state_stages(stages: int, dtype: torch.dtype) -> int:
+    """Pipeline depth of a kernel whose stages hold chunk-buffer tiles (state passes, span passes, the WY backward):
+    fp32 buffers (the fp32 path) take twice the shared memory per stage, so at K = V = 128 more than 2 stages
+    exceed the 227 KiB of an H200 SM (the forward state pass at 3 stages: 256 KiB, a launch failure)."""
+    return min(stages, 2) if dtype == torch.float32 else stages
 
 
 def store_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -333,12 +372,6 @@ def _l2norm(x, ENABLE: tl.constexpr):
 
 
 @triton.jit
-def _row(x, i, o_r):
-    """Row i of a [R, N] tensor → [N] (o_r = arange(0, R))."""
-    return tl.sum(tl.where((o_r == i)[:, None], x, 0.), axis=0)
-
-
-@triton.jit
 def _chunk_tile(x, i_h, bos, eos, H, K, BT: tl.constexpr, BK: tl.constexpr):
     """Raw [BT, BK] chunk of x [T, H, K] (zeros outside)."""
     o_t = tl.arange(0, BT)
@@ -352,7 +385,7 @@ def _rows_gate(g, A_log, dt_bias, i_h, t0, eos, H, K, lb, BC: tl.constexpr, BK: 
                USE_GATE: tl.constexpr, HAS_LB: tl.constexpr, HAS_A: tl.constexpr, HAS_DT: tl.constexpr,
                FAST: tl.constexpr = False):
     """Activated log2 decay of tokens [t0, t0 + BC), fp32 [BC, BK]; zero past ``eos`` and past K.
-    ``FAST`` (bounded gate only; ``FwdConfig.prep_fast_gate``): ``_sigmoid_fast`` with the gate scale folded into
+    ``FAST`` (bounded gate only): ``_sigmoid_fast`` with the gate scale folded into
     its constant, σ(a·x) = (1 + 2^{c·x})^{-1} with c = −a·log2 e computed once per head, the inverse as rsqrt(·)²;
     a few ulp off the plain σ, not bitwise it."""
     return _gate_of(_chunk_tile(g, i_h, t0, eos, H, K, BC, BK), A_log, dt_bias, i_h, t0, eos, K, lb, BC, BK,
@@ -385,10 +418,24 @@ def _gate_of(raw, A_log, dt_bias, i_h, t0, eos, K, lb, BC: tl.constexpr, BK: tl.
 
 
 @triton.jit
-def _chunk_gate_cumsum(g, i_h, bos, eos, A_log, dt_bias, H, K, lb, BT: tl.constexpr, BK: tl.constexpr,
-                       USE_GATE: tl.constexpr, HAS_LB: tl.constexpr, HAS_A: tl.constexpr, HAS_DT: tl.constexpr):
-    return tl.cumsum(_rows_gate(g, A_log, dt_bias, i_h, bos, eos, H, K, lb, BT, BK, USE_GATE, HAS_LB, HAS_A,
-                                HAS_DT), axis=0)
+def _rows_beta(beta, i_h, t0, eos, H, BC: tl.constexpr, BETA_SIGMOID: tl.constexpr):
+    """β of tokens [t0, t0 + BC) (sigmoid of the logits if asked), fp32 [BC], zero past ``eos``."""
+    t = t0 + tl.arange(0, BC)
+    m_t = t < eos
+    b_b = tl.load(beta + t * H + i_h, mask=m_t, other=0.).to(tl.float32)
+    if BETA_SIGMOID:
+        b_b = _sigmoid(b_b)
+    return tl.where(m_t, b_b, 0.)
+
+
+@triton.jit
+def _op(x, AB_BF16: tl.constexpr):
+    """Tensor-core operand: bf16 (fp32 accumulation) for bf16 inputs when asked; bf16 keeps fp32's exponent range,
+    so a diagonal block's right factor (≤ e^{5·16}) stays finite."""
+    if AB_BF16:
+        return x.to(tl.bfloat16)
+    else:
+        return x
 
 
 @triton.jit
@@ -414,3 +461,48 @@ def _merge_T(D0, D1, D2, D3, L10, L20, L21, L30, L31, L32, PREC: tl.constexpr):
     T30 = -tl.dot(D3, tl.dot(L30, D0, input_precision=PREC) + tl.dot(L31, T10, input_precision=PREC)
                   + tl.dot(L32, T20, input_precision=PREC), input_precision=PREC)
     return T10, T20, T21, T30, T31, T32
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# host helpers shared by the forward flows
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def alloc_output_state(q, v, initial_state, tab: ChunkTable) -> tuple[torch.Tensor, torch.Tensor]:
+    """The forward's output ``o [B, T, H, V]`` (q's dtype, to be written) and the running states ``ht [N, H, K, V]``
+    fp32: a copy of ``initial_state`` (the passes update it in place into the final states), else zeros."""
+    B, Tq, H, K = q.shape
+    o = torch.empty(B, Tq, H, v.shape[-1], dtype=q.dtype, device=q.device)
+    if initial_state is not None:
+        return o, initial_state.detach().to(torch.float32).clone()
+    return o, torch.zeros(tab.N, H, K, v.shape[-1], dtype=torch.float32, device=q.device)
+
+
+def pipelined(items: list, bufs: list[dict], prep: Callable[[Any, dict], None], serial: Callable[[Any, dict], None],
+              device: torch.device) -> None:
+    """``prep(item, buf)`` of each item on a side stream, up to len(bufs) − 1 items ahead of ``serial(item, buf)``
+    on a high-priority stream joined back into the caller's at the end, the buffers taking turns: the prep of item i
+    waits until the serial work that last read its buffer (item i − len(bufs)) is done, the serial work of item i
+    waits for its prep. The priority stream makes the block scheduler place the serial work's few programs before
+    the prep's many take every free slot. Every side-stream launch is ordered before later work on the caller's
+    stream, so the buffers may be freed (reused by the caching allocator) when this returns, and a CUDA-graph
+    capture sees every forked stream joined back. (The windowed inference forward and the split prefill.)"""
+    main, side = torch.cuda.current_stream(device), torch.cuda.Stream(device)
+    side.wait_stream(main)  # the inputs, the buffers and the outputs were produced on the main stream
+    run = torch.cuda.Stream(device, priority=-1)
+    run.wait_stream(main)
+    freed: list[torch.cuda.Event | None] = [None] * len(bufs)
+    for i, item in enumerate(items):
+        b = i % len(bufs)
+        with torch.cuda.stream(side):
+            if freed[b] is not None:
+                side.wait_event(freed[b])
+            prep(item, bufs[b])
+            ready = torch.cuda.Event()
+            ready.record(side)
+        run.wait_event(ready)
+        with torch.cuda.stream(run):
+            serial(item, bufs[b])
+        freed[b] = torch.cuda.Event()
+        freed[b].record(run)
+    main.wait_stream(run)  # later main-stream work (and reuse of the buffers' memory) follows both streams

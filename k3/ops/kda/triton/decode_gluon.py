@@ -1,64 +1,37 @@
 """One-token KDA decode step in Gluon (Triton's language with explicit register layouts), CUDA only.
 
-Why a second decode kernel: a decode step is bound by reading and writing the fp32 state once. The Triton kernels
-of ``fused_recurrent.py`` leave the register layout of a state tile to the compiler, which splits the K rows over
-warps, so the two K reductions per tile cross warps through shared memory and barriers. Here the layout is chosen:
-the warps of a program split the tile's V columns, each thread holds 4 adjacent columns (16-byte loads) of a
-contiguous run of K rows, and 8 threads of a warp share a column, so both reductions finish inside a warp
-(in-thread adds, then 3 shuffles). One tile per program, no persistence: 8 programs of 2 warps per SM at the
-128-register cap; each program also prefetches into L2 the state tile of the program 2 × SMs ahead, so the later
-programs (the grid's last wave above all) find it there. Measured on one H200 (B=64, H=32, K=V=128): through
-``fused_recurrent_kda`` 0.0714 ms (CUDA-graph replay; fla 0.0934; 0.0733 without the prefetch) against 0.079 for the
-persistent Triton kernel, 0.0678 for ``copy_`` of the same bytes (``bench/decode_gluon_probe.py`` has every layout
-it was chosen from, ``bench/decode_async_probe.py`` the state by cp.async; NOTES_kda.md v13, v20, v21).
+Why a second decode kernel: a decode step is bound by reading and writing the fp32 state once. The Triton kernel of
+``decode.py`` leaves the register layout of a state tile to the compiler, which splits the K rows over warps, so the
+two K reductions per tile cross warps through shared memory and barriers. Here the layout is chosen: the warps of a
+program split the tile's V columns, each thread holds 4 adjacent columns (16-byte loads) of a contiguous run of K
+rows, and 8 threads of a warp share a column, so both reductions finish inside a warp (in-thread adds, then 3
+shuffles). One tile per program: 8 programs of 2 warps per SM at the 128-register cap; each program also prefetches
+into L2 (evict_last) the state tile of the program 2 × SMs ahead, so the later programs (the grid's last wave above
+all) find it there. H200, B=64, H=32, K=V=128: 0.071 ms per step (CUDA-graph replay), a ``copy_`` of the same bytes
+0.068.
 
-Gluon does not run in Triton's interpreter: on CPU (and with a Triton other than 3.6) the Triton kernels serve, and
-the GPU tests check this kernel against the fp64 recurrence.
+Gluon does not run in Triton's interpreter, and its API changes between Triton releases: the kernel is used with the
+release it is tested on (3.6.x) on CUDA; elsewhere the Triton kernel serves, with a note on stderr once. The GPU
+tests check it against the fp64 recurrence; on CPU it compiles for sm_90. ``K3_KDA_GLUON=0`` turns it off.
 """
 
 from __future__ import annotations
 
 import torch
 
-from k3.ops.kda.triton._common import LaunchCache, maxnreg_kw, ptxas_kw, sm_count
+from k3.ops.kda.triton._common import HAVE_GLUON, LaunchCache, gluon_enabled, gluon_unavailable, sm_count
 
-# Gluon's API is experimental and changes between Triton releases: the kernel is used only with the release it is
-# tested on (3.6.x); any other Triton, or a failed import, leaves decoding to the Triton kernels
-TESTED_TRITON = (3, 6)
-try:
-    import triton
+if HAVE_GLUON:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
 
-    HAVE_GLUON = tuple(int(p) for p in triton.__version__.split(".")[:2]) == TESTED_TRITON
-except Exception:  # noqa: BLE001 — no Gluon, or an unparsable version string
-    HAVE_GLUON = False
-
-
-class GluonDecodeConfig:
-    """Launch knobs of the Gluon decode kernel.
-
-    - ``enabled``: use this kernel for dense one-token steps on CUDA (else the Triton kernels).
-    - ``bv``: V columns per program (16 per warp: 32 → 2 warps).
-    - ``maxnreg``: register cap (128: 8 programs of 2 warps per SM without spills on sm_90; the compiler alone
-      takes 149 registers, 6 programs, 0.0739 ms; 120 and below spill).
-    """
-
-    enabled = True
-    bv = 32
-    maxnreg: int | None = 128
-    # extra ptxas flags for this kernel (a compile option, so variants coexist in one process): e.g.
-    # "--register-usage-level=0" changes where ptxas places the state loads (NOTES_kda.md v21)
-    ptxas_options: str | None = None
-    # dense steps with a state in: program i also asks L2 for the state tile of program i + prefetch_per_sm × SMs
-    # (0: off), so later programs find their tile in L2. H200, B=64 H=32 (graph replays, same process): distance
-    # 66 / 132 / 198–330 / 396 / 528 / 1056: 0.0725 / 0.0722 / 0.0720 / 0.0723 / 0.0736 / 0.093 against 0.0733 off
-    # (at 8 resident programs per SM, 1056 ahead evicts tiles before use); fractions are rounded to whole programs:
-    # with evict_last, 1.5 / 1.75 / 2.25 / 2.5 ran 0.0714–0.0720 like 2 (NOTES_kda.md v22)
-    prefetch_per_sm: float = 2
-    # 0: a plain L2 prefetch per 128-byte line; 1: the same with the evict_last priority (0.0710–0.0716 against
-    # 0.0718–0.0721 for 0; one 64 KiB bulk prefetch per head measured 0.080 and was removed)
-    prefetch_mode = 1
+# V columns per program (16 per warp: 32 → 2 warps); register cap (128: 8 programs of 2 warps per SM without spills
+# on sm_90; the compiler alone takes 149, 6 programs); L2 prefetch distance in programs per SM (H200: 0.0720 ms at
+# 2 against 0.0733 without), with the evict_last priority
+_BV = 32
+_MAXNREG = 128
+_PREFETCH_PER_SM = 2
+_PREFETCH_EVICT_LAST = 1
 
 
 if HAVE_GLUON:
@@ -148,7 +121,7 @@ if HAVE_GLUON:
         b_v = gl.load(v + i_nh.to(gl.int64) * V + o_v, mask=m_v, other=0.).to(gl.float32)
         b_b = gl.load(beta + i_nh).to(gl.float32)
         # this statement order (gate before the norms, S' before the output) and the dense base above keep the K3
-        # kernel at the 128-register cap without spills (an 8-byte spill cost 1.5 %: NOTES_kda.md v20)
+        # kernel at the 128-register cap without spills (an 8-byte spill cost 1.5 %)
         if BETA_SIGMOID:
             b_b = _sigmoid(b_b)
         b_g = _log_decay(b_f, i_h, A_log, dt_bias, lb, o_k, m_k, K, USE_GATE, HAS_LB, HAS_A, HAS_DT)
@@ -172,42 +145,32 @@ if HAVE_GLUON:
 
 
 def usable(q: torch.Tensor, T: int, varlen: bool, N: int) -> bool:
-    """Whether the Gluon kernel takes this call: CUDA tensors, a dense one-token step, the knob on."""
-    return HAVE_GLUON and GluonDecodeConfig.enabled and q.is_cuda and T == 1 and not varlen and N > 0
+    """Whether the Gluon kernel takes this call: CUDA tensors, a dense one-token step, Gluon on and available."""
+    return q.is_cuda and T == 1 and not varlen and N > 0 and gluon_enabled() and not gluon_unavailable("decode")
 
 
-_PLANS: dict[tuple, tuple[int, dict, dict]] = {}  # (knobs, V, device) → (NV, BV/NV/PF constexprs, options)
+_PLANS: dict[tuple, tuple[int, dict, dict]] = {}  # (V, device) → (NV, BV/NV/PF constexprs, options)
 _FLAG_NAMES = ("USE_GATE", "HAS_LB", "HAS_A", "HAS_DT", "L2NORM", "BETA_SIGMOID", "USE_IDX", "USE_S0", "STORE_S")
 
 
 def _plan(device: torch.device, V: int) -> tuple[int, dict, dict]:
-    """The launch's knob-derived part (validated once per knob setting, V and device: host time per step)."""
-    cfg = GluonDecodeConfig
-    key = (cfg.bv, cfg.maxnreg, cfg.ptxas_options, cfg.prefetch_per_sm, cfg.prefetch_mode, V, device)
+    """The launch's V- and device-dependent part (computed once per V and device: host time per step)."""
+    key = (V, device)
     plan = _PLANS.get(key)
     if plan is not None:
         return plan
-    if cfg.bv not in (16, 32, 64, 128):
-        raise ValueError(f"GluonDecodeConfig.bv: expected 16, 32, 64 or 128, got {cfg.bv!r}")
-    if cfg.prefetch_mode not in (0, 1):
-        raise ValueError(f"GluonDecodeConfig.prefetch_mode: expected 0 or 1, got {cfg.prefetch_mode!r}")
-    if not isinstance(cfg.prefetch_per_sm, (int, float)) or not cfg.prefetch_per_sm >= 0:
-        raise ValueError(f"GluonDecodeConfig.prefetch_per_sm: expected a number >= 0 (0 = off), "
-                         f"got {cfg.prefetch_per_sm!r}")
-    BV = max(16, min(int(cfg.bv), 1 << (max(V, 16) - 1).bit_length()))
+    BV = max(16, min(_BV, 1 << (max(V, 16) - 1).bit_length()))
     NV = -(-V // BV)
-    options = dict(num_warps=BV // 16, **maxnreg_kw(cfg.maxnreg), **ptxas_kw(cfg.ptxas_options))
-    # PF: a fraction of SMs allowed, rounded to whole programs
-    consts = dict(BV=BV, NV=NV, PF=int(round(float(cfg.prefetch_per_sm) * sm_count(device))),
-                  PF_MODE=int(cfg.prefetch_mode))
+    options = dict(num_warps=BV // 16, maxnreg=_MAXNREG)
+    consts = dict(BV=BV, NV=NV, PF=int(round(float(_PREFETCH_PER_SM) * sm_count(device))),
+                  PF_MODE=_PREFETCH_EVICT_LAST)
     _PLANS[key] = plan = (NV, consts, options)
     return plan
 
 
-def decode_step_gluon(ptrs: tuple, flags: dict, N: int, H: int, K: int, V: int, BK: int, scale: float,
-                      lb: float) -> None:
+def decode_step(ptrs: tuple, flags: dict, N: int, H: int, K: int, V: int, BK: int, scale: float, lb: float) -> None:
     """Launch over the ``(q, k, v, g, beta, A_log, dt_bias, o, s_in, s_out, idx)`` pointers of
-    ``fused_recurrent_kda_triton`` (same flag names; ``FUSED`` / ``BASE_PTR`` / ``EVICT`` do not apply)."""
+    ``decode.fused_recurrent_kda_triton`` (same flag names)."""
     NV, consts, options = _plan(ptrs[0].device, V)
     consts = dict(K=K, V=V, BK=BK, **consts, **{n: flags[n] for n in _FLAG_NAMES})
     _launch(N * H * NV, (*ptrs, H, scale, lb), consts, options)
