@@ -25,6 +25,18 @@ if not hasattr(k3_runs, "run_cli"):
     _spec.loader.exec_module(k3_runs)
 
 
+@pytest.hookimpl(tryfirst=True)
+def pytest_cmdline_main(config: pytest.Config) -> None:
+    """The whole suite on a CPU machine (`python -m pytest`, no paths, no ``-n``): one test process per core, at most
+    4, with pytest-xdist when it is installed (the ``test`` extra). Every test runs on one intra-op thread, so the
+    processes do not compete for cores; a module's tests stay in one process, so module-scoped fixtures (a trained
+    run, a server) are built once. ``-n 0`` or ``-p no:xdist`` runs serially; GPU machines always do."""
+    if (config.pluginmanager.hasplugin("xdist") and config.getoption("numprocesses", None) is None
+            and config.args_source == pytest.Config.ArgsSource.TESTPATHS and not config.getoption("collectonly")
+            and not torch.cuda.is_available()):
+        config.option.numprocesses, config.option.maxprocesses, config.option.dist = "auto", 4, "loadscope"
+
+
 def pytest_collection_finish(session: pytest.Session) -> None:
     """On a GPU machine no test module may turn the interpreter on: kernels decorated after that would run
     interpreted on CUDA tensors (the GPU tests then take hours instead of seconds, as they once did)."""
