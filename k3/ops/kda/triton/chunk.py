@@ -12,11 +12,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from k3.ops.kda.reference import chunk_kda_states as reference_states
 from k3.ops.kda.triton._common import BT, ChunkTable, alloc_output_state, make_chunk_table, next_pow2, store_dtype
 from k3.ops.kda.triton.inference import InferencePlan, kda_fwd_inference
 from k3.ops.kda.triton.training import TrainPlan, kda_bwd, prep_all, state_all
 
-__all__ = ["chunk_kda_triton", "train_forward", "train_backward", "saved_like", "SAVED"]
+__all__ = ["chunk_kda_triton", "chunk_kda_states", "train_forward", "train_backward", "saved_like", "SAVED"]
 
 if TYPE_CHECKING:
     from k3.ops.kda.args import KDAArgs
@@ -44,6 +45,23 @@ def train_forward(q, k, v, g, beta, initial_state, A_log, dt_bias, args: KDAArgs
     saved = state_all(prep_all(q, k, v, g, beta, A_log, dt_bias, args.scale, tab, args.lower_bound, args.flags), o,
                       ht, tab, q.shape[2], q.shape[3], v.shape[3])
     return o, ht, [saved[n] for n in SAVED]
+
+
+def chunk_kda_states(q, k, v, g, beta, initial_state, A_log, dt_bias, args: KDAArgs, chunk_size: int
+                     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """``(o, final states or None, h)`` with h ``[B, NT, H, K, V]`` (varlen ``[1, NC, H, K, V]``) the state entering
+    each chunk, in q's dtype. At the kernels' chunk (64) these are the training forward's kept entry states (HS);
+    another chunk size takes the PyTorch reference on the same device."""
+    if chunk_size != BT:
+        return reference_states(q, k, v, g, beta, initial_state, A_log, dt_bias, args, chunk_size)
+    q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
+    if not args.use_gate_in_kernel:
+        A_log = dt_bias = None
+    o, ht, saved = train_forward(q, k, v, g, beta, initial_state, A_log, dt_bias, args)
+    K, V = q.shape[-1], v.shape[-1]
+    hs = saved[SAVED.index("HS")][:, :, :K, :V].transpose(0, 1)  # [NC, H, K, V], sequence-major chunks
+    h = hs.reshape(1 if args.cu_seqlens is not None else q.shape[0], -1, *hs.shape[1:]).to(q.dtype)
+    return o, (ht if args.output_final_state else None), h
 
 
 def train_backward(do, dht, q, k, v, g, beta, initial_state, A_log, dt_bias, args: KDAArgs,
