@@ -85,8 +85,9 @@ def test_repeated_keys_beta_one():
 
 
 @cpu_only
-def test_fp16_half_scratch():
-    """fp16 inputs: 16-bit dq/dk shares between the WY and intra-chunk backward, no e^s hand-over in the prep."""
+def test_fp16_training():
+    """fp16 inputs: fp16 chunk buffers, fp32 dq/dk shares between the WY and intra-chunk backward (bf16 ones would
+    drop fp16's extra mantissa bits), no e^s hand-over in the prep."""
     x = make_inputs(1, 70, 1, 32, 32)
     assert_close(errors(public_call(), x, dtype=torch.float16), 2e-2)
 

@@ -75,9 +75,12 @@ def kda_bwd(q, k, v, g, beta, A_log, dt_bias, initial_state, scale: float, do, d
     BK, BVP = next_pow2(K), next_pow2(V)
     prec = dot_precision(q.dtype)
     # dG is a sum of row and column shares that cancel strongly when decays are strong (all gates at the bound):
-    # fp32 inputs keep exact dots; half inputs tf32 on the diagonal blocks, one bf16 pass off them
+    # fp32 inputs keep exact dots; bf16 inputs tf32 on the diagonal blocks, one bf16 pass off them. fp16 inputs
+    # carry 3 more mantissa bits than bf16 and fla's fp16 tolerances are tighter (dg, ddt_bias within 1.5%
+    # where unbounded softplus gates reach −50 per token): a bf16 pass there loses what the inputs hold, so fp16
+    # keeps tf32 (fp16's mantissa, fp32's range) off the diagonal too.
     prec_intra = "ieee" if prec == "ieee" else "tf32"
-    prec_off = "ieee" if prec == "ieee" else "bf16"
+    prec_off = "ieee" if prec == "ieee" else "bf16" if q.dtype == torch.bfloat16 else "tf32"
     interp = os.environ.get("TRITON_INTERPRET", "0") == "1"
     if interp:  # no bf16 products there (it computes the dots in fp32 anyway)
         prec_off = "tf32x3" if prec_off == "bf16" else prec_off
@@ -94,10 +97,11 @@ def kda_bwd(q, k, v, g, beta, A_log, dt_bias, initial_state, scale: float, do, d
         state_grads = bwd_state_pass(do, dht, saved, tab, H, K, V, q.dtype)
     DHS, DV, dh0 = state_grads
 
-    # the WY kernel's dq, dk shares: 16 bits for half inputs when the intra kernel reads them once (all of K in one
-    # slice; fp16 under the interpreter, which cannot load bf16); dG and the gate cumsums stay fp32
+    # the WY kernel's dq, dk shares: 16 bits for bf16 inputs when the intra kernel reads them once (all of K in one
+    # slice; fp16 under the interpreter, which cannot load bf16); dG and the gate cumsums stay fp32. fp16 inputs
+    # keep fp32 shares: bf16 would drop 3 of their mantissa bits before dG's cancellation, fp16 risks overflow.
     sdt = torch.float32
-    if q.dtype in (torch.bfloat16, torch.float16) and plan.intra_bk >= BK:
+    if q.dtype == torch.bfloat16 and plan.intra_bk >= BK:
         sdt = torch.float16 if interp else torch.bfloat16
     DQ, DK = (torch.empty(H, NC, BT, BK, dtype=sdt, device=dev) for _ in range(2))
     DG = torch.empty(H, NC, BT, BK, **f32)
