@@ -239,7 +239,20 @@ def _groups(model: torch.nn.Module, weight_decay: float, split_muon: bool) -> li
               {"params": no_decay, "weight_decay": 0.0, "name": "adamw_no_decay"}]
     if split_muon:
         groups.insert(0, {"params": muon, "weight_decay": weight_decay, "use_muon": True, "name": "muon"})
-    return [g for g in groups if g["params"]]
+    return [part for g in groups for part in _by_layout(g)]
+
+
+def _by_layout(group: dict) -> list[dict]:
+    """``group`` split by tensor layout: plain tensors, and DTensors per mesh. Under FSDP2 the parameters it leaves
+    replicated (:func:`k3.distributed.parallelize.replicated_params`) stay plain tensors beside the sharded DTensors, and torch's
+    fused AdamW refuses a mix of the two (and of meshes) in one call."""
+    parts: dict[Any, list] = {}
+    for p in group["params"]:
+        parts.setdefault(p.device_mesh if isinstance(p, DTensor) else None, []).append(p)
+    if len(parts) <= 1:
+        return [group] if group["params"] else []
+    return [dict(group, params=ps, name=f"{group['name']}_{i}" if i else group["name"])
+            for i, ps in enumerate(parts.values())]
 
 
 def build_optimizer(model: torch.nn.Module, name: str, lr: float, weight_decay: float = 0.1,

@@ -16,7 +16,7 @@ from k3.distributed.data_parallel import Distributed, local_batch
 from k3.distributed.parallel_dims import ParallelDims
 from k3.distributed.parallelize import parallelize_k3, sync_replicated_grads
 from k3.model import K3ForCausalLM
-from k3.train.optim import clip_grad_norm
+from k3.train.optim import build_optimizer, clip_grad_norm
 
 _spec = importlib.util.spec_from_file_location("k3_tests_gloo", Path(__file__).with_name("_gloo.py"))
 _gloo = importlib.util.module_from_spec(_spec)
@@ -58,3 +58,27 @@ def _layouts(rank: int, world: int) -> None:
 
 def test_every_layout_gives_the_one_process_gradients_and_norm() -> None:
     _gloo.run_ranks(_layouts, 4)
+
+
+def _fused_adamw_one_rank(rank: int, world: int) -> None:
+    torch.manual_seed(0)
+    model = K3ForCausalLM(K3Config.from_preset("tiny")).float()
+    dims = ParallelDims(world_size=world)
+    parallelize_k3(model, dims, dims.build_mesh("cpu"))
+    groups = build_optimizer(model, "adamw", 1e-3).param_groups
+    kinds = [{type(p) for p in g["params"]} for g in groups]
+    assert all(len(k) == 1 for k in kinds), kinds  # one layout per group: FSDP shards and replicated fp32 apart
+    assert {DTensor, torch.nn.Parameter} <= set().union(*kinds), kinds
+    opt = torch.optim.AdamW(groups, fused=True)  # the CUDA trainer's optimizer; torch's fused AdamW runs on CPU too
+    t = torch.randint(0, 256, (2, 9), generator=torch.Generator().manual_seed(1))
+    model(t[:, :-1], targets=t[:, 1:]).loss.backward()
+    before = [p.detach().clone() for g in groups for p in g["params"]]
+    opt.step()
+    after = [p.detach() for g in groups for p in g["params"]]
+    assert all(not torch.equal(a, b) for a, b in zip(after, before) if a.requires_grad)
+
+
+def test_fused_adamw_steps_fsdp_shards_and_replicated_params_together() -> None:
+    """One rank under FSDP2, as the trainer runs on one GPU: the parameters kept fp32 outside FSDP are plain tensors
+    beside DTensor shards, and torch's fused AdamW refuses the two in one group."""
+    _gloo.run_ranks(_fused_adamw_one_rank, 1)

@@ -14,7 +14,7 @@ if not torch.cuda.is_available():  # before triton is imported (tests/conftest.p
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from k3.ops.moe.combine import combine_norm, combine_norm_reference, combine_norm_rows
-from k3.ops.moe.grouped import expert_counts, grouped_ffn, grouped_ffn_packed, sort_by_expert
+from k3.ops.moe.grouped import expert_counts, grouped_ffn, grouped_ffn_packed, grouped_mm, sort_by_expert
 from k3.ops.moe.qb import qb_bias_from_histogram, qb_exact_bias, qb_histogram, qb_range
 from k3.ops.moe.router import route, route_reference
 from k3.ops.moe.situ import situ_bound, situ_glu, situ_glu_packed, situ_glu_reference
@@ -328,3 +328,27 @@ def test_fallback_notice_once_per_path(capsys):
     _fastpath.fallback_notice("test path", "needs X", "Y")
     _fastpath.fallback_notice("test path", "needs X", "Y")
     assert capsys.readouterr().err == "k3: test path needs X: using Y\n"
+
+
+@pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
+def test_grouped_mm_under_autocast_casts_like_a_matmul(device):
+    """bf16 rows × fp32 master experts under autocast (the eager reference trainer): the product and both gradients
+    in the autocast dtype's precision, the weight gradient in the weight's dtype (a backward of mixed dtypes fails)."""
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(9, 16, generator=g).to(device)
+    b = (torch.randn(3, 16, 8, generator=g) / 4).to(device).requires_grad_(True)
+    offs = torch.tensor([2, 2, 7], dtype=torch.int32, device=device)  # an empty group, and 2 rows past the last
+    dy = torch.randn(9, 8, generator=g).to(device)
+    a16 = a.bfloat16().requires_grad_(True)
+    y = torch.full((9, 8), float("nan"), device=device)
+    with torch.autocast(device, dtype=torch.bfloat16):
+        y = grouped_mm(a16, b, offs)
+    assert y.dtype == torch.bfloat16
+    (y[:7].float() * dy[:7]).sum().backward()
+    a32 = a.clone().requires_grad_(True)
+    b32 = b.detach().clone().requires_grad_(True)
+    ref = torch.cat([a32[:2] @ b32[0], a32[2:7] @ b32[2]])
+    (ref * dy[:7]).sum().backward()
+    assert b.grad.dtype == torch.float32 and a16.grad.dtype == torch.bfloat16
+    assert rel(y[:7].float(), ref) < 2e-2 and rel(b.grad, b32.grad) < 2e-2
+    assert rel(a16.grad[:7].float(), a32.grad[:7]) < 2e-2

@@ -79,6 +79,10 @@ _loop_mm.register_autograd(_loop_backward, setup_context=_loop_setup)
 
 def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     """``a [R, K]`` (rows grouped by expert) × ``b [E, K, N]`` → ``[R, N]``."""
+    if torch.is_autocast_enabled(a.device.type):
+        # a custom op is opaque to autocast: cast as it casts a matmul, so the backward sees one dtype too
+        dt = torch.get_autocast_dtype(a.device.type)
+        a, b = a.to(dt), b.to(dt)
     if a.is_cuda and _gmm is not None and a.dtype == torch.bfloat16 and b.dtype == torch.bfloat16:
         return _gmm(a, b, offs=offs)
     return _loop_mm(a, b, offs)
