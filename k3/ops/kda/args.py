@@ -41,6 +41,12 @@ class KDAArgs(NamedTuple):
     lower_bound: float | None
     cu_seqlens: torch.Tensor | None
     N: int
+    cu_seqlens_cpu: torch.Tensor | None = None  # the caller's host copy of cu_seqlens (fla's hint), if any
+
+    @property
+    def cu_host(self) -> torch.Tensor | None:
+        """cu_seqlens for the host-side tables: the caller's CPU copy when given (no device round trip)."""
+        return self.cu_seqlens_cpu if self.cu_seqlens_cpu is not None else self.cu_seqlens
 
     @property
     def flags(self) -> dict:
@@ -207,7 +213,8 @@ def kda_args(
         lb = (lb if lb is not None else -5.0) if safe_gate else None
     N = B if cu_seqlens is None or not check_cu_seqlens else cu_seqlens.numel() - 1
     return KDAArgs(scale, bool(output_final_state), bool(use_qk_l2norm_in_kernel), bool(use_gate_in_kernel),
-                   bool(use_beta_sigmoid_in_kernel), lb, cu_seqlens, N)
+                   bool(use_beta_sigmoid_in_kernel), lb, cu_seqlens, N,
+                   cu_seqlens_cpu if check_cu_seqlens and cu_seqlens is not None else None)
 
 
 class KDAAssertionError(ValueError, AssertionError):

@@ -38,7 +38,7 @@ def saved_like(q: torch.Tensor, v: torch.Tensor, NC: int | torch.SymInt) -> list
 def train_forward(q, k, v, g, beta, initial_state, A_log, dt_bias, args: KDAArgs, tab: ChunkTable | None = None
                   ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
     """The training forward: ``(o, final states, the kept buffers in SAVED order)``; inputs contiguous."""
-    tab = tab or make_chunk_table(q.shape[0], q.shape[1], args.cu_seqlens, q.device)
+    tab = tab or make_chunk_table(q.shape[0], q.shape[1], args.cu_host, q.device)
     o, ht = alloc_output_state(q, v, initial_state, tab)
     if tab.NC == 0:
         return o, ht, saved_like(q, v, 0)
@@ -67,7 +67,7 @@ def chunk_kda_states(q, k, v, g, beta, initial_state, A_log, dt_bias, args: KDAA
 def train_backward(do, dht, q, k, v, g, beta, initial_state, A_log, dt_bias, args: KDAArgs,
                    saved: list[torch.Tensor], plan: TrainPlan = TrainPlan(), tab: ChunkTable | None = None) -> tuple:
     """``(dq, dk, dv, dg, dbeta, dA_log, ddt_bias, dh0)`` from :func:`train_forward`'s buffers."""
-    tab = tab or make_chunk_table(q.shape[0], q.shape[1], args.cu_seqlens, q.device)
+    tab = tab or make_chunk_table(q.shape[0], q.shape[1], args.cu_host, q.device)
     return kda_bwd(q, k, v, g, beta, A_log, dt_bias, initial_state, args.scale, do, dht, dict(zip(SAVED, saved)),
                    tab, args.lower_bound, args.flags, plan=plan)
 
@@ -78,7 +78,7 @@ class ChunkKDATriton(torch.autograd.Function):
         q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
         A_log, dt_bias, initial_state = (x.contiguous() if x is not None else None
                                          for x in (A_log, dt_bias, initial_state))
-        tab = make_chunk_table(q.shape[0], q.shape[1], args.cu_seqlens, q.device)
+        tab = make_chunk_table(q.shape[0], q.shape[1], args.cu_host, q.device)
         if not any(ctx.needs_input_grad[:8]):
             o, ht = kda_fwd_inference(q, k, v, g, beta, A_log, dt_bias, args.scale, initial_state, tab,
                                       args.lower_bound, args.flags, inference)

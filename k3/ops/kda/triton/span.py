@@ -126,7 +126,7 @@ def span_summaries_triton(
     B, Tq, H, K = q.shape
     V = v.shape[-1]
     q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
-    tab = make_chunk_table(B, Tq, args.cu_seqlens, q.device)
+    tab = make_chunk_table(B, Tq, args.cu_host, q.device)
     BK, BVP = next_pow2(K), next_pow2(V)
     dt = store_dtype(q.dtype)
     S_ext = torch.zeros(tab.N, H, K, V, dtype=torch.float32, device=q.device)

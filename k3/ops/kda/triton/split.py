@@ -447,7 +447,7 @@ def split_prefill_triton(
     B, Tq, H, K = q.shape
     V = v.shape[-1]
     q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
-    tab = make_chunk_table(B, Tq, args.cu_seqlens, q.device)
+    tab = make_chunk_table(B, Tq, args.cu_host, q.device)
     BK, BVP = next_pow2(K), next_pow2(V)
     dt = store_dtype(q.dtype)
     o, ht = alloc_output_state(q, v, initial_state, tab)
