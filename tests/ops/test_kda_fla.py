@@ -359,3 +359,13 @@ def test_gpu_fp16_hard_resets_softplus_gate(K, cu):
     kw = dict(gate=True, lb=None, l2=False, bsig=False)
     errs = errors(public_call(cu, **kw), x, torch.float16, cu=cu, **kw)
     assert_close(errs, 5e-3, dq=7e-3, dk=8e-3, dv=7e-3, dg=1.5e-2, dbeta=1.5e-2, ds0=7e-3, dA=2e-2)
+
+
+@gpu
+def test_gpu_varlen_capture_refused():
+    """A varlen chunk_kda inside CUDA-graph capture raises instead of recording host-built chunk tables."""
+    x = on_device(make_inputs(1, 64, 2, 64, 64, N=2), torch.bfloat16, False)
+    cu = [0, 30, 64]
+    _call(chunk_kda, x, cu, cu_seqlens_cpu=torch.tensor(cu))  # warm-up (compiles) outside the capture
+    with pytest.raises(NotImplementedError, match="CUDA graph"), torch.cuda.graph(torch.cuda.CUDAGraph()):
+        _call(chunk_kda, x, cu, cu_seqlens_cpu=torch.tensor(cu), use_graph=True)

@@ -94,7 +94,8 @@ def chunk_kda(
         cu_seqlens_cpu: a host copy of ``cu_seqlens`` (its values are then checked without a device copy).
         cp_context: a context from :func:`k3.ops.kda.build_cp_context` (context parallel; B = 1, varlen stream).
         use_graph, max_num_seqs: fla's graph-capture convention: ``cu_seqlens`` padded with zero-length tail
-            sequences to exactly ``max_num_seqs + 1`` entries (checked); same results as without.
+            sequences to exactly ``max_num_seqs + 1`` entries (checked); same results as without. A varlen call is
+            not capturable (the chunk table is built on the host): capturing one raises ``NotImplementedError``.
         chunk_size: 32 or 64: the chunking of ``h`` (the results do not depend on it).
         transpose_state_layout: fla's deprecated name of ``state_v_first`` (a ``DeprecationWarning``).
 
@@ -137,6 +138,10 @@ def _chunk_kda(q, k, v, g, beta, scale, initial_state, output_final_state, use_q
                         use_gate_in_kernel=use_gate_in_kernel, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
                         safe_gate=safe_gate, lower_bound=lower_bound, cu_seqlens=cu_seqlens, A_log=A_log,
                         dt_bias=dt_bias, check_cu_seqlens=cp_context is None, cu_seqlens_cpu=cu_seqlens_cpu)
+    if cu_seqlens is not None and q.is_cuda and torch.cuda.is_current_stream_capturing():
+        # the chunk table is built on the host from the lengths: a captured graph would replay stale tables
+        raise NotImplementedError("chunk_kda with cu_seqlens cannot be captured in a CUDA graph (k3 builds its "
+                                  "chunk table on the host); capture fixed-length batches, or run varlen eagerly")
     # The kernels index states and gate parameters densely (q/k/v/g/β are made contiguous where they are read)
     initial_state, A_log, dt_bias = (x.contiguous() if isinstance(x, torch.Tensor) else x
                                      for x in (initial_state, A_log, dt_bias))
