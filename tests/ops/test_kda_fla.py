@@ -365,7 +365,10 @@ def test_gpu_fp16_hard_resets_softplus_gate(K, cu):
 def test_gpu_varlen_capture_refused():
     """A varlen chunk_kda inside CUDA-graph capture raises instead of recording host-built chunk tables."""
     x = on_device(make_inputs(1, 64, 2, 64, 64, N=2), torch.bfloat16, False)
-    cu = [0, 30, 64]
-    _call(chunk_kda, x, cu, cu_seqlens_cpu=torch.tensor(cu))  # warm-up (compiles) outside the capture
+    cu_cpu = torch.tensor([0, 30, 64])
+    cu = cu_cpu.to(DEV)  # made before the capture (a host-to-device copy cannot be captured)
+    args = (x["q"], x["k"], x["v"], -x["g"].float().abs(), x["beta"].float().sigmoid())
+    chunk_kda(*args, cu_seqlens=cu, cu_seqlens_cpu=cu_cpu)  # warm-up (compiles) outside the capture
+    torch.cuda.synchronize()
     with pytest.raises(NotImplementedError, match="CUDA graph"), torch.cuda.graph(torch.cuda.CUDAGraph()):
-        _call(chunk_kda, x, cu, cu_seqlens_cpu=torch.tensor(cu), use_graph=True)
+        chunk_kda(*args, cu_seqlens=cu, cu_seqlens_cpu=cu_cpu, use_graph=True)
