@@ -249,7 +249,7 @@ def test_accepted_arguments_same_results(monkeypatch):
 @cpu_only
 def test_cu_seqlens_cpu_triton(monkeypatch):
     """The host copy feeds the Triton path's chunk table and the split plan: the same bits as without it, in the
-    windowed forward, a forced split and training."""
+    windowed forward and a forced split."""
     monkeypatch.setenv("K3_KDA_BACKEND", "triton")
     cu = [0, 5, 140]  # 135 tokens: the forced split cuts the second sequence at 64 and 128
     x = on_device(make_inputs(1, 140, 1, 16, 16, N=2), torch.float32, False)
@@ -259,9 +259,6 @@ def test_cu_seqlens_cpu_triton(monkeypatch):
         base = _call(chunk_kda, x, cu, **kw)
         out = _call(chunk_kda, x, cu, cu_seqlens_cpu=torch.tensor(cu), **kw)
         assert torch.equal(out[0], base[0]) and torch.equal(out[1], base[1]), splits
-    xg = {n: t.clone().requires_grad_() for n, t in x.items()}
-    o, ht = _call(chunk_kda, xg, cu, cu_seqlens_cpu=torch.tensor(cu), **kw)
-    assert torch.isfinite(torch.autograd.grad((o.sum() + ht.sum()), xg["q"])[0]).all()
 
 
 # ------------------------------------------------------------------------------------------------- fla's names
