@@ -17,7 +17,7 @@ if not torch.cuda.is_available():
 
 pytest.importorskip("triton")
 
-from k3.ops.kda import fused_recurrent_kda  # noqa: E402
+from k3.ops.kda import chunk_kda, fused_recurrent_kda  # noqa: E402
 from k3.ops.kda.triton import chunk_kda as chunk_kda_triton  # noqa: E402
 from k3.ops.kda.triton.inference import InferencePlan  # noqa: E402
 from tests.ops.kda_ref import CUDA, assert_close, backend_call, errors, make_inputs, public_call  # noqa: E402
@@ -67,6 +67,15 @@ def test_split_and_decode(monkeypatch):
         return fused_recurrent_kda(d["q"], d["k"], d["v"], d["g"], d["beta"], d["A"], d["dt"], None, d["s0"], True,
                                    True, True, True, lower_bound=-5.0)
     assert_close(errors(run, xd, grad=False), 1e-5)
+
+
+def test_head_dim_limit():
+    """Above 256 the Triton path refuses (fla's limit, its exception types) and names the dims."""
+    x = make_inputs(1, 2, 1, 264, 8)
+    d = {n: t.float().to("cuda" if CUDA else "cpu") for n, t in x.items()}
+    with pytest.raises(ValueError, match="K=264") as e:
+        chunk_kda(d["q"], d["k"], d["v"], -d["g"].abs(), d["beta"].sigmoid())
+    assert isinstance(e.value, AssertionError)
 
 
 @gpu

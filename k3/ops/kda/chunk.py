@@ -18,6 +18,7 @@ from k3.ops.kda import library
 from k3.ops.kda.args import (
     FlaOptions,
     KDAArgs,
+    KDAAssertionError,
     check_state_v_first,
     expand_gva,
     fla_options,
@@ -151,7 +152,7 @@ def _chunk_kda(q, k, v, g, beta, scale, initial_state, output_final_state, use_q
     if cp_context is None and torch.compiler.is_compiling():
         return in_v_dtype(library.chunk_kda_op(q, k, v, g, beta, initial_state, A_log, dt_bias, args), v)
     # an empty batch has nothing to launch: the reference returns the empty outputs (connected for autograd)
-    backend = select_backend(q.device) if q.shape[0] else "torch"
+    backend = _checked_backend(q, v)
     with on_device_of(q):
         if cp_context is not None:
             out = cp_chunk_kda(backend, cp_context, q, k, v, g, beta, initial_state, A_log, dt_bias, args)
@@ -162,13 +163,23 @@ def _chunk_kda(q, k, v, g, beta, scale, initial_state, output_final_state, use_q
     return in_v_dtype(out, v)
 
 
+def _checked_backend(q: torch.Tensor, v: torch.Tensor) -> str:
+    """The backend of this call; the Triton kernels' head dims are bounded as fla's (K ≤ 256), V likewise: their
+    block sizes are chosen to fit shared memory up to 256 (``triton/_common.py``)."""
+    backend = select_backend(q.device) if q.shape[0] else "torch"
+    if backend == "triton" and (q.shape[-1] > 256 or v.shape[-1] > 256):
+        raise KDAAssertionError(f"the Triton KDA kernels support head dims K, V <= 256 (as fla), got K={q.shape[-1]}, "
+                                f"V={v.shape[-1]} (K3_KDA_BACKEND=torch runs any size)")
+    return backend
+
+
 @torch.compiler.disable
 def chunk_kda_states(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                      initial_state: torch.Tensor | None, A_log: torch.Tensor | None, dt_bias: torch.Tensor | None,
                      args: KDAArgs, chunk_size: int) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """``(o, final states, h)`` with h the state entering every ``chunk_size``-token chunk (inference only; a graph
     break under ``torch.compile``, as fla's autograd function is)."""
-    backend = select_backend(q.device) if q.shape[0] else "torch"
+    backend = _checked_backend(q, v)
     with on_device_of(q):
         return get_backend(backend).chunk_kda_states(q, k, v, g, beta, initial_state, A_log, dt_bias, args,
                                                      chunk_size)
