@@ -369,3 +369,21 @@ def test_gpu_varlen_capture_refused():
     torch.cuda.synchronize()
     with pytest.raises(NotImplementedError, match="CUDA graph"), torch.cuda.graph(torch.cuda.CUDAGraph()):
         chunk_kda(*args, cu_seqlens=cu, cu_seqlens_cpu=cu_cpu, use_graph=True)
+
+
+@gpu
+def test_gpu_accepted_arguments_same_results_bf16():
+    """bf16 on the Triton kernels, training and inference: chunk_size 32, disable_recompute, cu_seqlens_cpu and
+    use_graph (cu_seqlens padded with empty tail sequences) give the same bits as the plain call."""
+    cu = [0, 100, 333]
+    x = on_device(make_inputs(1, 333, 2, 128, 128, N=2), torch.bfloat16, False)
+    for grad in (False, True):
+        xs = {n: t.detach().clone().requires_grad_(grad) for n, t in x.items()}
+        base = _call(chunk_kda, xs, cu)
+        for kw in ({"chunk_size": 32}, {"disable_recompute": True}, {"cu_seqlens_cpu": torch.tensor(cu)},
+                   {"use_graph": True, "max_num_seqs": 2}):
+            out = _call(chunk_kda, xs, cu, **kw)
+            assert torch.equal(out[0], base[0]) and torch.equal(out[1], base[1]), (grad, kw)
+        pad = dict(xs, s0=torch.cat([xs["s0"], torch.zeros_like(xs["s0"])]))
+        o, ht = _call(chunk_kda, pad, cu + [333, 333], use_graph=True, max_num_seqs=4)
+        assert torch.equal(o, base[0]) and torch.equal(ht[:2], base[1]), grad
