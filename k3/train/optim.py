@@ -16,6 +16,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from k3.model import keeps_fp32
+
 __all__ = ["Muon", "build_optimizer", "lr_factor", "newton_schulz", "SCHEDULES", "is_matrix", "clip_grad_norm"]
 
 SCHEDULES = ("cosine", "wsd", "constant")
@@ -224,35 +226,35 @@ def clip_grad_norm(params: Iterable[torch.Tensor], max_norm: float) -> torch.Ten
 
 
 def _groups(model: torch.nn.Module, weight_decay: float, split_muon: bool) -> list[dict]:
-    """Parameter groups: (Muon matrices), AdamW with decay (≥2-D), AdamW without decay (vectors, norms, gates)."""
-    muon, decay, no_decay = [], [], []
+    """Parameter groups: (Muon matrices), AdamW with decay (≥2-D), AdamW without decay (vectors, norms, gates) —
+    each split by where the parameter lives under FSDP2: the stacked routed experts (their own mesh under expert
+    parallel), the parameters K3 keeps in fp32 (replicated plain tensors beside the shards), and the rest. torch's
+    fused AdamW refuses plain tensors and DTensors, or two meshes, in one group. The split goes by parameter name, so
+    the groups are the same on every layout and an optimizer state saved on one layout loads on another."""
+    kinds = ("muon", "adamw_decay", "adamw_no_decay")
+    parts: dict[tuple[str, str], list[torch.nn.Parameter]] = {}
     for name, p in model.named_parameters():
         if not p.requires_grad:
             continue
         if split_muon and is_matrix(name, p):
-            muon.append(p)
+            kind = "muon"
         elif p.dim() >= 2 and min(p.shape[-2:]) > 1:
-            decay.append(p)
+            kind = "adamw_decay"
         else:
-            no_decay.append(p)
-    groups = [{"params": decay, "weight_decay": weight_decay, "name": "adamw_decay"},
-              {"params": no_decay, "weight_decay": 0.0, "name": "adamw_no_decay"}]
-    if split_muon:
-        groups.insert(0, {"params": muon, "weight_decay": weight_decay, "use_muon": True, "name": "muon"})
-    return [part for g in groups for part in _by_layout(g)]
-
-
-def _by_layout(group: dict) -> list[dict]:
-    """``group`` split by tensor layout: plain tensors, and DTensors per mesh. Under FSDP2 the parameters it leaves
-    replicated (:func:`k3.distributed.parallelize.replicated_params`) stay plain tensors beside the sharded DTensors, and torch's
-    fused AdamW refuses a mix of the two (and of meshes) in one call."""
-    parts: dict[Any, list] = {}
-    for p in group["params"]:
-        parts.setdefault(p.device_mesh if isinstance(p, DTensor) else None, []).append(p)
-    if len(parts) <= 1:
-        return [group] if group["params"] else []
-    return [dict(group, params=ps, name=f"{group['name']}_{i}" if i else group["name"])
-            for i, ps in enumerate(parts.values())]
+            kind = "adamw_no_decay"
+        where = "fp32" if keeps_fp32(name) else "experts" if ".experts." in name else ""
+        parts.setdefault((kind, where), []).append(p)
+    groups = []
+    for kind in kinds:
+        for where in ("", "experts", "fp32"):
+            params = parts.get((kind, where))
+            if params:
+                g = {"params": params, "weight_decay": 0.0 if kind == "adamw_no_decay" else weight_decay,
+                     "name": kind + (f"_{where}" if where else "")}
+                if kind == "muon":
+                    g["use_muon"] = True
+                groups.append(g)
+    return groups
 
 
 def build_optimizer(model: torch.nn.Module, name: str, lr: float, weight_decay: float = 0.1,

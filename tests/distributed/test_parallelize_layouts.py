@@ -7,6 +7,7 @@ import copy
 import importlib.util
 from pathlib import Path
 
+import pytest
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
@@ -60,25 +61,32 @@ def test_every_layout_gives_the_one_process_gradients_and_norm() -> None:
     _gloo.run_ranks(_layouts, 4)
 
 
-def _fused_adamw_one_rank(rank: int, world: int) -> None:
+def _fused_adamw(rank: int, world: int, layout: dict) -> None:
     torch.manual_seed(0)
     model = K3ForCausalLM(K3Config.from_preset("tiny")).float()
-    dims = ParallelDims(world_size=world)
+    dims = ParallelDims(world_size=world, **layout)
     parallelize_k3(model, dims, dims.build_mesh("cpu"))
     groups = build_optimizer(model, "adamw", 1e-3).param_groups
-    kinds = [{type(p) for p in g["params"]} for g in groups]
-    assert all(len(k) == 1 for k in kinds), kinds  # one layout per group: FSDP shards and replicated fp32 apart
-    assert {DTensor, torch.nn.Parameter} <= set().union(*kinds), kinds
+    layouts = [{(type(p), getattr(p, "device_mesh", None)) for p in g["params"]} for g in groups]
+    assert all(len(k) == 1 for k in layouts), layouts  # one tensor type and mesh per group
+    assert DTensor in {t for k in layouts for t, _ in k} and torch.nn.Parameter in {t for k in layouts for t, _ in k}
     opt = torch.optim.AdamW(groups, fused=True)  # the CUDA trainer's optimizer; torch's fused AdamW runs on CPU too
-    t = torch.randint(0, 256, (2, 9), generator=torch.Generator().manual_seed(1))
+    t = torch.randint(0, 256, (2, 9), generator=torch.Generator().manual_seed(1 + rank))
     model(t[:, :-1], targets=t[:, 1:]).loss.backward()
-    before = [p.detach().clone() for g in groups for p in g["params"]]
+    local = [(p, g["weight_decay"]) for g in groups for p in g["params"]]
+    lo = [p.to_local() if isinstance(p, DTensor) else p for p, _ in local]
+    # Adam's first step: m̂ = g, v̂ = g², so p ← p·(1 − lr·wd) − lr·g / (|g| + eps)
+    want = []
+    for (p, wd), x in zip(local, lo):
+        gr = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+        want.append(x.detach().clone() if gr is None else x.detach() * (1 - 1e-3 * wd) - 1e-3 * gr / (gr.abs() + 1e-8))
     opt.step()
-    after = [p.detach() for g in groups for p in g["params"]]
-    assert all(not torch.equal(a, b) for a, b in zip(after, before) if a.requires_grad)
+    for x, w in zip(lo, want):
+        torch.testing.assert_close(x.detach(), w, rtol=1e-5, atol=1e-7)
 
 
-def test_fused_adamw_steps_fsdp_shards_and_replicated_params_together() -> None:
-    """One rank under FSDP2, as the trainer runs on one GPU: the parameters kept fp32 outside FSDP are plain tensors
-    beside DTensor shards, and torch's fused AdamW refuses the two in one group."""
-    _gloo.run_ranks(_fused_adamw_one_rank, 1)
+@pytest.mark.parametrize("world,layout", [(1, {}), (2, {"ep": 2})], ids=["one-rank", "ep2"])
+def test_fused_adamw_steps_every_group_of_a_sharded_model(world: int, layout: dict) -> None:
+    """Under FSDP2 the parameters kept fp32 are plain tensors beside DTensor shards, and under expert parallel the
+    experts live on their own mesh; torch's fused AdamW refuses either mix in one group."""
+    _gloo.run_ranks(_fused_adamw, world, layout)

@@ -352,3 +352,22 @@ def test_grouped_mm_under_autocast_casts_like_a_matmul(device):
     assert b.grad.dtype == torch.float32 and a16.grad.dtype == torch.bfloat16
     assert rel(y[:7].float(), ref) < 2e-2 and rel(b.grad, b32.grad) < 2e-2
     assert rel(a16.grad[:7].float(), a32.grad[:7]) < 2e-2
+
+
+@pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
+@pytest.mark.parametrize("w_dtype", [torch.float32, torch.bfloat16])
+def test_router_logits_gradients_with_bf16_activations(device, w_dtype):
+    """fp32 logits of bf16 activations × a bf16 weight or an fp32 master weight (the eager autocast trainer): the
+    gradients of both in their own dtypes, close to fp32 autograd."""
+    g = torch.Generator().manual_seed(0)  # the op is registered by the router_triton import above
+    x = torch.randn(7, 32, generator=g).to(device).bfloat16().requires_grad_(True)
+    w = (torch.randn(12, 32, generator=g) / 6).to(device).to(w_dtype).requires_grad_(True)
+    dl = torch.randn(7, 12, generator=g).to(device)
+    y = torch.ops.k3.router_logits(x, w)
+    assert y.dtype == torch.float32
+    (y * dl).sum().backward()
+    x32, w32 = x.detach().float().requires_grad_(True), w.detach().float().requires_grad_(True)
+    ((x32 @ w32.t()) * dl).sum().backward()
+    assert x.grad.dtype == x.dtype and w.grad.dtype == w.dtype
+    assert rel(y, x32 @ w32.t()) < 1e-2 and rel(x.grad.float(), x32.grad) < 2e-2
+    assert rel(w.grad.float(), w32.grad) < 2e-2

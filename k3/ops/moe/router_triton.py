@@ -141,7 +141,9 @@ def _router_logits_setup(ctx, inputs, output) -> None:  # noqa: ANN001 - torch.l
 
 def _router_logits_bwd(ctx, dlogits: torch.Tensor):  # noqa: ANN001, ANN202
     x, weight = ctx.saved_tensors
-    low = x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)
+    # bf16 operands multiply in bf16 as in the forward; a mix (bf16 activations, fp32 master weight: the eager
+    # autocast trainer) in fp32
+    low = x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype
     dl = dlogits.to(x.dtype) if low else dlogits
     dx = dw = None
     if ctx.needs_input_grad[0]:
