@@ -45,8 +45,9 @@ def make_inputs(B: int, T: int, H: int, K: int, V: int, N: int | None = None, se
     return x
 
 
-def activations(x: dict, gate: bool, lb: float | None, l2: bool = True, bsig: bool = True):
-    """(q, k, g, β) after the in-kernel activations, in fp64."""
+def activations(x: dict, gate: bool, lb: float | None, l2: bool = True, bsig: bool = True, beta_scale: float = 1.0):
+    """(q, k, g, β) after the in-kernel activations, in fp64 (β = beta_scale·σ(logit): 2 is fla's
+    ``allow_neg_eigval``)."""
     q, k, g, beta = x["q"], x["k"], x["g"], x["beta"]
     H, K = q.shape[-2], q.shape[-1]
     if l2:
@@ -56,13 +57,14 @@ def activations(x: dict, gate: bool, lb: float | None, l2: bool = True, bsig: bo
         f = g + x["dt"].view(H, K)
         g = lb * torch.sigmoid(f * x["A"].exp()[:, None]) if lb is not None else \
             -x["A"].exp()[:, None] * F.softplus(f)
-    return q, k, g, (beta.sigmoid() if bsig else beta)
+    return q, k, g, (beta.sigmoid() * beta_scale if bsig else beta)
 
 
 def reference(x: dict, gate: bool = True, lb: float | None = -5.0, cu: list[int] | None = None, l2: bool = True,
-              bsig: bool = True, scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+              bsig: bool = True, scale: float | None = None, beta_scale: float = 1.0
+              ) -> tuple[torch.Tensor, torch.Tensor]:
     """fp64 token recurrence per sequence → (o, final states)."""
-    q, k, g, beta = activations(x, gate, lb, l2, bsig)
+    q, k, g, beta = activations(x, gate, lb, l2, bsig, beta_scale)
     v, s0 = x["v"], x.get("s0")
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     if cu is None:

@@ -85,8 +85,9 @@ def test_repeated_keys_beta_one():
 
 
 @cpu_only
-def test_fp16_half_scratch():
-    """fp16 inputs: 16-bit dq/dk shares between the WY and intra-chunk backward, no e^s hand-over in the prep."""
+def test_fp16_training():
+    """fp16 inputs: fp16 chunk buffers, fp32 dq/dk shares between the WY and intra-chunk backward (bf16 ones would
+    drop fp16's extra mantissa bits), no e^s hand-over in the prep."""
     x = make_inputs(1, 70, 1, 32, 32)
     assert_close(errors(public_call(), x, dtype=torch.float16), 2e-2)
 
@@ -198,3 +199,15 @@ def test_gpu_other_dtypes(dtype, tol):
     gate = dtype == torch.float32
     x = make_inputs(1, 300, 2, 128, 128, **kw)
     assert_close(errors(public_call(gate=gate), x, dtype=dtype, gate=gate), tol)
+
+
+def test_intra_precision_by_dtype():
+    """The intra-chunk backward's precisions: bf16 inputs one bf16 pass off the diagonal and bf16 dq/dk shares (one
+    K slice); fp16 inputs keep tf32 and fp32 shares (a bf16 pass cost fla's fp16 ddt_bias tolerance); fp32 exact."""
+    from k3.ops.kda.triton.training import intra_precision
+
+    assert intra_precision(torch.bfloat16, True, False) == ("tf32", "bf16", torch.bfloat16)
+    assert intra_precision(torch.bfloat16, False, False) == ("tf32", "bf16", torch.float32)
+    assert intra_precision(torch.float16, True, False) == ("tf32", "tf32", torch.float32)
+    assert intra_precision(torch.float32, True, False) == ("ieee", "ieee", torch.float32)
+    assert intra_precision(torch.bfloat16, True, True) == ("tf32", "tf32x3", torch.float16)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import warnings
 from collections.abc import Callable
 from types import ModuleType
 from typing import NamedTuple
@@ -18,7 +19,8 @@ import torch
 
 from k3.ops.kda.gate import check_lower_bound, kda_gate_fused
 
-__all__ = ["KDAArgs", "kda_args", "check_kda_inputs", "expand_gva", "preprocess", "select_backend", "get_backend"]
+__all__ = ["KDAArgs", "kda_args", "check_kda_inputs", "expand_gva", "preprocess", "select_backend", "get_backend",
+           "FlaOptions", "fla_options", "neg_eigval_beta", "check_state_v_first", "KDAAssertionError"]
 
 _FLOAT = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -39,6 +41,12 @@ class KDAArgs(NamedTuple):
     lower_bound: float | None
     cu_seqlens: torch.Tensor | None
     N: int
+    cu_seqlens_cpu: torch.Tensor | None = None  # the caller's host copy of cu_seqlens (fla's hint), if any
+
+    @property
+    def cu_host(self) -> torch.Tensor | None:
+        """cu_seqlens for the host-side tables: the caller's CPU copy when given (no device round trip)."""
+        return self.cu_seqlens_cpu if self.cu_seqlens_cpu is not None else self.cu_seqlens
 
     @property
     def flags(self) -> dict:
@@ -90,10 +98,12 @@ def check_kda_inputs(
     beta: torch.Tensor,
     initial_state: torch.Tensor | None = None,
     cu_seqlens: torch.Tensor | None = None,
+    cu_seqlens_cpu: torch.Tensor | None = None,
 ) -> tuple[int, int, int, int, int]:
-    """Validate fla-shaped KDA inputs; return ``(B, T, H, K, V)``."""
+    """Validate fla-shaped KDA inputs; return ``(B, T, H, K, V)``. ``cu_seqlens_cpu``: a host copy of
+    ``cu_seqlens`` whose values are checked instead (no device copy)."""
     dims = _common_call_dims(q, k, v, g, beta, initial_state) if cu_seqlens is None else None
-    return dims if dims is not None else _checked_dims(q, k, v, g, beta, initial_state, cu_seqlens)
+    return dims if dims is not None else _checked_dims(q, k, v, g, beta, initial_state, cu_seqlens, cu_seqlens_cpu)
 
 
 def _checked_dims(
@@ -104,6 +114,7 @@ def _checked_dims(
     beta: torch.Tensor,
     initial_state: torch.Tensor | None,
     cu_seqlens: torch.Tensor | None,
+    cu_seqlens_cpu: torch.Tensor | None = None,
 ) -> tuple[int, int, int, int, int]:
     """``check_kda_inputs`` one condition at a time, each failure named."""
     for name, x in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
@@ -132,7 +143,7 @@ def _checked_dims(
         _need(B == 1, lambda: f"cu_seqlens requires batch size B == 1 (sequences packed along T), got B={B}")
         N = cu_seqlens.numel() - 1
         if not torch.compiler.is_compiling():  # its values: a host sync, which a compiled graph cannot hold
-            cs = cu_seqlens.detach().cpu()
+            cs = cu_seqlens_cpu if cu_seqlens_cpu is not None else cu_seqlens.detach().cpu()
             _need(int(cs[0]) == 0 and int(cs[-1]) == T and bool((cs[1:] >= cs[:-1]).all()),
                   lambda: f"cu_seqlens must start at 0, be non-decreasing and end at T={T}, got {cs.tolist()}")
     if initial_state is not None:
@@ -166,12 +177,14 @@ def kda_args(
     A_log: torch.Tensor | None,
     dt_bias: torch.Tensor | None,
     check_cu_seqlens: bool = True,
+    cu_seqlens_cpu: torch.Tensor | None = None,
 ) -> KDAArgs:
     """Check one KDA call (``ValueError`` naming the argument) and build its :class:`KDAArgs`. q, k already have
     v's head count (:func:`expand_gva`). ``check_cu_seqlens=False``: ``cu_seqlens`` are not this tensor's lengths
     (context parallel's global ones, which its context checks)."""
     B, T, H, K, V = check_kda_inputs(q, k, v, g, beta, initial_state=initial_state,
-                                     cu_seqlens=cu_seqlens if check_cu_seqlens else None)
+                                     cu_seqlens=cu_seqlens if check_cu_seqlens else None,
+                                     cu_seqlens_cpu=cu_seqlens_cpu if check_cu_seqlens else None)
     if scale is None:
         scale = K**-0.5
     try:
@@ -200,7 +213,98 @@ def kda_args(
         lb = (lb if lb is not None else -5.0) if safe_gate else None
     N = B if cu_seqlens is None or not check_cu_seqlens else cu_seqlens.numel() - 1
     return KDAArgs(scale, bool(output_final_state), bool(use_qk_l2norm_in_kernel), bool(use_gate_in_kernel),
-                   bool(use_beta_sigmoid_in_kernel), lb, cu_seqlens, N)
+                   bool(use_beta_sigmoid_in_kernel), lb, cu_seqlens, N,
+                   cu_seqlens_cpu if check_cu_seqlens and cu_seqlens is not None else None)
+
+
+class KDAAssertionError(ValueError, AssertionError):
+    """A bad argument that fla rejects with ``assert``: a ``ValueError`` (k3's type for bad input) that is also an
+    ``AssertionError`` (fla's), so callers written against either keep working."""
+
+
+class FlaOptions(NamedTuple):
+    """fla's arguments that k3 serves at the API boundary (the kernels never see them).
+
+    ``beta_scale``: 2 with ``allow_neg_eigval`` (β = 2·σ(logit) ∈ (0, 2)), else 1. ``state_v_first``: states are
+    ``[N, H, V, K]`` at the boundary. ``intermediate``: also return the per-chunk entry states. ``chunk_size``: the
+    chunk length of those states (the kernels' own chunking is independent of it: same results for 32 and 64)."""
+
+    beta_scale: float
+    state_v_first: bool
+    intermediate: bool
+    chunk_size: int
+
+
+def fla_options(
+    *,
+    use_beta_sigmoid_in_kernel: bool,
+    allow_neg_eigval: bool,
+    state_v_first: bool,
+    transpose_state_layout: bool | None,
+    chunk_size: int = 64,
+    disable_recompute: bool = False,
+    return_intermediate_states: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
+    cu_seqlens_cpu: torch.Tensor | None = None,
+    use_graph: bool = False,
+    max_num_seqs: int | None = None,
+    cp_context: object = None,
+) -> FlaOptions:
+    """Check fla's extra arguments as fla does (same exception types, messages naming the argument) and fold them
+    into :class:`FlaOptions`. ``transpose_state_layout`` is fla's deprecated name of ``state_v_first``."""
+    if transpose_state_layout is not None:
+        if state_v_first:
+            raise ValueError("Cannot pass both `state_v_first` and the deprecated `transpose_state_layout`.")
+        warnings.warn("`transpose_state_layout` is deprecated and renamed to `state_v_first`.", DeprecationWarning,
+                      stacklevel=3)
+        state_v_first = bool(transpose_state_layout)
+    if isinstance(chunk_size, bool) or chunk_size not in (32, 64):
+        raise ValueError(f"`chunk_size` must be either 32 or 64 for KDA, got {chunk_size}.")
+    if allow_neg_eigval and not use_beta_sigmoid_in_kernel:
+        raise ValueError("`allow_neg_eigval=True` requires `use_beta_sigmoid_in_kernel=True`.")
+    if return_intermediate_states:
+        if not torch.is_inference_mode_enabled():
+            raise KDAAssertionError("return_intermediate_states is only allowed in inference mode "
+                                    "(inside torch.inference_mode(): the states bypass autograd)")
+        if disable_recompute:
+            raise KDAAssertionError("return_intermediate_states must be used with disable_recompute=False")
+        if cp_context is not None:
+            raise ValueError("return_intermediate_states is not supported with cp_context")
+    if cu_seqlens_cpu is not None:
+        _need(isinstance(cu_seqlens_cpu, torch.Tensor) and cu_seqlens_cpu.device.type == "cpu"
+              and cu_seqlens_cpu.dim() == 1 and not cu_seqlens_cpu.is_floating_point(),
+              "cu_seqlens_cpu must be a 1-D integer CPU tensor (a host copy of cu_seqlens)")
+        n = None if cu_seqlens is None else cu_seqlens.numel()
+        _need(n == cu_seqlens_cpu.numel(),
+              lambda: f"cu_seqlens_cpu must be the host copy of cu_seqlens ({n} entries), got "
+              f"{cu_seqlens_cpu.numel()} entries")
+    if use_graph and cu_seqlens is not None:
+        if max_num_seqs is None:
+            max_num_seqs = cu_seqlens.shape[0] - 1
+        if cu_seqlens.shape[0] - 1 != max_num_seqs:
+            raise KDAAssertionError(
+                f"use_graph requires cu_seqlens padded with zero-length tail sequences to exactly max_num_seqs + 1 "
+                f"entries, got {cu_seqlens.shape[0] - 1} sequences with max_num_seqs={max_num_seqs}")
+    if use_graph and disable_recompute:
+        raise ValueError("disable_recompute=True is not supported with use_graph=True")
+    return FlaOptions(2.0 if allow_neg_eigval else 1.0, bool(state_v_first), bool(return_intermediate_states),
+                      int(chunk_size))
+
+
+def neg_eigval_beta(beta: torch.Tensor) -> torch.Tensor:
+    """β = 2·σ(logit) in fp32 (fp64 for fp64 logits): fla's ``allow_neg_eigval``. Computed here, differentiable,
+    and handed to the kernels as a post-sigmoid β (they read fp32 β as it is)."""
+    acc = torch.float64 if beta.dtype == torch.float64 else torch.float32
+    return 2.0 * torch.sigmoid(beta.to(acc))
+
+
+def check_state_v_first(initial_state: object, q: torch.Tensor, v: torch.Tensor) -> None:
+    """With ``state_v_first`` the initial state is ``[N, H, V, K]``: named here before it is transposed."""
+    if isinstance(initial_state, torch.Tensor) and isinstance(q, torch.Tensor) and isinstance(v, torch.Tensor):
+        K, V = q.shape[-1], v.shape[-1]
+        _need(initial_state.dim() == 4 and tuple(initial_state.shape[-2:]) == (V, K),
+              lambda: f"initial_state must be [N, H, V, K] = [N, {v.shape[2]}, {V}, {K}] with state_v_first=True, "
+              f"got {tuple(initial_state.shape)}")
 
 
 def expand_gva(q: object, k: object, v: object) -> tuple[object, object]:

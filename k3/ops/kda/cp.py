@@ -291,7 +291,7 @@ def cp_chunk_kda(
     if need_grad and problem is None and hasattr(be, "cp_chunk_kda_train"):
         return be.cp_chunk_kda_train(ctx, q, k, v, g, beta, A_log, dt_bias, args), None
     local_cu = ctx.local_cu_seqlens.to(dev)
-    local = args._replace(cu_seqlens=local_cu, N=local_cu.numel() - 1)
+    local = args._replace(cu_seqlens=local_cu, N=local_cu.numel() - 1, cu_seqlens_cpu=None)
     # Without gradients, a rank whose first piece starts fresh runs its forward first: the final state of its last
     # piece IS that piece's S_ext (no summary pass, no second prep).
     early = problem is None and not need_grad and not ctx.first_continues
@@ -306,7 +306,8 @@ def cp_chunk_kda(
     elif problem is None and ctx.last_continues:
         a = int(ctx.local_cu_seqlens[-2])
         piece = [x[:, a:] for x in (q, k, v, g, beta)]
-        Ms, Es = span_summaries(backend, *piece, A_log, dt_bias, args._replace(cu_seqlens=None, N=1),
+        Ms, Es = span_summaries(backend, *piece, A_log, dt_bias,
+                                args._replace(cu_seqlens=None, N=1, cu_seqlens_cpu=None),
                                 need_M=ctx.send_M, need_grad=need_grad)
         E = Es[0].to(acc)
         if ctx.send_M:

@@ -12,7 +12,15 @@ import torch
 
 from k3.ops._device import on_device_of
 from k3.ops.kda import library
-from k3.ops.kda.args import expand_gva, get_backend, kda_args, select_backend
+from k3.ops.kda.args import (
+    check_state_v_first,
+    expand_gva,
+    fla_options,
+    get_backend,
+    kda_args,
+    neg_eigval_beta,
+    select_backend,
+)
 
 __all__ = ["fused_recurrent_kda", "fused_recurrent_kda_pool"]
 
@@ -51,15 +59,24 @@ def fused_recurrent_kda(
     use_qk_l2norm_in_kernel: bool = False,
     use_gate_in_kernel: bool = False,
     use_beta_sigmoid_in_kernel: bool = False,
-    safe_gate: bool = False,
+    allow_neg_eigval: bool = False,
     lower_bound: float | None = None,
+    state_v_first: bool = False,
     cu_seqlens: torch.Tensor | None = None,
+    *,
+    safe_gate: bool = False,
     cp_context: None = None,
     ssm_state_indices: torch.Tensor | None = None,
+    transpose_state_layout: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Recurrent KDA for decoding; forward only (no autograd). Arguments and shapes as :func:`chunk_kda`; the
     positional order is fla's ``fused_recurrent_kda`` (``A_log, dt_bias`` right after ``beta``, then ``scale,
-    initial_state, …``), so positional fla calls work unchanged.
+    initial_state, …, allow_neg_eigval, lower_bound, state_v_first, cu_seqlens``), so positional fla calls work
+    unchanged; k3's additions are keyword-only.
+
+    ``allow_neg_eigval``: β = 2·sigmoid(beta) (needs ``use_beta_sigmoid_in_kernel``). ``state_v_first``: states
+    (initial, final, and the pool below) are ``[.., V, K]``. ``transpose_state_layout``: fla's deprecated name of
+    ``state_v_first``.
 
     ``ssm_state_indices [N]`` (int): ``initial_state`` is then a state pool ``[P, H, K, V]`` fp32; sequence n starts
     from ``initial_state[ssm_state_indices[n]]`` and its final state is written back there IN PLACE; a negative
@@ -67,6 +84,33 @@ def fused_recurrent_kda(
     second element (``output_final_state`` is ignored). Returns ``(o [B, T, H, V] in v.dtype,
     final_state [N, H, K, V] fp32 or None)``.
     """
+    if not (allow_neg_eigval or state_v_first or transpose_state_layout is not None):  # K3's call: no host time
+        return _fused_recurrent_kda(q, k, v, g, beta, A_log, dt_bias, scale, initial_state, output_final_state,
+                                    use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel,
+                                    safe_gate, lower_bound, cu_seqlens, cp_context, ssm_state_indices)
+    opts = fla_options(use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
+                       state_v_first=state_v_first, transpose_state_layout=transpose_state_layout)
+    if opts.beta_scale != 1.0:
+        beta, use_beta_sigmoid_in_kernel = neg_eigval_beta(beta), False
+    if opts.state_v_first:
+        # a V-first pool is updated through this transposed view (in place: both backends write through it)
+        if ssm_state_indices is None:
+            check_state_v_first(initial_state, q, v)
+        initial_state = initial_state.transpose(-1, -2) if isinstance(initial_state, torch.Tensor) else initial_state
+    o, ht = _fused_recurrent_kda(q, k, v, g, beta, A_log, dt_bias, scale, initial_state, output_final_state,
+                                 use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel, safe_gate,
+                                 lower_bound, cu_seqlens, cp_context, ssm_state_indices)
+    if opts.state_v_first and ht is not None:
+        ht = ht.transpose(-1, -2)
+        if ssm_state_indices is None:
+            ht = ht.contiguous()
+    return o, ht
+
+
+def _fused_recurrent_kda(q, k, v, g, beta, A_log, dt_bias, scale, initial_state, output_final_state,
+                         use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel, safe_gate,
+                         lower_bound, cu_seqlens, cp_context, ssm_state_indices):
+    """``fused_recurrent_kda`` in k3's own terms (states ``[.., K, V]``, β as the kernels read it)."""
     if cp_context is not None:
         raise ValueError("cp_context is not supported by fused_recurrent_kda (decode is not context parallel)")
     q, k = expand_gva(q, k, v)

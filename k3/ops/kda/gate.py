@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-__all__ = ["kda_gate", "kda_softplus_gate", "kda_gate_fused", "check_lower_bound"]
+__all__ = ["kda_gate", "kda_softplus_gate", "kda_gate_fused", "fused_kda_gate", "check_lower_bound"]
 
 
 def check_lower_bound(lower_bound: float) -> float:
@@ -78,3 +78,27 @@ def kda_gate_fused(
     if A_log is None:
         raise ValueError("A_log must be given when use_gate_in_kernel=True and lower_bound is None (softplus gate)")
     return kda_softplus_gate(f, A_log, dt_bias)
+
+
+def fused_kda_gate(
+    g: torch.Tensor,
+    A_log: torch.Tensor | None = None,
+    dt_bias: torch.Tensor | None = None,
+    lower_bound: float | None = None,
+    output_dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """fla's ``fused_kda_gate`` (same signature and meaning), differentiable by autograd: −exp(A_log)·softplus(g +
+    dt_bias), or with ``lower_bound`` lower_bound·sigmoid(exp(A_log)·(g + dt_bias)) (A_log may then be None:
+    lower_bound·sigmoid(g + dt_bias)). Here the torch form (``torch.compile`` fuses it); inside ``chunk_kda`` and
+    ``fused_recurrent_kda`` (``use_gate_in_kernel=True``) the kernels compute it themselves. ``lower_bound`` is
+    taken as given, as in fla (``chunk_kda``'s own check keeps it in [−5, 0))."""
+    x = _biased(g, dt_bias)
+    if lower_bound is None:
+        if A_log is None:
+            raise ValueError("A_log must be given when lower_bound is None (the softplus gate)")
+        y = -_rate(A_log, g.shape[-2], x.dtype) * F.softplus(x)
+    else:
+        if A_log is not None:
+            x = x * _rate(A_log, g.shape[-2], x.dtype)
+        y = float(lower_bound) * torch.sigmoid(x)
+    return y.to(output_dtype)

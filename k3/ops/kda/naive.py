@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import torch
 
-from k3.ops.kda.args import check_kda_inputs
+from k3.ops.kda.args import check_kda_inputs, expand_gva
 
-__all__ = ["naive_recurrent_kda", "naive_chunk_kda", "naive_chunk_kda_summary"]
+__all__ = ["naive_recurrent_kda", "naive_chunk_kda", "naive_chunk_kda_summary", "chunk_scan_states"]
 
 
 def naive_recurrent_kda(
@@ -25,11 +25,13 @@ def naive_recurrent_kda(
     initial_state: torch.Tensor | None = None,
     output_final_state: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Token-by-token KDA. Returns ``(o [B,T,H,V] in q.dtype, final_state [B,H,K,V] fp32 or None)``."""
+    """Token-by-token KDA (fla's ``naive_recurrent_kda``; v may have a multiple of q's heads, fla's GVA).
+    Returns ``(o [B,T,HV,V] in v.dtype, final_state [B,HV,K,V] fp32 (fp64 for fp64 inputs) or None)``."""
+    q, k = expand_gva(q, k, v)
     B, T, H, K, V = check_kda_inputs(q, k, v, g, beta, initial_state=initial_state)
     if scale is None:
         scale = K**-0.5
-    out_dtype = q.dtype
+    out_dtype = v.dtype
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     q, k, v, g, beta = (x.to(acc) for x in (q, k, v, g, beta))
     S = q.new_zeros(B, H, K, V) if initial_state is None else initial_state.to(acc).clone()
@@ -132,12 +134,15 @@ def _chunk_tensors(
 
 
 def _chunk_scan(
-    ct: dict[str, torch.Tensor], S: torch.Tensor, want_output: bool = True
+    ct: dict[str, torch.Tensor], S: torch.Tensor, want_output: bool = True, entries: list | None = None
 ) -> tuple[torch.Tensor | None, torch.Tensor]:
     """Sequential pass over chunks from state ``S [B, H, K, V]``: ``V' = U − W S``; ``O = Q_g S + A_qk V'``;
-    ``S ← Diag(e^{G_C}) S + K_gᵀ V'``. Returns ``(O [B, H, n, C, V] or None, final S)``."""
+    ``S ← Diag(e^{G_C}) S + K_gᵀ V'``. Returns ``(O [B, H, n, C, V] or None, final S)``; ``entries``, if given,
+    collects the state entering each chunk."""
     outs = []
     for i in range(ct["W"].shape[2]):
+        if entries is not None:
+            entries.append(S)
         vn = ct["U"][:, :, i] - ct["W"][:, :, i] @ S
         if want_output:
             outs.append(ct["qg"][:, :, i] @ S + ct["Aqk"][:, :, i] @ vn)
@@ -154,25 +159,48 @@ def naive_chunk_kda(
     scale: float | None = None,
     initial_state: torch.Tensor | None = None,
     output_final_state: bool = False,
-    cu_seqlens: torch.Tensor | None = None,
     chunk_size: int = 64,
+    cu_seqlens: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Chunked KDA in plain PyTorch (fp32 inside, fp64 for fp64 inputs), differentiable by autograd.
+    """Chunked KDA in plain PyTorch (fp32 inside, fp64 for fp64 inputs), differentiable by autograd; fla's
+    ``naive_chunk_kda`` (same positional order), for any T and packed varlen batches as well.
 
-    q, k ``[B, T, H, K]``; v ``[B, T, H, V]``; g = log α ``[B, T, H, K]`` (≤ 0); beta ``[B, T, H]`` (post-sigmoid);
-    initial_state ``[N, H, K, V]``; ``cu_seqlens [N+1]`` packs N sequences along T (B must be 1).
-    Returns ``(o [B, T, H, V] in q.dtype, final_state [N, H, K, V] fp32 (fp64 for fp64 inputs) or None)``.
+    q, k ``[B, T, H, K]``; v ``[B, T, HV, V]`` (HV a multiple of H, fla's GVA); g = log α ``[B, T, HV, K]`` (≤ 0);
+    beta ``[B, T, HV]`` (post-sigmoid); initial_state ``[N, HV, K, V]``; ``cu_seqlens [N+1]`` packs N sequences along
+    T (B must be 1). Returns ``(o [B, T, HV, V] in v.dtype, final_state [N, HV, K, V] fp32 (fp64 for fp64 inputs) or
+    None)``.
     """
+    o, S, _ = chunk_scan_states(q, k, v, g, beta, scale, initial_state, cu_seqlens, chunk_size, keep_entries=False)
+    return o, (S if output_final_state else None)
+
+
+def chunk_scan_states(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float | None,
+    initial_state: torch.Tensor | None,
+    cu_seqlens: torch.Tensor | None,
+    chunk_size: int,
+    keep_entries: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """:func:`naive_chunk_kda`'s work: ``(o, final states, h)`` with ``h`` the state entering every chunk,
+    ``[B, ⌈T/C⌉, H, K, V]`` (varlen: ``[1, Σ_n ⌈T_n/C⌉, H, K, V]``, sequence-major) in the accumulation dtype, or
+    None without ``keep_entries``."""
+    q, k = expand_gva(q, k, v)
     B, T, H, K, V = check_kda_inputs(q, k, v, g, beta, initial_state=initial_state, cu_seqlens=cu_seqlens)
     if chunk_size not in (16, 32, 64):
         raise ValueError(f"chunk_size must be 16, 32 or 64, got {chunk_size}")
     scale = K**-0.5 if scale is None else float(scale)
-    out_dtype, acc = q.dtype, _acc_dtype(q)
+    out_dtype, acc = v.dtype, _acc_dtype(q)
     if B == 0:  # an empty batch: nothing to scan (the chunk reshapes below cannot infer sizes from 0 elements);
         # the 0·Σ terms keep the empty outputs in the autograd graph, as for any other batch
         S = q.new_zeros(0, H, K, V, dtype=acc) if initial_state is None else initial_state.to(acc)
         o = v.new_zeros(0, T, H, V, dtype=out_dtype) + 0 * (q.sum() + k.sum() + v.sum() + g.sum() + beta.sum())
-        return o, (S + 0 * o.sum() if output_final_state else None)
+        h = q.new_zeros(0, -(-T // chunk_size), H, K, V, dtype=acc) if keep_entries else None
+        return o, S + 0 * o.sum(), h
     q, k, v, g, beta = (x.to(acc) for x in (q, k, v, g, beta))
     if cu_seqlens is not None:
         src, dst, T_pad = varlen_pad_index(cu_seqlens, chunk_size)
@@ -183,10 +211,19 @@ def naive_chunk_kda(
     N = q.shape[0]
     S0 = q.new_zeros(N, H, K, V) if initial_state is None else initial_state.to(acc)
     ct = _chunk_tensors(q, k, v, g, beta, scale, chunk_size)
-    O, S = _chunk_scan(ct, S0)
+    entries: list | None = [] if keep_entries else None
+    O, S = _chunk_scan(ct, S0, entries=entries)
     o = O.permute(0, 2, 3, 1, 4).reshape(N, T_pad, H, V)  # [N, H, n, C, V] → [N, T_pad, H, V]
     o = _from_padded(o, dst) if cu_seqlens is not None else o[:, :T]
-    return o.to(out_dtype), (S if output_final_state else None)
+    h = None
+    if keep_entries:
+        h = torch.stack(entries, 1)  # [N, n, H, K, V]
+        if cu_seqlens is not None:
+            cs = [int(c) for c in cu_seqlens.detach().cpu().tolist()]
+            h = torch.cat([h[i, :-(-(b - a) // chunk_size)] for i, (a, b) in enumerate(zip(cs[:-1], cs[1:]))])[None]
+        else:
+            h = h[:, :-(-T // chunk_size)]
+    return o.to(out_dtype), S, h
 
 
 def naive_chunk_kda_summary(

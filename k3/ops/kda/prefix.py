@@ -335,7 +335,7 @@ def _split_via_forward(
         bounds = [b * T for b in range(B + 1)]
         q, k, v, g, beta = (x.reshape((1, B * T) + tuple(x.shape[2:])) for x in (q, k, v, g, beta))
     else:
-        bounds = [int(c) for c in args.cu_seqlens.detach().cpu().tolist()]
+        bounds = [int(c) for c in args.cu_host.detach().cpu().tolist()]
     lengths = [b - a for a, b in zip(bounds[:-1], bounds[1:])]
     plan = split_plan(lengths, P)
     Pmax, N = max(len(s) for s in plan), len(plan)
@@ -362,7 +362,8 @@ def _split_via_forward(
             idx = torch.cat(pre_idx).to(dev)
             sub = [x.index_select(1, idx) for x in (q, k, v, g, beta)]
         cu_pre = torch.tensor(pre_cu, dtype=torch.int64, device=dev)
-        M, E = span_summaries(backend, *sub, A_log, dt_bias, args._replace(cu_seqlens=cu_pre, N=len(slot)))
+        M, E = span_summaries(backend, *sub, A_log, dt_bias,
+                              args._replace(cu_seqlens=cu_pre, N=len(slot), cu_seqlens_cpu=None))
         rows = torch.tensor([s[0] for s in slot], device=dev)
         cols = torch.tensor([s[1] for s in slot], device=dev)
         Mg[rows, cols] = M.to(acc)
@@ -376,7 +377,7 @@ def _split_via_forward(
     # 3. All segments' outputs in parallel from their entry states.
     cu_seg = torch.tensor(seg_cu, dtype=torch.int64, device=dev)
     o, S = get_backend(backend).chunk_kda(q, k, v, g, beta, entries, A_log, dt_bias,
-                                          args._replace(cu_seqlens=cu_seg, N=len(seg_cu) - 1))
+                                          args._replace(cu_seqlens=cu_seg, N=len(seg_cu) - 1, cu_seqlens_cpu=None))
     if args.output_final_state:
         last = torch.tensor([sum(len(s) for s in plan[:n + 1]) - 1 for n in range(N)], device=dev)
         S = S[last]
@@ -395,7 +396,7 @@ def maybe_split_chunk_kda(
         isinstance(x, torch.Tensor) and x.requires_grad for x in (q, k, v, g, beta, initial_state, A_log, dt_bias))
     if needs_grad:
         return None
-    cu = args.cu_seqlens
+    cu = args.cu_host
     B, T, H, K = q.shape
     lens = [T] * B if cu is None else (cu[1:] - cu[:-1]).detach().cpu().tolist()
     P, model = _auto_splits(lens, H, K, v.shape[-1], q.device, backend, q.dtype, args.lower_bound)

@@ -174,11 +174,30 @@ def next_pow2(n: int, lo: int = 16) -> int:
     return max(lo, triton.next_power_of_2(int(n)))
 
 
-def state_stages(stages: int, dtype: torch.dtype) -> int:
+# Head dims above 128 (fla allows K, V ≤ 256; K3's 128 is the tuned case, whose launches these rules leave as they
+# are). A state pass's shared memory is its pipeline stages, each holding the chunk's [BT, BK] tiles (W, KG, QG: 3 ×
+# 64·BK·2 B in bf16/fp16, twice that in fp32), plus the [BK, BV] state tile staged as a dot operand and for layout
+# conversions (fp32: BK·BV·4 B). Measured anchor: the forward state pass at K = 128, bf16, 3 stages fits; fp32 at 3
+# stages needs 256 KiB > the 227 KiB a block may take on an H100/H200 (228 KiB per SM), hence 2 there. At BK = 256 a
+# stage doubles (bf16: 96 KiB of tiles), so the stages that fit at 128 are scaled by 128/BK (bf16: 3 → 1, c16 state
+# pass 8 → 4, span rows 4 → 2) and the state tile's V-block halves (BV 64 → 32: 32 KiB fp32 instead of 64), e.g.
+# the forward state pass at K = 256 bf16: 96 KiB tiles + 16 KiB bf16 operand + ≤ 32 KiB conversions ≈ 150 KiB.
+# fp32 inputs at K = 256 (192 KiB of tiles in one stage) are the tightest case.
+
+
+def state_stages(stages: int, dtype: torch.dtype, BK: int = 128) -> int:
     """Pipeline depth of a kernel whose stages hold chunk-buffer tiles (state passes, span passes, the WY backward):
     fp32 buffers (the fp32 path) take twice the shared memory per stage, so at K = V = 128 more than 2 stages
-    exceed the 227 KiB of an H200 SM (the forward state pass at 3 stages: 256 KiB, a launch failure)."""
-    return min(stages, 2) if dtype == torch.float32 else stages
+    exceed the 227 KiB of an H200 SM (the forward state pass at 3 stages: 256 KiB, a launch failure); above
+    BK = 128 the stages scale down with the tiles (see above)."""
+    s = min(stages, 2) if dtype == torch.float32 else stages
+    return s if BK <= 128 else max(1, s * 128 // BK)
+
+
+def state_bv(bv: int, BK: int) -> int:
+    """The V-block of a state tile [BK, BV] kept in registers (and staged through shared memory): halved to 32 above
+    BK = 128 (see above)."""
+    return bv if BK <= 128 else min(bv, 32)
 
 
 def store_dtype(dtype: torch.dtype) -> torch.dtype:

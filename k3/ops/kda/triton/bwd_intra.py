@@ -26,7 +26,8 @@ touches them); dq, dk go through the L2-norm backward and dβ through the β-sig
 backward, and the per-chunk partial sums of dA_log and ddt_bias (summed on the host).
 
 Precision for half inputs: tf32 on the diagonal block (A_qk's diagonal kept out of the products, see
-``_intra_block``), one bf16 pass on the off-diagonal blocks, whose decay factors are all ≤ 1; fp32 inputs: 'ieee'.
+``_intra_block``); on the off-diagonal blocks, whose decay factors are all ≤ 1, one bf16 pass for bf16 inputs and
+tf32 for fp16 ones (fp16's extra mantissa bits are what fla's fp16 tolerances measure); fp32 inputs: 'ieee'.
 """
 
 from __future__ import annotations

@@ -21,6 +21,7 @@ from k3.ops.kda.triton._common import (
     _seq_bounds,
     dot_precision,
     next_pow2,
+    state_bv,
     state_stages,
     store_dtype,
 )
@@ -92,11 +93,11 @@ def bwd_state_pass(do, dht, saved: dict, tab: ChunkTable, H: int, K: int, V: int
         DV = torch.empty(H, NC, BT, BVP, dtype=dt, device=dev)
     else:
         DHS, DV = out
-    bv = min(_STATE_BV, BVP)
+    bv = min(state_bv(_STATE_BV, BK), BVP)
     s = saved
     _kda_bwd_state[(BVP // bv, N * H)](
         do, s["AQK"], s["KG"], s["QG"], s["W"], s["GAM"], DHS, DV, dht if dht is not None else dh0, dh0,
         tab.cu, tab.chunk_off, NC, tab.T, tab.NT, H, K, V, BT=BT, BK=BK, BV=bv, BVP=BVP,
         USE_DHT=dht is not None, IS_VARLEN=tab.varlen, PREC=dot_precision(dtype),
-        num_warps=4, num_stages=state_stages(3, dtype))
+        num_warps=4, num_stages=state_stages(3, dtype, BK))
     return DHS, DV, dh0

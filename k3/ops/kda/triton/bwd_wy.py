@@ -173,5 +173,5 @@ def launch_wy(q, k, v, g, beta, a_log, dtb, do, RN: torch.Tensor, GS: torch.Tens
         q, k, v, g, beta, a_log, dtb, do, RN, GS, s["VN"], s["QG"], s["TM"], s["HS"],
         DHS, DV, dv, DQ, DK, DG, DBP, DL, DAQ, tab.cu, tab.chunk_seq, tab.chunk_off, NC, tab.T, tab.NT,
         H, K, V, scale, lb, BT=BT, BK=BK, BKW=bkw, BV=min(_BV, BVP), BVP=BVP, PREC=prec, **flag_kw,
-        num_warps=4, num_stages=state_stages(3, s["VN"].dtype))
+        num_warps=4, num_stages=state_stages(3, s["VN"].dtype, BK))
     return DBP.sum(2)

@@ -12,11 +12,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from k3.ops.kda.reference import chunk_kda_states as reference_states
 from k3.ops.kda.triton._common import BT, ChunkTable, alloc_output_state, make_chunk_table, next_pow2, store_dtype
 from k3.ops.kda.triton.inference import InferencePlan, kda_fwd_inference
 from k3.ops.kda.triton.training import TrainPlan, kda_bwd, prep_all, state_all
 
-__all__ = ["chunk_kda_triton", "train_forward", "train_backward", "saved_like", "SAVED"]
+__all__ = ["chunk_kda_triton", "chunk_kda_states", "train_forward", "train_backward", "saved_like", "SAVED"]
 
 if TYPE_CHECKING:
     from k3.ops.kda.args import KDAArgs
@@ -37,7 +38,7 @@ def saved_like(q: torch.Tensor, v: torch.Tensor, NC: int | torch.SymInt) -> list
 def train_forward(q, k, v, g, beta, initial_state, A_log, dt_bias, args: KDAArgs, tab: ChunkTable | None = None
                   ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
     """The training forward: ``(o, final states, the kept buffers in SAVED order)``; inputs contiguous."""
-    tab = tab or make_chunk_table(q.shape[0], q.shape[1], args.cu_seqlens, q.device)
+    tab = tab or make_chunk_table(q.shape[0], q.shape[1], args.cu_host, q.device)
     o, ht = alloc_output_state(q, v, initial_state, tab)
     if tab.NC == 0:
         return o, ht, saved_like(q, v, 0)
@@ -46,10 +47,27 @@ def train_forward(q, k, v, g, beta, initial_state, A_log, dt_bias, args: KDAArgs
     return o, ht, [saved[n] for n in SAVED]
 
 
+def chunk_kda_states(q, k, v, g, beta, initial_state, A_log, dt_bias, args: KDAArgs, chunk_size: int
+                     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """``(o, final states or None, h)`` with h ``[B, NT, H, K, V]`` (varlen ``[1, NC, H, K, V]``) the state entering
+    each chunk, in q's dtype. At the kernels' chunk (64) these are the training forward's kept entry states (HS);
+    another chunk size takes the PyTorch reference on the same device."""
+    if chunk_size != BT:
+        return reference_states(q, k, v, g, beta, initial_state, A_log, dt_bias, args, chunk_size)
+    q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
+    if not args.use_gate_in_kernel:
+        A_log = dt_bias = None
+    o, ht, saved = train_forward(q, k, v, g, beta, initial_state, A_log, dt_bias, args)
+    K, V = q.shape[-1], v.shape[-1]
+    hs = saved[SAVED.index("HS")][:, :, :K, :V].transpose(0, 1)  # [NC, H, K, V], sequence-major chunks
+    h = hs.reshape(1 if args.cu_seqlens is not None else q.shape[0], -1, *hs.shape[1:]).to(q.dtype)
+    return o, (ht if args.output_final_state else None), h
+
+
 def train_backward(do, dht, q, k, v, g, beta, initial_state, A_log, dt_bias, args: KDAArgs,
                    saved: list[torch.Tensor], plan: TrainPlan = TrainPlan(), tab: ChunkTable | None = None) -> tuple:
     """``(dq, dk, dv, dg, dbeta, dA_log, ddt_bias, dh0)`` from :func:`train_forward`'s buffers."""
-    tab = tab or make_chunk_table(q.shape[0], q.shape[1], args.cu_seqlens, q.device)
+    tab = tab or make_chunk_table(q.shape[0], q.shape[1], args.cu_host, q.device)
     return kda_bwd(q, k, v, g, beta, A_log, dt_bias, initial_state, args.scale, do, dht, dict(zip(SAVED, saved)),
                    tab, args.lower_bound, args.flags, plan=plan)
 
@@ -60,7 +78,7 @@ class ChunkKDATriton(torch.autograd.Function):
         q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
         A_log, dt_bias, initial_state = (x.contiguous() if x is not None else None
                                          for x in (A_log, dt_bias, initial_state))
-        tab = make_chunk_table(q.shape[0], q.shape[1], args.cu_seqlens, q.device)
+        tab = make_chunk_table(q.shape[0], q.shape[1], args.cu_host, q.device)
         if not any(ctx.needs_input_grad[:8]):
             o, ht = kda_fwd_inference(q, k, v, g, beta, A_log, dt_bias, args.scale, initial_state, tab,
                                       args.lower_bound, args.flags, inference)

@@ -43,9 +43,12 @@ def _pow2(n: int, lo: int = 16) -> int:
 
 
 @triton.jit
-def _state_ptrs(s, slot, i_h, H, o_k, o_v, K: tl.constexpr, V: tl.constexpr):
+def _state_ptrs(s, slot, i_h, H, o_k, o_v, K: tl.constexpr, V: tl.constexpr, VFIRST: tl.constexpr = False):
     """Pointers of the state tile rows o_k, columns o_v of (slot, head i_h); ``slot`` is int64. One int64 base per
-    (slot, head) plus int32 tile offsets (fewer address registers than int64 offsets per element)."""
+    (slot, head) plus int32 tile offsets (fewer address registers than int64 offsets per element). ``VFIRST``: the
+    states are stored [.., V, K] (fla's ``state_v_first``, vLLM's pool layout)."""
+    if VFIRST:
+        return s + (slot * H + i_h) * (K * V) + (o_v[None, :] * K + o_k[:, None])
     return s + (slot * H + i_h) * (K * V) + (o_k[:, None] * V + o_v[None, :])
 
 
@@ -84,7 +87,7 @@ def _token_update(S, b_q, b_k, b_a, b_v, b_b, scale):
 
 @triton.jit
 def _load_state(s_in, idx, i_n, i_h, H, o_k, o_v, m_k, m_v, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
-                BV: tl.constexpr, USE_IDX: tl.constexpr, USE_S0: tl.constexpr):
+                BV: tl.constexpr, USE_IDX: tl.constexpr, USE_S0: tl.constexpr, VFIRST: tl.constexpr = False):
     """Sequence i_n's state tile (rows o_k, columns o_v of head i_h) in fp32, its slot (``idx[i_n]`` in the pool, else
     i_n; a negative slot reads and writes nothing) and the tile's mask; zeros without an initial state."""
     m_s = m_k[:, None] & m_v[None, :]
@@ -94,7 +97,7 @@ def _load_state(s_in, idx, i_n, i_h, H, o_k, o_v, m_k, m_v, K: tl.constexpr, V: 
     else:
         slot = i_n.to(tl.int64)
     if USE_S0:
-        S = tl.load(_state_ptrs(s_in, slot, i_h, H, o_k, o_v, K, V), mask=m_s, other=0.).to(tl.float32)
+        S = tl.load(_state_ptrs(s_in, slot, i_h, H, o_k, o_v, K, V, VFIRST), mask=m_s, other=0.).to(tl.float32)
     else:
         S = tl.zeros([BK, BV], dtype=tl.float32)
     return S, slot, m_s
@@ -107,7 +110,7 @@ def _kda_recurrent(
     BK: tl.constexpr, BV: tl.constexpr,
     USE_GATE: tl.constexpr, HAS_LB: tl.constexpr, HAS_A: tl.constexpr, HAS_DT: tl.constexpr,
     L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr, IS_VARLEN: tl.constexpr, USE_IDX: tl.constexpr,
-    USE_S0: tl.constexpr, STORE_S: tl.constexpr,
+    USE_S0: tl.constexpr, STORE_S: tl.constexpr, VFIRST: tl.constexpr = False,
 ):
     """Grid (V-blocks, N·H): one state tile per program, all tokens of its sequence."""
     i_v = tl.program_id(0)
@@ -119,14 +122,14 @@ def _kda_recurrent(
     o_v = i_v * BV + tl.arange(0, BV)
     m_k = o_k < K
     m_v = o_v < V
-    S, slot, m_s = _load_state(s_in, idx, i_n, i_h, H, o_k, o_v, m_k, m_v, K, V, BK, BV, USE_IDX, USE_S0)
+    S, slot, m_s = _load_state(s_in, idx, i_n, i_h, H, o_k, o_v, m_k, m_v, K, V, BK, BV, USE_IDX, USE_S0, VFIRST)
     for t in range(bos, eos):
         b_q, b_k, b_a, b_v, b_b = _token_inputs(q, k, v, g, beta, A_log, dt_bias, t, i_h, H, o_k, o_v, m_k, m_v,
                                                 lb, K, V, USE_GATE, HAS_LB, HAS_A, HAS_DT, L2NORM, BETA_SIGMOID)
         S, b_o = _token_update(S, b_q, b_k, b_a, b_v, b_b, scale)
         tl.store(o + (t * H + i_h) * V + o_v, b_o.to(o.dtype.element_ty), mask=m_v)
     if STORE_S:
-        tl.store(_state_ptrs(s_out, slot, i_h, H, o_k, o_v, K, V), S, mask=m_s)
+        tl.store(_state_ptrs(s_out, slot, i_h, H, o_k, o_v, K, V, VFIRST), S, mask=m_s)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -161,10 +164,14 @@ def fused_recurrent_kda_triton(
     cu_seqlens, N = args.cu_seqlens, args.N
     use_idx = ssm_state_indices is not None
     o = torch.empty(B, T, H, V, dtype=v.dtype, device=q.device)  # v's dtype, as fla (the kernels cast on store)
+    vfirst = False
     if use_idx:
         pool = initial_state
-        # the kernels index the pool densely: a strided view is updated through a dense copy, written back below
-        s_in = s_out = pool.contiguous()
+        # the kernels index the pool densely: a strided view is updated through a dense copy, written back below,
+        # except the transposed view of a dense V-first pool ([P, H, V, K] in memory: fla's ``state_v_first``),
+        # which the Triton kernel indexes in place
+        vfirst = not pool.is_contiguous() and pool.transpose(-1, -2).is_contiguous()
+        s_in = s_out = pool if vfirst else pool.contiguous()
         idx = ssm_state_indices
         if idx.device != q.device or idx.dtype not in (torch.int32, torch.int64) or not idx.is_contiguous():
             idx = idx.to(device=q.device, dtype=torch.int64).contiguous()
@@ -187,13 +194,13 @@ def fused_recurrent_kda_triton(
             s_in if s_in is not None else dummy, s_out if s_out is not None else dummy,
             idx if idx is not None else dummy)
     scale, lb = args.scale, float(lower_bound) if lower_bound is not None else 0.0
-    if decode_gluon.usable(q, T, cu_seqlens is not None, N):  # dense one-token step on CUDA: the Gluon kernel
+    if not vfirst and decode_gluon.usable(q, T, cu_seqlens is not None, N):  # dense one-token step: Gluon
         decode_gluon.decode_step(ptrs, flags, N, H, K, V, BK, scale, lb)
     else:
         cu = cu_seqlens.to(device=q.device, dtype=torch.int32).contiguous() if cu_seqlens is not None else dummy
         _kda_recurrent[(-(-V // BV), N * H)](*ptrs, cu, T, H, K, V, scale, lb, BK=BK, BV=BV,
                                              IS_VARLEN=cu_seqlens is not None, **flags, num_warps=_WARPS,
-                                             num_stages=1)
+                                             num_stages=1, **({"VFIRST": True} if vfirst else {}))
     if use_idx:
         if s_out is not pool:
             pool.copy_(s_out)

@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from k3.ops.kda.triton._common import BT, ChunkTable, _state_program, dot_precision, state_stages
+from k3.ops.kda.triton._common import BT, ChunkTable, _state_program, dot_precision, state_bv, state_stages
 
 # BV 64 at 4 warps, 3 stages (H200: half the re-reads of W, kg, qg, A_qk of BV 32; 3 stages 39.6 → 31.2 ms per 1M)
 _STATE_BV = 64
@@ -70,7 +70,7 @@ def launch_state(bufs: dict, o, hs, ht, tab: ChunkTable, c0: int, c1: int, H: in
     ``vn`` (``[H, tab.NC, ·, BVP]``): also store every chunk's entry state / V' there (training)."""
     BK = bufs["W"].shape[-1]
     BVP = bufs["U"].shape[-1]
-    BV = min(_STATE_BV, BVP)
+    BV = min(state_bv(_STATE_BV, BK), BVP)
     _kda_fwd_state[(BVP // BV, tab.N * H)](
         bufs["W"], bufs["U"], bufs["KG"], bufs["QG"], bufs["AQK"], bufs["GAM"],
         o if o is not None else ht, hs if hs is not None else ht, ht,
@@ -78,5 +78,5 @@ def launch_state(bufs: dict, o, hs, ht, tab: ChunkTable, c0: int, c1: int, H: in
         H, K, V, BT=BT, BK=BK, BV=BV, BVP=BVP, STORE_H=hs is not None, STORE_O=store_o,
         IS_VARLEN=tab.varlen, PREC=dot_precision(bufs["W"].dtype),
         **(dict(VN=vn, STORE_VN=True) if vn is not None else {}),
-        num_warps=4, num_stages=state_stages(3, bufs["W"].dtype),
+        num_warps=4, num_stages=state_stages(3, bufs["W"].dtype, BK),
     )

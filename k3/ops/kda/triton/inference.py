@@ -39,12 +39,12 @@ class InferencePlan:
     c16_min_programs: int = 64
 
 
-def use_c16(lower_bound, flags: dict, heads: int, BVP: int, plan: InferencePlan) -> bool:
+def use_c16(lower_bound, flags: dict, heads: int, BVP: int, plan: InferencePlan, BK: int = 128) -> bool:
     """Whether inference runs the 16-token flow: a bounded gate and ``heads`` (sequences × heads) × V-blocks of the
     padded V width ``BVP`` ≥ ``plan.c16_min_programs``."""
     if lower_bound is None or flags["exact_diag"]:
         return False
-    return heads * state_blocks(BVP) >= plan.c16_min_programs
+    return heads * state_blocks(BVP, BK) >= plan.c16_min_programs
 
 
 def unsplit_windows(lens: list[int], H: int, K: int, V: int, dtype: torch.dtype,
@@ -65,7 +65,7 @@ def kda_fwd_inference(q, k, v, g, beta, A_log, dt_bias, scale: float, initial_st
     o, ht = alloc_output_state(q, v, initial_state, tab)
     if tab.NC == 0:
         return o, ht
-    if use_c16(lower_bound, flags, tab.N * H, BVP, plan):
+    if use_c16(lower_bound, flags, tab.N * H, BVP, plan, BK):
         ncw = c16_window_chunks(tab.NC, plan.window_bytes, H, BK, BVP, dt)
         run_windows(tab.NC, ncw, q.device,
                     lambda: alloc_c16_buffers(H, ncw, BK, BVP, dt, q.device),

@@ -17,7 +17,16 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from k3.ops.kda.triton._common import BC, BT, ChunkTable, _state_program, dot_precision, next_pow2, state_stages
+from k3.ops.kda.triton._common import (
+    BC,
+    BT,
+    ChunkTable,
+    _state_program,
+    dot_precision,
+    next_pow2,
+    state_bv,
+    state_stages,
+)
 
 # BV 64 at 4 warps with an 8-stage load pipeline (H200, B=1 H=32 per 1M: 6 / 8 / 10 / 13 stages 43.6–44.9 /
 # 42.9–43.6 / 43.5–43.6 / ~44 ms for the prefill; BV 128 at 8 warps 48)
@@ -83,19 +92,20 @@ def _c16_state(
         tl.store(p_s, St, mask=m_v[:, None] & m_k[None, :])
 
 
-def state_blocks(BVP: int) -> int:
-    """V-blocks per (sequence, head) of the state pass: its programs are ``state_blocks(BVP)`` × N·H."""
-    return BVP // min(_STATE_BV, BVP)
+def state_blocks(BVP: int, BK: int) -> int:
+    """V-blocks per (sequence, head) of the state pass: its programs are ``state_blocks(BVP, BK)`` × N·H."""
+    return BVP // min(state_bv(_STATE_BV, BK), BVP)
 
 
 def launch_c16_state(bufs: dict, o, ht, tab: ChunkTable, c0: int, c1: int, H: int, K: int, V: int) -> None:
     """The state pass over chunks [c0, c1) of ``tab`` from the states ``ht`` (updated in place), writing ``o``."""
     BK = bufs["X"].shape[-1]
     BVP = next_pow2(V)
-    BV = min(_STATE_BV, BVP)
-    _c16_state[(state_blocks(BVP), tab.N * H)](
+    BV = min(state_bv(_STATE_BV, BK), BVP)
+    _c16_state[(state_blocks(BVP, BK), tab.N * H)](
         bufs["X"], bufs["KG"], bufs["GAM"], bufs["AQ"], bufs["U"], o, ht, tab.cu, tab.chunk_off, c0, c1,
         bufs["X"].shape[1], tab.T, tab.NT, H, K, V, BT=BT, BC=BC, BK=BK, BV=BV, BVP=BVP, IS_VARLEN=tab.varlen,
-        PREC=dot_precision(bufs["X"].dtype), STAGES=state_stages(_STATE_STAGES, bufs["X"].dtype), num_warps=4,
+        PREC=dot_precision(bufs["X"].dtype), STAGES=state_stages(_STATE_STAGES, bufs["X"].dtype, BK),
+        num_warps=4,
         num_stages=1,
     )

@@ -25,6 +25,7 @@ from k3.ops.kda.triton._common import (
     dot_precision,
     make_chunk_table,
     next_pow2,
+    state_bv,
     state_stages,
     store_dtype,
 )
@@ -125,7 +126,7 @@ def span_summaries_triton(
     B, Tq, H, K = q.shape
     V = v.shape[-1]
     q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
-    tab = make_chunk_table(B, Tq, args.cu_seqlens, q.device)
+    tab = make_chunk_table(B, Tq, args.cu_host, q.device)
     BK, BVP = next_pow2(K), next_pow2(V)
     dt = store_dtype(q.dtype)
     S_ext = torch.zeros(tab.N, H, K, V, dtype=torch.float32, device=q.device)
@@ -144,7 +145,7 @@ def span_summaries_triton(
         _kda_span_state[((BVP + BK) // bv, tab.N * H)](
             bufs["W"], bufs["U"], bufs["KG"], bufs["GAM"], S_ext, M, tab.chunk_off, c0, c0 + n, ncw, tab.NT,
             H, K, V, BT=BT, BK=BK, BV=bv, BVP=BVP, IS_VARLEN=tab.varlen, PREC=dot_precision(q.dtype),
-            num_warps=4, num_stages=2)
+            num_warps=4, num_stages=state_stages(2, q.dtype, BK))
     return M, S_ext
 
 
@@ -162,7 +163,7 @@ def span_from_buffers(bufs: dict, tab: ChunkTable, H: int, K: int, V: int, need_
     _kda_span_state[(cols // bv, tab.N * H)](
         bufs["W"], bufs["U"], bufs["KG"], bufs["GAM"], S_ext, M, tab.chunk_off, 0, tab.NC, tab.NC, tab.NT,
         H, K, V, BT=BT, BK=BK, BV=bv, BVP=BVP, IS_VARLEN=tab.varlen, PREC=dot_precision(bufs["W"].dtype),
-        num_warps=4, num_stages=2)
+        num_warps=4, num_stages=state_stages(2, bufs["W"].dtype, BK))
     return M, S_ext
 
 
@@ -171,8 +172,8 @@ def span_rows(bufs: dict, SE: torch.Tensor, Mt: torch.Tensor, row_cs: torch.Tens
     """``_kda_span_rows`` over a training forward's kept buffers: row r of ``SE [R, H, K, V]`` / ``Mt [R, H, K, K]``
     (fp32, updated in place) through chunks [row_cs[r], row_ce[r]), its M columns only where ``row_m[r]``."""
     BK, BVP = bufs["W"].shape[-1], bufs["U"].shape[-1]
-    bv = min(_ROWS_BV, BVP, BK)
+    bv = min(state_bv(_ROWS_BV, BK), BVP, BK)
     _kda_span_rows[((BVP + BK) // bv, row_cs.numel() * H)](
         bufs["W"], bufs["U"], bufs["KG"], bufs["GAM"], SE, Mt, row_cs, row_ce, row_m, 0, bufs["W"].shape[1], H, K,
         V, BT=BT, BK=BK, BV=bv, BVP=BVP, PREC=dot_precision(bufs["W"].dtype),
-        num_warps=4, num_stages=state_stages(3, bufs["W"].dtype))
+        num_warps=4, num_stages=state_stages(3, bufs["W"].dtype, BK))

@@ -41,6 +41,7 @@ from k3.ops.kda.triton._common import (
     make_chunk_table,
     next_pow2,
     pipelined,
+    state_bv,
     state_stages,
     store_dtype,
 )
@@ -404,12 +405,12 @@ def launch_span(bufs: dict, SE: torch.Tensor, Mt: torch.Tensor, rows: dict, c0: 
         raise ValueError(f"forget_log2: expected None, or a number > 0 with buffers that hold the prep's decay "
                          f"bounds (alloc_c16_buffers(..., decay_bound=True)), got {forget_log2!r}")
     BK, BVP = bufs["X"].shape[-1], next_pow2(V)
-    bv = min(_SPAN_BV, BVP, BK)
+    bv = min(state_bv(_SPAN_BV, BK), BVP, BK)
     br = min(_SPAN_BR, BK)
     _split_span_rows[(max(BK // br, BVP // bv), rows["row_cs"].numel() * H)](
         bufs["X"], bufs["KG"], bufs["GAM"], bufs["U"], SE, Mt, rows["row_cs"], rows["row_ce"], rows["row_m"], c0,
         bufs["X"].shape[1], H, K, V, BT=BT, BC=BC, BK=BK, BV=bv, BVP=BVP, BR=br,
-        PREC=dot_precision(bufs["X"].dtype), STAGES=state_stages(_SPAN_STAGES, bufs["X"].dtype),
+        PREC=dot_precision(bufs["X"].dtype), STAGES=state_stages(_SPAN_STAGES, bufs["X"].dtype, BK),
         DEC=bufs.get("DEC"), lim=-float(forget_log2 or 0.0), FORGET=forget_log2 is not None,
         num_warps=4, num_stages=1)
 
@@ -446,7 +447,7 @@ def split_prefill_triton(
     B, Tq, H, K = q.shape
     V = v.shape[-1]
     q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
-    tab = make_chunk_table(B, Tq, args.cu_seqlens, q.device)
+    tab = make_chunk_table(B, Tq, args.cu_host, q.device)
     BK, BVP = next_pow2(K), next_pow2(V)
     dt = store_dtype(q.dtype)
     o, ht = alloc_output_state(q, v, initial_state, tab)

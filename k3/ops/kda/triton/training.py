@@ -19,7 +19,7 @@ from k3.ops.kda.triton.bwd_wy import launch_wy
 from k3.ops.kda.triton.fwd_state import launch_state
 from k3.ops.kda.triton.prep import alloc_chunk_buffers, launch_prep
 
-__all__ = ["TrainPlan", "prep_all", "state_all", "kda_bwd"]
+__all__ = ["TrainPlan", "prep_all", "state_all", "kda_bwd", "intra_precision"]
 
 
 @dataclass(frozen=True)
@@ -51,6 +51,25 @@ def state_all(bufs: dict, o, ht, tab: ChunkTable, H: int, K: int, V: int) -> dic
     return dict({n: b for n, b in bufs.items() if n != "U"}, HS=hs, VN=vn)
 
 
+def intra_precision(dtype: torch.dtype, one_slice: bool, interp: bool) -> tuple[str, str, torch.dtype]:
+    """``(diagonal-block precision, off-diagonal precision, dq/dk share dtype)`` of the intra-chunk backward.
+
+    dG is a sum of row and column shares that cancel strongly when decays are strong: fp32 inputs keep exact dots;
+    bf16 inputs tf32 on the diagonal blocks, one bf16 pass off them, and 16-bit dq/dk shares when the intra kernel
+    reads them once (all of K in one slice; fp16 under the interpreter, which cannot load bf16). fp16 inputs carry 3
+    more mantissa bits than bf16 and fla's fp16 tolerances are tighter (dg 1.5%, ddt_bias 0.5%): they keep tf32
+    (fp16's mantissa, fp32's range) off the diagonal and fp32 shares (fp16 ones could overflow). On fla's fp16 varlen
+    case (softplus gate in the kernel, 10% of gates −1000) with bf16-truncated off-diagonal operands emulated in the
+    interpreter, ddt_bias was 2.6% off and dA_log 2.3%, against 0.06% and 0.14% with these choices."""
+    if dtype not in (torch.bfloat16, torch.float16):
+        return "ieee", "ieee", torch.float32
+    if dtype == torch.float16:
+        return "tf32", "tf32", torch.float32
+    if interp:  # no bf16 products or loads in the interpreter (it computes the dots in fp32 anyway)
+        return "tf32", "tf32x3", torch.float16 if one_slice else torch.float32
+    return "tf32", "bf16", torch.bfloat16 if one_slice else torch.float32
+
+
 def kda_bwd(q, k, v, g, beta, A_log, dt_bias, initial_state, scale: float, do, dht, saved: dict, tab: ChunkTable,
             lower_bound, flags: dict, state_grads: tuple | None = None, plan: TrainPlan = TrainPlan()):
     """Gradients (dq, dk, dv, dg, dbeta, dA_log, ddt_bias, dh0) of chunk KDA; ``saved`` from :func:`state_all`.
@@ -74,13 +93,8 @@ def kda_bwd(q, k, v, g, beta, A_log, dt_bias, initial_state, scale: float, do, d
     dht = dht.contiguous() if dht is not None else None
     BK, BVP = next_pow2(K), next_pow2(V)
     prec = dot_precision(q.dtype)
-    # dG is a sum of row and column shares that cancel strongly when decays are strong (all gates at the bound):
-    # fp32 inputs keep exact dots; half inputs tf32 on the diagonal blocks, one bf16 pass off them
-    prec_intra = "ieee" if prec == "ieee" else "tf32"
-    prec_off = "ieee" if prec == "ieee" else "bf16"
     interp = os.environ.get("TRITON_INTERPRET", "0") == "1"
-    if interp:  # no bf16 products there (it computes the dots in fp32 anyway)
-        prec_off = "tf32x3" if prec_off == "bf16" else prec_off
+    prec_intra, prec_off, sdt = intra_precision(q.dtype, plan.intra_bk >= BK, interp)
     flag_kw = dict(USE_GATE=flags["use_gate"], HAS_LB=lower_bound is not None, HAS_A=A_log is not None,
                    HAS_DT=dt_bias is not None, L2NORM=flags["l2norm"], BETA_SIGMOID=flags["beta_sigmoid"],
                    IS_VARLEN=tab.varlen)
@@ -94,11 +108,6 @@ def kda_bwd(q, k, v, g, beta, A_log, dt_bias, initial_state, scale: float, do, d
         state_grads = bwd_state_pass(do, dht, saved, tab, H, K, V, q.dtype)
     DHS, DV, dh0 = state_grads
 
-    # the WY kernel's dq, dk shares: 16 bits for half inputs when the intra kernel reads them once (all of K in one
-    # slice; fp16 under the interpreter, which cannot load bf16); dG and the gate cumsums stay fp32
-    sdt = torch.float32
-    if q.dtype in (torch.bfloat16, torch.float16) and plan.intra_bk >= BK:
-        sdt = torch.float16 if interp else torch.bfloat16
     DQ, DK = (torch.empty(H, NC, BT, BK, dtype=sdt, device=dev) for _ in range(2))
     DG = torch.empty(H, NC, BT, BK, **f32)
     DL, DAQ = (torch.empty(H, NC, BT, BT, **f32) for _ in range(2))
