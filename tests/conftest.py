@@ -31,6 +31,8 @@ def pytest_cmdline_main(config: pytest.Config) -> None:
     4, with pytest-xdist when it is installed (the ``test`` extra). Every test runs on one intra-op thread, so the
     processes do not compete for cores; a module's tests stay in one process, so module-scoped fixtures (a trained
     run, a server) are built once. ``-n 0`` or ``-p no:xdist`` runs serially; GPU machines always do."""
+    if hasattr(config, "workerinput") or "PYTEST_XDIST_WORKER" in os.environ:  # a worker runs its share serially
+        return
     if (config.pluginmanager.hasplugin("xdist") and config.getoption("numprocesses", None) is None
             and config.args_source == pytest.Config.ArgsSource.TESTPATHS and not config.getoption("collectonly")
             and not torch.cuda.is_available()):
