@@ -144,7 +144,7 @@ def _router_logits_bwd(ctx, dlogits: torch.Tensor):  # noqa: ANN001, ANN202
     # bf16 operands multiply in bf16 as in the forward; a mix (bf16 activations, fp32 master weight: the eager
     # autocast trainer) in fp32
     low = x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype
-    dl = dlogits.to(x.dtype) if low else dlogits
+    dl = dlogits.to(x.dtype) if low else dlogits.float()
     dx = dw = None
     if ctx.needs_input_grad[0]:
         dx = (dl @ (weight if low else weight.float())).to(x.dtype)
