@@ -2,10 +2,10 @@
 # The README's non-KDA numbers again on one GPU, with the same commands as bench/results/: the MoE and MXFP4 GPU
 # tests, `python -m k3.bench moe` (bench/results/moe/) and the released-layout layer (bench/results/released_layer/).
 # About 4 minutes on an H200. Exits non-zero if a test or a benchmark failed (later steps still run).
-# Usage (repo root):  OUT=/path/to/logs bash bench/gpu/house.sh
+# Usage (repo root):  OUT=/path/to/logs bash bench/gpu/moe.sh
 set -euo pipefail
 : "${OUT:?set OUT to a folder for the logs and results}"
-D="$OUT/house"
+D="$OUT/moe"
 mkdir -p "$D/moe" "$D/released_layer"
 rc=0
 t0=$SECONDS

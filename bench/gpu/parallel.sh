@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# ep: one-H200 checks of expert parallel, context parallel and the expert-sharded release (about 4 minutes).
-# Run from the repository root with $OUT set: logs and results land in $OUT/ep/.
+# one-H200 checks of expert parallel, context parallel and the expert-sharded release (about 4 minutes).
+# Run from the repository root with $OUT set: logs and results land in $OUT/parallel/.
 #   1. the gloo tests (CPU tensors) under the device's torch: EP layer 2/4 ranks, whole-model CP 2
 #   2. bench/multi_gpu/moe_ep.py on 1 rank: the Latent MoE at K3 widths (896 experts, 8192 tokens), the one-GPU
 #      layer (issue 39's baseline) vs the EP path over a 1-rank NCCL group; exactness on CUDA; host syncs / forward
@@ -10,7 +10,7 @@
 #   5. k3 plan beside these measurements
 set -euo pipefail
 : "${OUT:?set OUT to a folder for logs and results}"
-R=$OUT/ep
+R=$OUT/parallel
 mkdir -p "$R"
 export NCCL_NVLS_ENABLE=0 PYTHONPATH=$PWD
 trun() { python -m torch.distributed.run --standalone --nproc_per_node 1 "$@"; }
@@ -25,7 +25,7 @@ timeout 90 bash -c "python bench/multi_gpu/generate_sharded.py make --layers 2 -
 rm -rf "$R/k3_mini"
 timeout 20 python bench/multi_gpu/plan_vs_measured.py --results "$R" 2>&1 | tee "$R/plan.log" || status=$?
 echo
-echo "== ep summary =="
+echo "== parallel summary =="
 tail -n 1 "$R/tests.log" || true
 for f in moe_ep cp_long_cp1 generate_sharded_1 plan_vs_measured; do
     [ -f "$R/$f.md" ] && sed -n '/^| /p' "$R/$f.md"

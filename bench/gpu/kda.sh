@@ -4,10 +4,10 @@
 # split with the benchmark's gates and with a never-forgetting channel, unsplit; fwd+bwd B=8 T=4096 and B=1 T=32K
 # at H=32; decode B=64 H=32 eager and from a CUDA graph), then the GPU tests of the default paths (`gpu_quick`),
 # test processes in parallel so their compiles overlap. Run from the repository root with $OUT set; results and logs
-# land in $OUT/house-kda/ (kda_bench.json, kda_bench.md, bench.log, tests/). A summary table is printed last.
+# land in $OUT/kda/ (kda_bench.json, kda_bench.md, bench.log, tests/). A summary table is printed last.
 set -euo pipefail
 : "${OUT:?set OUT to a folder for logs and results}"
-dir="$OUT/house-kda"
+dir="$OUT/kda"
 mkdir -p "$dir"
 status=0
 timeout 170 python -m k3.bench kda --out "$dir" --sections decode,prefill,train --T 131072 1048576 --H 32 8 \
@@ -16,7 +16,7 @@ timeout 75 bash bench/gpu_tests_parallel.sh gpu_quick 12 "$dir/tests" tests/ops/
     tests/ops/test_kda_inference.py tests/ops/test_kda_split.py tests/ops/test_kda_decode.py tests/ops/test_kda_compile.py \
     > "$dir/tests.log" 2>&1 || status=$?
 echo
-echo "== house-kda summary =="
+echo "== kda summary =="
 echo "gpu_quick tests: $(grep -c '^rc=0 ' "$dir/tests/summary.txt" 2>/dev/null || echo 0) passed," \
      "$(grep -vc '^rc=0 ' "$dir/tests/summary.txt" 2>/dev/null || echo '?') failed (log: $dir/tests/)"
 grep -v '^rc=0 ' "$dir/tests/summary.txt" 2>/dev/null || true
