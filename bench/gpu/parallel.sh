@@ -3,7 +3,7 @@
 # Run from the repository root with $OUT set: logs and results land in $OUT/parallel/.
 #   1. the gloo tests (CPU tensors) under the device's torch: EP layer 2/4 ranks, whole-model CP 2
 #   2. bench/multi_gpu/moe_ep.py on 1 rank: the Latent MoE at K3 widths (896 experts, 8192 tokens), the one-GPU
-#      layer (issue 39's baseline) vs the EP path over a 1-rank NCCL group; exactness on CUDA; host syncs / forward
+#      layer (the baseline of the multi-GPU measurement) vs the EP path over a 1-rank NCCL group; exactness on CUDA; host syncs / forward
 #   3. bench/multi_gpu/cp_long.py on 1 rank: small at 262,144 tokens fwd+bwd (the one-GPU time CP is measured against)
 #   4. bench/multi_gpu/generate_sharded.py: a 2-layer K3-width MXFP4 checkpoint (vocab 32K) written, loaded,
 #      decoded (1 rank)

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Serving on one GPU (issue 36): the CUDA-graph decode = eager step test and the new kernels' CUDA checks (expert
+# Serving on one GPU: the CUDA-graph decode = eager step test and the new kernels' CUDA checks (expert
 # rows without a sort, the conv update and norm gate reading column slices), then `python -m k3.bench serve` (decode at
 # batch 1/8/64, the server at 1/16/64 streams, prefill at 32K and 1M for all-KDA and hybrid `small`; every unit in its
 # own process, so a fault in one leaves the others' numbers; JSON + markdown in $OUT/serve/). About 150 s on an H200,

@@ -1,4 +1,4 @@
-"""Whole-model context parallel on long sequences (issue 39, row 3): ``small`` at 256K tokens, fwd+bwd.
+"""Whole-model context parallel on long sequences: ``small`` at 256K tokens, fwd+bwd.
 
     torchrun --standalone --nproc_per_node 1 bench/multi_gpu/cp_long.py --out $OUT/multi_gpu     # the one-GPU time
     torchrun --standalone --nproc_per_node 2 bench/multi_gpu/cp_long.py --out $OUT/multi_gpu     # cp 2

@@ -1,4 +1,4 @@
-"""The release expert-sharded (issue 39, row 4): a few-layer checkpoint at K3 widths in the released layout (MXFP4
+"""The release expert-sharded: a few-layer checkpoint at K3 widths in the released layout (MXFP4
 experts), loaded with each rank reading only its experts, logits against one GPU and decode tokens/s.
 
     python bench/multi_gpu/generate_sharded.py make --out $OUT/k3_mini                   # write the checkpoint once

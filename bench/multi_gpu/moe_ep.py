@@ -1,4 +1,4 @@
-"""The Latent MoE layer at K3 widths under expert parallel (issue 39, row 2).
+"""The Latent MoE layer at K3 widths under expert parallel.
 
     torchrun --standalone --nproc_per_node N bench/multi_gpu/moe_ep.py --out $OUT/multi_gpu
     torchrun --standalone --nproc_per_node 2 bench/multi_gpu/moe_ep.py --smoke --out /tmp/mg   # CPU, gloo, tiny

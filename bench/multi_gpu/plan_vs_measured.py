@@ -1,4 +1,4 @@
-"""``k3 plan``'s estimates beside the multi-GPU measurements (issue 39, row 5).
+"""``k3 plan``'s estimates beside the multi-GPU measurements.
 
     python bench/multi_gpu/plan_vs_measured.py --results $OUT/multi_gpu
 

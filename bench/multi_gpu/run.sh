@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Every row of issue 39 on one host: bench/multi_gpu/run.sh [N GPUs, default all visible]   (results in $OUT/multi_gpu)
+# Every multi-GPU measurement on one host: bench/multi_gpu/run.sh [N GPUs, default all visible]   (results in $OUT/multi_gpu)
 #                                     bench/multi_gpu/run.sh --smoke   (CPU, gloo, tiny sizes: checks the scripts)
 set -euo pipefail
 cd "$(dirname "$0")/../.."

@@ -1,4 +1,4 @@
-"""Scaling of ``k3 train`` with FSDP2 data parallel (issue 39, row 1): tokens/s per GPU at dp-shard 1, 2, 4, 8 with
+"""Scaling of ``k3 train`` with FSDP2 data parallel: tokens/s per GPU at dp-shard 1, 2, 4, 8 with
 the same per-GPU batch.
 
     python bench/multi_gpu/train_scaling.py --gpus 1 2 4 8 --out $OUT/multi_gpu
