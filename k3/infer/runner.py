@@ -206,11 +206,19 @@ class ModelRunner:
         """Feed prompt tokens ``ids`` to ``slot`` (admitted). With ``last``, the prompt is complete: the first
         generated token is sampled into the slot (its last position alone goes through ``lm_head``) and returned as
         a :class:`Pending`."""
-        hidden = self.feed(slot, ids)
+        return self.prefill_batch([slot], [ids], last)
+
+    @_on_model_device
+    @torch.no_grad()
+    def prefill_batch(self, slots: Sequence[int], pieces: Sequence[torch.Tensor | Sequence[int]],
+                      last: bool = True) -> Pending | None:
+        """:meth:`prefill` of several slots in one forward per chunk: ``pieces[i]`` (all of one length) goes to
+        ``slots[i]``. With ``last``, one first token per slot, in ``slots`` order."""
+        hidden = self._feed(slots, pieces)
         if not last:
             return None
-        idx = self._slot_index(slot)
-        nxt = self._sample(self.model.lm_head(hidden), idx, sampling_mode([self._params[slot]]))
+        idx = self._slots_index(slots)
+        nxt = self._sample(self.model.lm_head(hidden), idx, sampling_mode([self._params[s] for s in slots]))
         self.last_token.index_copy_(0, idx, nxt)
         return Pending(nxt)
 
@@ -220,20 +228,34 @@ class ModelRunner:
         """Run prompt tokens through ``slot`` in chunks of ``prefill_chunk`` (each chunk continues the KDA states,
         conv tails and MLA cache of the one before; working memory is one chunk's); returns the final-normed hidden
         state of the last token, ``[1, d]``."""
-        if slot not in self._params:
-            raise ValueError(f"slot {slot} was not admitted")
-        ids = self._checked_ids(ids, self._length[slot])
-        if ids.shape[0] == 0:
+        return self._feed([slot], [ids])
+
+    def _feed(self, slots: Sequence[int], pieces: Sequence[torch.Tensor | Sequence[int]]) -> torch.Tensor:
+        """``pieces`` through ``slots`` as the rows of one batch, ``prefill_chunk`` tokens per forward in all (each
+        row keeps its own position: the KDA state, conv tail and MLA cache of its slot) → ``[B, d]``."""
+        if not slots or len(set(slots)) != len(slots) or len(pieces) != len(slots):
+            raise ValueError(f"slots must be distinct, one per piece: got {list(slots)} for {len(pieces)} pieces")
+        for slot in slots:
+            if slot not in self._params:
+                raise ValueError(f"slot {slot} was not admitted")
+        rows = [self._checked_ids(ids, self._length[slot]) for slot, ids in zip(slots, pieces)]
+        T = rows[0].shape[0]
+        if T == 0:
             raise ValueError("ids must hold at least one token")
-        idx = self._slot_index(slot)
-        for a in range(0, ids.shape[0], self.prefill_chunk):
+        if any(r.shape[0] != T for r in rows):
+            raise ValueError(f"pieces must have one length, got {[r.shape[0] for r in rows]}")
+        ids = torch.stack(rows)
+        idx = self._slots_index(slots)
+        step = max(1, self.prefill_chunk // len(rows))
+        for a in range(0, T, step):
             self.state.bind(idx)
-            hidden = self.model.model(ids[None, a:a + self.prefill_chunk], self.state)
-        self._length[slot] += ids.shape[0]
+            hidden = self.model.model(ids[:, a:a + step], self.state)
+        for slot in slots:
+            self._length[slot] += T
         return hidden[:, -1]
 
-    def _slot_index(self, slot: int) -> torch.Tensor:
-        return _to_device(torch.tensor([slot], dtype=torch.int64), self.device)
+    def _slots_index(self, slots: Sequence[int]) -> torch.Tensor:
+        return _to_device(torch.tensor(list(slots), dtype=torch.int64), self.device)
 
     def _checked_ids(self, ids: torch.Tensor | Sequence[int], cached: int) -> torch.Tensor:
         """Validated prompt ids as a 1-D int64 device tensor (checked on the host, before anything runs)."""

@@ -276,20 +276,31 @@ class Engine:
         self._drain(keep=launched)
 
     def _prefill(self) -> int:
-        """Spend the prefill budget on requests still prefilling (oldest first); returns the launches made."""
-        budget, n = self.prefill_budget, 0
+        """Spend the prefill budget on requests still prefilling (oldest first); returns the launches made. Pieces
+        of one length run together, as the rows of one forward (requests that arrive together with prompts of one
+        length are prefilled in one batch instead of one by one)."""
+        budget, plan = self.prefill_budget, []
         for req in sorted((r for r in self._active.values() if r.fed < len(r.prompt)), key=lambda r: r.submitted_at):
             if budget <= 0:
                 break
             take = min(budget, len(req.prompt) - req.fed)
-            last = req.fed + take == len(req.prompt)
-            pending = self.runner.prefill(req.slot, req.prompt[req.fed:req.fed + take], last=last)
-            req.fed += take
+            plan.append((req, take))
             budget -= take
-            self.stats["prefill_tokens"] += take
+        groups: dict[tuple[int, bool], list[Request]] = {}
+        for req, take in plan:
+            groups.setdefault((take, req.fed + take == len(req.prompt)), []).append(req)
+        n = 0
+        for (take, last), reqs in groups.items():
+            pending = self.runner.prefill_batch([r.slot for r in reqs],
+                                                [r.prompt[r.fed:r.fed + take] for r in reqs], last=last)
+            self.stats["prefill_calls"] += 1
+            for r in reqs:
+                r.fed += take
+                self.stats["prefill_tokens"] += take
+                if last:
+                    r.launched = 1
             if last:
-                req.launched = 1
-                self._inflight.append((pending, [req]))
+                self._inflight.append((pending, reqs))
                 n += 1
         return n
 

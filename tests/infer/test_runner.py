@@ -84,6 +84,36 @@ def test_decode_equals_full_recompute_and_slots_are_independent():
         assert out[slot] == ids[len(p):]
 
 
+@pytest.mark.parametrize("chunk", [9, 64])
+def test_batched_prefill_equals_one_slot_at_a_time(chunk):
+    """Three slots prefilled as the rows of one batch (a slot that already holds a prefix among them, chunks that
+    split the rows' pieces or not) give each slot the logits, states and first token of its own prefill."""
+    model = tiny(4)
+    g = torch.Generator().manual_seed(2)
+    head = torch.randint(0, 256, (6,), generator=g).tolist()
+    pieces = [torch.randint(0, 256, (13,), generator=g).tolist() for _ in range(3)]
+    one = ModelRunner(model, max_batch=4, capacity=32, prefill_chunk=chunk)
+    many = ModelRunner(model, max_batch=4, capacity=32, prefill_chunk=chunk)
+    for r in (one, many):
+        for slot in (0, 2, 3):
+            r.admit(slot, GREEDY, seed=0)
+        r.prefill(2, head, last=False)  # slot 2 continues a sequence: its row starts at position 6
+    want = {slot: one.prefill(slot, p).tokens() for slot, p in zip((3, 0, 2), pieces)}
+    got = many.prefill_batch([3, 0, 2], pieces).tokens()
+    assert got == [want[3][0], want[0][0], want[2][0]]
+    for slot, n in ((3, 13), (0, 13), (2, 19)):
+        assert many.length(slot) == one.length(slot) == n
+        for a, b in zip(_state_rows(many.state, slot, n), _state_rows(one.state, slot, n)):
+            assert rel(a, b) <= 1e-5
+    h_one = one.feed(0, [5, 6, 7])
+    h_many = many.feed(0, [5, 6, 7])
+    assert rel(h_many, h_one) <= 1e-5
+    with pytest.raises(ValueError, match="one length"):
+        many.prefill_batch([2, 3], [[1, 2], [3]])
+    with pytest.raises(ValueError, match="distinct"):
+        many.prefill_batch([2, 2], [[1], [3]])
+
+
 def test_bad_input_is_refused_before_running():
     model = tiny(3)
     runner = ModelRunner(model, max_batch=2, capacity=16)

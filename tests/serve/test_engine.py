@@ -193,3 +193,20 @@ def test_engine_on_gpu_with_graphs():
         assert eng.error is None and eng.runner.use_graphs and len(eng.runner._graphs) == 3 * 3
     finally:
         eng.stop()
+
+
+def test_prompts_of_one_length_prefill_together(model):
+    """Requests admitted together whose prompts have one length are prefilled as the rows of one batch (one runner
+    call, forwards of at most prefill_chunk tokens in all) and still get their single-request outputs."""
+    eng = Engine(model, TOK, max_batch=3, max_queue=4, prefill_chunk=16, prefill_budget=64, capacity=128)
+    prompts = [[256] + list(f"same {c}-len".encode()) for c in "xyz"]  # 11 tokens each
+    other = prompt(7)  # another length: its own call
+    reqs = [eng.submit(p, greedy(6)) for p in prompts]
+    eng.start()
+    try:
+        outs = [collect(r)[1] for r in reqs]
+        assert eng.stats["prefill_calls"] == 1 and eng.stats["prefill_tokens"] == 33
+        assert collect(eng.submit(other, greedy(6)))[1] == ref(model, other, 6)
+    finally:
+        eng.stop()
+    assert outs == [ref(model, p, 6) for p in prompts]
