@@ -5,6 +5,8 @@ CUDA-graph decode step equals the eager step bitwise."""
 import pytest
 import torch
 
+import k3_runs
+
 from k3.config import K3Config
 from k3.infer.runner import ModelRunner, auto_prefill_chunk, batch_buckets
 from k3.infer.sampling import SamplingParams
@@ -19,16 +21,7 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def tiny(seed: int = 0, device: str = "cpu", **kw) -> K3ForCausalLM:
-    torch.manual_seed(seed)
-    with torch.device(device):
-        model = K3ForCausalLM(K3Config.from_preset("tiny", **kw))
-    with torch.no_grad():  # away from the zero / ones init so that every AttnRes mix matters
-        for name, p in model.named_parameters():
-            if name.endswith("_res_proj.weight"):
-                p.normal_(0.0, 1.0)
-            elif name.endswith("_res_norm.weight"):
-                p.uniform_(0.5, 1.5)
-    return model.eval()
+    return k3_runs.tiny_model(seed, device, **kw).eval()
 
 
 def _state_rows(state, slot: int, n: int) -> list[torch.Tensor]:

@@ -8,6 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import k3_runs
+
 from k3.config import K3Config
 from k3.layers.moe import LatentMoE
 from k3.model import K3ForCausalLM, keeps_fp32
@@ -18,15 +20,7 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def tiny(seed: int = 0, **kw) -> K3ForCausalLM:
-    torch.manual_seed(seed)
-    model = K3ForCausalLM(K3Config.from_preset("tiny", **kw))
-    with torch.no_grad():  # away from the zero / ones init so that every AttnRes mix matters
-        for name, p in model.named_parameters():
-            if name.endswith("_res_proj.weight"):
-                p.normal_(0.0, 1.0)
-            elif name.endswith("_res_norm.weight"):
-                p.uniform_(0.5, 1.5)
-    return model
+    return k3_runs.tiny_model(seed, **kw)
 
 
 # --- decode --------------------------------------------------------------------------------------------------------

@@ -1,4 +1,5 @@
-"""Shared by the CLI, train and infer tests (loaded by path from their conftests): tiny training runs, made once."""
+"""Shared by the tests (loaded by path from tests/conftest.py): tiny training runs, made once, and a tiny model whose
+AttnRes mixes all matter."""
 
 from __future__ import annotations
 
@@ -16,6 +17,23 @@ from pathlib import Path
 import torch
 
 from k3.cli import main
+from k3.config import K3Config
+from k3.model import K3ForCausalLM
+
+def tiny_model(seed: int = 0, device: str = "cpu", **kw) -> K3ForCausalLM:
+    """Preset ``tiny`` (``kw`` overrides config fields) with its AttnRes pseudo-queries and norm gains away from the
+    zero / ones init, so that every mix depends on all of its sources."""
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = K3ForCausalLM(K3Config.from_preset("tiny", **kw))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("_res_proj.weight"):
+                p.normal_(0.0, 1.0)
+            elif name.endswith("_res_norm.weight"):
+                p.uniform_(0.5, 1.5)
+    return model
+
 
 # Small enough that a step costs tens of milliseconds on a 2-core CPU; preset tiny, the real model.
 FAST = ["--batch-size", "2", "--seq-len", "16", "--eval-batches", "1", "--sample-tokens", "0", "--no-plot"]
