@@ -25,7 +25,7 @@ from k3.layers.fused import FusedProjections
 from k3.layers.mlp import SiTUMLP
 from k3.layers.norm import RMSNorm
 from k3.ops.moe.combine import combine_norm_rows
-from k3.ops.moe.grouped import expert_rows, grouped_mm
+from k3.ops.moe.grouped import expert_rows, grouped_mm, permute_rows
 from k3.ops.moe.qb import qb_bias_from_histogram
 from k3.ops.moe.router import route
 from k3.ops.moe.situ import situ_glu
@@ -147,7 +147,7 @@ class LatentMoE(nn.Module):
     def routed(self, z: torch.Tensor, idx: torch.Tensor, p: torch.Tensor, record: bool = False) -> torch.Tensor:
         """``z [m, ℓ]``, ``idx/p [m, k]`` → ``RMSNorm(Σ_j p_j E_j(z)) [m, ℓ]``."""
         row_of, token_of_row, offs = expert_rows(idx, self.experts.n_experts)
-        rows = self.experts(z[token_of_row], offs)
+        rows = self.experts(permute_rows(z, token_of_row, row_of), offs)
         if record:
             self.last_load.copy_(torch.diff(offs, prepend=offs.new_zeros(1)))
         return combine_norm_rows(rows, row_of, p, self.routed_expert_norm.weight, self.eps)

@@ -294,8 +294,10 @@ def test_permute_rows_fused_backward_matches_index():
     order, tok, _ = sort_by_expert(idx, E)
     z = torch.randn(m, L, device=DEV)
     g = torch.randn(m * k, L, device=DEV)
+    row_of = torch.empty_like(order)
+    row_of[order] = torch.arange(m * k, device=DEV)
     z1, z2 = leaf(z), leaf(z)
-    out = permute_rows_fused(z1, order, k)
+    out = permute_rows_fused(z1, tok, row_of.view(m, k))
     ref = z2[tok]
     out.backward(g)
     ref.backward(g)

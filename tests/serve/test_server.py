@@ -214,7 +214,9 @@ def test_disconnect_mid_stream_frees_the_slot(server, local):
 
 def _raw_stream_request(server, n: int) -> socket.socket:
     host, port = server.url.rsplit(":", 1)
-    body = json.dumps({"model": server.name, "prompt": f"queue {n} ", "max_tokens": 3000, "stream": True}).encode()
+    # ignore_eos: a stream that ended on its own would free a slot and make room in the queue mid-test
+    body = json.dumps({"model": server.name, "prompt": f"queue {n} ", "max_tokens": 3000, "stream": True,
+                       "ignore_eos": True}).encode()
     s = socket.create_connection((host, int(port)))
     s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
               b"Content-Length: %d\r\n\r\n%s" % (len(body), body))

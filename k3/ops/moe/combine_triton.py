@@ -192,28 +192,26 @@ def rows_sum_fused(src: torch.Tensor, row_of: torch.Tensor, out_dtype: torch.dty
 
 
 @torch.library.custom_op("k3::permute_rows", mutates_args=())
-def permute_rows_fused(z: torch.Tensor, order: torch.Tensor, k: int) -> torch.Tensor:
-    """``z[order // k]``: the expert-sorted copy of the tokens, whose backward is the gather-sum ``rows_sum``."""
-    return z.index_select(0, order // k)
+def permute_rows_fused(z: torch.Tensor, token_of_row: torch.Tensor, row_of: torch.Tensor) -> torch.Tensor:
+    """``z[token_of_row]``: the expert-sorted copy of the tokens. Its backward is the gather-sum ``rows_sum`` over
+    ``row_of [m, k]`` (each token's k rows), not autograd's scatter-add with atomics."""
+    return z.index_select(0, token_of_row)
 
 
 @permute_rows_fused.register_fake
-def _(z: torch.Tensor, order: torch.Tensor, k: int) -> torch.Tensor:
-    return z.new_empty(order.shape[0], z.shape[1])
+def _(z: torch.Tensor, token_of_row: torch.Tensor, row_of: torch.Tensor) -> torch.Tensor:
+    return z.new_empty(token_of_row.shape[0], z.shape[1])
 
 
 def _permute_setup(ctx, inputs, output) -> None:  # noqa: ANN001
-    z, order, k = inputs
-    n = order.shape[0]
-    row_of = torch.empty(n, dtype=torch.int64, device=order.device)
-    row_of[order] = torch.arange(n, device=order.device)  # inverse permutation, on device
+    z, _, row_of = inputs
     ctx.save_for_backward(row_of)
-    ctx.k, ctx.dtype = k, z.dtype
+    ctx.dtype = z.dtype
 
 
 def _permute_backward(ctx, grad: torch.Tensor):  # noqa: ANN001, ANN202
     (row_of,) = ctx.saved_tensors
-    return _rows_sum_op(grad, row_of.view(-1, ctx.k), ctx.dtype), None, None
+    return _rows_sum_op(grad.contiguous(), row_of, ctx.dtype), None, None
 
 
 permute_rows_fused.register_autograd(_permute_backward, setup_context=_permute_setup)

@@ -129,16 +129,18 @@ def expert_rows(idx: torch.Tensor, n_experts: int) -> tuple[torch.Tensor, torch.
     return row_of.view(idx.shape), token_of_row, offs
 
 
-def permute_rows(z: torch.Tensor, order: torch.Tensor, k: int) -> torch.Tensor:
-    """Expert-sorted copy of the tokens: ``z [m, ℓ]``, ``order [m*k]`` from ``sort_by_expert`` → ``[m*k, ℓ]`` with
-    row r = z[order[r] // k]. Same as ``z[token_of_row]``; on CUDA its backward is a fused gather-sum."""
-    if order.shape[0] != z.shape[0] * k:
-        raise ValueError(f"order must have m*k = {z.shape[0] * k} entries, got {order.shape[0]}")
+def permute_rows(z: torch.Tensor, token_of_row: torch.Tensor, row_of: torch.Tensor) -> torch.Tensor:
+    """Expert-sorted copy of the tokens: ``z [m, ℓ]`` → ``z[token_of_row] [m*k, ℓ]``, with ``token_of_row`` and
+    ``row_of [m, k]`` from :func:`expert_rows`. On CUDA its backward gathers each token's k row gradients and sums
+    them (``rows_sum``) instead of scattering them with atomics."""
+    if row_of.dim() != 2 or row_of.numel() != token_of_row.shape[0] or row_of.shape[0] != z.shape[0]:
+        raise ValueError(f"row_of must be [m={z.shape[0]}, k] with m*k = {token_of_row.shape[0]} entries, got "
+                         f"{tuple(row_of.shape)}")
     if use_triton(z):
         from k3.ops.moe.combine_triton import permute_rows_fused
 
-        return permute_rows_fused(z, order, k)
-    return z[order // k]
+        return permute_rows_fused(z, token_of_row, row_of)
+    return z[token_of_row]
 
 
 def grouped_ffn(
