@@ -86,6 +86,11 @@ def init_distributed(device: torch.device, dims: ParallelDims) -> Distributed:
     if dist.get_world_size() != world:
         raise ValueError(f"the process group has {dist.get_world_size()} ranks but WORLD_SIZE says {world}")
     mesh = dims.build_mesh(device.type)
+    if world > 1:
+        # The mesh's subgroups are built through rank 0's store: a rank that fails (and exits) right after joining
+        # must not take the store away from one that is still joining, or that one dies of a reset connection
+        # instead of reporting the same error.
+        dist.barrier()
     return Distributed(dims=dims, device=device, mesh=mesh, rank=dist.get_rank(), owns_group=owns)
 
 
