@@ -1,5 +1,5 @@
 """Small helpers shared across the package: atomic file writes, streamed file hashes, paths confined to a folder,
-bounded JSON reading, scoped environment variables and attributes."""
+bounded JSON reading, scoped environment variables and attributes, Ctrl-C held back over a critical section."""
 
 from __future__ import annotations
 
@@ -8,12 +8,15 @@ import hashlib
 import json
 import os
 import re
+import signal
 import tempfile
+import threading
 from pathlib import Path
 from typing import IO, Any, Callable, Iterator
 
 __all__ = ["atomic_write_bytes", "atomic_write_text", "atomic_write_with", "env_var", "overridden_attrs",
-           "sha256_file", "HashingWriter", "confined", "read_json", "parse_json", "JSON_MAX_BYTES", "JSON_MAX_DEPTH"]
+           "interrupts_deferred", "sha256_file", "HashingWriter", "confined", "read_json", "parse_json",
+           "JSON_MAX_BYTES", "JSON_MAX_DEPTH"]
 
 JSON_MAX_BYTES = 16 << 20  # configs, manifests, specs: a few KiB in practice
 JSON_MAX_DEPTH = 64  # the deepest file k3 reads nests 5 levels
@@ -59,6 +62,32 @@ def atomic_write_bytes(path: str | Path, data: bytes) -> None:
 
 def atomic_write_text(path: str | Path, text: str) -> None:
     atomic_write_bytes(path, text.encode("utf-8"))
+
+
+@contextlib.contextmanager
+def interrupts_deferred() -> Iterator[None]:
+    """Ctrl-C (SIGINT) during the block is held back and raised as ``KeyboardInterrupt`` when the block ends; a second
+    one raises at once. A checkpoint being written is finished instead of abandoned: ``torch.save`` interrupted
+    mid-write turns the ``KeyboardInterrupt`` into a ``RuntimeError`` of its own zip writer. Outside the main thread
+    (where Python runs signal handlers), or when SIGINT has a handler other than Python's default, it does nothing."""
+    if (threading.current_thread() is not threading.main_thread()
+            or signal.getsignal(signal.SIGINT) is not signal.default_int_handler):
+        yield
+        return
+    held: list[int] = []
+
+    def hold(signum: int, frame: Any) -> None:
+        if held:
+            raise KeyboardInterrupt
+        held.append(signum)
+
+    signal.signal(signal.SIGINT, hold)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    if held:
+        raise KeyboardInterrupt
 
 
 def sha256_file(path: str | Path) -> str:

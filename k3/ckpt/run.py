@@ -56,7 +56,7 @@ from k3.config import K3Config
 from k3.data.tokenizers import tokenizer_from_dict
 from k3.memory import available_memory, check_fits, model_footprint
 from k3.model import K3ForCausalLM
-from k3.utils import HashingWriter, atomic_write_text, atomic_write_with, read_json
+from k3.utils import HashingWriter, atomic_write_text, atomic_write_with, interrupts_deferred, read_json
 
 __all__ = [
     "CheckpointError",
@@ -255,15 +255,17 @@ def save_checkpoint(run_dir: str | Path, step: int, model: torch.nn.Module, conf
         raise ValueError(f"step must be a non-negative int, got {step!r}")
     if keep < 1:
         raise ValueError(f"keep must be >= 1, got {keep}")
-    tmp = stage_checkpoint(run_dir, step)
-    try:
-        # save_model (not save_file) drops aliases of shared tensors (tied embeddings) and records them.
-        atomic_write_with(tmp / "model.safetensors", lambda p: save_model(model, p, metadata={"step": str(step)}))
-        digests = {"trainer.pt": _torch_save(tmp / "trainer.pt", trainer_state)}
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return publish_checkpoint(tmp, step, config, tokenizer, run_args, keep, digests)
+    with interrupts_deferred():  # a Ctrl-C during the save stops the run after it, with this checkpoint complete
+        tmp = stage_checkpoint(run_dir, step)
+        try:
+            # save_model (not save_file) drops aliases of shared tensors (tied embeddings) and records them.
+            atomic_write_with(tmp / "model.safetensors",
+                              lambda p: save_model(model, p, metadata={"step": str(step)}))
+            digests = {"trainer.pt": _torch_save(tmp / "trainer.pt", trainer_state)}
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        return publish_checkpoint(tmp, step, config, tokenizer, run_args, keep, digests)
 
 
 def stage_checkpoint(run_dir: str | Path, step: int, owner: str | None = None) -> Path:

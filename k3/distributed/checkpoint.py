@@ -31,7 +31,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from k3.ckpt.run import (DCP_DIR, CheckpointError, publish_checkpoint, rng_state, set_rng_state,
                          stage_checkpoint)
 from k3.distributed.data_parallel import Distributed
-from k3.utils import atomic_write_with, sha256_file
+from k3.utils import atomic_write_with, interrupts_deferred, sha256_file
 
 __all__ = ["is_distributed_checkpoint", "save_distributed_checkpoint", "load_distributed_checkpoint",
            "shard_optimizer_state"]
@@ -51,25 +51,27 @@ def _barrier(d: Distributed) -> None:
 def save_distributed_checkpoint(run_dir: Path, step: int, model: torch.nn.Module, opt: torch.optim.Optimizer,
                                 config: Any, tokenizer: Any, trainer_state: dict[str, Any],
                                 run_args: dict[str, Any], keep: int, d: Distributed) -> Path:
-    """Collective: every rank calls it. ``trainer_state`` (rank 0's) must not hold the optimizer."""
-    tmp = Path(run_dir) / "checkpoints" / f".tmp-step-{step:08d}-{_OWNER}"
-    if d.is_main:
-        tmp = stage_checkpoint(run_dir, step, owner=_OWNER)
-    _barrier(d)  # the staging directory exists (and a killed save's is gone) before anyone writes
-    model_sd, optim_sd = get_state_dict(model, opt)
-    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp / DCP_DIR))
-    (tmp / "rng").mkdir(exist_ok=True)
-    rng = tmp / "rng" / f"rank-{d.rank:05d}.pt"
-    atomic_write_with(rng, lambda p: torch.save(rng_state(), p))
-    # each rank hashes the shards it wrote, in parallel; rank 0's manifest reads only the rest
-    mine = {f.relative_to(tmp).as_posix(): sha256_file(f) for f in [*(tmp / DCP_DIR).glob(f"__{d.rank}_*"), rng]}
-    digests = _gather_digests(mine, d)
-    final = Path(run_dir) / "checkpoints" / f"step-{step:08d}"
-    if d.is_main:
-        atomic_write_with(tmp / "trainer.pt", lambda p: torch.save(trainer_state, p))
-        final = publish_checkpoint(tmp, step, config, tokenizer, run_args, keep, digests)
-    _barrier(d)  # nobody moves on (or exits) before the checkpoint is published
-    return final
+    """Collective: every rank calls it. ``trainer_state`` (rank 0's) must not hold the optimizer. A Ctrl-C
+    during it stops the run after it (``interrupts_deferred``), every rank having finished the collective save."""
+    with interrupts_deferred():
+        tmp = Path(run_dir) / "checkpoints" / f".tmp-step-{step:08d}-{_OWNER}"
+        if d.is_main:
+            tmp = stage_checkpoint(run_dir, step, owner=_OWNER)
+        _barrier(d)  # the staging directory exists (and a killed save's is gone) before anyone writes
+        model_sd, optim_sd = get_state_dict(model, opt)
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp / DCP_DIR))
+        (tmp / "rng").mkdir(exist_ok=True)
+        rng = tmp / "rng" / f"rank-{d.rank:05d}.pt"
+        atomic_write_with(rng, lambda p: torch.save(rng_state(), p))
+        # each rank hashes the shards it wrote, in parallel; rank 0's manifest reads only the rest
+        mine = {f.relative_to(tmp).as_posix(): sha256_file(f) for f in [*(tmp / DCP_DIR).glob(f"__{d.rank}_*"), rng]}
+        digests = _gather_digests(mine, d)
+        final = Path(run_dir) / "checkpoints" / f"step-{step:08d}"
+        if d.is_main:
+            atomic_write_with(tmp / "trainer.pt", lambda p: torch.save(trainer_state, p))
+            final = publish_checkpoint(tmp, step, config, tokenizer, run_args, keep, digests)
+        _barrier(d)  # nobody moves on (or exits) before the checkpoint is published
+        return final
 
 
 def _gather_digests(mine: dict[str, str], d: Distributed) -> dict[str, str]:
