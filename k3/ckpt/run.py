@@ -226,7 +226,12 @@ def _torch_save(path: Path, obj: Any) -> str:
     def write(tmp: str) -> None:
         with open(tmp, "wb") as f:
             w = HashingWriter(f)
-            torch.save(obj, w)
+            try:
+                torch.save(obj, w)
+            except RuntimeError as e:  # an interrupt mid-write comes back as the zip writer's own error
+                if isinstance(e.__context__, KeyboardInterrupt):
+                    raise e.__context__ from None
+                raise
             digest.append(w.hexdigest())
 
     atomic_write_with(path, write)

@@ -60,3 +60,18 @@ def test_interrupt_inside_torch_save_leaves_a_complete_checkpoint(tmp_path):
     assert ckpt is not None and ckpt.name == "step-00000003"
     verify_checkpoint(ckpt)  # every file complete and matching its manifest
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step-00000003"]
+
+
+class _InterruptTwiceWhilePickled:
+    def __reduce__(self):
+        _sigint()
+        _sigint()
+        return (int, (7,))
+
+
+def test_two_interrupts_inside_torch_save_stop_at_once_and_publish_nothing(tmp_path):
+    model = K3ForCausalLM(K3Config.from_preset("tiny"))
+    state = {"step": 3, "probe": _InterruptTwiceWhilePickled()}
+    with pytest.raises(KeyboardInterrupt):  # not the zip writer's RuntimeError
+        save_checkpoint(tmp_path, 3, model, model.config, ByteTokenizer(), state, {"preset": "tiny"})
+    assert list((tmp_path / "checkpoints").iterdir()) == []  # nothing published, the staged directory gone too
