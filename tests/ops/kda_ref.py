@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -12,6 +13,8 @@ from k3.ops.kda import naive_recurrent_kda
 
 CUDA = torch.cuda.is_available()
 DEV = "cuda" if CUDA else "cpu"
+gpu = pytest.mark.skipif(not CUDA, reason="needs CUDA")
+cpu_only = pytest.mark.skipif(CUDA, reason="interpreter-sized cases (CPU)")
 K3 = dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True, safe_gate=True,
           lower_bound=-5.0)
 

@@ -22,11 +22,9 @@ from k3.ops.kda import fused_recurrent_kda, naive_recurrent_kda  # noqa: E402
 from k3.ops.kda.args import _checked_dims, _common_call_dims, kda_args  # noqa: E402
 from k3.ops.kda.gate import kda_gate_fused  # noqa: E402
 from k3.ops.kda.triton import _common as common  # noqa: E402
+from tests.ops.kda_ref import CUDA, cpu_only, gpu  # noqa: E402
 from tests.ops.kernel_spy import KernelSpy  # noqa: E402
 
-CUDA = torch.cuda.is_available()
-cpu_only = pytest.mark.skipif(CUDA, reason="interpreter-sized cases (CPU)")
-gpu = pytest.mark.skipif(not CUDA, reason="needs CUDA")
 gluon_gpu = pytest.mark.skipif(not (CUDA and common.HAVE_GLUON), reason="needs CUDA and Gluon")
 needs_gluon = pytest.mark.skipif(not common.HAVE_GLUON, reason="this Triton has no Gluon")
 

@@ -31,7 +31,9 @@ from tests.ops.kda_ref import (  # noqa: E402
     DEV,
     activations,
     assert_close,
+    cpu_only,
     errors,
+    gpu,
     make_inputs,
     on_device,
     public_call,
@@ -39,8 +41,6 @@ from tests.ops.kda_ref import (  # noqa: E402
     rel,
 )
 
-gpu = pytest.mark.skipif(not CUDA, reason="needs CUDA")
-cpu_only = pytest.mark.skipif(CUDA, reason="interpreter-sized cases (CPU)")
 pytestmark = pytest.mark.usefixtures("nan_empty")
 
 # fla 0.6.0's positional parameters, in order (fla takes the rest through **kwargs: A_log, dt_bias, chunk_size,

@@ -20,10 +20,17 @@ pytest.importorskip("triton")
 from k3.ops.kda import chunk_kda, fused_recurrent_kda  # noqa: E402
 from k3.ops.kda.triton import chunk_kda as chunk_kda_triton  # noqa: E402
 from k3.ops.kda.triton.inference import InferencePlan  # noqa: E402
-from tests.ops.kda_ref import CUDA, assert_close, backend_call, errors, make_inputs, public_call  # noqa: E402
+from tests.ops.kda_ref import (  # noqa: E402
+    CUDA,
+    assert_close,
+    backend_call,
+    cpu_only,
+    errors,
+    gpu,
+    make_inputs,
+    public_call,
+)
 
-gpu = pytest.mark.skipif(not CUDA, reason="needs CUDA")
-cpu_only = pytest.mark.skipif(CUDA, reason="interpreter-sized cases (CPU)")
 pytestmark = pytest.mark.usefixtures("nan_empty")
 DIMS = [(256, 256), (192, 256)]
 

@@ -28,15 +28,15 @@ from tests.ops.kda_ref import (  # noqa: E402
     DEV,
     assert_close,
     backend_call,
+    cpu_only,
     errors,
+    gpu,
     make_inputs,
     on_device,
     public_call,
     rel,
 )
 
-gpu = pytest.mark.skipif(not CUDA, reason="needs CUDA")
-cpu_only = pytest.mark.skipif(CUDA, reason="interpreter-sized cases (CPU)")
 pytestmark = pytest.mark.usefixtures("nan_empty")
 C16 = InferencePlan(c16_min_programs=0)  # the 16-token flow at any size
 ONE_CHUNK_WINDOWS = InferencePlan(window_bytes=1)

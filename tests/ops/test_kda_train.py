@@ -27,15 +27,15 @@ from tests.ops.kda_ref import (  # noqa: E402
     K3,
     assert_close,
     backend_call,
+    cpu_only,
     errors,
+    gpu,
     make_inputs,
     public_call,
     reference,
     rel,
 )
 
-gpu = pytest.mark.skipif(not CUDA, reason="needs CUDA")
-cpu_only = pytest.mark.skipif(CUDA, reason="interpreter-sized cases (CPU)")
 pytestmark = pytest.mark.usefixtures("nan_empty")
 
 
