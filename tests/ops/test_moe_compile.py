@@ -70,17 +70,21 @@ def test_moe_ops_pass_opcheck() -> None:
     torch.library.opcheck(ops.expert_rows.default, (torch.randint(0, n, (m, k), device=DEV), n))
 
 
+def _layer_pair(seed: int) -> tuple[K3Config, LatentMoE, LatentMoE, torch.Tensor, torch.Tensor]:
+    """A tiny Latent MoE with weights away from their init, an identical copy, an input and an output gradient."""
+    torch.manual_seed(seed)
+    config = K3Config.from_preset("tiny")
+    layer = LatentMoE(config, 1).to(DEV).train()
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.normal_(0.0, 0.3)
+    x = torch.randn(2, 9, config.hidden_size, device=DEV)
+    return config, layer, copy.deepcopy(layer), x, torch.randn_like(x)
+
+
 def test_latent_moe_compiles_in_one_graph_with_its_qb_histogram(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("K3_MOE_BACKEND", "triton")
-    torch.manual_seed(0)
-    config = K3Config.from_preset("tiny")
-    eager = LatentMoE(config, 1).to(DEV).train()
-    with torch.no_grad():
-        for p in eager.parameters():
-            p.normal_(0.0, 0.3)
-    compiled = copy.deepcopy(eager)
-    x = torch.randn(2, 9, config.hidden_size, device=DEV)
-    dy = torch.randn_like(x)
+    config, eager, compiled, x, dy = _layer_pair(0)
     outs = []
     for module, fn in ((eager, eager), (compiled, torch.compile(compiled, backend="aot_eager", fullgraph=True))):
         xi = x.clone().requires_grad_(True)
@@ -102,15 +106,7 @@ def test_latent_moe_compiles_in_one_graph_with_its_qb_histogram(monkeypatch: pyt
 def test_latent_moe_kernels_equal_the_references(monkeypatch: pytest.MonkeyPatch) -> None:
     """The layer through its Triton ops (router, rows permutation with its gather-sum backward, SiTU-GLU, combine)
     against the same layer on the PyTorch references: outputs and every gradient."""
-    torch.manual_seed(1)
-    config = K3Config.from_preset("tiny")
-    ref = LatentMoE(config, 1).to(DEV).train()
-    with torch.no_grad():
-        for p in ref.parameters():
-            p.normal_(0.0, 0.3)
-    fused = copy.deepcopy(ref)
-    x = torch.randn(2, 9, config.hidden_size, device=DEV)
-    dy = torch.randn_like(x)
+    _, ref, fused, x, dy = _layer_pair(1)
     outs = []
     for module, backend in ((ref, "torch"), (fused, "triton")):
         monkeypatch.setenv("K3_MOE_BACKEND", backend)
