@@ -219,8 +219,9 @@ def _write_text(path: Path, text: str) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def _torch_save(path: Path, obj: Any) -> str:
-    """``torch.save`` through a hashing writer (the largest file of a checkpoint is hashed as it is written)."""
+def torch_save_hashed(path: Path, obj: Any) -> str:
+    """``torch.save`` of ``obj`` to ``path``, atomically, through a hashing writer; returns the file's sha256 (a
+    checkpoint's files are hashed as they are written, not read again for the manifest)."""
     digest: list[str] = []
 
     def write(tmp: str) -> None:
@@ -266,7 +267,7 @@ def save_checkpoint(run_dir: str | Path, step: int, model: torch.nn.Module, conf
             # save_model (not save_file) drops aliases of shared tensors (tied embeddings) and records them.
             atomic_write_with(tmp / "model.safetensors",
                               lambda p: save_model(model, p, metadata={"step": str(step)}))
-            digests = {"trainer.pt": _torch_save(tmp / "trainer.pt", trainer_state)}
+            digests = {"trainer.pt": torch_save_hashed(tmp / "trainer.pt", trainer_state)}
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise

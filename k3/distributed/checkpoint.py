@@ -29,9 +29,9 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from k3.ckpt.run import (DCP_DIR, CheckpointError, publish_checkpoint, rng_state, set_rng_state,
-                         stage_checkpoint)
+                         stage_checkpoint, torch_save_hashed)
 from k3.distributed.data_parallel import Distributed
-from k3.utils import atomic_write_with, interrupts_deferred, sha256_file
+from k3.utils import interrupts_deferred, sha256_file
 
 __all__ = ["is_distributed_checkpoint", "save_distributed_checkpoint", "load_distributed_checkpoint",
            "shard_optimizer_state"]
@@ -62,13 +62,13 @@ def save_distributed_checkpoint(run_dir: Path, step: int, model: torch.nn.Module
         dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp / DCP_DIR))
         (tmp / "rng").mkdir(exist_ok=True)
         rng = tmp / "rng" / f"rank-{d.rank:05d}.pt"
-        atomic_write_with(rng, lambda p: torch.save(rng_state(), p))
-        # each rank hashes the shards it wrote, in parallel; rank 0's manifest reads only the rest
-        mine = {f.relative_to(tmp).as_posix(): sha256_file(f) for f in [*(tmp / DCP_DIR).glob(f"__{d.rank}_*"), rng]}
+        # each rank hashes the files it wrote, in parallel; rank 0's manifest reads only the rest
+        mine = {f.relative_to(tmp).as_posix(): sha256_file(f) for f in (tmp / DCP_DIR).glob(f"__{d.rank}_*")}
+        mine[rng.relative_to(tmp).as_posix()] = torch_save_hashed(rng, rng_state())
         digests = _gather_digests(mine, d)
         final = Path(run_dir) / "checkpoints" / f"step-{step:08d}"
         if d.is_main:
-            atomic_write_with(tmp / "trainer.pt", lambda p: torch.save(trainer_state, p))
+            digests["trainer.pt"] = torch_save_hashed(tmp / "trainer.pt", trainer_state)
             final = publish_checkpoint(tmp, step, config, tokenizer, run_args, keep, digests)
         _barrier(d)  # nobody moves on (or exits) before the checkpoint is published
         return final
