@@ -33,8 +33,10 @@ run_one() {
 }
 export -f run_one
 t0=$(date +%s)
+# results appended as each id finishes, so a run stopped at a time limit keeps what it finished
 cat "$dir/k3_ids.txt" "$dir/ids.txt" | tr '\n' '\0' | xargs -0 -P 14 -I{} bash -c 'run_one "$@"' _ {} "$dir" \
-    "${plugins[@]}" | sort > "$dir/results.txt" || true
+    "${plugins[@]}" >> "$dir/results.raw" || true
+sort "$dir/results.raw" > "$dir/results.txt"
 t1=$(date +%s)
 grep -F '.fla/' "$dir/results.txt" > "$dir/fla_results.txt" || true
 grep -vF '.fla/' "$dir/results.txt" > "$dir/k3_results.txt" || true
