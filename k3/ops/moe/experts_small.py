@@ -18,7 +18,7 @@ __all__ = ["SMALL_ROWS", "check_ffn_inputs", "grouped_ffn_reference"]
 # tokens at top-8): far under the ~200 rows per expert where a GEMM over one expert's weights stops being
 # memory-bound, so both paths move the same weight bytes and the fused one saves grouped_mm's launches and its
 # tiles over empty groups. Above it (prefill) CUTLASS's tiling of large groups wins. `python -m k3.bench moe
-# --skip ...` times both at R = 8 … 2048 (bench/gpu/moedecode.sh) to check the crossover.
+# --only small` times both at R = 8 … 2048 (bench/gpu/moedecode.sh), which is where to check the crossover.
 SMALL_ROWS = 1024
 
 
