@@ -392,6 +392,12 @@ def _gmm_ffn(x: torch.Tensor, offs: torch.Tensor, w1: torch.Tensor, w3: torch.Te
     return grouped_mm(situ_glu(g, u), w2.transpose(1, 2), offs)
 
 
+def _every_layer(ffn: Callable[..., torch.Tensor], x: torch.Tensor, offs: list[torch.Tensor],
+                 ws: list[list[torch.Tensor]]) -> Callable[[], None]:
+    """One call of ``ffn`` per layer's routing and weights."""
+    return lambda: [ffn(x, o, *w) for o, w in zip(offs, ws)]
+
+
 def _bench_graph(fn: Callable[[], object], rep_ms: float) -> float:
     """Median ms of ``fn`` replayed from a CUDA graph (the decode step's launch cost); NaN on CPU."""
     if not torch.cuda.is_available():
@@ -404,12 +410,15 @@ def _bench_graph(fn: Callable[[], object], rep_ms: float) -> float:
 def bench_small_rows(cases: list[SmallCase], dev: str, rep: float) -> list[dict]:
     """Per case and row count: ms per layer of both expert paths, eager and from a CUDA graph, the active experts'
     weight bytes over the graph time, and the fused output's error against the grouped_mm path."""
+    if dev == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        print("small: skipped (the Triton kernels need a GPU or TRITON_INTERPRET=1)", flush=True)
+        return []
     dt = torch.bfloat16 if dev == "cuda" else torch.float32
     out = []
     for c in cases:
         g = torch.Generator(device=dev).manual_seed(0)
-        ws = [[(torch.randn(*s, device=dev, generator=g) * 0.02).to(dt) for s in ((c.E, c.Fw, c.l),) * 2 +
-               ((c.E, c.l, c.Fw),)] for _ in range(c.layers)]
+        shapes = ((c.E, c.Fw, c.l), (c.E, c.Fw, c.l), (c.E, c.l, c.Fw))  # w1, w3, w2
+        ws = [[torch.randn(*s, device=dev, dtype=dt, generator=g).mul_(0.02) for s in shapes] for _ in range(c.layers)]
         for R in c.rows:
             m = R // c.k
             idx = [torch.rand(m, c.E, device=dev, generator=g).topk(c.k, dim=-1).indices for _ in range(c.layers)]
@@ -417,16 +426,14 @@ def bench_small_rows(cases: list[SmallCase], dev: str, rep: float) -> list[dict]
             x = torch.randn(m * c.k, c.l, device=dev, generator=g).to(dt)
             active = sum(int((torch.diff(o, prepend=o.new_zeros(1)) > 0).sum()) for o in offs) / c.layers
 
-            def run(ffn: Callable[..., torch.Tensor]) -> Callable[[], None]:
-                return lambda: [ffn(x, offs[i], *ws[i]) for i in range(c.layers)]
-
             with torch.no_grad():
                 err = _rel(grouped_ffn_small(x, offs[0], *ws[0]), _gmm_ffn(x, offs[0], *ws[0]))
                 row = {"case": c.name, "rows": R, "tokens": m, "active_experts": active, "rel_err": err}
                 for name, ffn in (("gmm", _gmm_ffn), ("fused", grouped_ffn_small)):
-                    run(ffn)()  # compile and autotune outside the timing and the capture
-                    row[f"{name}_ms"] = _bench(run(ffn), rep / 8, rep / 40) / c.layers
-                    row[f"{name}_graph_ms"] = _bench_graph(run(ffn), rep / 8) / c.layers
+                    run = _every_layer(ffn, x, offs, ws)
+                    run()  # compile and autotune outside the timing and the capture
+                    row[f"{name}_ms"] = _bench(run, rep / 8, rep / 40) / c.layers
+                    row[f"{name}_graph_ms"] = _bench_graph(run, rep / 8) / c.layers
             row["fused_graph_TBps"] = active * 3 * c.l * c.Fw * ws[0][0].element_size() / row["fused_graph_ms"] / 1e9
             print(row, flush=True)
             out.append(row)
@@ -520,10 +527,12 @@ def _md(report: dict) -> str:
     L = [f"# Latent MoE layer benchmark ({report['device']})", "",
          f"torch {report['torch']}, triton {report['triton']}, Python {report['python']}; "
          f"shapes {report['shapes']}; bf16 matmul peak (8192³, same run) **{report['peak_tflops']:.0f} TFLOP/s**.", "",
-         "fwd+bwd: gradients added into existing `.grad` (as the baseline measured; repeated once for the spread) and "
-         "with `.grad` set to None first (one micro-batch after `zero_grad(set_to_none=True)`).", "",
-         "| layer | fwd ms | fwd+bwd ms (repeat) | TFLOP/s | of peak | fwd+bwd, fresh grads ms | of peak |",
-         "|---|---:|---:|---:|---:|---:|---:|"]
+         f"Command: `{report['command']}`"]
+    if report["layers"]:
+        L += ["", "fwd+bwd: gradients added into existing `.grad` (as the baseline measured; repeated once for the "
+              "spread) and with `.grad` set to None first (one micro-batch after `zero_grad(set_to_none=True)`).", "",
+              "| layer | fwd ms | fwd+bwd ms (repeat) | TFLOP/s | of peak | fwd+bwd, fresh grads ms | of peak |",
+              "|---|---:|---:|---:|---:|---:|---:|"]
     for r in report["layers"]:
         L.append(f"| {r['name']} | {r['fwd_ms']:.1f} | {r['fwd_bwd_ms']:.1f} ({r['fwd_bwd_ms_repeat']:.1f}) | "
                  f"{r['fwd_bwd_tflops']:.0f} | {100 * r['frac_peak']:.0f}% | {r['fwd_bwd_fresh_ms']:.1f} | "
@@ -576,17 +585,17 @@ def main(argv: list[str] | None = None) -> int:
                     "peak,layers,components,gemms,qb,small,check,sync")
     ap.add_argument("--only", default="", help="comma list of the sections to run (the others are skipped)")
     a = ap.parse_args(argv)
+    sections = {"peak", "layers", "components", "gemms", "qb", "small", "check", "sync"}
+    skip, only = set(filter(None, a.skip.split(","))), set(filter(None, a.only.split(",")))
+    if (skip | only) - sections:
+        ap.error(f"unknown section(s) {sorted((skip | only) - sections)}; known: {sorted(sections)}")
+    if only:
+        skip |= sections - only
     dev = "cpu" if a.smoke or not torch.cuda.is_available() else "cuda"
     if dev == "cpu" and not a.smoke:
         print("no CUDA device: run with --smoke for a CPU check of the script", file=sys.stderr)
         return 2
     sh = SMOKE if a.smoke else Shapes(T=a.tokens, E=a.experts)
-    sections = {"peak", "layers", "components", "gemms", "qb", "small", "check", "sync"}
-    skip = set(filter(None, a.skip.split(",")))
-    if a.only:
-        skip |= sections - set(a.only.split(","))
-    if skip - sections:
-        ap.error(f"unknown section(s) {sorted(skip - sections)}; known: {sorted(sections)}")
     import triton
 
     report = {"device": torch.cuda.get_device_name() if dev == "cuda" else "CPU (smoke)", "torch": torch.__version__,

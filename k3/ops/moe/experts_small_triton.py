@@ -6,8 +6,8 @@ ends, so rows ``offs[e-1]:offs[e]`` go through expert e (``k3.ops.moe.grouped``)
     h = SiTU-GLU(x W1_eᵀ, x W3_eᵀ)    [R, F]   launch 1: both fp32 accumulators from one pass over x, SiTU in fp32
     y = h W2_eᵀ                       [R, ℓ]   launch 2: fp32 accumulator
 
-h and y are stored in x.dtype, as ``grouped_ffn`` rounds them (its gate and up products are rounded before SiTU;
-here they stay fp32, which only removes a rounding). Rows from ``offs[-1]`` to R belong to no expert and are
+h and y are stored in x.dtype, as the grouped_mm path of ``grouped_ffn`` rounds them (that path also rounds the
+gate and up products before SiTU; here they stay fp32, which only removes a rounding). Rows from ``offs[-1]`` to R belong to no expert and are
 written as zeros.
 
 Why: at a decode step R = batch·top-k rows spread over all experts (8 rows over 128 experts at batch 1), and
