@@ -253,3 +253,13 @@ def test_gpu_layer_cuda_graph_replays_new_routing(monkeypatch):
             monkeypatch.setattr(grouped, "SMALL_ROWS", SMALL_ROWS)
             assert rel(y_static, ref) < 2e-2
         assert len(seen) == 3  # each replay routed differently
+
+
+def test_op_registration_passes_opcheck():
+    """``k3::grouped_ffn_small`` as torch.compile sees it: schema, fake tensor and the real kernel agree."""
+    L, F = 16, 32
+    offs = torch.tensor([2, 2, 5], dtype=torch.int32, device=DEV)
+    x = torch.randn(6, L, device=DEV)
+    w1, w3, w2 = weights(3, F, L)
+    torch.library.opcheck(torch.ops.k3.grouped_ffn_small.default, (x, offs, w1, w3, w2, 4.0, 25.0, 99.0),
+                          test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_dynamic"))
