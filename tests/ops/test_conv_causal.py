@@ -140,13 +140,24 @@ def test_compiled_region_keeps_the_op_whole() -> None:
 
 
 def test_dispatch_and_bad_input(monkeypatch) -> None:
-    """ShortConv runs the op on CUDA tensors and the reference on CPU ones; bad shapes name the argument."""
+    """ShortConv runs the op on CUDA tensors and the reference on CPU ones unless ``K3_KDA_BACKEND`` says otherwise;
+    bad shapes name the argument."""
     calls = []
     real = causal_triton.short_conv_op
     monkeypatch.setattr(causal_triton, "short_conv_op", lambda *a: calls.append(1) or real(*a))
     conv = ShortConv(C, W).to(DEV)
-    y, _ = conv(torch.randn(1, 5, C, device=DEV))
-    assert bool(calls) == CUDA
+    x = torch.randn(1, 5, C, device=DEV)
+    conv(x)
+    assert len(calls) == int(CUDA)
+    for forced, runs in (("triton", True), ("torch", False)):  # K3_KDA_BACKEND forces either (the interpreter on CPU)
+        monkeypatch.setenv("K3_KDA_BACKEND", forced)
+        calls.clear()
+        conv(x)
+        assert len(calls) == int(runs), forced
+    monkeypatch.setenv("K3_KDA_BACKEND", "cuda")
+    with pytest.raises(ValueError, match="K3_KDA_BACKEND"):
+        conv(x)
+    monkeypatch.delenv("K3_KDA_BACKEND")
     with pytest.raises(ValueError, match="tail"):
         short_conv(torch.randn(1, 5, C), conv.weight.cpu(), torch.zeros(1, 2, C))
     with pytest.raises(ValueError, match="weight"):

@@ -13,17 +13,45 @@ inputs).
 ``short_conv_reference``  the plain PyTorch form: ``F.conv1d`` in fp32 (CPU, ground truth).
 ``short_conv_fused``      the Triton kernels (``causal_triton.py``) on any device they run on (CPU tensors need
                           ``TRITON_INTERPRET=1``), as the ``k3::short_conv_fwd`` / ``_bwd`` ops: for tests.
-``short_conv``            the Triton kernels on CUDA, the reference elsewhere.
+``short_conv``            the Triton kernels on CUDA, the reference elsewhere; ``K3_KDA_BACKEND=triton|torch`` forces
+                          one (the convolution is part of the KDA layer: one switch for both; on CPU tensors Triton
+                          needs ``TRITON_INTERPRET=1`` set before triton is imported).
 """
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
+
+from k3.ops._fastpath import fallback_notice, triton_version
 
 __all__ = ["short_conv", "short_conv_fused", "short_conv_reference"]
 
 _FUSED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_ENV = "K3_KDA_BACKEND"
+
+
+@torch.compiler.assume_constant_result  # a compiled forward bakes the answer in instead of tracing the import
+def _triton_available() -> bool:
+    return triton_version() is not None
+
+
+def use_triton(x: torch.Tensor) -> bool:
+    """True when the Triton kernels should run on ``x``: CUDA tensors of a float dtype they take, unless
+    ``K3_KDA_BACKEND`` says otherwise (read at call time)."""
+    forced = os.environ.get(_ENV, "").strip().lower()
+    if forced not in ("", "auto", "torch", "triton"):
+        raise ValueError(f"{_ENV} must be 'triton', 'torch' or unset, got {forced!r}")
+    if forced in ("torch", "triton"):
+        return forced == "triton" and x.dtype in _FUSED_DTYPES
+    if not x.is_cuda or x.dtype not in _FUSED_DTYPES:
+        return False
+    if not _triton_available():
+        fallback_notice("the short-conv Triton kernels", "need triton, which does not import", "the fp32 reference")
+        return False
+    return True
 
 
 def _check(x: torch.Tensor, weight: torch.Tensor, tail: torch.Tensor | None) -> None:
@@ -79,8 +107,9 @@ def short_conv_fused(x: torch.Tensor, weight: torch.Tensor, tail: torch.Tensor |
 def short_conv(x: torch.Tensor, weight: torch.Tensor, tail: torch.Tensor | None = None,
                activation: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """``x [B, T, C]``, ``weight [C, 1, W]``, ``tail [B, W−1, C]`` or None (zeros) → ``(y, new_tail)`` in x's
-    dtype. CUDA tensors (fp32 / bf16 / fp16) run the Triton kernels, others the fp32 reference."""
+    dtype. CUDA tensors (fp32 / bf16 / fp16) run the Triton kernels, others the fp32 reference (see
+    :func:`use_triton`)."""
     _check(x, weight, tail)
-    if x.is_cuda and x.dtype in _FUSED_DTYPES:
+    if use_triton(x):
         return short_conv_fused(x, weight, tail, activation)
     return short_conv_reference(x, weight, tail, activation)
