@@ -158,9 +158,10 @@ def short_conv_fwd(x: torch.Tensor, weight: torch.Tensor, tail: torch.Tensor | N
 
 @functools.lru_cache(maxsize=8)
 def _row_groups(B: int, Tp: int) -> tuple[int, int]:
-    """(ROWS, groups): padded rows per backward program (a power of two ≥ every tuned BT) and their count, about
-    256 (batch, group) pairs at most: few ``dw`` partials, and enough programs for any GPU once times C / BC."""
-    rows = max(_BWD_MAX_BT, triton.next_power_of_2(triton.cdiv(B * Tp, 256)))
+    """(ROWS, groups): padded rows per backward program (a power of two ≥ every tuned BT) and their count, at most
+    about 512 (batch, group) pairs: ``dw`` partials of a few MB, and (times C / BC) several waves of programs on any
+    GPU, so that the last, partly filled one costs little (``small``: 8 × 33 × 8 programs of 128 rows)."""
+    rows = max(_BWD_MAX_BT, triton.next_power_of_2(triton.cdiv(B * Tp, 512)))
     return rows, triton.cdiv(Tp, rows)
 
 
