@@ -76,7 +76,7 @@ def short_conv_fwd_kernel(x, w, tail, y, T, C, s_xb, s_xt, W: tl.constexpr, ACT:
     for i_w in tl.static_range(W):  # output row t reads padded rows t .. t + W − 1
         b_w = tl.load(w + o_c * W + i_w, mask=m_c, other=0.)
         b_y += b_w[None, :] * _load_xp(x, tail, t0 + i_w, o_r, o_c, m_c, T, s_xt, C, W, HAS_TAIL)
-    if ACT:  # the decode update's form of SiLU: prefill and decode round alike
+    if ACT:  # the decode update's SiLU expression
         b_y = b_y / (1.0 + tl.exp(-b_y))
     p_y = y + (i_b.to(tl.int64) * T + t0) * C + (o_r[:, None] * C + o_c[None, :])
     tl.store(p_y, b_y.to(y.dtype.element_ty), mask=(t0 + o_r < T)[:, None] & m_c[None, :])
