@@ -8,6 +8,11 @@ its error against the exact sorted quantile.
 
 "ours" is ``k3.layers.moe.LatentMoE`` exactly as the model uses it (training mode, QB histogram recorded), on the
 default CUDA backends: fused Triton router epilogue, SiTU-GLU and combine+RMSNorm; experts via ``grouped_mm``.
+Section ``small`` (``--only small``): the routed experts' FFN at decode-sized row counts, the fused small-row
+kernels (``k3.ops.moe.experts_small_triton``, what inference calls of ≤ ``SMALL_ROWS`` rows run) against three
+``grouped_mm`` + SiTU-GLU (what they ran before and training runs), at ``small``'s widths and at one GPU's share of
+K3's experts; both eager and replayed from a CUDA graph (as the decode step runs them).
+
 ``--smoke`` runs every code path on tiny CPU shapes (no timing claims) to check the script itself.
 """
 
@@ -30,10 +35,12 @@ from k3.config import K3Config
 from k3.distributed.expert_parallel import apply_expert_parallel
 from k3.layers.moe import LatentMoE
 from k3.ops.moe.combine import combine_norm, combine_norm_reference, combine_norm_rows
+from k3.ops.moe.experts_small import SMALL_ROWS
+from k3.ops.moe.experts_small_triton import grouped_ffn_small
 from k3.ops.moe.grouped import expert_rows, grouped_ffn_packed, grouped_mm, permute_rows, sort_by_expert
 from k3.ops.moe.qb import qb_bias_from_histogram, qb_exact_bias, qb_histogram, qb_range
 from k3.ops.moe.router import route, route_reference
-from k3.ops.moe.situ import situ_glu_packed
+from k3.ops.moe.situ import situ_glu, situ_glu_packed
 from k3.utils import atomic_write_text
 
 __all__ = ["main", "Shapes", "PlainLayer"]
@@ -358,6 +365,83 @@ def bench_qb(sh: Shapes, dev: str, layer_ms: float, rep: float) -> list[dict]:
     return res
 
 
+# ---------------------------------------------------------------------------------------------- small rows
+@dataclass
+class SmallCase:
+    name: str
+    E: int
+    k: int
+    l: int
+    Fw: int
+    rows: tuple[int, ...]  # R = tokens · k
+    layers: int  # weight sets run per timed call (one each), so the weights come from HBM and not from L2
+
+
+SMALL_CASES = [
+    SmallCase("small: E 128, top-8, ℓ 512, F 512, 12 layers", 128, 8, 512, 512, (8, 512, 1024, 2048), 12),
+    SmallCase("K3 EP=2 share: E 448, top-16, ℓ 3584, F 3072", 448, 16, 3584, 3072, (16, 512), 1),
+]
+SMALL_SMOKE = [SmallCase("smoke", 6, 2, 32, 48, (2, 10), 2)]
+
+
+def _gmm_ffn(x: torch.Tensor, offs: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor
+             ) -> torch.Tensor:
+    """The grouped_mm path of ``grouped_ffn``: three grouped GEMMs and the fused SiTU-GLU."""
+    g = grouped_mm(x, w1.transpose(1, 2), offs)
+    u = grouped_mm(x, w3.transpose(1, 2), offs)
+    return grouped_mm(situ_glu(g, u), w2.transpose(1, 2), offs)
+
+
+def _every_layer(ffn: Callable[..., torch.Tensor], x: torch.Tensor, offs: list[torch.Tensor],
+                 ws: list[list[torch.Tensor]]) -> Callable[[], None]:
+    """One call of ``ffn`` per layer's routing and weights."""
+    return lambda: [ffn(x, o, *w) for o, w in zip(offs, ws)]
+
+
+def _bench_graph(fn: Callable[[], object], rep_ms: float) -> float:
+    """Median ms of ``fn`` replayed from a CUDA graph (the decode step's launch cost); NaN on CPU."""
+    if not torch.cuda.is_available():
+        return float("nan")
+    import triton
+
+    return float(triton.testing.do_bench_cudagraph(fn, rep=rep_ms, return_mode="median"))
+
+
+def bench_small_rows(cases: list[SmallCase], dev: str, rep: float) -> list[dict]:
+    """Per case and row count: ms per layer of both expert paths, eager and from a CUDA graph, the active experts'
+    weight bytes over the graph time, and the fused output's error against the grouped_mm path."""
+    if dev == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        print("small: skipped (the Triton kernels need a GPU or TRITON_INTERPRET=1)", flush=True)
+        return []
+    dt = torch.bfloat16 if dev == "cuda" else torch.float32
+    out = []
+    for c in cases:
+        g = torch.Generator(device=dev).manual_seed(0)
+        shapes = ((c.E, c.Fw, c.l), (c.E, c.Fw, c.l), (c.E, c.l, c.Fw))  # w1, w3, w2
+        ws = [[torch.randn(*s, device=dev, dtype=dt, generator=g).mul_(0.02) for s in shapes] for _ in range(c.layers)]
+        for R in c.rows:
+            m = R // c.k
+            idx = [torch.rand(m, c.E, device=dev, generator=g).topk(c.k, dim=-1).indices for _ in range(c.layers)]
+            offs = [expert_rows(i, c.E)[2] for i in idx]
+            x = torch.randn(m * c.k, c.l, device=dev, generator=g).to(dt)
+            active = sum(int((torch.diff(o, prepend=o.new_zeros(1)) > 0).sum()) for o in offs) / c.layers
+
+            with torch.no_grad():
+                err = _rel(grouped_ffn_small(x, offs[0], *ws[0]), _gmm_ffn(x, offs[0], *ws[0]))
+                row = {"case": c.name, "rows": R, "tokens": m, "active_experts": active, "rel_err": err}
+                for name, ffn in (("gmm", _gmm_ffn), ("fused", grouped_ffn_small)):
+                    run = _every_layer(ffn, x, offs, ws)
+                    run()  # compile and autotune outside the timing and the capture
+                    row[f"{name}_ms"] = _bench(run, rep / 8, rep / 40) / c.layers
+                    row[f"{name}_graph_ms"] = _bench_graph(run, rep / 8) / c.layers
+            row["fused_graph_TBps"] = active * 3 * c.l * c.Fw * ws[0][0].element_size() / row["fused_graph_ms"] / 1e9
+            print(row, flush=True)
+            out.append(row)
+        del ws
+        _free()
+    return out
+
+
 # ---------------------------------------------------------------------------------------------- checks
 def check_layer_vs_reference_ops(dev: str) -> dict:
     """The LatentMoE on the fused backends vs the same layer (same weights) on the torch reference ops, bf16."""
@@ -443,10 +527,12 @@ def _md(report: dict) -> str:
     L = [f"# Latent MoE layer benchmark ({report['device']})", "",
          f"torch {report['torch']}, triton {report['triton']}, Python {report['python']}; "
          f"shapes {report['shapes']}; bf16 matmul peak (8192³, same run) **{report['peak_tflops']:.0f} TFLOP/s**.", "",
-         "fwd+bwd: gradients added into existing `.grad` (as the baseline measured; repeated once for the spread) and "
-         "with `.grad` set to None first (one micro-batch after `zero_grad(set_to_none=True)`).", "",
-         "| layer | fwd ms | fwd+bwd ms (repeat) | TFLOP/s | of peak | fwd+bwd, fresh grads ms | of peak |",
-         "|---|---:|---:|---:|---:|---:|---:|"]
+         f"Command: `{report['command']}`"]
+    if report["layers"]:
+        L += ["", "fwd+bwd: gradients added into existing `.grad` (as the baseline measured; repeated once for the "
+              "spread) and with `.grad` set to None first (one micro-batch after `zero_grad(set_to_none=True)`).", "",
+              "| layer | fwd ms | fwd+bwd ms (repeat) | TFLOP/s | of peak | fwd+bwd, fresh grads ms | of peak |",
+              "|---|---:|---:|---:|---:|---:|---:|"]
     for r in report["layers"]:
         L.append(f"| {r['name']} | {r['fwd_ms']:.1f} | {r['fwd_bwd_ms']:.1f} ({r['fwd_bwd_ms_repeat']:.1f}) | "
                  f"{r['fwd_bwd_tflops']:.0f} | {100 * r['frac_peak']:.0f}% | {r['fwd_bwd_fresh_ms']:.1f} | "
@@ -456,19 +542,33 @@ def _md(report: dict) -> str:
         for r in report["layers"][1:]:
             L += ["", f"{r['name']} over the plain layer, fwd+bwd: **{base['fwd_bwd_ms'] / r['fwd_bwd_ms']:.2f}×** "
                   f"(fresh grads {base['fwd_bwd_fresh_ms'] / r['fwd_bwd_fresh_ms']:.2f}×)."]
-    L += ["", "| kernel (fwd+bwd) | eager/reference ms | fused ms | speed-up | fused ≥ TB/s |", "|---|---:|---:|---:|---:|"]
+    if report["components"]:
+        L += ["", "| kernel (fwd+bwd) | eager/reference ms | fused ms | speed-up | fused ≥ TB/s |",
+              "|---|---:|---:|---:|---:|"]
     for r in report["components"]:
         L.append(f"| {r['name']} | {r['eager_ms']:.2f} | {r['fused_ms']:.2f} | {r['speedup']:.1f}× | {r['fused_TBps']:.2f} |")
     if report["gemms"]:
         L += ["", "| expert GEMM (fwd+bwd) | ms | TFLOP/s |", "|---|---:|---:|"]
         for r in report["gemms"]:
             L.append(f"| {r['name']} | {r['fwd_bwd_ms']:.1f} | {r['tflops']:.0f} |")
-    L += ["", "| QB, T=%d | route ms | +hist ms | bias ms | QB / layer | hist from scores ms | exact sort ms | "
-          "max error (bins) |" % report["shapes"]["T"], "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    if report["qb"]:
+        L += ["", "| QB, T=%d | route ms | +hist ms | bias ms | QB / layer | hist from scores ms | exact sort ms | "
+              "max error (bins) |" % report["shapes"]["T"], "|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in report["qb"]:
         L.append(f"| E={r['E']} | {r['route_ms']:.3f} | {r['hist_extra_ms']:.3f} | {r['bias_from_hist_ms']:.3f} | "
                  f"{100 * r['qb_frac_layer']:.2f}% | {r['hist_from_scores_ms']:.3f} | {r['exact_sort_fp64_ms']:.2f} | "
                  f"{r['max_err_bins']:.2f} |")
+    if report["small"]:
+        L += ["", f"Routed experts' FFN per layer at decode-sized rows, bf16: fused small-row kernels (used for "
+              f"inference calls of ≤ {SMALL_ROWS} rows) vs grouped_mm + SiTU-GLU; eager and CUDA-graph replay "
+              "(do_bench_cudagraph); TB/s = the active experts' weight bytes over the fused graph time.", "",
+              "| case | rows (tokens) | active experts | grouped_mm ms | fused ms | graph: grouped_mm ms | "
+              "graph: fused ms | graph speed-up | fused TB/s | rel err |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        for r in report["small"]:
+            L.append(f"| {r['case']} | {r['rows']} ({r['tokens']}) | {r['active_experts']:.0f} | {r['gmm_ms']:.4f} | "
+                     f"{r['fused_ms']:.4f} | {r['gmm_graph_ms']:.4f} | {r['fused_graph_ms']:.4f} | "
+                     f"{r['gmm_graph_ms'] / r['fused_graph_ms']:.2f}× | {r['fused_graph_TBps']:.2f} | "
+                     f"{r['rel_err']:.1e} |")
     L += ["", f"Fused vs reference ops inside LatentMoE (bf16, small shapes): {report['check']}",
           f"Sync-free forward (`torch.cuda.set_sync_debug_mode('error')`): {report['sync']}", ""]
     return "\n".join(L)
@@ -481,20 +581,27 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rep-ms", type=float, default=1500.0, help="timing window per layer measurement")
     ap.add_argument("--out", default=None, help="folder for moe_bench.md / .json")
     ap.add_argument("--smoke", action="store_true", help="tiny CPU shapes: exercise every path, no timing claims")
-    ap.add_argument("--skip", default="", help="comma list of sections to skip: layers,components,gemms,qb,check,sync")
+    ap.add_argument("--skip", default="", help="comma list of sections to skip: "
+                    "peak,layers,components,gemms,qb,small,check,sync")
+    ap.add_argument("--only", default="", help="comma list of the sections to run (the others are skipped)")
     a = ap.parse_args(argv)
+    sections = {"peak", "layers", "components", "gemms", "qb", "small", "check", "sync"}
+    skip, only = set(filter(None, a.skip.split(","))), set(filter(None, a.only.split(",")))
+    if (skip | only) - sections:
+        ap.error(f"unknown section(s) {sorted((skip | only) - sections)}; known: {sorted(sections)}")
+    if only:
+        skip |= sections - only
     dev = "cpu" if a.smoke or not torch.cuda.is_available() else "cuda"
     if dev == "cpu" and not a.smoke:
         print("no CUDA device: run with --smoke for a CPU check of the script", file=sys.stderr)
         return 2
     sh = SMOKE if a.smoke else Shapes(T=a.tokens, E=a.experts)
-    skip = set(filter(None, a.skip.split(",")))
     import triton
 
     report = {"device": torch.cuda.get_device_name() if dev == "cuda" else "CPU (smoke)", "torch": torch.__version__,
               "triton": triton.__version__, "python": platform.python_version(), "shapes": asdict(sh),
               "command": "python -m k3.bench moe " + " ".join(argv if argv is not None else sys.argv[1:])}
-    report["peak_tflops"] = bench_peak(dev)
+    report["peak_tflops"] = float("nan") if "peak" in skip else bench_peak(dev)
     print(f"peak {report['peak_tflops']:.0f} TFLOP/s", flush=True)
     report["check"] = {} if "check" in skip else check_layer_vs_reference_ops(dev)
     print("check", report["check"], flush=True)
@@ -505,6 +612,8 @@ def main(argv: list[str] | None = None) -> int:
     report["components"] = [] if "components" in skip else bench_components(sh, dev, a.rep_ms)
     report["gemms"] = [] if "gemms" in skip else bench_gemm_layouts(sh, dev, a.rep_ms)
     report["qb"] = [] if "qb" in skip else bench_qb(sh, dev, layer_ms, a.rep_ms)
+    report["small"] = [] if "small" in skip else bench_small_rows(SMALL_SMOKE if a.smoke else SMALL_CASES, dev,
+                                                                  a.rep_ms)
     md = _md(report)
     print(md, flush=True)
     if a.out:

@@ -25,10 +25,9 @@ from k3.layers.fused import FusedProjections
 from k3.layers.mlp import SiTUMLP
 from k3.layers.norm import RMSNorm
 from k3.ops.moe.combine import combine_norm_rows
-from k3.ops.moe.grouped import expert_rows, grouped_mm, permute_rows
+from k3.ops.moe.grouped import expert_rows, grouped_ffn, permute_rows
 from k3.ops.moe.qb import qb_bias_from_histogram
 from k3.ops.moe.router import route
-from k3.ops.moe.situ import situ_glu
 
 __all__ = ["MoEGate", "GroupedExperts", "LatentMoE"]
 
@@ -86,9 +85,8 @@ class GroupedExperts(nn.Module):
         self.w2 = nn.Parameter(torch.empty(n_experts, latent_dim, expert_dim))
 
     def forward(self, x_sorted: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-        h1 = grouped_mm(x_sorted, self.w1.transpose(1, 2), offs)  # [R, F]
-        h3 = grouped_mm(x_sorted, self.w3.transpose(1, 2), offs)
-        return grouped_mm(situ_glu(h1, h3, self.beta1, self.beta2), self.w2.transpose(1, 2), offs)  # [R, ℓ]
+        # three grouped GEMMs + SiTU-GLU; inference calls with few rows (decode) two fused kernels instead
+        return grouped_ffn(x_sorted, offs, self.w1, self.w3, self.w2, self.beta1, self.beta2)  # [R, ℓ]
 
     def extra_repr(self) -> str:
         return f"n_experts={self.n_experts}, latent_dim={self.latent_dim}, expert_dim={self.expert_dim}"

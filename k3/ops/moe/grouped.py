@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from k3.ops.moe._backend import use_triton
+from k3.ops.moe.experts_small import SMALL_ROWS
 from k3.ops.moe.situ import situ_glu, situ_glu_packed
 
 __all__ = ["grouped_mm", "sort_by_expert", "expert_rows", "permute_rows", "grouped_ffn", "grouped_ffn_packed",
@@ -143,6 +144,14 @@ def permute_rows(z: torch.Tensor, token_of_row: torch.Tensor, row_of: torch.Tens
     return z[token_of_row]
 
 
+def _small_rows_path(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor) -> bool:
+    """Whether ``grouped_ffn`` runs the fused small-row kernels: an inference call (no gradient to record) with at
+    most ``SMALL_ROWS`` rows, one dtype and no autocast, on the Triton backend."""
+    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (x, w1, w3, w2))
+    return (x.shape[0] <= SMALL_ROWS and not needs_grad and x.dtype == w1.dtype == w3.dtype == w2.dtype
+            and not torch.is_autocast_enabled(x.device.type) and use_triton(x))
+
+
 def grouped_ffn(
     x: torch.Tensor,
     offs: torch.Tensor,
@@ -153,7 +162,13 @@ def grouped_ffn(
     beta2: float = 25.0,
 ) -> torch.Tensor:
     """Per-group expert FFN ``W2·SiTU-GLU(W1 x, W3 x)``: ``x [R, ℓ]``, ``offs [E]`` int32, ``w1, w3 [E, F, ℓ]``,
-    ``w2 [E, ℓ, F]`` → ``[R, ℓ]``. The transposed weight views are what grouped_mm wants (K-major B)."""
+    ``w2 [E, ℓ, F]`` → ``[R, ℓ]``. Inference calls with few rows (decode) run the two fused kernels of
+    ``experts_small_triton``; everything else three grouped GEMMs and SiTU-GLU (the transposed weight views are what
+    grouped_mm wants: K-major B)."""
+    if _small_rows_path(x, w1, w3, w2):
+        from k3.ops.moe.experts_small_triton import grouped_ffn_small
+
+        return grouped_ffn_small(x, offs, w1, w3, w2, beta1, beta2)
     g = grouped_mm(x, w1.transpose(1, 2), offs)
     u = grouped_mm(x, w3.transpose(1, 2), offs)
     return grouped_mm(situ_glu(g, u, beta1, beta2), w2.transpose(1, 2), offs)

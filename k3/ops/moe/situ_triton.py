@@ -19,7 +19,7 @@ import triton.language as tl
 from k3.ops._device import on_device_of
 from k3.ops.moe._backend import alloc
 
-__all__ = ["situ_glu_fused", "situ_glu_fused_packed"]
+__all__ = ["situ_glu_fused", "situ_glu_fused_packed", "situ_tile"]
 
 
 @triton.jit
@@ -31,6 +31,15 @@ def _tanh(x):
 
 
 @triton.jit
+def situ_tile(b_g, b_u, beta1, beta2, lim):
+    """SiTU-GLU of fp32 tiles, clamped strictly inside ±β1·β2 in the output dtype (``lim``, see situ_bound); shared
+    with the fused expert kernels, which apply it to their GEMM accumulators."""
+    b_sig = 1.0 / (1.0 + tl.exp(-b_g))
+    b_y = (beta1 * _tanh(b_g / beta1) * b_sig) * (beta2 * _tanh(b_u / beta2))
+    return tl.minimum(tl.maximum(b_y, -lim), lim)
+
+
+@triton.jit
 def _situ_fwd_kernel(g_ptr, u_ptr, y_ptr, M, F, s_g, s_u, s_y, beta1, beta2, lim,
                      BM: tl.constexpr, BF: tl.constexpr):
     i_m, i_f = tl.program_id(0), tl.program_id(1)
@@ -39,9 +48,7 @@ def _situ_fwd_kernel(g_ptr, u_ptr, y_ptr, M, F, s_g, s_u, s_y, beta1, beta2, lim
     m_x = (o_m[:, None] < M) & (o_f[None, :] < F)
     b_g = tl.load(g_ptr + o_m[:, None] * s_g + o_f[None, :], mask=m_x, other=0.0).to(tl.float32)
     b_u = tl.load(u_ptr + o_m[:, None] * s_u + o_f[None, :], mask=m_x, other=0.0).to(tl.float32)
-    b_sig = 1.0 / (1.0 + tl.exp(-b_g))
-    b_y = (beta1 * _tanh(b_g / beta1) * b_sig) * (beta2 * _tanh(b_u / beta2))
-    b_y = tl.minimum(tl.maximum(b_y, -lim), lim)  # strictly inside ±β1·β2 in the output dtype (see situ_bound)
+    b_y = situ_tile(b_g, b_u, beta1, beta2, lim)
     tl.store(y_ptr + o_m[:, None] * s_y + o_f[None, :], b_y.to(y_ptr.dtype.element_ty), mask=m_x)
 
 
