@@ -2,6 +2,7 @@
 
 ``kda``  KDA kernels vs fla (prefill, training fwd+bwd, decode) — ``k3.bench.kda``.
 ``moe``  Latent MoE layer vs plain PyTorch — ``k3.bench.moe``.
+``conv``  the KDA short convolution vs the fp32 ``F.conv1d`` path — ``k3.bench.conv``.
 ``attnres``  AttnRes mix vs fla and eager, RMSNorm and the fused loss vs liger and eager — ``k3.bench.attnres``.
 """
 

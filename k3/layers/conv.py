@@ -2,8 +2,10 @@
 docs/architecture.md#kimi-delta-attention.
 
 The tail is the last ``W−1`` *inputs* of the stream: prepending it to the next piece makes piecewise and
-token-by-token calls give exactly the one-shot result. Weights are fp32 (as released); the convolution runs in fp32
-and the result is cast back to the input dtype.
+token-by-token calls give exactly the one-shot result. Weights are fp32 (as released); the convolution accumulates
+in fp32 and the result is in the input dtype. The op is ``k3.ops.conv.short_conv``: fused Triton kernels on CUDA
+(x read in bf16 in place, the SiLU fused, the backward recomputing the pre-activation), ``F.conv1d`` in fp32
+elsewhere.
 """
 
 from __future__ import annotations
@@ -11,8 +13,9 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+from k3.ops.conv import short_conv
 
 __all__ = ["ShortConv"]
 
@@ -34,18 +37,7 @@ class ShortConv(nn.Module):
     def forward(self, x: torch.Tensor, tail: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """``x [B, T, C]``, ``tail [B, W−1, C]`` (previous inputs, zeros at sequence start) →
         ``(y [B, T, C] in x.dtype, new_tail [B, W−1, C] in x.dtype)``."""
-        B, T, C = x.shape
-        W = self.kernel_size
-        if tail is None:
-            tail = x.new_zeros(B, W - 1, C)
-        elif tail.shape != (B, W - 1, C):
-            raise ValueError(f"tail must be [B, W-1, C] = [{B}, {W - 1}, {C}], got {tuple(tail.shape)}")
-        xp = torch.cat([tail.to(x.dtype), x], dim=1)  # [B, T+W-1, C]
-        y = F.conv1d(xp.float().transpose(1, 2), self.weight.float(), groups=C).transpose(1, 2)  # [B, T, C]
-        if self.activation:
-            y = F.silu(y)
-        # clone: a view would keep the whole (possibly 1M-token) padded input alive inside the decode state.
-        return y.to(x.dtype), xp[:, T:].clone()
+        return short_conv(x, self.weight, tail, self.activation)
 
     def extra_repr(self) -> str:
         return f"{self.channels}, kernel_size={self.kernel_size}, activation={'silu' if self.activation else None}"
