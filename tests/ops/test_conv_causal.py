@@ -122,6 +122,24 @@ def test_op_passes_opcheck() -> None:
                               test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
 
 
+def test_op_outputs_have_the_fakes_strides() -> None:
+    """Both ops' real outputs are laid out as their fake impls say (inductor asserts the fake's strides on the real
+    tensors), with a strided input slice and a tail."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    x, w, tail = _inputs(2, 7, True, torch.float32, seed=19, channels=2 * C)
+    x, tail = x.detach()[..., ::2], tail.detach()[..., ::2]  # column slices: strides of a wider projection
+    w = w.detach()[:C]
+    dy = torch.randn(2, 7, C).to(DEV)
+    real = (torch.ops.k3.short_conv_fwd(x, w, tail, True),
+            *torch.ops.k3.short_conv_bwd(dy, x, w, tail, True, True))
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        fx, fw, ft, fdy = (mode.from_tensor(t) for t in (x, w, tail, dy))
+        fake = (torch.ops.k3.short_conv_fwd(fx, fw, ft, True), *torch.ops.k3.short_conv_bwd(fdy, fx, fw, ft, True, True))
+    for r, f in zip(real, fake):
+        assert (r.shape, r.stride(), r.dtype) == (f.shape, f.stride(), f.dtype)
+
+
 def test_compiled_region_keeps_the_op_whole() -> None:
     """A ``fullgraph`` compiled ShortConv (aot_eager on CPU, inductor on a GPU) traces through the op's fake and
     autograd formula without a graph break, and gives the eager numbers."""

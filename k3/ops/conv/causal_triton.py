@@ -184,7 +184,8 @@ def short_conv_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, tail
                 x, weight.reshape(C, W).contiguous(), x if tail is None else tail, dy, dx, dtail if tail_grad else dx,
                 dw, T, C, x.stride(0), x.stride(1), W=W, ACT=bool(activation), HAS_TAIL=tail is not None,
                 DTAIL=tail_grad, ROWS=rows)
-    return dx, dw.sum((0, 1)).t().reshape(C, 1, W), dtail
+    # contiguous, as the fake says: compiled graphs assert the strides the fake promised
+    return dx, dw.sum((0, 1)).t().contiguous().view(C, 1, W), dtail
 
 
 @torch.library.custom_op("k3::short_conv_fwd", mutates_args=())
@@ -206,8 +207,8 @@ def _bwd_op(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, tail: torch
 @_bwd_op.register_fake
 def _(dy, x, weight, tail, activation, tail_grad):
     C, W = x.shape[2], weight.shape[-1]
-    dtail = torch.empty_like(tail) if tail_grad and tail is not None else x.new_empty(0)
-    return torch.empty_like(x, memory_format=torch.contiguous_format), x.new_empty(C, 1, W, dtype=torch.float32), dtail
+    dtail = tail.new_empty(tail.shape) if tail_grad and tail is not None else x.new_empty(0)
+    return x.new_empty(x.shape), x.new_empty(C, 1, W, dtype=torch.float32), dtail
 
 
 def _setup_context(ctx, inputs, output) -> None:
