@@ -172,7 +172,12 @@ def test_gpu_bf16(case):
     elif case == "beta_zero":
         kw = dict(beta_logit=-12.0)
     x = make_inputs(B, T, 2, 128, 128, N=N, **kw)
-    assert_close(errors(public_call(cu, gate=gate, lb=lb), x, dtype=torch.bfloat16, cu=cu, gate=gate, lb=lb), 2e-2)
+    # With every key equal and β = 1, each head's dA_log is a sum of T·K terms dg·∂g/∂A_log that cancel ~20× more
+    # than in the dense case (|Σ| / √Σ² = 0.05 and 0.17 against 1.2 and 1.8), so dg's 0.3% per-element error shows
+    # as ~5% of the sum; exact dots everywhere measured the same on an H200 (4.1% against 4.4%).
+    tols = dict(dA=8e-2) if case == "beta_one_repeated" else {}
+    assert_close(errors(public_call(cu, gate=gate, lb=lb), x, dtype=torch.bfloat16, cu=cu, gate=gate, lb=lb), 2e-2,
+                 **tols)
 
 
 @gpu
@@ -203,11 +208,11 @@ def test_gpu_other_dtypes(dtype, tol):
 
 def test_intra_precision_by_dtype():
     """The intra-chunk backward's precisions: bf16 inputs one bf16 pass off the diagonal and bf16 dq/dk shares (one
-    K slice); fp16 inputs keep tf32 and fp32 shares (a bf16 pass cost fla's fp16 ddt_bias tolerance); fp32 exact."""
+    K slice); fp16 and fp32 inputs exact dots and fp32 shares (tf32 dots cost fla's fp16 ddt_bias tolerance)."""
     from k3.ops.kda.triton.training import intra_precision
 
     assert intra_precision(torch.bfloat16, True, False) == ("tf32", "bf16", torch.bfloat16)
     assert intra_precision(torch.bfloat16, False, False) == ("tf32", "bf16", torch.float32)
-    assert intra_precision(torch.float16, True, False) == ("tf32", "tf32", torch.float32)
+    assert intra_precision(torch.float16, True, False) == ("ieee", "ieee", torch.float32)
     assert intra_precision(torch.float32, True, False) == ("ieee", "ieee", torch.float32)
     assert intra_precision(torch.bfloat16, True, True) == ("tf32", "tf32x3", torch.float16)
