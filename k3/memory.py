@@ -146,7 +146,7 @@ def training_footprint(config: K3Config, batch_size: int, seq_len: int, optimize
 
 
 def _cgroup_room() -> int | None:
-    """Bytes left under a cgroup v2 memory limit, if one is set."""
+    """Bytes left under a cgroup2 memory limit, if one is set."""
     try:
         limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
         if limit == "max":

@@ -457,8 +457,8 @@ def _markdown(header: dict[str, Any], rows: list[dict[str, Any]]) -> str:
                          f"{r['ttft_p99_ms']:.1f} | {r['failed']} |")
     for p in (r for r in rows if r.get("section") == "kdaprobe" and "call1" in r):
         lines += [f"\n## KDA prefill memory, first vs second call of the process (B=1, H={p['H']}, T={p['T']:,})\n",
-                  f"call 1: +{p['call1']['extra_gib_incl_output']:.2f} GiB, {p['call1']['s']:.2f} s; "
-                  f"call 2: +{p['call2']['extra_gib_incl_output']:.2f} GiB, {p['call2']['s']:.3f} s\n"]
+                  f"first call: +{p['call1']['extra_gib_incl_output']:.2f} GiB, {p['call1']['s']:.2f} s; "
+                  f"second call: +{p['call2']['extra_gib_incl_output']:.2f} GiB, {p['call2']['s']:.3f} s\n"]
         for row in p["call1"].get("top_live_at_peak", [])[:8]:
             lines.append(f"- {row['gib']:.2f} GiB (stream {row['stream']}): {' ← '.join(row['frames'])}")
     errors = [r for r in rows if "error" in r and r.get("path") is None]

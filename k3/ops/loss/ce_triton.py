@@ -26,8 +26,8 @@ def ce_chunk_kernel(x, y, n_valid, loss, ignore_index, V: tl.constexpr, BV: tl.c
     valid = b_y != ignore_index
     b_m = tl.full([], float("-inf"), tl.float32)
     b_z = tl.zeros([], tl.float32)
-    for v0 in range(0, V, BV):
-        o_v = v0 + tl.arange(0, BV)
+    for i_v in range(0, V, BV):
+        o_v = i_v + tl.arange(0, BV)
         b_x = tl.load(p_x + o_v, mask=o_v < V, other=float("-inf")).to(tl.float32)
         b_mn = tl.maximum(b_m, tl.max(b_x, 0))
         b_z = b_z * tl.exp(b_m - b_mn) + tl.sum(tl.exp(b_x - b_mn), 0)
@@ -37,8 +37,8 @@ def ce_chunk_kernel(x, y, n_valid, loss, ignore_index, V: tl.constexpr, BV: tl.c
     tl.store(loss + i_n, tl.where(valid, b_lse - b_xy, 0.0))
     if HAS_GRAD:
         b_scale = tl.where(valid, 1.0 / tl.maximum(tl.load(n_valid).to(tl.float32), 1.0), 0.0)
-        for v0 in range(0, V, BV):
-            o_v = v0 + tl.arange(0, BV)
+        for i_v in range(0, V, BV):
+            o_v = i_v + tl.arange(0, BV)
             m_v = o_v < V
             b_x = tl.load(p_x + o_v, mask=m_v, other=0.0).to(tl.float32)
             b_g = (tl.exp(b_x - b_lse) - tl.where(o_v == b_y, 1.0, 0.0)) * b_scale

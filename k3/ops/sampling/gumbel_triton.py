@@ -24,8 +24,8 @@ def _gumbel_argmax(x, seeds, steps, out, stride, V: tl.constexpr, BLOCK: tl.cons
     step = tl.load(steps + i_b).to(tl.int64)
     best = tl.full([BLOCK], float("-inf"), dtype=tl.float32)
     best_i = tl.zeros([BLOCK], dtype=tl.int32)
-    for v0 in range(0, V, BLOCK):
-        o_v = v0 + tl.arange(0, BLOCK)
+    for i_v in range(0, V, BLOCK):
+        o_v = i_v + tl.arange(0, BLOCK)
         m_v = o_v < V
         b_x = tl.load(x + i_b * stride + o_v, mask=m_v, other=float("-inf")).to(tl.float32)
         r = tl.randint(seed, o_v.to(tl.int64) + (step << 32))
