@@ -43,6 +43,7 @@ from k3.ops.attnres import attn_res_fused, fused
 from k3.ops.loss import linear_cross_entropy
 from k3.ops.norm import fused as norm_fused
 from k3.ops.norm import rms_norm, rms_norm_reference
+from k3.utils import atomic_write_text
 
 IGNORE = -100
 D_K3, N_SOURCES = 7168, 9
@@ -348,9 +349,7 @@ def _markdown(res: dict) -> str:
 def _write(out: Path, res: dict) -> None:
     """Rewrite kernels.json / kernels.md atomically (a row at a time: an interrupted run keeps what it measured)."""
     for name, text in (("kernels.json", json.dumps(res, indent=1)), ("kernels.md", _markdown(res))):
-        tmp = out / f".{name}.tmp"
-        tmp.write_text(text)
-        os.replace(tmp, out / name)
+        atomic_write_text(out / name, text)
 
 
 def main(argv: list[str] | None = None) -> int:

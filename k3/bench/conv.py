@@ -14,7 +14,6 @@ bf16 inputs. ``conv.json`` and ``conv.md`` under ``--out`` are rewritten after e
 from __future__ import annotations
 
 import json
-import os
 import platform
 import sys
 import time
@@ -27,6 +26,7 @@ import triton
 from k3.bench import BenchParser
 from k3.config import K3Config
 from k3.ops.conv import short_conv, short_conv_reference
+from k3.utils import atomic_write_text
 
 W = 4
 DEV = "cuda"
@@ -118,9 +118,7 @@ def _markdown(res: dict) -> str:
 
 def _write(out: Path, res: dict) -> None:
     for name, text in (("conv.json", json.dumps(res, indent=1)), ("conv.md", _markdown(res))):
-        tmp = out / f".{name}.tmp"
-        tmp.write_text(text)
-        os.replace(tmp, out / name)
+        atomic_write_text(out / name, text)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -52,6 +52,7 @@ from k3.infer.sampling import SamplingParams
 from k3.model import K3ForCausalLM
 from k3.serve.chat import chat_format
 from k3.serve.engine import Engine
+from k3.utils import atomic_write_text
 
 __all__ = ["main"]
 
@@ -637,10 +638,7 @@ def _save(out_dir: str, header: dict[str, Any], rows: list[dict[str, Any]]) -> s
     md = _markdown(header, rows)
     for name, text in (("serve_bench.json", json.dumps({"header": header, "rows": rows}, indent=1)),
                        ("serve_bench.md", md)):
-        tmp = os.path.join(out_dir, f".{name}.tmp")
-        with open(tmp, "w") as f:
-            f.write(text)
-        os.replace(tmp, os.path.join(out_dir, name))
+        atomic_write_text(os.path.join(out_dir, name), text)
     return md
 
 

@@ -4,7 +4,6 @@ never touch the bias)."""
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from k3.config import K3Config
 from k3.layers.moe import LatentMoE

@@ -11,7 +11,6 @@ import torch.nn.functional as F
 import k3_runs
 
 from k3.config import K3Config
-from k3.layers.moe import LatentMoE
 from k3.model import K3ForCausalLM, keeps_fp32
 
 

@@ -27,7 +27,6 @@ from k3.ops.kda import (  # noqa: E402
     naive_recurrent_kda,
 )
 from tests.ops.kda_ref import (  # noqa: E402
-    CUDA,
     DEV,
     activations,
     assert_close,

@@ -22,7 +22,6 @@ from k3.ops.kda import chunk_kda, fused_recurrent_kda  # noqa: E402
 from k3.ops.kda.triton import chunk_kda as chunk_kda_triton  # noqa: E402
 from k3.ops.kda.triton.training import TrainPlan  # noqa: E402
 from tests.ops.kda_ref import (  # noqa: E402
-    CUDA,
     DEV,
     K3,
     assert_close,

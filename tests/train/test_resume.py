@@ -7,7 +7,6 @@ import sys
 import textwrap
 import time
 
-import pytest
 import torch
 
 import k3_runs
