@@ -23,20 +23,7 @@ triton = pytest.importorskip("triton")
 from k3.ops.moe.combine_triton import combine_norm_fused  # noqa: E402
 from k3.ops.moe.router_triton import qb_histogram_fused, route_fused  # noqa: E402
 from k3.ops.moe.situ_triton import situ_glu_fused, situ_glu_fused_packed  # noqa: E402
-
-DEV = "cuda" if torch.cuda.is_available() else "cpu"
-gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-
-
-@pytest.fixture(autouse=True)
-def _poison(monkeypatch):
-    monkeypatch.setenv("K3_MOE_POISON", "1")
-
-
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double(), b.double()
-    assert torch.isfinite(a).all(), "non-finite values (an unwritten or broken output)"
-    return ((a - b).norm() / b.norm().clamp(min=1e-30)).item()
+from tests.ops.moe_ref import DEV, gpu, poison_outputs, rel  # noqa: E402, F401 — poison_outputs: autouse
 
 
 def leaf(t: torch.Tensor) -> torch.Tensor:

@@ -25,20 +25,7 @@ from k3.ops.moe.situ import situ_glu_reference
 pytest.importorskip("triton")
 from k3.ops.moe import experts_small_triton  # noqa: E402
 from k3.ops.moe.experts_small_triton import grouped_ffn_small  # noqa: E402
-
-DEV = "cuda" if torch.cuda.is_available() else "cpu"
-gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-
-
-@pytest.fixture(autouse=True)
-def _poison(monkeypatch):
-    monkeypatch.setenv("K3_MOE_POISON", "1")
-
-
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double().cpu(), b.double().cpu()  # the fp64 ground truth is built on the CPU
-    assert torch.isfinite(a).all(), "non-finite values (an unwritten or broken output)"
-    return ((a - b).norm() / b.norm().clamp(min=1e-30)).item()
+from tests.ops.moe_ref import DEV, gpu, poison_outputs, rel  # noqa: E402, F401 — poison_outputs: autouse
 
 
 def weights(E: int, F: int, L: int, scale: float = 0.3, dtype=torch.float32, device=DEV, seed: int = 0):
