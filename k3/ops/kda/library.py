@@ -57,15 +57,18 @@ def _chunk_kda(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, initial
     return o.contiguous(), (ht.clone() if ht is initial_state else ht.contiguous()), []
 
 
+def _final_state_like(q: Tensor, v: Tensor, cu_seqlens: Tensor | None) -> Tensor:
+    """The fake of a final state: ``[N, H, K, V]``, one per sequence, fp32 (fp64 for fp64 inputs)."""
+    B, _, H, K = q.shape
+    N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    return q.new_empty(N, H, K, v.shape[-1], dtype=torch.float64 if q.dtype == torch.float64 else torch.float32)
+
+
 @_chunk_kda.register_fake
 def _(q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens, scale, use_qk_l2norm_in_kernel,
       use_gate_in_kernel, use_beta_sigmoid_in_kernel, lower_bound, training):
-    B, T, H, K = q.shape
-    V = v.shape[-1]
-    N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
-    state_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
-    o = q.new_empty(B, T, H, V)
-    ht = q.new_empty(N, H, K, V, dtype=state_dtype)
+    B, T, H, _ = q.shape
+    o, ht = q.new_empty(B, T, H, v.shape[-1]), _final_state_like(q, v, cu_seqlens)
     if not _keeps_buffers(q, training):
         return o, ht, []
     NC = -(-T // 64) * B if cu_seqlens is None else torch.library.get_ctx().new_dynamic_size()
@@ -160,12 +163,9 @@ def _fused_recurrent_kda(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tenso
 @_fused_recurrent_kda.register_fake
 def _(q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens, scale, use_qk_l2norm_in_kernel,
       use_gate_in_kernel, use_beta_sigmoid_in_kernel, lower_bound, output_final_state):
-    B, T, H, K = q.shape
-    V = v.shape[-1]
-    N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
-    state_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
-    ht = q.new_empty(N, H, K, V, dtype=state_dtype) if output_final_state else q.new_empty(0, dtype=torch.float32)
-    return v.new_empty(B, T, H, V), ht
+    B, T, H, _ = q.shape
+    ht = _final_state_like(q, v, cu_seqlens) if output_final_state else q.new_empty(0, dtype=torch.float32)
+    return v.new_empty(B, T, H, v.shape[-1]), ht
 
 
 @torch.library.custom_op("k3::fused_recurrent_kda_pool", mutates_args=("pool",))
