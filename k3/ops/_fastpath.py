@@ -10,9 +10,10 @@ because Gluon's experimental API moved — prints one line the first time it hap
 from __future__ import annotations
 
 import functools
+import os
 import sys
 
-__all__ = ["VERIFIED_TRITON", "triton_version", "fallback_notice"]
+__all__ = ["VERIFIED_TRITON", "triton_version", "fallback_notice", "forced_backend"]
 
 VERIFIED_TRITON = (3, 6)  # the release every Triton and Gluon kernel here is tested on
 
@@ -36,3 +37,12 @@ def fallback_notice(path: str, why: str, instead: str) -> None:
     _said.add(path)
     sys.stderr.write(f"k3: {path} {why}: using {instead}\n")
     sys.stderr.flush()
+
+
+def forced_backend(env: str) -> str | None:
+    """'triton' or 'torch' when the environment variable ``env`` forces one (read at call time), None when it is
+    unset or 'auto'; ``ValueError`` naming it for anything else."""
+    forced = os.environ.get(env, "").strip().lower()
+    if forced not in ("", "auto", "torch", "triton"):
+        raise ValueError(f"{env} must be 'triton', 'torch' or unset, got {forced!r}")
+    return forced if forced in ("torch", "triton") else None

@@ -20,12 +20,11 @@ inputs).
 
 from __future__ import annotations
 
-import os
 
 import torch
 import torch.nn.functional as F
 
-from k3.ops._fastpath import fallback_notice, triton_version
+from k3.ops._fastpath import fallback_notice, forced_backend, triton_version
 
 __all__ = ["short_conv", "short_conv_fused", "short_conv_reference"]
 
@@ -41,10 +40,8 @@ def _triton_available() -> bool:
 def use_triton(x: torch.Tensor) -> bool:
     """True when the Triton kernels should run on ``x``: CUDA tensors of a float dtype they take, unless
     ``K3_KDA_BACKEND`` says otherwise (read at call time)."""
-    forced = os.environ.get(_ENV, "").strip().lower()
-    if forced not in ("", "auto", "torch", "triton"):
-        raise ValueError(f"{_ENV} must be 'triton', 'torch' or unset, got {forced!r}")
-    if forced in ("torch", "triton"):
+    forced = forced_backend(_ENV)
+    if forced is not None:
         return forced == "triton" and x.dtype in _FUSED_DTYPES
     if not x.is_cuda or x.dtype not in _FUSED_DTYPES:
         return False

@@ -9,7 +9,6 @@ An argument fla accepts and k3 does not yet is added here (a field, its check) a
 from __future__ import annotations
 
 import importlib
-import os
 import warnings
 from collections.abc import Callable
 from types import ModuleType
@@ -17,6 +16,7 @@ from typing import NamedTuple
 
 import torch
 
+from k3.ops._fastpath import forced_backend
 from k3.ops.kda.gate import check_lower_bound, kda_gate_fused
 
 __all__ = ["KDAArgs", "kda_args", "check_kda_inputs", "expand_gva", "preprocess", "select_backend", "get_backend",
@@ -367,10 +367,8 @@ def get_backend(name: str) -> ModuleType:
 def select_backend(device: torch.device) -> str:
     """'triton' for CUDA tensors, 'torch' otherwise; ``K3_KDA_BACKEND=triton|torch`` (read at call time) forces
     one."""
-    forced = os.environ.get(_ENV, "").strip().lower()
-    if forced not in ("", "auto", "torch", "triton"):
-        raise ValueError(f"{_ENV} must be 'triton', 'torch' or unset, got {forced!r}")
-    if forced in ("torch", "triton"):
+    forced = forced_backend(_ENV)
+    if forced is not None:
         if forced == "triton":
             get_backend("triton")
         return forced
