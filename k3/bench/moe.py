@@ -37,10 +37,11 @@ from k3.layers.moe import LatentMoE
 from k3.ops.moe.combine import combine_norm, combine_norm_reference, combine_norm_rows
 from k3.ops.moe.experts_small import SMALL_ROWS
 from k3.ops.moe.experts_small_triton import grouped_ffn_small
-from k3.ops.moe.grouped import expert_rows, grouped_ffn_packed, grouped_mm, permute_rows, sort_by_expert
+from k3.ops.moe.grouped import (expert_rows, grouped_ffn_gemms, grouped_ffn_packed, grouped_mm, permute_rows,
+                                sort_by_expert)
 from k3.ops.moe.qb import qb_bias_from_histogram, qb_exact_bias, qb_histogram, qb_range
 from k3.ops.moe.router import route, route_reference
-from k3.ops.moe.situ import situ_glu, situ_glu_packed
+from k3.ops.moe.situ import situ_glu_packed
 from k3.utils import atomic_write_text
 
 __all__ = ["main", "Shapes", "PlainLayer"]
@@ -384,14 +385,6 @@ SMALL_CASES = [
 SMALL_SMOKE = [SmallCase("smoke", 6, 2, 32, 48, (2, 10), 2)]
 
 
-def _gmm_ffn(x: torch.Tensor, offs: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor
-             ) -> torch.Tensor:
-    """The grouped_mm path of ``grouped_ffn``: three grouped GEMMs and the fused SiTU-GLU."""
-    g = grouped_mm(x, w1.transpose(1, 2), offs)
-    u = grouped_mm(x, w3.transpose(1, 2), offs)
-    return grouped_mm(situ_glu(g, u), w2.transpose(1, 2), offs)
-
-
 def _every_layer(ffn: Callable[..., torch.Tensor], x: torch.Tensor, offs: list[torch.Tensor],
                  ws: list[list[torch.Tensor]]) -> Callable[[], None]:
     """One call of ``ffn`` per layer's routing and weights."""
@@ -427,9 +420,9 @@ def bench_small_rows(cases: list[SmallCase], dev: str, rep: float) -> list[dict]
             active = sum(int((torch.diff(o, prepend=o.new_zeros(1)) > 0).sum()) for o in offs) / c.layers
 
             with torch.no_grad():
-                err = _rel(grouped_ffn_small(x, offs[0], *ws[0]), _gmm_ffn(x, offs[0], *ws[0]))
+                err = _rel(grouped_ffn_small(x, offs[0], *ws[0]), grouped_ffn_gemms(x, offs[0], *ws[0]))
                 row = {"case": c.name, "rows": R, "tokens": m, "active_experts": active, "rel_err": err}
-                for name, ffn in (("gmm", _gmm_ffn), ("fused", grouped_ffn_small)):
+                for name, ffn in (("gmm", grouped_ffn_gemms), ("fused", grouped_ffn_small)):
                     run = _every_layer(ffn, x, offs, ws)
                     run()  # compile and autotune outside the timing and the capture
                     row[f"{name}_ms"] = _bench(run, rep / 8, rep / 40) / c.layers

@@ -17,8 +17,8 @@ from k3.ops.moe._backend import use_triton
 from k3.ops.moe.experts_small import SMALL_ROWS
 from k3.ops.moe.situ import situ_glu, situ_glu_packed
 
-__all__ = ["grouped_mm", "sort_by_expert", "expert_rows", "permute_rows", "grouped_ffn", "grouped_ffn_packed",
-           "expert_counts"]
+__all__ = ["grouped_mm", "sort_by_expert", "expert_rows", "permute_rows", "grouped_ffn", "grouped_ffn_gemms",
+           "grouped_ffn_packed", "expert_counts"]
 
 _gmm = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
 
@@ -169,6 +169,19 @@ def grouped_ffn(
         from k3.ops.moe.experts_small_triton import grouped_ffn_small
 
         return grouped_ffn_small(x, offs, w1, w3, w2, beta1, beta2)
+    return grouped_ffn_gemms(x, offs, w1, w3, w2, beta1, beta2)
+
+
+def grouped_ffn_gemms(
+    x: torch.Tensor,
+    offs: torch.Tensor,
+    w1: torch.Tensor,
+    w3: torch.Tensor,
+    w2: torch.Tensor,
+    beta1: float = 4.0,
+    beta2: float = 25.0,
+) -> torch.Tensor:
+    """:func:`grouped_ffn` by three grouped GEMMs and SiTU-GLU whatever the row count (training's path)."""
     g = grouped_mm(x, w1.transpose(1, 2), offs)
     u = grouped_mm(x, w3.transpose(1, 2), offs)
     return grouped_mm(situ_glu(g, u, beta1, beta2), w2.transpose(1, 2), offs)
