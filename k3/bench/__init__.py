@@ -12,6 +12,8 @@ import argparse
 import sys
 from typing import NoReturn
 
+import torch
+
 
 class BenchParser(argparse.ArgumentParser):
     """argparse whose usage errors are one line on stderr and exit 2 (argparse's own prints the usage block)."""
@@ -19,3 +21,9 @@ class BenchParser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
         print(f"{self.prog}: error: {message}", file=sys.stderr)
         sys.exit(2)
+
+
+def rel_error(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Relative RMS error of ``a`` against ``b``, in fp64 (detached)."""
+    a, b = a.detach().double(), b.detach().double()
+    return float((a - b).norm() / b.norm().clamp(min=1e-30))

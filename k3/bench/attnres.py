@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 import triton
 
-from k3.bench import BenchParser
+from k3.bench import BenchParser, rel_error
 from k3.ops.attnres import attn_res_fused, fused
 from k3.ops.loss import linear_cross_entropy
 from k3.ops.norm import fused as norm_fused
@@ -62,10 +62,6 @@ def _peak(fn: Callable[[], Any]) -> float:
     fn()
     torch.cuda.synchronize()
     return (torch.cuda.max_memory_allocated() - base) / 2**30
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.double() - b.double()).norm() / b.double().norm().clamp(min=1e-30))
 
 
 def _lib(name: str, notes: list[str]) -> Any:
@@ -219,8 +215,8 @@ def bench_attnres(T: int, D: int, N: int, notes: list[str], emit: Callable[[str,
             got = torch.autograd.grad(f(), leaves, dy)
             y_ref, g_ref = reference(onorm)
             finite = bool(torch.isfinite(y).all()) and all(bool(torch.isfinite(x).all()) for x in got)
-            err = _rel(y, y_ref)
-            gerr = max(_rel(a, b) for a, b in zip(got, g_ref))
+            err = rel_error(y, y_ref)
+            gerr = max(rel_error(a, b) for a, b in zip(got, g_ref))
             del y, got
             with torch.no_grad():
                 t_f = _bench(f)
@@ -254,7 +250,7 @@ def bench_norm(T: int, D: int, notes: list[str], emit: Callable[[str, dict], Non
     for name, f in impls.items():
         try:
             with torch.no_grad():
-                err = _rel(f(), ref)
+                err = rel_error(f(), ref)
                 t_f = _bench(f)
             t_fb = _bench(lambda f=f: torch.autograd.grad(f(), [x, w], dy))
         except Exception as e:

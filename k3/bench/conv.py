@@ -23,7 +23,7 @@ from typing import Any, Callable
 import torch
 import triton
 
-from k3.bench import BenchParser
+from k3.bench import BenchParser, rel_error
 from k3.config import K3Config
 from k3.ops.conv import short_conv, short_conv_reference
 from k3.utils import atomic_write_text
@@ -38,10 +38,6 @@ IMPLS: dict[str, Callable[..., tuple[torch.Tensor, torch.Tensor]]] = {
 
 def _bench(fn: Callable[[], Any]) -> float:
     return float(triton.testing.do_bench(fn, warmup=10, rep=50, return_mode="median"))
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.double() - b.double()).norm() / b.double().norm().clamp(min=1e-30))
 
 
 def _saved_gib(fn: Callable[[], torch.Tensor]) -> float:
@@ -65,10 +61,10 @@ def bench_training(B: int, T: int, C: int, n_convs: int, emit: Callable[[str, di
     byts = 2 * B * T * C * 2  # x read, y written once (bf16)
     for name, f in IMPLS.items():
         with torch.no_grad():
-            err = _rel(f(x, w)[0], y_ref)
+            err = rel_error(f(x, w)[0], y_ref)
             t_f = _bench(lambda f=f: f(x, w))
         got = torch.autograd.grad(f(x, w)[0], [x, w], dy)
-        gerr = max(_rel(a, b) for a, b in zip(got, g_ref))
+        gerr = max(rel_error(a, b) for a, b in zip(got, g_ref))
         del got
         t_fb = _bench(lambda f=f: torch.autograd.grad(f(x, w)[0], [x, w], dy))
         saved = _saved_gib(lambda f=f: f(x, w)[0])
@@ -88,7 +84,7 @@ def bench_prefill(T: int, C: int, emit: Callable[[str, dict], None]) -> None:
         y_ref = short_conv_reference(x, w, tail)[0]
         byts = 2 * T * C * 2
         for name, f in IMPLS.items():
-            err = _rel(f(x, w, tail)[0], y_ref)
+            err = rel_error(f(x, w, tail)[0], y_ref)
             t_f = _bench(lambda f=f: f(x, w, tail))
             emit("prefill", dict(name=name, T=T, C=C, fwd_ms=t_f, fwd_tbps=byts / t_f / 1e9, rel_err=err))
             print(f"conv prefill {T}x{C} | {name:38s} | fwd {t_f:7.3f} ms ({byts / t_f / 1e9:4.2f} TB/s) | rel err "

@@ -40,7 +40,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from k3.bench import BenchParser
+from k3.bench import BenchParser, rel_error
 from k3.config import K3Config
 from k3.layers.mla import GatedMLA
 from k3.utils import atomic_write_text
@@ -68,11 +68,6 @@ def _ms(fn: Callable[[], object], graph: bool = False, rep: int = 200) -> float:
     t0 = time.perf_counter()
     fn()
     return (time.perf_counter() - t0) * 1e3
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.detach().double(), b.detach().double()
-    return float((a - b).norm() / b.norm().clamp(min=1e-30))
 
 
 def _free() -> None:
@@ -175,8 +170,8 @@ def bench_train(rows: Rows, T: int, H: int, Dqk: int, Dv: int, device: str, flex
         try:
             o = fn(q, k, v, scale)
             g = torch.autograd.grad(o, [q, k, v], do)
-            row.update(rel_o=_rel(o, ref_o), rel_dq=_rel(g[0], ref_g[0]), rel_dk=_rel(g[1], ref_g[1]),
-                       rel_dv=_rel(g[2], ref_g[2]))
+            row.update(rel_o=rel_error(o, ref_o), rel_dq=rel_error(g[0], ref_g[0]), rel_dk=rel_error(g[1], ref_g[1]),
+                       rel_dv=rel_error(g[2], ref_g[2]))
             del o, g
             with torch.no_grad():
                 row["fwd_ms"] = _ms(lambda: fn(q, k, v, scale))
@@ -318,7 +313,7 @@ def bench_forms(rows: Rows, L: int, T: int, device: str, H: int = 8, n: int = 64
 
     pairs = T * (L - T) + T * (T + 1) / 2
     with torch.no_grad():
-        err = _rel(absorbed(), expanded())
+        err = rel_error(absorbed(), expanded())
         for name, fn, per_pair in (("expanded (ours)", expanded, n + r + v), ("absorbed", absorbed, 2 * c + r)):
             row: dict = dict(section="forms", form=name, L=L, T=T, H=H, rel_vs_other=err)
             try:

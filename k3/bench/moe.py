@@ -30,7 +30,7 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.nn.functional as F
 
-from k3.bench import BenchParser
+from k3.bench import BenchParser, rel_error
 from k3.config import K3Config
 from k3.distributed.expert_parallel import apply_expert_parallel
 from k3.layers.moe import LatentMoE
@@ -76,11 +76,6 @@ def _bench(fn: Callable[[], object], rep_ms: float = 1500.0, warmup_ms: float = 
     t0 = time.perf_counter()
     fn()
     return (time.perf_counter() - t0) * 1e3
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double(), b.double()
-    return float((a - b).norm() / b.norm().clamp(min=1e-30))
 
 
 # ---------------------------------------------------------------------------------------------- baseline
@@ -227,7 +222,7 @@ def bench_layers(sh: Shapes, dev: str, peak: float, rep: float) -> list[dict]:
         y_before = moe(x)
         pack_experts(moe)
         y_after = moe(x)
-    same = _rel(y_after, y_before)
+    same = rel_error(y_after, y_before)
     del y_before, y_after
     mp = list(moe.parameters())
     rows.append(_time_layer("ours + packed w13 (proposed)", lambda: moe(x), x, mp, do, sh, peak, rep))
@@ -420,7 +415,7 @@ def bench_small_rows(cases: list[SmallCase], dev: str, rep: float) -> list[dict]
             active = sum(int((torch.diff(o, prepend=o.new_zeros(1)) > 0).sum()) for o in offs) / c.layers
 
             with torch.no_grad():
-                err = _rel(grouped_ffn_small(x, offs[0], *ws[0]), grouped_ffn_gemms(x, offs[0], *ws[0]))
+                err = rel_error(grouped_ffn_small(x, offs[0], *ws[0]), grouped_ffn_gemms(x, offs[0], *ws[0]))
                 row = {"case": c.name, "rows": R, "tokens": m, "active_experts": active, "rel_err": err}
                 for name, ffn in (("gmm", grouped_ffn_gemms), ("fused", grouped_ffn_small)):
                     run = _every_layer(ffn, x, offs, ws)
@@ -454,8 +449,8 @@ def check_layer_vs_reference_ops(dev: str) -> dict:
         outs.append(y.detach())
         grads.append([xi.grad] + [p.grad for p in moe.parameters()])
     os.environ.pop("K3_MOE_BACKEND", None)
-    res["out_rel"] = _rel(outs[0], outs[1])
-    res["grad_rel_max"] = max(_rel(a, b) for a, b in zip(grads[0], grads[1]))
+    res["out_rel"] = rel_error(outs[0], outs[1])
+    res["grad_rel_max"] = max(rel_error(a, b) for a, b in zip(grads[0], grads[1]))
     return res
 
 
