@@ -90,10 +90,12 @@ def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Te
 
 
 def expert_counts(idx: torch.Tensor, n_experts: int) -> torch.Tensor:
-    """Rows per expert ``[E]`` int64 from ``idx [...]`` without a host sync (``bincount`` on CUDA syncs)."""
+    """Rows per expert ``[E]`` int64 from ``idx [...]`` without a host sync (``bincount`` on CUDA syncs). Counted
+    in int32: inductor has no int64 atomic add and would fall back to a sort-based ``index_put`` that serialises the
+    thousands of repeats of each expert."""
     flat = idx.reshape(-1)
-    return torch.zeros(n_experts, dtype=torch.int64, device=idx.device).index_add_(
-        0, flat, torch.ones_like(flat, dtype=torch.int64))
+    return torch.zeros(n_experts, dtype=torch.int32, device=idx.device).index_add_(
+        0, flat, torch.ones_like(flat, dtype=torch.int32)).long()
 
 
 def sort_by_expert(idx: torch.Tensor, n_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -103,10 +105,11 @@ def sort_by_expert(idx: torch.Tensor, n_experts: int) -> tuple[torch.Tensor, tor
     (token, slot) pair ``order[r]`` of the flattened idx, belonging to token ``token_of_row[r]``.
     """
     flat = idx.reshape(-1)
-    order = torch.argsort(flat, stable=True)
+    keys, order = torch.sort(flat, stable=True)
     token_of_row = order // idx.shape[1]
-    offs = torch.cumsum(expert_counts(flat, n_experts), 0).to(torch.int32)
-    return order, token_of_row, offs
+    # group ends by binary search in the sorted keys: no scatter-add with repeats
+    offs = torch.searchsorted(keys, torch.arange(n_experts, dtype=keys.dtype, device=keys.device), right=True)
+    return order, token_of_row, offs.to(torch.int32)
 
 
 def expert_rows(idx: torch.Tensor, n_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
