@@ -9,10 +9,11 @@ slices of one fused projection are read in place), everything is accumulated in 
     dpre[t] = dy[t] · σ(pre[t]) (1 + pre[t] (1 − σ(pre[t])))
     dxp[p] = Σ_j w[W−1−j] · dpre[p − (W−1) + j]       dw[w] = Σ_t dpre[t] · xp[t + w]
 
-The backward recomputes ``pre`` from x (only x is saved by the forward) in two passes. The first walks ROWS rows
-per program, stores ``dpre`` in fp32 and writes one fp32 ``[W, BC]`` partial of ``dw`` per program, summed after in
-a fixed order (deterministic, no atomics). The second reads W shifted ``dpre`` tiles per tile of padded rows:
-rows p ≥ W−1 go to ``dx``, rows p < W−1 to the tail's gradient.
+The backward recomputes ``pre`` from x (no fp32 pre-activation is kept between the passes: only x is saved). A
+program owns a [BT, BC] tile of padded rows and loads the 2W−1 shifted x tiles and the W shifted dy tiles it needs
+once each (neighbouring rows come from L1/L2); ``dx`` rows p ≥ W−1 go to ``dx``, rows p < W−1 to the tail's
+gradient. Each backward program walks ROWS padded rows and writes one fp32 ``[W, BC]`` partial of ``dw``, summed
+after in a fixed order (deterministic, no atomics).
 """
 
 from __future__ import annotations
@@ -35,15 +36,14 @@ def _configs(quads: tuple[tuple[int, int, int, int | None], ...]) -> list[triton
     return [triton.Config({"BT": bt, "BC": bc}, num_warps=w, maxnreg=r) for bt, bc, w, r in quads]
 
 
-# (BT, BC, warps, register cap). Every thread holds 8 consecutive channels of a row (16-byte bf16 loads). The
-# backward is two passes: dpre = dy · SiLU'(pre) recomputed from x (with the per-group partials of dw, which need
-# the same rows of x), stored in fp32, then dx as the taps' reversed convolution of dpre. One fused pass needs dpre
-# at W−1 rows beyond its tile: it recomputed the pre-activation W times from 2W−1 shifted x tiles, and its register
-# load kept tiles at 8 rows.
+# (BT, BC, warps, register cap). Every thread holds 8 consecutive channels of a row (16-byte bf16 loads). sm_90
+# builds (ptxas): forward 55–90 registers, no spills. The backward keeps the 2W−1 shifted x tiles, W dy tiles,
+# the W taps and the W partial dw sums of its channels in registers: 168–190 registers, no spills, 3 programs of
+# 4 warps per SM, 11 independent 16-byte loads in flight per thread; capped at 128 (4 programs per SM) it spills
+# 8–12 bytes.
 _FWD = _configs(((16, 128, 4, None), (32, 128, 4, None), (64, 64, 4, None), (64, 128, 8, None)))
-_DPRE = _configs(((16, 128, 4, None), (32, 64, 4, None), (32, 128, 8, None), (16, 256, 8, None)))
-_DX = _configs(((16, 128, 4, None), (32, 128, 4, None), (64, 64, 4, None), (64, 128, 8, None)))
-_DPRE_MAX_BT = max(c.kwargs["BT"] for c in _DPRE)
+_BWD = _configs(((8, 128, 4, None), (16, 64, 4, None), (16, 128, 8, None), (8, 256, 8, None), (8, 128, 4, 128)))
+_BWD_MAX_BT = max(c.kwargs["BT"] for c in _BWD)
 
 
 @triton.jit
@@ -82,75 +82,59 @@ def short_conv_fwd_kernel(x, w, tail, y, T, C, s_xb, s_xt, W: tl.constexpr, ACT:
     tl.store(p_y, b_y.to(y.dtype.element_ty), mask=(t0 + o_r < T)[:, None] & m_c[None, :])
 
 
-@triton.autotune(configs=_DPRE, key=["C", "W", "ACT", "HAS_TAIL"])
+@triton.autotune(configs=_BWD, key=["C", "W", "ACT", "HAS_TAIL", "DTAIL"])
 @triton.jit(do_not_specialize=["T"])
-def short_conv_bwd_dpre_kernel(x, w, tail, dy, dpre, dw, T, C, s_xb, s_xt, W: tl.constexpr, ACT: tl.constexpr,
-                               HAS_TAIL: tl.constexpr, ROWS: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
-    # rows t of one ROWS-row group: dpre[t] (stored when ACT; otherwise it is dy) and this group's fp32 partial of
-    # dw[w] = Σ_t dpre[t] · xp[t + w]
+def short_conv_bwd_kernel(x, w, tail, dy, dx, dtail, dw, T, C, s_xb, s_xt, W: tl.constexpr, ACT: tl.constexpr,
+                          HAS_TAIL: tl.constexpr, DTAIL: tl.constexpr, ROWS: tl.constexpr, BT: tl.constexpr,
+                          BC: tl.constexpr):
     i_r, i_c, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     o_c = i_c * BC + tl.arange(0, BC)
     m_c = o_c < C
     x += i_b.to(tl.int64) * s_xb
     tail += i_b.to(tl.int64) * (W - 1) * C
     dy += i_b.to(tl.int64) * T * C
-    dpre += i_b.to(tl.int64) * T * C
+    dx += i_b.to(tl.int64) * T * C
+    dtail += i_b.to(tl.int64) * (W - 1) * C
     b_ws = ()  # the W taps of this channel block, [BC] fp32 each
     for i_w in tl.static_range(W):
         b_ws = b_ws + (tl.load(w + o_c * W + i_w, mask=m_c, other=0.),)
-    b_dw = ()
+    b_dw = ()  # per-tap partial sums of dw over the rows walked here
     for i_w in tl.static_range(W):
         b_dw = b_dw + (tl.zeros([BC], dtype=tl.float32),)
     o_r = tl.arange(0, BT)
-    o_rc = o_r[:, None] * C + o_c[None, :]
+    o_rc = o_r[:, None] * C + o_c[None, :]  # the int32 offsets of a [BT, BC] tile of dy / dx / dtail rows
     for i_j in range(0, ROWS // BT):
-        t0 = i_r.to(tl.int64) * ROWS + i_j * BT
-        m = (t0 + o_r < T)[:, None] & m_c[None, :]
-        b_xs = ()  # xp rows t0 + w + o_r: output rows t0 + o_r read padded rows t .. t + W − 1
-        for i_w in tl.static_range(W):
-            b_xs = b_xs + (_load_xp(x, tail, t0 + i_w, o_r, o_c, m_c, T, s_xt, C, W, HAS_TAIL),)
-        b_dpre = tl.load(dy + t0 * C + o_rc, mask=m, other=0.).to(tl.float32)
-        if ACT:
-            b_pre = tl.zeros([BT, BC], dtype=tl.float32)
-            for i_w in tl.static_range(W):
-                b_pre += b_ws[i_w][None, :] * b_xs[i_w]
-            b_sig = 1.0 / (1.0 + tl.exp(-b_pre))
-            b_dpre = b_dpre * b_sig * (1.0 + b_pre * (1.0 - b_sig))
-            tl.store(dpre + t0 * C + o_rc, b_dpre, mask=m)
+        p0 = i_r.to(tl.int64) * ROWS + i_j * BT  # the first padded row of dxp owned by this tile
+        # xp rows p0 − (W−1) + s + o_r for s = 0 … 2W−2: enough for pre at rows p0 − (W−1) + j + o_r, j < W
+        b_xs = ()
+        for s in tl.static_range(2 * W - 1):
+            b_xs = b_xs + (_load_xp(x, tail, p0 - (W - 1) + s, o_r, o_c, m_c, T, s_xt, C, W, HAS_TAIL),)
+        b_dxp = tl.zeros([BT, BC], dtype=tl.float32)
+        for j in tl.static_range(W):  # dpre at rows r = p0 − (W−1) + j + o_r, read back by tap W−1−j
+            r0 = p0 - (W - 1) + j
+            m_r = (r0 + o_r >= 0) & (r0 + o_r < T)
+            b_dpre = tl.load(dy + r0 * C + o_rc, mask=m_r[:, None] & m_c[None, :], other=0.).to(tl.float32)
+            if ACT:
+                b_pre = tl.zeros([BT, BC], dtype=tl.float32)
+                for i_w in tl.static_range(W):
+                    b_pre += b_ws[i_w][None, :] * b_xs[j + i_w]
+                b_sig = 1.0 / (1.0 + tl.exp(-b_pre))
+                b_dpre = b_dpre * b_sig * (1.0 + b_pre * (1.0 - b_sig))
+            b_dxp += b_ws[W - 1 - j][None, :] * b_dpre
+        # b_dpre is now at rows r = p0 + o_r: every output row is counted once, by the program owning its padded row
         b_new = ()
         for i_w in tl.static_range(W):
-            b_new = b_new + (b_dw[i_w] + tl.sum(b_dpre * b_xs[i_w], 0),)
+            b_new = b_new + (b_dw[i_w] + tl.sum(b_dpre * b_xs[W - 1 + i_w], 0),)
         b_dw = b_new
+        t0 = p0 - (W - 1)
+        tl.store(dx + t0 * C + o_rc, b_dxp.to(dx.dtype.element_ty),
+                 mask=((t0 + o_r >= 0) & (t0 + o_r < T))[:, None] & m_c[None, :])
+        if DTAIL:
+            tl.store(dtail + p0 * C + o_rc, b_dxp.to(dtail.dtype.element_ty),
+                     mask=(p0 + o_r < W - 1)[:, None] & m_c[None, :])
     p_dw = dw + ((i_b * tl.num_programs(0) + i_r).to(tl.int64) * W) * C + o_c
     for i_w in tl.static_range(W):
         tl.store(p_dw + i_w * C, b_dw[i_w], mask=m_c)
-
-
-@triton.autotune(configs=_DX, key=["C", "W", "DTAIL"])
-@triton.jit(do_not_specialize=["T"])
-def short_conv_bwd_dx_kernel(dpre, w, dx, dtail, T, C, W: tl.constexpr, DTAIL: tl.constexpr, BT: tl.constexpr,
-                             BC: tl.constexpr):
-    # padded rows p of one tile: dxp[p] = Σ_j w[W−1−j] · dpre[p − (W−1) + j]; p ≥ W−1 is dx[p − (W−1)], p < W−1
-    # the tail's gradient
-    i_t, i_c, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    p0 = i_t.to(tl.int64) * BT
-    o_r = tl.arange(0, BT)
-    o_c = i_c * BC + tl.arange(0, BC)
-    m_c = o_c < C
-    o_rc = o_r[:, None] * C + o_c[None, :]
-    dpre += i_b.to(tl.int64) * T * C
-    b_dxp = tl.zeros([BT, BC], dtype=tl.float32)
-    for j in tl.static_range(W):
-        r0 = p0 - (W - 1) + j
-        m_r = (r0 + o_r >= 0) & (r0 + o_r < T)
-        b_w = tl.load(w + o_c * W + (W - 1 - j), mask=m_c, other=0.)
-        b_dxp += b_w[None, :] * tl.load(dpre + r0 * C + o_rc, mask=m_r[:, None] & m_c[None, :], other=0.).to(tl.float32)
-    t0 = p0 - (W - 1)
-    tl.store(dx + (i_b.to(tl.int64) * T + t0) * C + o_rc, b_dxp.to(dx.dtype.element_ty),
-             mask=((t0 + o_r >= 0) & (t0 + o_r < T))[:, None] & m_c[None, :])
-    if DTAIL:
-        tl.store(dtail + (i_b.to(tl.int64) * (W - 1) + p0) * C + o_rc, b_dxp.to(dtail.dtype.element_ty),
-                 mask=(p0 + o_r < W - 1)[:, None] & m_c[None, :])
 
 
 def _grid_fwd(B: int, T: int, C: int):
@@ -173,12 +157,12 @@ def short_conv_fwd(x: torch.Tensor, weight: torch.Tensor, tail: torch.Tensor | N
 
 
 @functools.lru_cache(maxsize=8)
-def _row_groups(B: int, T: int) -> tuple[int, int]:
-    """(ROWS, groups): rows per dpre program (a power of two ≥ every tuned BT) and their count, at most about 512
-    (batch, group) pairs: ``dw`` partials of a few MB, and (times C / BC) several waves of programs on any GPU, so
-    that the last, partly filled one costs little (``small``: 8 × 64 groups of 64 rows)."""
-    rows = max(_DPRE_MAX_BT, triton.next_power_of_2(triton.cdiv(B * T, 512)))
-    return rows, triton.cdiv(T, rows)
+def _row_groups(B: int, Tp: int) -> tuple[int, int]:
+    """(ROWS, groups): padded rows per backward program (a power of two ≥ every tuned BT) and their count, at most
+    about 512 (batch, group) pairs: ``dw`` partials of a few MB, and (times C / BC) several waves of programs on any
+    GPU, so that the last, partly filled one costs little (``small``: 8 × 33 × 8 programs of 128 rows)."""
+    rows = max(_BWD_MAX_BT, triton.next_power_of_2(triton.cdiv(B * Tp, 512)))
+    return rows, triton.cdiv(Tp, rows)
 
 
 def short_conv_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, tail: torch.Tensor | None,
@@ -187,25 +171,19 @@ def short_conv_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, tail
     ``[B, W−1, C]`` in the tail's dtype when ``tail_grad`` (and a tail was given), else an empty tensor."""
     B, T, C = x.shape
     W = weight.shape[-1]
-    w = weight.reshape(C, W).contiguous()
     dx = torch.empty(B, T, C, dtype=x.dtype, device=x.device)
     tail_grad = tail_grad and tail is not None
     dtail = torch.empty(B, W - 1, C, dtype=tail.dtype, device=x.device) if tail_grad else x.new_empty(0)
-    rows, groups = _row_groups(B, T)
+    rows, groups = _row_groups(B, T + W - 1)
     dw = torch.empty(B, groups, W, C, dtype=torch.float32, device=x.device)
-    # without the activation dpre is dy itself
-    dpre = torch.empty(B, T, C, dtype=torch.float32, device=x.device) if activation else dy
-    if B * C == 0 or T == 0:
+    if B * C == 0:
         dw.zero_()
     else:
         with on_device_of(x):
-            short_conv_bwd_dpre_kernel[lambda meta: (groups, triton.cdiv(C, meta["BC"]), B)](
-                x, w, x if tail is None else tail, dy, dpre, dw, T, C, x.stride(0), x.stride(1), W=W,
-                ACT=bool(activation), HAS_TAIL=tail is not None, ROWS=rows)
-    if B * C and (T or tail_grad):
-        with on_device_of(x):
-            short_conv_bwd_dx_kernel[lambda meta: (triton.cdiv(T + W - 1, meta["BT"]), triton.cdiv(C, meta["BC"]), B)](
-                dpre, w, dx, dtail if tail_grad else dx, T, C, W=W, DTAIL=tail_grad)
+            short_conv_bwd_kernel[lambda meta: (groups, triton.cdiv(C, meta["BC"]), B)](
+                x, weight.reshape(C, W).contiguous(), x if tail is None else tail, dy, dx, dtail if tail_grad else dx,
+                dw, T, C, x.stride(0), x.stride(1), W=W, ACT=bool(activation), HAS_TAIL=tail is not None,
+                DTAIL=tail_grad, ROWS=rows)
     # contiguous, as the fake says: compiled graphs assert the strides the fake promised
     return dx, dw.sum((0, 1)).t().contiguous().view(C, 1, W), dtail
 

@@ -90,12 +90,10 @@ def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Te
 
 
 def expert_counts(idx: torch.Tensor, n_experts: int) -> torch.Tensor:
-    """Rows per expert ``[E]`` int64 from ``idx [...]`` without a host sync (``bincount`` on CUDA syncs). Counted
-    in int32: inductor has no int64 atomic add and would fall back to a sort-based ``index_put`` that serialises the
-    thousands of repeats of each expert."""
+    """Rows per expert ``[E]`` int64 from ``idx [...]`` without a host sync (``bincount`` on CUDA syncs)."""
     flat = idx.reshape(-1)
-    return torch.zeros(n_experts, dtype=torch.int32, device=idx.device).index_add_(
-        0, flat, torch.ones_like(flat, dtype=torch.int32)).long()
+    return torch.zeros(n_experts, dtype=torch.int64, device=idx.device).index_add_(
+        0, flat, torch.ones_like(flat, dtype=torch.int64))
 
 
 def sort_by_expert(idx: torch.Tensor, n_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -105,11 +103,10 @@ def sort_by_expert(idx: torch.Tensor, n_experts: int) -> tuple[torch.Tensor, tor
     (token, slot) pair ``order[r]`` of the flattened idx, belonging to token ``token_of_row[r]``.
     """
     flat = idx.reshape(-1)
-    keys, order = torch.sort(flat, stable=True)
+    order = torch.argsort(flat, stable=True)
     token_of_row = order // idx.shape[1]
-    # group ends by binary search in the sorted keys: no scatter-add with repeats
-    offs = torch.searchsorted(keys, torch.arange(n_experts, dtype=keys.dtype, device=keys.device), right=True)
-    return order, token_of_row, offs.to(torch.int32)
+    offs = torch.cumsum(expert_counts(flat, n_experts), 0).to(torch.int32)
+    return order, token_of_row, offs
 
 
 def expert_rows(idx: torch.Tensor, n_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
