@@ -54,14 +54,17 @@ from k3.layers.moe import GroupedExperts, MoEGate
 from k3.model import K3ForCausalLM, keeps_fp32
 from k3.train.optim import build_optimizer, lr_factor
 from k3.train.trainer import TrainArgs, _Data, _train_step, compute_dtype, resolve_device
+from k3.utils import atomic_write_text, atomic_write_with
 
 __all__ = ["main", "slice_config", "step_flops", "classify_kernel"]
 
 PATHS = ("fast", "fast-muon", "fast-nocompile", "bf16copy", "reference")
 KDA_CHUNK = 64
 _CLASSES = [  # (class, pattern on the lower-cased kernel name), first match wins
-    ("kda", r"kda|chunk_|_wy|delta|recurrent|gated_delta|solve_tril|_span"),
-    ("attention", r"flash|fmha|attention|sdpa|_attn_fwd|_attn_bwd|mla|cudnn.*(mha|sdpa)"),
+    # before kda: the flash MLA's backward has a "delta" kernel
+    ("attention", r"flash|fmha|attention|sdpa|attn_fwd|attn_bwd|mla|cudnn.*(mha|sdpa)"),
+    # not FSDP2's chunk_cat (its gradient copy-in)
+    ("kda", r"kda|chunk_(?!cat)|_wy|delta|recurrent|gated_delta|solve_tril|_span"),
     ("attnres", r"attn_res|attnres"),
     ("norms", r"rms|norm"),
     ("loss", r"cross_entropy|crossentropy|linear_ce|_ce_|loss|logsumexp|softmax"),
@@ -373,7 +376,7 @@ def loss_curve(config: K3Config, a: Any, d: Any, out: Path) -> dict[str, Any]:
     diff = [abs(x - y) for x, y in zip(f, r)]
     res = {"steps": a.loss_curve, "fast": f, "reference": r, "max_abs_diff": max(diff),
            "mean_abs_diff_last50": statistics.mean(diff[-50:]), "final_fast": f[-1], "final_reference": r[-1]}
-    (out / "loss_curve.json").write_text(json.dumps(res, indent=1) + "\n")
+    atomic_write_text(out / "loss_curve.json", json.dumps(res, indent=1) + "\n")
     try:
         import matplotlib
 
@@ -388,7 +391,7 @@ def loss_curve(config: K3Config, a: Any, d: Any, out: Path) -> dict[str, Any]:
         ax.set_title(f"{a.preset} · batch {a.batch_size} × {a.seq_len} · {a.optimizer} · same seed and data")
         ax.legend()
         fig.tight_layout()
-        fig.savefig(out / "loss_curve.png", dpi=120)
+        atomic_write_with(out / "loss_curve.png", lambda tmp: fig.savefig(tmp, dpi=120, format="png"))
         plt.close(fig)
     except ImportError:
         res["plot"] = "matplotlib missing"
@@ -480,8 +483,8 @@ def main(argv: list[str] | None = None) -> int:
 
         def save(rows: list) -> None:
             report["paths"] = rows
-            (out / f"{stem}.json").write_text(json.dumps(report, indent=1, default=str) + "\n")
-            (out / f"{stem}.md").write_text(_markdown(report))
+            atomic_write_text(out / f"{stem}.json", json.dumps(report, indent=1, default=str) + "\n")
+            atomic_write_text(out / f"{stem}.md", _markdown(report))
 
         save(bench_paths(config, a, d, peak, save) if a.steps else [])
         if a.loss_curve:

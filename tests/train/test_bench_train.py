@@ -1,0 +1,23 @@
+"""The training benchmark's kernel classes (the per-class split of its CUDA profile)."""
+
+import pytest
+
+from k3.bench.train import classify_kernel
+
+
+@pytest.mark.parametrize("name,cls", [
+    ("attn_fwd_kernel", "attention"),
+    ("attn_bwd_dkdv_kernel", "attention"),
+    ("attn_bwd_delta_kernel", "attention"),
+    ("attn_res_bwd_kernel", "attnres"),
+    ("_kda_bwd_wy", "kda"),
+    ("_kda_span_state", "kda"),
+    ("void at::native::detail::chunk_cat_cuda_kernel<float, c10::BFloat16>(c10::BFloat16**, float*", "other"),
+    ("nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_NNT", "matmul"),
+    ("_situ_bwd_kernel", "moe"),
+    ("void at::native::(anonymous namespace)::multi_tensor_apply_kernel<adam>", "optimizer"),
+    ("_rms_norm_fwd", "norms"),
+    ("short_conv_bwd_kernel", "other"),
+])
+def test_kernel_classes(name, cls) -> None:
+    assert classify_kernel(name) == cls
