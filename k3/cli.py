@@ -85,10 +85,7 @@ def _nonneg_int(s: str) -> int:
 
 
 def _shard_degree(s: str) -> int:
-    try:
-        v = int(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer or -1, got {s!r}") from None
+    v = _int(s, "a positive integer or -1")
     if v <= 0 and v != -1:
         raise argparse.ArgumentTypeError(f"must be a positive integer or -1 (fill the world), got {v}")
     return v
