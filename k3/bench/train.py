@@ -286,15 +286,28 @@ def _optimizer_ms(run: _Run, device: torch.device, n: int = 3) -> float:
     return 1e3 * statistics.median(times)
 
 
+_LAUNCH = re.compile(r"^cu(da)?LaunchKernel")
+# runtime calls that block the host until the device has caught up (``.item()`` and ``.cpu()`` end in a stream
+# synchronize; a plain cudaMemcpy waits by itself)
+_SYNC = re.compile(r"^cuda(StreamSynchronize|DeviceSynchronize|EventSynchronize|Memcpy)$")
+
+
 def _profile(run: _Run, device: torch.device, start: int, n: int = 2) -> dict[str, Any]:
-    """CUDA kernel time per step by class, and the largest kernels."""
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    """CUDA kernel time per step by class, the largest kernels, and the host side per step: kernel launches and the
+    runtime calls that wait for the device (what leaves the GPU idle when the step outruns its kernels)."""
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for i in range(n):
             run.step(start + i)
         _sync(device)
     per_kernel: dict[str, float] = {}
+    host = {"launches": 0.0, "sync_calls": 0.0, "sync_ms": 0.0}
     for ev in prof.key_averages():
         if ev.device_type.name != "CUDA":
+            if _LAUNCH.match(ev.key):
+                host["launches"] += ev.count / n
+            elif _SYNC.match(ev.key):
+                host["sync_calls"] += ev.count / n
+                host["sync_ms"] += ev.self_cpu_time_total / n / 1e3
             continue
         us = getattr(ev, "self_device_time_total", None)
         if us is None:
@@ -306,7 +319,7 @@ def _profile(run: _Run, device: torch.device, start: int, n: int = 2) -> dict[st
         classes[cls] = classes.get(cls, 0.0) + ms
     top = sorted(per_kernel.items(), key=lambda kv: -kv[1])[:25]
     return {"classes_ms": dict(sorted(classes.items(), key=lambda kv: -kv[1])), "kernel_ms": sum(classes.values()),
-            "top": [{"kernel": k[:100], "ms": ms, "class": classify_kernel(k)} for k, ms in top]}
+            "host": host, "top": [{"kernel": k[:100], "ms": ms, "class": classify_kernel(k)} for k, ms in top]}
 
 
 def _free(*objs: Any) -> None:
@@ -416,8 +429,12 @@ def _markdown(report: dict[str, Any]) -> str:
                      f"first steps incl. compile {r['warmup_s']:.0f} s |")
     prof = next((r["profile"] for r in report["paths"] if "profile" in r), None)
     if prof:
-        lines += ["", f"CUDA kernel time of the fast path per step: {prof['kernel_ms']:.1f} ms", "",
-                  "| class | ms | share |", "|---|---:|---:|"]
+        lines += ["", f"CUDA kernel time of the fast path per step: {prof['kernel_ms']:.1f} ms"]
+        if "host" in prof:
+            h = prof["host"]
+            lines.append(f"Host side per step (profiled): {h['launches']:.0f} kernel launches, {h['sync_calls']:.0f} "
+                         f"runtime calls that wait for the device, {h['sync_ms']:.1f} ms inside them")
+        lines += ["", "| class | ms | share |", "|---|---:|---:|"]
         for cls, ms in prof["classes_ms"].items():
             lines.append(f"| {cls} | {ms:.2f} | {100 * ms / prof['kernel_ms']:.1f} % |")
         lines += ["", "| kernel | class | ms |", "|---|---|---:|"]
