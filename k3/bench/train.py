@@ -1,7 +1,7 @@
 """``python -m k3.bench train``: the trainer's real step (forward, backward, clip, optimizer, QB) on one GPU.
 
     python -m k3.bench train --preset small --seq-len 4096 --batch-size 8
-    python -m k3.bench train --slice k3            # d 7168, 96 KDA + 96 MLA heads, 3 KDA + 1 MLA, 32 experts top-2
+    python -m k3.bench train --slice k3 --optimizer muon   # d 7168, 3 KDA + 1 MLA, 32 experts top-2 (7.0 B params)
     python -m k3.bench train --loss-curve 200      # fast vs reference path, same seed and data → loss_curve.png/json
 
 Paths, each built fresh and timed in the same process (``--paths``):
