@@ -40,6 +40,7 @@ from k3.distributed.plan import run_plan
 from k3.distributed.release import load_released_distributed
 from k3.infer.evaluate import evaluate_run
 from k3.infer.generate import generate
+from k3.model import AC_POLICIES
 from k3.train.trainer import cpu_threads, prepare_args, resolve_device, train
 
 __all__ = ["main", "build_parser"]
@@ -144,9 +145,10 @@ def _add_train(sub: Any) -> None:
     g.add_argument("--device", help="auto (default: cuda if available), cpu, cuda, cuda:N")
     g.add_argument("--threads", type=_nonneg_int, metavar="N", help="CPU threads (default 0 = auto: 1 for tiny-class models, "
                    "whose ops are too small to split)")
-    g.add_argument("--activation-checkpointing", nargs="?", const="full", choices=["none", "full", "selective"],
+    g.add_argument("--activation-checkpointing", nargs="?", const="full", choices=AC_POLICIES,
                    metavar="POLICY", help="recompute activations in the backward pass: full (the flag alone: each "
-                   "whole layer), selective (all but matmul/attention outputs) or none (default)")
+                   "whole layer), selective (all but matmul/attention outputs), experts (the MoE layers' routed "
+                   "expert rows) or none (default)")
     g.add_argument("--compile", choices=["auto", "on", "off"], help="torch.compile each decoder layer (default auto: "
                    "on CUDA for models wider than tiny)")
     g.add_argument("--force-memory", action="store_true", help=_FORCE_HELP)

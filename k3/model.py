@@ -30,7 +30,11 @@ from k3.ops.loss import linear_cross_entropy
 from k3.ops.moe.qb import qb_all_reduce
 from k3.state import K3State, MLACache
 
-__all__ = ["K3ForCausalLM", "K3Model", "K3DecoderLayer", "K3Output", "keeps_fp32", "IGNORE_INDEX"]
+__all__ = ["K3ForCausalLM", "K3Model", "K3DecoderLayer", "K3Output", "keeps_fp32", "IGNORE_INDEX", "AC_POLICIES"]
+
+# activation checkpointing (K3ForCausalLM.gradient_checkpointing_enable)
+AC_POLICIES = ("none", "full", "selective", "experts")
+_LAYER_POLICIES = ("full", "selective")  # checkpointed per decoder layer; "experts" inside each MoE layer
 
 IGNORE_INDEX = -100
 # Tensors kept in fp32 whatever config.dtype says (as in the released checkpoint).
@@ -112,7 +116,7 @@ class K3Model(nn.Module):
         self.layers = nn.ModuleList(K3DecoderLayer(config, i) for i in range(config.num_layers))
         self.norm = RMSNorm(d, config.rms_norm_eps)
         self.output_attn_res_norm, self.output_attn_res_proj = new_res_pair(d)
-        self.gradient_checkpointing = "none"  # "full" / "selective": K3ForCausalLM.gradient_checkpointing_enable
+        self.gradient_checkpointing = "none"  # one of AC_POLICIES: K3ForCausalLM.gradient_checkpointing_enable
 
     def forward(self, input_ids: torch.Tensor, state: K3State | None = None) -> torch.Tensor:
         """``input_ids [B, T]`` (validated by ``K3ForCausalLM``) → final-normed hidden states ``[B, T, d]``.
@@ -126,7 +130,7 @@ class K3Model(nn.Module):
         mixer = self.two_phase_mixer() if state is not None else attn_res_mix
         for i, layer in enumerate(self.layers):
             s = state.layers[i] if state is not None else None
-            if self.gradient_checkpointing != "none" and s is None and self.training and torch.is_grad_enabled():
+            if self.gradient_checkpointing in _LAYER_POLICIES and s is None and self.training and torch.is_grad_enabled():
                 blocks, partial = _checkpointed(layer, blocks, partial, self.gradient_checkpointing == "selective")
             else:
                 blocks, partial = layer(blocks, partial, s, mixer)
@@ -249,14 +253,18 @@ class K3ForCausalLM(nn.Module):
                 p.data = p.data.to(want)
 
     def gradient_checkpointing_enable(self, policy: bool | str = True) -> None:
-        """Activation checkpointing of training forwards without a state, per decoder layer: ``"full"`` (or True)
-        recomputes the whole layer in the backward, ``"selective"`` keeps the matmul / attention / k3-kernel outputs
-        and recomputes the rest, ``"none"`` (or False) stores everything."""
+        """Activation checkpointing of training forwards without a state: ``"full"`` (or True) recomputes each
+        decoder layer in the backward, ``"selective"`` each layer but its matmul / attention / k3-kernel outputs,
+        ``"experts"`` only the routed experts of every MoE layer (their expert-sorted rows, gate/up and SiTU-GLU
+        outputs: top_k rows per token, the bulk of a layer's saved activations, recomputed from the latent z);
+        ``"none"`` (or False) stores everything."""
         if isinstance(policy, bool):
             policy = "full" if policy else "none"
-        if policy not in ("none", "full", "selective"):
-            raise ValueError(f"policy must be 'none', 'full' or 'selective', got {policy!r}")
+        if policy not in AC_POLICIES:
+            raise ValueError(f"policy must be one of {', '.join(AC_POLICIES)}, got {policy!r}")
         self.model.gradient_checkpointing = policy
+        for moe in self.moe_layers():
+            moe.recompute_experts = policy == "experts"
 
     def fuse_projections(self) -> None:
         """Serving: inference forwards run each layer's projections of one input as one GEMM (KDA's six input

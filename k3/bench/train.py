@@ -51,7 +51,7 @@ from k3.distributed.data_parallel import destroy_distributed, init_distributed
 from k3.distributed.parallel_dims import ParallelDims
 from k3.distributed.parallelize import parallelize_k3
 from k3.layers.moe import GroupedExperts, MoEGate
-from k3.model import K3ForCausalLM, keeps_fp32
+from k3.model import AC_POLICIES, K3ForCausalLM, keeps_fp32
 from k3.train.optim import build_optimizer, lr_factor
 from k3.train.trainer import TrainArgs, _Data, _train_step, compute_dtype, resolve_device
 from k3.utils import atomic_write_text, atomic_write_with
@@ -461,7 +461,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="of every path but fast-muon (default adamw, as the baseline measurement)")
     ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--warmup-lr", type=int, default=10, help="lr warmup steps of the schedule")
-    ap.add_argument("--ac", choices=["none", "full", "selective"], default="none", help="activation checkpointing")
+    ap.add_argument("--ac", choices=AC_POLICIES, default="none", help="activation checkpointing")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--loss-curve", type=int, default=0, metavar="N", help="N steps of fast vs reference on text")
     ap.add_argument("--no-profile", action="store_true")

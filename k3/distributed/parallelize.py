@@ -30,11 +30,14 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from k3.distributed.context_parallel import apply_context_parallel
 from k3.distributed.expert_parallel import apply_expert_parallel
 from k3.distributed.parallel_dims import ParallelDims, ParallelMesh
-from k3.model import keeps_fp32
+from k3.model import AC_POLICIES, keeps_fp32
 
 __all__ = ["AC_POLICIES", "ParallelModel", "parallelize_k3", "sync_replicated_grads", "replicated_params"]
 
-AC_POLICIES = ("none", "full", "selective")
+EXPERTS_AC_WITH_EP = ("--activation-checkpointing experts recomputes the routed experts inside the MoE layer; with "
+                      "--ep > 1 they run behind an all-to-all that would run again in the backward: use full or "
+                      "selective")
+
 
 
 @dataclass
@@ -67,6 +70,8 @@ def parallelize_k3(model: nn.Module, dims: ParallelDims, mesh: ParallelMesh | No
     """
     if activation_checkpointing not in AC_POLICIES:
         raise ValueError(f"activation_checkpointing must be one of {AC_POLICIES}, got {activation_checkpointing!r}")
+    if activation_checkpointing == "experts" and dims.ep > 1:
+        raise ValueError(EXPERTS_AC_WITH_EP)
     if mesh is None and dims.world_size > 1:
         raise ValueError(f"a {dims.world_size}-rank layout needs its mesh: pass dims.build_mesh(device_type)")
     state = ParallelModel(dims=dims, mesh=mesh, param_dtype=mixed_precision)

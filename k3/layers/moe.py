@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from k3.config import K3Config
 from k3.layers.fused import FusedProjections
@@ -114,6 +115,9 @@ class LatentMoE(nn.Module):
         # [n] token-expert rows per expert of the last training forward (all zero before the first)
         self.register_buffer("last_load", torch.zeros(config.n_experts, dtype=torch.int64), persistent=False)
         self.fused: FusedProjections | None = None  # serving: the down projection and the shared gate/up as one GEMM
+        # activation checkpointing policy "experts": keep only z for the routed experts' backward and recompute their
+        # expert-sorted rows (top_k per token: the largest activations of the layer)
+        self.recompute_experts = False
 
     def fuse_projections(self) -> None:
         """Inference forwards run routed_expert_down_proj and the shared experts' gate and up projections from one
@@ -145,7 +149,15 @@ class LatentMoE(nn.Module):
     def routed(self, z: torch.Tensor, idx: torch.Tensor, p: torch.Tensor, record: bool = False) -> torch.Tensor:
         """``z [m, ℓ]``, ``idx/p [m, k]`` → ``RMSNorm(Σ_j p_j E_j(z)) [m, ℓ]``."""
         row_of, token_of_row, offs = expert_rows(idx, self.experts.n_experts)
-        rows = self.experts(permute_rows(z, token_of_row, row_of), offs)
+        if self.recompute_experts and self.training and torch.is_grad_enabled():
+            rows = checkpoint(self._expert_rows, z, token_of_row, row_of, offs, use_reentrant=False)
+        else:
+            rows = self._expert_rows(z, token_of_row, row_of, offs)
         if record:
             self.last_load.copy_(torch.diff(offs, prepend=offs.new_zeros(1)))
         return combine_norm_rows(rows, row_of, p, self.routed_expert_norm.weight, self.eps)
+
+    def _expert_rows(self, z: torch.Tensor, token_of_row: torch.Tensor, row_of: torch.Tensor, offs: torch.Tensor
+                     ) -> torch.Tensor:
+        """Each token's k expert outputs ``[m·k, ℓ]``, expert-sorted (no routing weights yet)."""
+        return self.experts(permute_rows(z, token_of_row, row_of), offs)

@@ -51,7 +51,7 @@ from k3.distributed.checkpoint import (is_distributed_checkpoint, load_distribut
 from k3.distributed.data_parallel import (Distributed, agree, destroy_distributed, init_distributed, local_batch,
                                           world_size_from_env)
 from k3.distributed.parallel_dims import ParallelDims
-from k3.distributed.parallelize import AC_POLICIES, parallelize_k3, sync_replicated_grads
+from k3.distributed.parallelize import AC_POLICIES, EXPERTS_AC_WITH_EP, parallelize_k3, sync_replicated_grads
 from k3.infer.generate import generate, prompt_ids
 from k3.memory import check_fits, training_footprint
 from k3.model import K3ForCausalLM
@@ -101,7 +101,8 @@ class TrainArgs:
     device: str = "auto"
     threads: int = 0  # CPU intra-op threads; 0 = auto (1 for tiny-class models, see cpu_threads)
     activation_checkpointing: str = "none"  # "full": recompute each layer in the backward; "selective": all but
-    # the matmuls / attention / k3 kernels (see K3ForCausalLM.gradient_checkpointing_enable)
+    # the matmuls / attention / k3 kernels; "experts": the MoE layers' routed expert rows
+    # (see K3ForCausalLM.gradient_checkpointing_enable)
     # torch.compile each decoder layer's sublayers: "auto" (on CUDA, for models wider than the tiny class, whose
     # short runs would spend more time compiling than it saves), "on", "off"
     compile: str = "auto"
@@ -154,6 +155,8 @@ class TrainArgs:
         if self.activation_checkpointing not in AC_POLICIES:
             raise ValueError(f"--activation-checkpointing must be one of {', '.join(AC_POLICIES)}, got "
                              f"{self.activation_checkpointing!r}")
+        if self.activation_checkpointing == "experts" and isinstance(self.ep, int) and self.ep > 1:
+            raise ValueError(EXPERTS_AC_WITH_EP)
         if self.compile not in COMPILE:
             raise ValueError(f"--compile must be one of {', '.join(COMPILE)}, got {self.compile!r}")
         if self.name is not None and (not self.name or "/" in self.name or self.name in (".", "..")):

@@ -13,7 +13,7 @@ from k3.distributed.parallelize import parallelize_k3
 from k3.model import K3ForCausalLM
 
 
-@pytest.mark.parametrize("policy", ["full", "selective"])
+@pytest.mark.parametrize("policy", ["full", "selective", "experts"])
 def test_compiled_checkpointed_layers_match_and_record_qb_once(policy: str) -> None:
     torch.manual_seed(0)
     plain = K3ForCausalLM(K3Config.from_preset("tiny")).train()
@@ -34,3 +34,15 @@ def test_compiled_checkpointed_layers_match_and_record_qb_once(policy: str) -> N
     for a, b in zip(model.moe_layers(), plain.moe_layers()):
         assert int(b.gate.qb_hist.sum()) == 2 * 24 * b.gate.n_experts  # each token once, every expert
         assert torch.equal(a.gate.qb_hist, b.gate.qb_hist) and torch.equal(a.last_load, b.last_load)
+
+
+def test_experts_policy_is_refused_with_expert_parallel() -> None:
+    """Under --ep the routed experts sit behind an all-to-all: recomputing them would run it again."""
+    from k3.train.trainer import TrainArgs
+
+    with pytest.raises(ValueError, match="activation-checkpointing experts"):
+        TrainArgs(activation_checkpointing="experts", ep=2).validate()
+    TrainArgs(activation_checkpointing="experts").validate()
+    with pytest.raises(ValueError, match="activation-checkpointing experts"):
+        parallelize_k3(K3ForCausalLM(K3Config.from_preset("tiny")), ParallelDims(dp_shard=2, ep=2, world_size=2),
+                       None, activation_checkpointing="experts")

@@ -1,7 +1,7 @@
 """The one-GPU training path on CUDA (skipped without a GPU): the FSDP2 world-size-1 step (bf16 compute, fp32
 master, fp32 reductions) follows the eager fp32 + autocast reference within bf16 noise, compiling the sublayers
-changes nothing but speed, the MoE layer compiles under inductor in one graph, and a GPU run's DCP checkpoints
-resume exactly."""
+changes nothing but speed, the MoE layer compiles under inductor in one graph (also recomputing its experts), and a
+GPU run's DCP checkpoints resume exactly."""
 
 import copy
 
@@ -45,12 +45,15 @@ def test_compiled_sublayers_match_eager() -> None:
     assert all(abs(a - b) < 1e-2 * abs(b) for a, b in zip(compiled, eager)), (compiled, eager)
 
 
-def test_moe_layer_compiles_under_inductor_in_one_graph() -> None:
+@pytest.mark.parametrize("recompute_experts", [False, True])
+def test_moe_layer_compiles_under_inductor_in_one_graph(recompute_experts: bool) -> None:
+    """Also with the "experts" checkpointing policy: the expert rows recomputed inside the compiled graph."""
     from k3.layers.moe import LatentMoE
 
     torch.manual_seed(0)
     config = K3Config.from_preset("small")
     moe = LatentMoE(config, 1).cuda().to(torch.bfloat16).train()
+    moe.recompute_experts = recompute_experts
     twin = copy.deepcopy(moe)
     x = torch.randn(2, 1000, config.hidden_size, device="cuda", dtype=torch.bfloat16)
     dy = torch.randn_like(x)
