@@ -227,10 +227,13 @@ def test_full_queue_answers_429_and_closed_clients_leave_it(server):
     server.wait_idle()
     socks = [_raw_stream_request(server, i) for i in range(MAX_BATCH + MAX_QUEUE)]
     try:
+        # every request has arrived once the queue is full; the engine admits the first MAX_BATCH between two of
+        # its iterations, so wait for that state rather than read a moment of the admission
+        want = {"status": "ok", "running": MAX_BATCH, "waiting": MAX_QUEUE, "slots": MAX_BATCH}
         end = time.time() + 60
-        while server.load()["waiting"] < MAX_QUEUE and time.time() < end:
+        while server.load() != want and time.time() < end:
             time.sleep(0.1)
-        assert server.load() == {"status": "ok", "running": MAX_BATCH, "waiting": MAX_QUEUE, "slots": MAX_BATCH}
+        assert server.load() == want
         r = server.post("/v1/completions", {"model": server.name, "prompt": "one too many", "max_tokens": 2})
         assert r.status_code == 429 and r.json()["error"]["code"] == "queue_full"
     finally:
