@@ -130,8 +130,9 @@ class K3Model(nn.Module):
         mixer = self.two_phase_mixer() if state is not None else attn_res_mix
         for i, layer in enumerate(self.layers):
             s = state.layers[i] if state is not None else None
-            if self.gradient_checkpointing in _LAYER_POLICIES and s is None and self.training and torch.is_grad_enabled():
-                blocks, partial = _checkpointed(layer, blocks, partial, self.gradient_checkpointing == "selective")
+            policy = self.gradient_checkpointing
+            if policy in _LAYER_POLICIES and s is None and self.training and torch.is_grad_enabled():
+                blocks, partial = _checkpointed(layer, blocks, partial, policy == "selective")
             else:
                 blocks, partial = layer(blocks, partial, s, mixer)
         h = mixer(self.output_attn_res_norm, self.output_attn_res_proj, [*blocks, partial], self.config.rms_norm_eps,

@@ -39,7 +39,6 @@ EXPERTS_AC_WITH_EP = ("--activation-checkpointing experts recomputes the routed 
                       "selective")
 
 
-
 @dataclass
 class ParallelModel:
     """What ``parallelize_k3`` did to a model (kept on the model as ``model.parallel``)."""
