@@ -13,9 +13,10 @@ Sections (``--sections``; by default decode, server, prefill, in that order; kda
              what was allocated before the call (weights + decode state + latent cache + the ids). Beside it, the
              eager one-call ``model(ids, state=…)`` at 32K.
 ``server``   ``k3 serve``'s app (uvicorn in this process, the engine thread behind it) under 1 / 16 / 64 concurrent
-             streaming clients (their own process: ``_serve_client.py``), 1K-token prompts, 256 tokens each:
-             tokens/s over the run, time to first token p50 / p99, failed requests; the same requests submitted to
-             the engine in-process (no HTTP) for the ratio.
+             streaming clients (their own process: ``_serve_client.py``), two loads (``SERVER_LOADS``): chat turns
+             of 128 prompt tokens and 512 generated, and 1K-token prompts with 256 generated: tokens/s over the
+             run, time to first token p50 / p99, failed requests; the same requests submitted to the engine
+             in-process (no HTTP) for the ratio.
 ``kdaprobe`` the first and second KDA split-prefill call of a process (B=1, H=8, T=1M, bf16): peak memory beyond
              inputs and output, and the largest live allocations at the first call's peak with their source lines
              (``torch.cuda.memory`` history).
@@ -313,23 +314,31 @@ def _engine_direct(engine: Any, n: int, prompt_len: int, max_tokens: int) -> dic
     return _summary(rows, time.perf_counter() - t0)
 
 
-def bench_server(emit: Emit, preset: str, clients: list[int], prompt_len: int, max_tokens: int, device: str) -> None:
+# (prompt tokens, generated tokens) per request: a chat turn, where decoding dominates (what the server adds to the
+# engine's decode shows), and long prompts, where prefill takes most of the run
+SERVER_LOADS = [(128, 512), (1024, 256)]
+
+
+def bench_server(emit: Emit, preset: str, clients: list[int], loads: list[tuple[int, int]], device: str) -> None:
     import uvicorn
 
     from k3.serve.api import create_app
     from k3.serve.server import bind_socket
 
-    model = _model(preset, device, max_seq_len=prompt_len + max_tokens + 64)
+    longest = max(p + t for p, t in loads)
+    model = _model(preset, device, max_seq_len=longest + 64)
     max_batch = max(clients)
     tok = _IdTokenizer(model.config.vocab_size)
-    engine = Engine(model, tok, max_batch=max_batch, max_queue=max(clients), capacity=prompt_len + max_tokens + 8)
+    engine = Engine(model, tok, max_batch=max_batch, max_queue=max(clients), capacity=longest + 8)
     engine.start()
     # untimed: every decode bucket captured, the prefill shapes compiled and tuned, before any row is timed
-    for n in sorted(set(clients)):
-        _engine_direct(engine, n, prompt_len, 4)
-    for n in clients:  # the engine alone first (the server's app stops the engine when it shuts down)
-        emit({"section": "server", "item": "server", "path": "engine", "clients": n,
-              **_engine_direct(engine, n, prompt_len, max_tokens)})
+    for prompt_len, _ in loads:
+        for n in sorted(set(clients)):
+            _engine_direct(engine, n, prompt_len, 4)
+    for prompt_len, max_tokens in loads:  # the engine alone first (the server's app stops the engine at shutdown)
+        for n in clients:
+            emit({"section": "server", "item": "server", "path": "engine", "clients": n, "prompt": prompt_len,
+                  "max_tokens": max_tokens, **_engine_direct(engine, n, prompt_len, max_tokens)})
     sock = bind_socket("127.0.0.1", 0)
     url = f"http://127.0.0.1:{sock.getsockname()[1]}"
     server = uvicorn.Server(uvicorn.Config(create_app(engine, "small", chat_format(tok)), log_level="warning",
@@ -339,19 +348,22 @@ def bench_server(emit: Emit, preset: str, clients: list[int], prompt_len: int, m
     while not server.started:
         time.sleep(0.05)
     try:
-        for n in clients:
-            t0 = time.perf_counter()
-            out = subprocess.run([sys.executable, "-m", "k3.bench._serve_client", url, "small", str(n), str(prompt_len),
-                                  str(max_tokens), str(n)], capture_output=True, text=True, timeout=900)
-            wall = time.perf_counter() - t0
-            reqs = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
-            row = {"section": "server", "item": "server", "path": "http", "clients": n}
-            if out.returncode != 0 or len(reqs) != n:
-                row["error"] = out.stderr[-2000:]
-            else:
-                span = max(r.get("end", 0.0) for r in reqs) - min(r["start"] for r in reqs)
-                row.update(_summary(reqs, span), client_wall_s=wall)
-            emit(row)
+        for prompt_len, max_tokens in loads:
+            for n in clients:
+                t0 = time.perf_counter()
+                out = subprocess.run([sys.executable, "-m", "k3.bench._serve_client", url, "small", str(n),
+                                      str(prompt_len), str(max_tokens), str(n)], capture_output=True, text=True,
+                                     timeout=900)
+                wall = time.perf_counter() - t0
+                reqs = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+                row = {"section": "server", "item": "server", "path": "http", "clients": n, "prompt": prompt_len,
+                       "max_tokens": max_tokens}
+                if out.returncode != 0 or len(reqs) != n:
+                    row["error"] = out.stderr[-2000:]
+                else:
+                    span = max(r.get("end", 0.0) for r in reqs) - min(r["start"] for r in reqs)
+                    row.update(_summary(reqs, span), client_wall_s=wall)
+                emit(row)
     finally:
         server.should_exit = True
         thread.join(timeout=30)
@@ -451,13 +463,15 @@ def _markdown(header: dict[str, Any], rows: list[dict[str, Any]]) -> str:
                          f"{r['extra_gib']:.2f} | {r.get('chunk', '')} |")
     srv = [r for r in rows if r.get("section") == "server" and "clients" in r]
     if srv:
-        lines += ["\n## Server (streaming clients; 1K-token prompts, 256 tokens each)\n",
-                  "| path | clients | tok/s | TTFT p50 ms | TTFT p99 ms | failed |", "|---|---|---|---|---|---|"]
+        lines += ["\n## Server (streaming clients; tokens/s counts generated tokens)\n",
+                  "| prompt + generated tokens | path | clients | tok/s | TTFT p50 ms | TTFT p99 ms | failed |",
+                  "|---|---|---|---|---|---|---|"]
         for r in srv:
+            load = f"{r.get('prompt', '?')} + {r.get('max_tokens', '?')}"
             if "error" in r:
-                lines.append(f"| {r['path']} | {r['clients']} | error | | | |")
+                lines.append(f"| {load} | {r['path']} | {r['clients']} | error | | | |")
                 continue
-            lines.append(f"| {r['path']} | {r['clients']} | {r['tok_s']:,.0f} | {r['ttft_p50_ms']:.1f} | "
+            lines.append(f"| {load} | {r['path']} | {r['clients']} | {r['tok_s']:,.0f} | {r['ttft_p50_ms']:.1f} | "
                          f"{r['ttft_p99_ms']:.1f} | {r['failed']} |")
     for p in (r for r in rows if r.get("section") == "kdaprobe" and "call1" in r):
         lines += [f"\n## KDA prefill memory, first vs second call of the process (B=1, H={p['H']}, T={p['T']:,})\n",
@@ -491,9 +505,9 @@ def _plan(smoke: bool) -> dict[str, Any]:
     """Sizes of every section (``smoke``: tiny CPU shapes)."""
     if smoke:
         return dict(preset="tiny", batches=[1, 3], prompt=64, steps=12, eager_steps=2, lengths=[300, 700],
-                    eager_lengths=[300], clients=[1, 3], s_prompt=16, s_tokens=4, probe=(256, 2))
+                    eager_lengths=[300], clients=[1, 3], loads=[(8, 6), (16, 4)], probe=(256, 2))
     return dict(preset="small", batches=[1, 8, 64], prompt=4096, steps=128, eager_steps=8,
-                lengths=[32768, 1 << 20], eager_lengths=[32768], clients=[1, 16, 64], s_prompt=1024, s_tokens=256,
+                lengths=[32768, 1 << 20], eager_lengths=[32768], clients=[1, 16, 64], loads=SERVER_LOADS,
                 probe=(1 << 20, 8))
 
 
@@ -515,7 +529,7 @@ def run_unit(emit: Emit, section: str, items: list[Any], plan: dict[str, Any], d
         elif section == "prefill":
             bench_prefill(emit, p["preset"], item, p["lengths"], p["eager_lengths"], device, chunk)
         elif section == "server":
-            bench_server(emit, p["preset"], p["clients"], p["s_prompt"], p["s_tokens"], device)
+            bench_server(emit, p["preset"], p["clients"], p["loads"], device)
         else:
             bench_kdaprobe(emit, *p["probe"], device)
         emit({"section": section, "item": item, "path": "done"})

@@ -290,6 +290,14 @@ _LAUNCH = re.compile(r"^cu(da)?LaunchKernel")
 # runtime calls that block the host until the device has caught up (``.item()`` and ``.cpu()`` end in a stream
 # synchronize; a plain cudaMemcpy waits by itself)
 _SYNC = re.compile(r"^cuda(StreamSynchronize|DeviceSynchronize|EventSynchronize|Memcpy)$")
+# ranges the profiler also reports on the device timeline (the optimizer's step, profiler steps): they span kernels
+# already counted, so summing them would count those twice
+_RANGE = re.compile(r"^(Optimizer\.|ProfilerStep#)")
+
+
+def is_kernel(name: str) -> bool:
+    """Whether a device-side profiler event is a kernel or copy (not a range around them)."""
+    return not _RANGE.match(name)
 
 
 def _profile(run: _Run, device: torch.device, start: int, n: int = 2) -> dict[str, Any]:
@@ -308,6 +316,8 @@ def _profile(run: _Run, device: torch.device, start: int, n: int = 2) -> dict[st
             elif _SYNC.match(ev.key):
                 host["sync_calls"] += ev.count / n
                 host["sync_ms"] += ev.self_cpu_time_total / n / 1e3
+            continue
+        if not is_kernel(ev.key):
             continue
         us = getattr(ev, "self_device_time_total", None)
         if us is None:

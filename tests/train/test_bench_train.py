@@ -2,7 +2,7 @@
 
 import pytest
 
-from k3.bench.train import classify_kernel
+from k3.bench.train import classify_kernel, is_kernel
 
 
 @pytest.mark.parametrize("name,cls", [
@@ -21,3 +21,14 @@ from k3.bench.train import classify_kernel
 ])
 def test_kernel_classes(name, cls) -> None:
     assert classify_kernel(name) == cls
+
+
+@pytest.mark.parametrize("name,kernel", [
+    ("Optimizer.step#AdamW.step", False),
+    ("Optimizer.step#Muon.step", False),
+    ("ProfilerStep#3", False),
+    ("_kda_bwd_wy", True),
+    ("Memcpy DtoD (Device -> Device)", True),
+])
+def test_ranges_are_not_kernels(name, kernel) -> None:
+    assert is_kernel(name) is kernel
