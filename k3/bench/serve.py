@@ -223,7 +223,7 @@ def bench_prefill(emit: Emit, preset: str, name: str, lengths: list[int], eager_
     model = _model(preset, device, max_seq_len=max(lengths) + 64, **PREFILL_MODELS[name])
     runner = ModelRunner(model, max_batch=1, capacity=max(lengths) + 64, prefill_chunk=chunk)
     runner.admit(0, GREEDY, seed=0)
-    runner.prefill(0, _ids(min(8192, max(lengths)), model.config.vocab_size, device)).tokens()  # compile, warm
+    runner.warmup()  # compile and tune at the chunk's shapes, as the server does at start
     for T in lengths:
         ids = _ids(T, model.config.vocab_size, device, seed=T)
         runner.admit(0, GREEDY, seed=0)

@@ -229,6 +229,23 @@ class ModelRunner:
 
     @_on_model_device
     @torch.no_grad()
+    def warmup(self) -> None:
+        """On CUDA: one prefill of a full chunk and a short tail on the scratch row (emptied after), so that the
+        first request does not pay for compiling and tuning the prefill kernels at the chunk's shapes (seconds:
+        KDA's split prefill alone compiles its kernels on first use). No-op on CPU."""
+        if self.device.type != "cuda":
+            return
+        s = self.scratch
+        self._params[s], self._length[s] = SamplingParams(max_tokens=1, temperature=0), 0
+        try:
+            self._feed([s], [torch.zeros(min(self.capacity, self.prefill_chunk + 17), dtype=torch.int64)])
+        finally:
+            del self._params[s]
+            self._length[s] = 0
+            self.state.reset(self._scratch_idx)
+
+    @_on_model_device
+    @torch.no_grad()
     def feed(self, slot: int, ids: torch.Tensor | Sequence[int]) -> torch.Tensor:
         """Run prompt tokens through ``slot`` in chunks of ``prefill_chunk`` (each chunk continues the KDA states,
         conv tails and MLA cache of the one before; working memory is one chunk's); returns the final-normed hidden

@@ -156,9 +156,10 @@ class Engine:
         return self.runner.max_batch
 
     def start(self) -> "Engine":
-        """Start the engine thread (captures the decode graphs first on CUDA)."""
+        """Start the engine thread (on CUDA: captures the decode graphs and warms the prefill kernels first)."""
         if self._thread is None:
             self.runner.capture_all()
+            self.runner.warmup()
             self._thread = threading.Thread(target=self._loop, name="k3-engine", daemon=True)
             self._thread.start()
         return self

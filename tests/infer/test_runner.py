@@ -191,3 +191,21 @@ def test_cuda_graph_decode_equals_eager_step_bitwise(mode_params):
         for a, b in zip(_state_rows(graph.state, slice(0, 3), 128), _state_rows(eager.state, slice(0, 3), 128)):
             assert torch.equal(a, b)
     assert graph.use_graphs and (4, "greedy" if mode_params.temperature == 0 else "filtered") in graph._graphs
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the warm-up runs on CUDA only")
+def test_warmup_leaves_no_trace():
+    """A warmed runner (a chunk and a tail prefilled on the scratch row) serves exactly what a fresh one does, and
+    its scratch row is empty again."""
+    model = tiny(6, device="cuda")
+    ids = torch.randint(0, 256, (23,), generator=torch.Generator().manual_seed(7)).tolist()
+    warm, fresh = (ModelRunner(model, max_batch=2, capacity=64, prefill_chunk=8, cuda_graphs=False) for _ in "ab")
+    warm.warmup()
+    assert warm.state.lengths.tolist() == [0, 0, 0] and warm.length(warm.scratch) == 0
+    assert all(not r.any() for r in _state_rows(warm.state, warm.scratch, 0) if r.numel())
+    out = []
+    for r in (warm, fresh):
+        r.admit(1, GREEDY, seed=0)
+        toks = r.prefill(1, ids).tokens() + [r.decode([1]).tokens()[0] for _ in range(5)]
+        out.append(toks)
+    assert out[0] == out[1]
