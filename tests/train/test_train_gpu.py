@@ -52,7 +52,11 @@ def test_moe_layer_compiles_under_inductor_in_one_graph(recompute_experts: bool)
 
     torch.manual_seed(0)
     config = K3Config.from_preset("small")
-    moe = LatentMoE(config, 1).cuda().to(torch.bfloat16).train()
+    moe = LatentMoE(config, 1)
+    with torch.no_grad():  # the layer's matrices start uninitialised (the model's reset_parameters fills them)
+        for name, p in moe.named_parameters():
+            torch.nn.init.ones_(p) if name.endswith("norm.weight") else torch.nn.init.normal_(p, 0.0, 0.02)
+    moe = moe.cuda().to(torch.bfloat16).train()
     moe.recompute_experts = recompute_experts
     twin = copy.deepcopy(moe)
     x = torch.randn(2, 1000, config.hidden_size, device="cuda", dtype=torch.bfloat16)
