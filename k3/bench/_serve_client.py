@@ -45,6 +45,8 @@ async def _main(url: str, model: str, n: int, prompt_len: int, max_tokens: int, 
               for _ in range(n)]
     limits = httpx.Limits(max_connections=n + 4, max_keepalive_connections=n + 4)
     async with httpx.AsyncClient(limits=limits) as client:
+        # untimed: the client's own first-request setup (lazy imports, the connection pool), not the server's
+        (await client.get(f"{url}/health", timeout=60)).raise_for_status()
         t0 = time.perf_counter()
         rows = await asyncio.gather(*(_one(client, url, b, t0) for b in bodies))
     for row in rows:
