@@ -230,11 +230,9 @@ class ModelRunner:
     @_on_model_device
     @torch.no_grad()
     def warmup(self) -> None:
-        """On CUDA: one prefill of a full chunk and a short tail on the scratch row (emptied after), so that the
-        first request does not pay for compiling and tuning the prefill kernels at the chunk's shapes (seconds:
-        KDA's split prefill alone compiles its kernels on first use). No-op on CPU."""
-        if self.device.type != "cuda":
-            return
+        """One prefill of a full chunk and a short tail on the scratch row (emptied after), so that the first
+        request does not pay for compiling and tuning the prefill kernels at the chunk's shapes (on a GPU, seconds:
+        KDA's split prefill alone compiles its kernels on first use)."""
         s = self.scratch
         self._params[s], self._length[s] = SamplingParams(max_tokens=1, temperature=0), 0
         try:

@@ -159,7 +159,8 @@ class Engine:
         """Start the engine thread (on CUDA: captures the decode graphs and warms the prefill kernels first)."""
         if self._thread is None:
             self.runner.capture_all()
-            self.runner.warmup()
+            if self.runner.device.type == "cuda":  # nothing compiles on the first CPU prefill
+                self.runner.warmup()
             self._thread = threading.Thread(target=self._loop, name="k3-engine", daemon=True)
             self._thread.start()
         return self

@@ -193,11 +193,12 @@ def test_cuda_graph_decode_equals_eager_step_bitwise(mode_params):
     assert graph.use_graphs and (4, "greedy" if mode_params.temperature == 0 else "filtered") in graph._graphs
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="the warm-up runs on CUDA only")
-def test_warmup_leaves_no_trace():
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA"))])
+def test_warmup_leaves_no_trace(device):
     """A warmed runner (a chunk and a tail prefilled on the scratch row) serves exactly what a fresh one does, and
     its scratch row is empty again."""
-    model = tiny(6, device="cuda")
+    model = tiny(6, device=device)
     ids = torch.randint(0, 256, (23,), generator=torch.Generator().manual_seed(7)).tolist()
     warm, fresh = (ModelRunner(model, max_batch=2, capacity=64, prefill_chunk=8, cuda_graphs=False) for _ in "ab")
     warm.warmup()
