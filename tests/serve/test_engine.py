@@ -81,15 +81,18 @@ def test_join_and_leave_mid_batch(engine, model):
 
 def test_long_prompt_prefills_in_chunks_between_decodes(engine, model):
     long_prompt = [256] + list(b"a long prompt, many chunks " * 5)  # 136 tokens, chunks of 16
-    short = engine.submit(prompt(1), greedy(20))
-    time.sleep(0.2)
+    short = engine.submit(prompt(1), greedy(60))  # long enough to still be decoding through the 9 prefill chunks
+    deadline = time.monotonic() + 30
+    while engine.stats["decode_steps"] < 2 and time.monotonic() < deadline:  # the short one is decoding
+        time.sleep(0.005)
     steps_before = engine.stats["decode_steps"]
     long = engine.submit(long_prompt, greedy(5))
+    first = long.events.get()  # the long prompt's first token: all 9 chunks were fed before it
+    assert engine.stats["decode_steps"] - steps_before >= 5  # decodes kept running while the prompt was fed
     _, ids_long, _ = collect(long)
     _, ids_short, _ = collect(short)
-    assert engine.stats["decode_steps"] - steps_before >= 5  # decodes kept running while the prompt was fed
-    assert ids_long == ref(model, long_prompt, 5)
-    assert ids_short == ref(model, prompt(1), 20)
+    assert first.token_ids + ids_long == ref(model, long_prompt, 5)
+    assert ids_short == ref(model, prompt(1), 60)
 
 
 def test_stop_strings_stop_ids_and_max_tokens(engine, model):
