@@ -295,20 +295,40 @@ _SYNC = re.compile(r"^cuda(StreamSynchronize|DeviceSynchronize|EventSynchronize|
 _RANGE = re.compile(r"^(Optimizer\.|ProfilerStep#)")
 
 
+# the allocator's runtime calls: a cudaFree waits for the whole device, a cudaMalloc may
+_ALLOC = re.compile(r"^cuda(Malloc|Free)(Async)?$")
+
+
 def is_kernel(name: str) -> bool:
     """Whether a device-side profiler event is a kernel or copy (not a range around them)."""
     return not _RANGE.match(name)
 
 
+def busy_us(intervals: list[tuple[float, float]]) -> float:
+    """Length of the union of ``(start, end)`` intervals: the time the device ran at least one kernel (kernels of
+    several streams overlap, so their durations' sum overstates it)."""
+    total, end = 0.0, float("-inf")
+    for a, b in sorted(intervals):
+        if b <= end:
+            continue
+        total += b - max(a, end)
+        end = b
+    return total
+
+
 def _profile(run: _Run, device: torch.device, start: int, n: int = 2) -> dict[str, Any]:
-    """CUDA kernel time per step by class, the largest kernels, and the host side per step: kernel launches and the
-    runtime calls that wait for the device (what leaves the GPU idle when the step outruns its kernels)."""
+    """CUDA kernel time per step by class, the largest kernels, the device's busy time (the union of its kernels'
+    intervals) against the profiled steps' wall time, and the host side per step: kernel launches, the runtime calls
+    that wait for the device and the allocator's calls (what leaves the GPU idle when the step outruns its
+    kernels)."""
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
         for i in range(n):
             run.step(start + i)
         _sync(device)
+        wall_ms = 1e3 * (time.perf_counter() - t0) / n
     per_kernel: dict[str, float] = {}
-    host = {"launches": 0.0, "sync_calls": 0.0, "sync_ms": 0.0}
+    host = {"launches": 0.0, "sync_calls": 0.0, "sync_ms": 0.0, "alloc_calls": 0.0, "alloc_ms": 0.0}
     for ev in prof.key_averages():
         if ev.device_type.name != "CUDA":
             if _LAUNCH.match(ev.key):
@@ -316,6 +336,9 @@ def _profile(run: _Run, device: torch.device, start: int, n: int = 2) -> dict[st
             elif _SYNC.match(ev.key):
                 host["sync_calls"] += ev.count / n
                 host["sync_ms"] += ev.self_cpu_time_total / n / 1e3
+            elif _ALLOC.match(ev.key):
+                host["alloc_calls"] += ev.count / n
+                host["alloc_ms"] += ev.self_cpu_time_total / n / 1e3
             continue
         if not is_kernel(ev.key):
             continue
@@ -328,8 +351,14 @@ def _profile(run: _Run, device: torch.device, start: int, n: int = 2) -> dict[st
         cls = classify_kernel(k)
         classes[cls] = classes.get(cls, 0.0) + ms
     top = sorted(per_kernel.items(), key=lambda kv: -kv[1])[:25]
-    return {"classes_ms": dict(sorted(classes.items(), key=lambda kv: -kv[1])), "kernel_ms": sum(classes.values()),
-            "host": host, "top": [{"kernel": k[:100], "ms": ms, "class": classify_kernel(k)} for k, ms in top]}
+    spans = [(ev.time_range.start, ev.time_range.end) for ev in prof.events()
+             if ev.device_type.name == "CUDA" and is_kernel(ev.name)]
+    out = {"classes_ms": dict(sorted(classes.items(), key=lambda kv: -kv[1])), "kernel_ms": sum(classes.values()),
+           "wall_ms": wall_ms, "host": host,
+           "top": [{"kernel": k[:100], "ms": ms, "class": classify_kernel(k)} for k, ms in top]}
+    if spans:  # kernel intervals, where this profiler build reports them
+        out["device_busy_ms"] = busy_us(spans) / n / 1e3
+    return out
 
 
 def _free(*objs: Any) -> None:
@@ -440,10 +469,15 @@ def _markdown(report: dict[str, Any]) -> str:
     prof = next((r["profile"] for r in report["paths"] if "profile" in r), None)
     if prof:
         lines += ["", f"CUDA kernel time of the fast path per step: {prof['kernel_ms']:.1f} ms"]
+        if "device_busy_ms" in prof:
+            lines.append(f"Device busy (union of its kernels) {prof['device_busy_ms']:.1f} ms of a profiled step's "
+                         f"{prof['wall_ms']:.1f} ms")
         if "host" in prof:
             h = prof["host"]
             lines.append(f"Host side per step (profiled): {h['launches']:.0f} kernel launches, {h['sync_calls']:.0f} "
-                         f"runtime calls that wait for the device, {h['sync_ms']:.1f} ms inside them")
+                         f"runtime calls that wait for the device, {h['sync_ms']:.1f} ms inside them; "
+                         f"{h.get('alloc_calls', 0):.0f} allocator calls (cudaMalloc/cudaFree), "
+                         f"{h.get('alloc_ms', 0):.1f} ms")
         lines += ["", "| class | ms | share |", "|---|---:|---:|"]
         for cls, ms in prof["classes_ms"].items():
             lines.append(f"| {cls} | {ms:.2f} | {100 * ms / prof['kernel_ms']:.1f} % |")

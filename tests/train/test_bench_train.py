@@ -2,7 +2,7 @@
 
 import pytest
 
-from k3.bench.train import classify_kernel, is_kernel
+from k3.bench.train import busy_us, classify_kernel, is_kernel
 
 
 @pytest.mark.parametrize("name,cls", [
@@ -32,3 +32,14 @@ def test_kernel_classes(name, cls) -> None:
 ])
 def test_ranges_are_not_kernels(name, kernel) -> None:
     assert is_kernel(name) is kernel
+
+
+@pytest.mark.parametrize("spans,busy", [
+    ([], 0.0),
+    ([(0, 10)], 10.0),
+    ([(0, 10), (5, 12)], 12.0),           # overlapping streams count once
+    ([(20, 30), (0, 10)], 20.0),          # gaps are idle, order does not matter
+    ([(0, 10), (2, 4), (10, 11)], 11.0),  # nested and touching
+])
+def test_device_busy_is_the_union_of_kernel_intervals(spans, busy) -> None:
+    assert busy_us(spans) == busy
