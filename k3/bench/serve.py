@@ -347,6 +347,7 @@ def bench_server(emit: Emit, preset: str, clients: list[int], loads: list[tuple[
     thread.start()
     while not server.started:
         time.sleep(0.05)
+
     def client(n: int, prompt_len: int, max_tokens: int) -> subprocess.CompletedProcess:
         return subprocess.run([sys.executable, "-m", "k3.bench._serve_client", url, "small", str(n), str(prompt_len),
                                str(max_tokens), str(n)], capture_output=True, text=True, timeout=900)
