@@ -350,14 +350,14 @@ def _profile(run: _Run, device: torch.device, start: int, n: int = 2) -> dict[st
     for k, ms in per_kernel.items():
         cls = classify_kernel(k)
         classes[cls] = classes.get(cls, 0.0) + ms
-    top = sorted(per_kernel.items(), key=lambda kv: -kv[1])[:25]
+    ranked = sorted(per_kernel.items(), key=lambda kv: -kv[1])
     spans = [(ev.time_range.start, ev.time_range.end) for ev in prof.events()
              if ev.device_type.name == "CUDA" and is_kernel(ev.name)]
     out = {"classes_ms": dict(sorted(classes.items(), key=lambda kv: -kv[1])), "kernel_ms": sum(classes.values()),
            "wall_ms": wall_ms, "host": host,
-           "top": [{"kernel": k[:100], "ms": ms, "class": classify_kernel(k)} for k, ms in top],
+           "top": [{"kernel": k[:100], "ms": ms, "class": classify_kernel(k)} for k, ms in ranked[:25]],
            # every kernel of ≥ 10 µs a step, full names: two runs' profiles can be diffed kernel by kernel
-           "kernels": {k: round(ms, 4) for k, ms in sorted(per_kernel.items(), key=lambda kv: -kv[1]) if ms >= 0.01}}
+           "kernels": {k: round(ms, 4) for k, ms in ranked if ms >= 0.01}}
     if spans:  # kernel intervals, where this profiler build reports them
         out["device_busy_ms"] = busy_us(spans) / n / 1e3
     return out
