@@ -12,7 +12,7 @@ Sections (``--sections``; by default decode, server, prefill, in that order; kda
              through the runner (chunked, only the last position through ``lm_head``): seconds and peak memory beyond
              what was allocated before the call (weights + decode state + latent cache + the ids). Beside it, the
              eager one-call ``model(ids, state=…)`` at 32K.
-``server``   ``k3 serve``'s app (uvicorn in this process, the engine thread behind it) under 1 / 16 / 64 concurrent
+``server``   ``k3 serve``'s app (uvicorn in this process, the engine in its own) under 1 / 16 / 64 concurrent
              streaming clients (their own process: ``_serve_client.py``), two loads (``SERVER_LOADS``): chat turns
              of 128 prompt tokens and 512 generated, and 1K-token prompts with 256 generated: tokens/s over the
              run, time to first token p50 / p99, failed requests; the same requests submitted to the engine
@@ -319,26 +319,38 @@ def _engine_direct(engine: Any, n: int, prompt_len: int, max_tokens: int) -> dic
 SERVER_LOADS = [(128, 512), (1024, 256)]
 
 
+def _server_model(preset: str, device: str, max_seq_len: int) -> tuple[K3ForCausalLM, _IdTokenizer]:
+    """The server's model and tokenizer, built in the engine's process (``EngineProcess``)."""
+    model = _model(preset, device, max_seq_len=max_seq_len)
+    return model, _IdTokenizer(model.config.vocab_size)
+
+
 def bench_server(emit: Emit, preset: str, clients: list[int], loads: list[tuple[int, int]], device: str) -> None:
     import uvicorn
 
     from k3.serve.api import create_app
+    from k3.serve.process import EngineProcess
     from k3.serve.server import bind_socket
 
     longest = max(p + t for p, t in loads)
-    model = _model(preset, device, max_seq_len=longest + 64)
     max_batch = max(clients)
-    tok = _IdTokenizer(model.config.vocab_size)
-    engine = Engine(model, tok, max_batch=max_batch, max_queue=max(clients), capacity=longest + 8)
+    kw = dict(max_batch=max_batch, max_queue=max(clients), capacity=longest + 8)
+    model, tok = _server_model(preset, device, longest + 64)
+    engine = Engine(model, tok, **kw)
     engine.start()
     # untimed: every decode bucket captured, the prefill shapes compiled and tuned, before any row is timed
     for prompt_len, _ in loads:
         for n in sorted(set(clients)):
             _engine_direct(engine, n, prompt_len, 4)
-    for prompt_len, max_tokens in loads:  # the engine alone first (the server's app stops the engine at shutdown)
+    for prompt_len, max_tokens in loads:  # the engine alone, in this process (no HTTP)
         for n in clients:
             emit({"section": "server", "item": "server", "path": "engine", "clients": n, "prompt": prompt_len,
                   "max_tokens": max_tokens, **_engine_direct(engine, n, prompt_len, max_tokens)})
+    engine.stop()
+    del engine, model
+    _free()
+    # the server as ``k3 serve`` runs it: the engine in its own process, uvicorn in this one
+    engine = EngineProcess(_server_model, (preset, device, longest + 64), tok, **kw).start()
     sock = bind_socket("127.0.0.1", 0)
     url = f"http://127.0.0.1:{sock.getsockname()[1]}"
     server = uvicorn.Server(uvicorn.Config(create_app(engine, "small", chat_format(tok)), log_level="warning",
@@ -353,7 +365,11 @@ def bench_server(emit: Emit, preset: str, clients: list[int], loads: list[tuple[
                                str(max_tokens), str(n)], capture_output=True, text=True, timeout=900)
 
     try:
-        client(1, 8, 2)  # untimed: the app's first request (its lazy setup) is not any row's
+        # untimed: the app's first request (its lazy setup), then the child's prefill shapes of every row
+        client(1, 8, 2)
+        for prompt_len, _ in loads:
+            for n in sorted(set(clients)):
+                client(n, prompt_len, 4)
         for prompt_len, max_tokens in loads:
             for n in clients:
                 t0 = time.perf_counter()
@@ -434,8 +450,9 @@ def _nan(r: dict[str, Any], k: str) -> float:
 
 def _markdown(header: dict[str, Any], rows: list[dict[str, Any]]) -> str:
     lines = [f"# Serving benchmark\n\n{header.get('gpu', '?')}, torch {header['torch']}, triton {header['triton']}, "
-             f"{header['date']}. Command: `{header['command']}`. Preset `{header.get('preset', 'small')}`, random "
-             f"weights in the preset's dtype.\n"]
+             f"{header['date']}, {header.get('cpus', '?')} CPUs, uvicorn on {header.get('uvicorn_http', '?')}. "
+             f"Command: `{header['command']}`. Preset `{header.get('preset', 'small')}`, random weights in the "
+             f"preset's dtype.\n"]
     dec = [r for r in rows if r.get("section") == "decode" and "error" not in r]
     if dec:
         lines += ["## Decode (tokens/s; 4K-token prompts)\n",
@@ -597,9 +614,14 @@ def run_isolated(emit: Emit, units: list[tuple[str, list[Any]]], args: list[str]
 def _header(device: str) -> dict[str, Any]:
     import triton
 
+    import importlib.util
+
     gpu = torch.cuda.get_device_name() if device == "cuda" else "CPU (smoke)"
+    # uvicorn's parser and event loop: httptools and uvloop when installed (``uvicorn[standard]``), else h11, asyncio
+    have = lambda m: importlib.util.find_spec(m) is not None  # noqa: E731
+    http = f"{'httptools' if have('httptools') else 'h11'} + {'uvloop' if have('uvloop') else 'asyncio'}"
     return dict(gpu=gpu, torch=torch.__version__, triton=triton.__version__, host=platform.node(),
-                date=datetime.date.today().isoformat())
+                cpus=os.cpu_count(), uvicorn_http=http, date=datetime.date.today().isoformat())
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -66,6 +66,7 @@ __all__ = [
     "find_checkpoint",
     "verify_checkpoint",
     "load_checkpoint",
+    "load_tokenizer",
     "load_trainer_state",
     "lock_run",
     "assert_unlocked",
@@ -356,6 +357,12 @@ def _read_json(ckpt: Path, name: str) -> Any:
         return read_json(ckpt / name, f"checkpoint {ckpt}: {name}")
     except ValueError as e:
         raise CheckpointError(str(e)) from None
+
+
+def load_tokenizer(path: str | Path) -> Any:
+    """The tokenizer of the checkpoint at ``path`` (a run dir: its newest checkpoint), without the model."""
+    ckpt = find_checkpoint(path)
+    return tokenizer_from_dict(_read_json(ckpt, "tokenizer_spec.json"), root=ckpt)
 
 
 def load_checkpoint(path: str | Path, device: str | torch.device = "cpu",

@@ -3,7 +3,8 @@
 Requests are parsed and validated here, in the event loop, before anything reaches the engine: a malformed body,
 an unknown model, a missing or out-of-range field or a prompt longer than the model's context gets HTTP 400 with
 OpenAI's error object ``{"error": {"message", "type", "param", "code"}}``; a full waiting queue gets 429. Valid
-requests go to the :class:`k3.serve.engine.Engine` (its own thread), whose events come back through
+requests go to the engine (``k3 serve``: an :class:`k3.serve.process.EngineProcess`, the engine in its own process;
+an in-process :class:`k3.serve.engine.Engine` also fits), whose events come back on another thread and through
 ``loop.call_soon_threadsafe`` into a per-request ``asyncio.Queue``. ``stream: true`` answers with server-sent events
 in OpenAI's chunk format, ending with ``data: [DONE]``; a client that disconnects has its request cancelled (the
 streaming response is cancelled by Starlette on disconnect; a non-streaming one polls for it), which frees its slot.
@@ -34,6 +35,7 @@ from k3.infer.generate import prompt_ids
 from k3.infer.sampling import SamplingParams
 from k3.serve.chat import ChatFormat
 from k3.serve.engine import Engine, Event, QueueFull
+from k3.serve.process import EngineProcess
 
 __all__ = ["create_app", "APIError"]
 
@@ -231,7 +233,7 @@ class _Kind:
 
 
 class _Bridge:
-    """Engine thread → event loop: events are queued here and delivered by one loop callback per burst (a decode
+    """Engine events → event loop: events are queued here and delivered by one loop callback per burst (a decode
     step of 64 streams wakes the loop once, not 64 times)."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -264,9 +266,9 @@ def _coalesce(ev: Event, events: asyncio.Queue) -> Event:
 
 
 # --- the app ----------------------------------------------------------------------------------------------------------
-def create_app(engine: Engine, model_name: str, chat: ChatFormat) -> FastAPI:
-    """The FastAPI app serving ``engine`` under the name ``model_name``. The engine thread is started here if it is
-    not running, and stopped when the app shuts down."""
+def create_app(engine: Engine | EngineProcess, model_name: str, chat: ChatFormat) -> FastAPI:
+    """The FastAPI app serving ``engine`` under the name ``model_name``. The engine is started here if it is not
+    running, and stopped when the app shuts down."""
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

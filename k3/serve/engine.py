@@ -38,11 +38,26 @@ from k3.infer.generate import StreamDecoder
 from k3.infer.runner import ModelRunner, Pending
 from k3.infer.sampling import SEED_LIMIT, SamplingParams
 
-__all__ = ["Engine", "Request", "Event", "QueueFull", "TextStream"]
+__all__ = ["Engine", "Request", "Event", "QueueFull", "TextStream", "check_request"]
 
 
 class QueueFull(Exception):
     """Every slot is busy and the waiting queue is at its bound."""
+
+
+def check_request(prompt: Sequence[int], params: SamplingParams, vocab_size: int, capacity: int) -> list[int]:
+    """The prompt as a list of ints, or ``ValueError`` naming what is wrong with the request."""
+    if not isinstance(params, SamplingParams):
+        raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
+    ids = [int(i) for i in prompt]
+    if not ids:
+        raise ValueError("the prompt must hold at least one token")
+    if min(ids) < 0 or max(ids) >= vocab_size:
+        raise ValueError(f"prompt token ids must lie in [0, {vocab_size})")
+    if len(ids) + params.max_tokens > capacity:
+        raise ValueError(f"the prompt ({len(ids)} tokens) plus max_tokens ({params.max_tokens}) exceeds the "
+                         f"model's context of {capacity} tokens")
+    return ids
 
 
 @dataclass
@@ -119,11 +134,12 @@ class Engine:
 
     ``max_batch``: concurrent sequences (slots). ``max_queue``: requests that may wait for a slot (beyond:
     ``QueueFull``). ``prefill_budget``: prompt tokens per iteration (default: one prefill chunk). ``capacity``,
-    ``prefill_chunk``, ``cuda_graphs``: as :class:`ModelRunner`."""
+    ``prefill_chunk``, ``cuda_graphs``: as :class:`ModelRunner`. ``after_iteration``: called on the engine thread
+    after each pass of its loop, once that pass's events are out (``k3.serve.process`` sends them in one message)."""
 
     def __init__(self, model: torch.nn.Module, tokenizer: Any, max_batch: int = 8, max_queue: int = 64,
                  prefill_budget: int | None = None, capacity: int | None = None, prefill_chunk: int | None = None,
-                 cuda_graphs: bool | str = "auto") -> None:
+                 cuda_graphs: bool | str = "auto", after_iteration: Callable[[], None] | None = None) -> None:
         if isinstance(max_queue, bool) or not isinstance(max_queue, int) or max_queue < 0:
             raise ValueError(f"max_queue must be a non-negative integer, got {max_queue!r}")
         self.tokenizer = tokenizer
@@ -145,6 +161,7 @@ class Engine:
         self._stopping = False
         self.error: str | None = None  # the last exception the loop survived
         self.stats = collections.Counter()
+        self._after_iteration = after_iteration or (lambda: None)
 
     # --- public API (any thread) ---------------------------------------------------------------------------------
     @property
@@ -181,16 +198,7 @@ class Engine:
     def submit(self, prompt: Sequence[int], params: SamplingParams,
                sink: Callable[[Event], None] | None = None) -> Request:
         """Queue a request (validated here: ``ValueError`` for bad input, ``QueueFull`` when the queue is full)."""
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
-        ids = [int(i) for i in prompt]
-        if not ids:
-            raise ValueError("the prompt must hold at least one token")
-        if min(ids) < 0 or max(ids) >= self.vocab_size:
-            raise ValueError(f"prompt token ids must lie in [0, {self.vocab_size})")
-        if len(ids) + params.max_tokens > self.capacity:
-            raise ValueError(f"the prompt ({len(ids)} tokens) plus max_tokens ({params.max_tokens}) exceeds the "
-                             f"model's context of {self.capacity} tokens")
+        ids = check_request(prompt, params, self.vocab_size, self.capacity)
         seed = params.seed % SEED_LIMIT if params.seed is not None else secrets.randbits(63)
         stops = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.tokenizer_stops)
         req = Request(id=f"{next(self._ids)}", prompt=ids, params=params, seed=seed, stop_ids=stops,
@@ -244,7 +252,9 @@ class Engine:
                 self.error = f"{type(e).__name__}: {e}"
                 traceback.print_exc()
                 self._fail_all(self.error)
+            self._after_iteration()
         self._fail_all(None)
+        self._after_iteration()
 
     def _admit(self) -> list[Request]:
         """Under the lock: drop cancelled requests, give free slots to waiting ones (FIFO)."""

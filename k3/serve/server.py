@@ -15,29 +15,44 @@ import torch
 import uvicorn
 
 from k3.ckpt.released import load_pretrained
-from k3.ckpt.run import load_checkpoint
+from k3.ckpt.run import find_checkpoint, load_checkpoint, load_tokenizer
 from k3.data.k3_tokenizer import load_k3_tokenizer
 from k3.serve.api import create_app
 from k3.serve.chat import chat_format, find_chat_template
-from k3.serve.engine import Engine
-from k3.train.trainer import cpu_threads
+from k3.serve.process import EngineProcess
 
-__all__ = ["serve", "load_for_serving", "bind_socket"]
+__all__ = ["serve", "resolve_source", "load_engine_model", "bind_socket"]
 
 
-def load_for_serving(run: str | None, model_path: str | None, device: Any, dtype: str | None,
-                     force_memory: bool = False) -> tuple[Any, Any, list[Path], str]:
-    """``(model, tokenizer, folders that may hold a chat template, default model name)``."""
+def resolve_source(run: str | None, model_path: str | None, dtype: str | None) -> tuple[tuple[str, str], Any,
+                                                                                          list[Path], str]:
+    """What to serve, resolved in the server's process before the engine's starts: ``((kind, path), tokenizer,
+    folders that may hold a chat template, default model name)``. A run dir resolves to its newest checkpoint
+    here, so the engine loads the one whose tokenizer the server uses."""
     if run is not None:
         if dtype is not None:
             raise ValueError("--dtype applies to --model only; drop it with --run")
-        ck = load_checkpoint(run, device=device, force_memory=force_memory)
-        folders = [Path(ck["dir"]), Path(ck["dir"]) / "tokenizer_files"]
-        return ck["model"], ck["tokenizer"], folders, Path(run).resolve().name
-    tok = load_k3_tokenizer(model_path)
-    model = load_pretrained(model_path, device=device, dtype=getattr(torch, dtype) if dtype else None,
-                            force_memory=force_memory)
-    return model.eval(), tok, [Path(model_path)], Path(model_path).resolve().name
+        ckpt = find_checkpoint(run)
+        return ("run", str(ckpt)), load_tokenizer(ckpt), [ckpt, ckpt / "tokenizer_files"], Path(run).resolve().name
+    return ("model", model_path), load_k3_tokenizer(model_path), [Path(model_path)], Path(model_path).resolve().name
+
+
+def load_engine_model(source: tuple[str, str], device: Any, dtype: str | None, force_memory: bool,
+                      max_seq_len: int | None) -> tuple[Any, Any]:
+    """``(model, tokenizer)`` of ``source`` (from :func:`resolve_source`): runs in the engine's process."""
+    kind, path = source
+    if kind == "run":
+        ck = load_checkpoint(path, device=device, force_memory=force_memory)
+        model, tok = ck["model"], ck["tokenizer"]
+    else:
+        tok = load_k3_tokenizer(path)
+        model = load_pretrained(path, device=device, dtype=getattr(torch, dtype) if dtype else None,
+                                force_memory=force_memory).eval()
+    if max_seq_len is not None and max_seq_len > model.config.max_seq_len:
+        raise ValueError(f"--max-seq-len {max_seq_len} exceeds the model's max_seq_len {model.config.max_seq_len}")
+    if torch.device(device).type == "cpu" and model.config.hidden_size <= 512:
+        torch.set_num_threads(1)  # tiny models: one CPU thread (``k3.train.trainer.cpu_threads`` says why)
+    return model, tok
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
@@ -59,28 +74,28 @@ def bind_socket(host: str, port: int) -> socket.socket:
 def serve(run: str | None, model_path: str | None, host: str = "127.0.0.1", port: int = 8000, max_batch: int = 8,
           max_queue: int = 64, max_seq_len: int | None = None, prefill_chunk: int | None = None,
           name: str | None = None, device: Any = "cpu", dtype: str | None = None, force_memory: bool = False) -> int:
-    """Serve until interrupted (SIGINT/SIGTERM: graceful shutdown). Returns the exit status."""
+    """Serve until interrupted (SIGINT/SIGTERM: graceful shutdown). Returns the exit status. The engine runs in
+    its own process (``k3.serve.process`` says why); this one runs the HTTP side."""
     if not 0 <= port <= 65535:
         raise ValueError(f"--port must be in [0, 65535], got {port}")
     sock = bind_socket(host, port)  # before the (slow) model load: a busy port fails at once
+    engine = None
     try:
-        model, tok, folders, default_name = load_for_serving(run, model_path, device, dtype, force_memory)
-        if max_seq_len is not None and max_seq_len > model.config.max_seq_len:
-            raise ValueError(f"--max-seq-len {max_seq_len} exceeds the model's max_seq_len {model.config.max_seq_len}")
+        source, tok, folders, default_name = resolve_source(run, model_path, dtype)
         folder = next((f for f in folders if find_chat_template(f) is not None), None)
-        engine = Engine(model, tok, max_batch=max_batch, max_queue=max_queue, capacity=max_seq_len,
-                        prefill_chunk=prefill_chunk)
-        app = create_app(engine, name or default_name, chat_format(tok, folder))
-        with cpu_threads(engine.runner.device, model.config.hidden_size):
-            engine.start()
+        chat = chat_format(tok, folder)
+        engine = EngineProcess(load_engine_model, (source, device, dtype, force_memory, max_seq_len), tok,
+                               max_batch=max_batch, max_queue=max_queue, capacity=max_seq_len,
+                               prefill_chunk=prefill_chunk).start()
+        app = create_app(engine, name or default_name, chat)
         bound = sock.getsockname()
         print(f"k3: serving {name or default_name!r} on http://{host}:{bound[1]} (OpenAI API under /v1; "
-              f"{engine.max_batch} slots, context {engine.capacity} tokens, device {engine.runner.device})",
-              flush=True)
+              f"{engine.max_batch} slots, context {engine.capacity} tokens, device {engine.device})", flush=True)
         config = uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=5)
-        with cpu_threads(engine.runner.device, model.config.hidden_size):
-            uvicorn.Server(config).run(sockets=[sock])
+        uvicorn.Server(config).run(sockets=[sock])
     finally:
+        if engine is not None:
+            engine.stop()
         sock.close()
     sys.stdout.flush()
     return 0
