@@ -235,7 +235,10 @@ def _child_main(conn: Any, load: Callable[..., tuple[Any, Any]], load_args: tupl
         nonlocal outbox
         if outbox:
             items, outbox = outbox, []
-            send(("events", items, engine.load()))
+            try:
+                send(("events", items, engine.load()))
+            except OSError:  # the parent is gone: the main thread sees the pipe close and stops the engine
+                pass
 
     try:
         model, tokenizer = load(*load_args)
