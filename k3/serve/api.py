@@ -25,7 +25,7 @@ import json
 import threading
 import time
 import uuid
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -219,6 +219,13 @@ class _Kind:
         choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
         return {**self.head("text_completion"), "choices": [choice]}
 
+    def text_sse(self) -> Callable[[str], str]:
+        """``text → _sse(self.chunk(text))``, byte for byte, from a template cut once per request: a stream's
+        per-token work is one ``json.dumps`` of the text, not of the whole chunk."""
+        marker = "\x00k3-text\x00"
+        head, tail = _sse(self.chunk(marker)).split(json.dumps(marker, ensure_ascii=False))
+        return lambda text: head + json.dumps(text, ensure_ascii=False) + tail
+
     def usage_chunk(self, ev: Event) -> dict[str, Any]:
         return {**self.head("chat.completion.chunk" if self.chat else "text_completion"), "choices": [],
                 "usage": _usage(ev)}
@@ -376,10 +383,11 @@ def create_app(engine: Engine | EngineProcess, model_name: str, chat: ChatFormat
                 yield _sse(kind.chunk("", role=True))
             if parsed.echo_text:
                 yield _sse(kind.chunk(parsed.echo_text))
+            text_sse = kind.text_sse()
             while True:
                 ev = _coalesce(await events.get(), events)
                 if ev.text:
-                    yield _sse(kind.chunk(ev.text))
+                    yield text_sse(ev.text)
                 if ev.finish_reason is not None:
                     err = _finish_error(ev)
                     if err is not None:
