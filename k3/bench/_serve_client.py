@@ -6,9 +6,10 @@ is ``CLOCK_MONOTONIC`` on Linux, one clock for every process — and completion 
     python -m k3.bench._serve_client URL MODEL N PROMPT_LEN MAX_TOKENS SEED
 
 The client speaks HTTP/1.1 over asyncio streams itself and parses only what it measures (the first chunk that holds
-text, the final usage chunk), like wrk rather than an SDK: a general client spends several times the server's CPU on
-every streamed chunk (httpx with a JSON parse per chunk: ~200 µs against the server's ~30 µs on a 2-core CPU), and
-one such process cannot read 64 streams as fast as the server writes them.
+text, the final usage chunk), like wrk rather than an SDK. On a 2-core CPU, for 64 streams of 512 chunks, an httpx
+client parsing every chunk took 1.7 s of CPU against the server's 0.8 s and read 22.9 K chunks/s from a stand-in
+engine emitting 28 K+; this one takes 1.1 s and reads 28.3 K. The benchmark still spreads its streams over several
+processes, so that no client process is what limits the rate.
 """
 
 from __future__ import annotations
