@@ -54,6 +54,7 @@ from k3.infer.sampling import SamplingParams
 from k3.model import K3ForCausalLM
 from k3.serve.chat import chat_format
 from k3.serve.engine import Engine
+from k3.serve.process import EngineProcess
 from k3.utils import atomic_write_text
 
 __all__ = ["main"]
@@ -341,7 +342,6 @@ def bench_server(emit: Emit, preset: str, clients: list[int], loads: list[tuple[
     import uvicorn
 
     from k3.serve.api import create_app
-    from k3.serve.process import EngineProcess
     from k3.serve.server import bind_socket
 
     longest = max(p + t for p, t in loads)

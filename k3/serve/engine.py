@@ -38,7 +38,7 @@ from k3.infer.generate import StreamDecoder
 from k3.infer.runner import ModelRunner, Pending
 from k3.infer.sampling import SEED_LIMIT, SamplingParams
 
-__all__ = ["Engine", "Request", "Event", "QueueFull", "TextStream", "check_request"]
+__all__ = ["Engine", "Request", "Event", "QueueFull", "TextStream", "check_request", "collect"]
 
 
 class QueueFull(Exception):
@@ -71,6 +71,17 @@ class Event:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     error: str | None = None
+
+
+def collect(events: "queue.Queue[Event]") -> tuple[str, list[int], Event]:
+    """A request's events read to its last: ``(text, token ids, last event)``."""
+    text, ids = [], []
+    while True:
+        ev = events.get()
+        text.append(ev.text)
+        ids += ev.token_ids
+        if ev.finish_reason is not None:
+            return "".join(text), ids, ev
 
 
 class TextStream:
@@ -222,14 +233,7 @@ class Engine:
 
     def generate(self, prompt: Sequence[int], params: SamplingParams) -> tuple[str, list[int], Event]:
         """Submit and wait: ``(text, token ids, last event)``."""
-        req = self.submit(prompt, params)
-        text, ids = [], []
-        while True:
-            ev = req.events.get()
-            text.append(ev.text)
-            ids += ev.token_ids
-            if ev.finish_reason is not None:
-                return "".join(text), ids, ev
+        return collect(self.submit(prompt, params).events)
 
     def load(self) -> dict[str, int]:
         with self._cv:

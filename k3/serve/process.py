@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 from k3.infer.sampling import SamplingParams
-from k3.serve.engine import Event, QueueFull, check_request
+from k3.serve.engine import Engine, Event, QueueFull, check_request, collect
 
 __all__ = ["EngineProcess", "Ticket"]
 
@@ -164,14 +164,7 @@ class EngineProcess:
 
     def generate(self, prompt: Sequence[int], params: SamplingParams) -> tuple[str, list[int], Event]:
         """Submit and wait: ``(text, token ids, last event)``."""
-        ticket = self.submit(prompt, params)
-        text, ids = [], []
-        while True:
-            ev = ticket.events.get()
-            text.append(ev.text)
-            ids += ev.token_ids
-            if ev.finish_reason is not None:
-                return "".join(text), ids, ev
+        return collect(self.submit(prompt, params).events)
 
     # --- plumbing ----------------------------------------------------------------------------------------------------
     def _send(self, msg: tuple) -> None:
@@ -220,7 +213,6 @@ class EngineProcess:
 def _child_main(conn: Any, load: Callable[..., tuple[Any, Any]], load_args: tuple, engine_kwargs: dict) -> None:
     """The engine process: load, start the engine, then serve the pipe until "stop" or the parent goes away."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: the parent decides
-    from k3.serve.engine import Engine
 
     send_lock = threading.Lock()
 

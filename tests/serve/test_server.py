@@ -261,3 +261,20 @@ def test_cli_mistakes_are_one_line(tiny_run, tmp_path):
             assert code == 2 and err.startswith("k3: error:") and err.count("\n") == 1 and text in err, (argv, err)
     finally:
         busy.close()
+
+
+def test_benchmark_load_client_reads_the_streams(server):
+    """The serving benchmark's own HTTP client (``k3/bench/_serve_client.py``): every stream's usage and first text
+    chunk, parsed from the chunked SSE body."""
+    server.wait_idle()
+    client = REPO / "k3" / "bench" / "_serve_client.py"
+    out = subprocess.run([sys.executable, str(client), server.base, server.name, "3", "5", "4", "0"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    rows = [json.loads(line) for line in out.stdout.splitlines()]
+    assert len(rows) == 3 and all(r["status"] == 200 and "error" not in r for r in rows), rows
+    assert all(r["tokens"] == 4 and 0 < r["ttft"] <= r["end"] - r["start"] for r in rows), rows
+    bad = subprocess.run([sys.executable, str(client), server.base, "no-such-model", "1", "5", "4", "0"],
+                         capture_output=True, text=True, timeout=120)
+    row = json.loads(bad.stdout)
+    assert row["status"] == 400 and "model" in row["error"]
