@@ -28,6 +28,7 @@ import pickle
 import queue
 import signal
 import threading
+import traceback
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -86,6 +87,8 @@ class EngineProcess:
         if it could not load the model or start the engine)."""
         if self._proc is not None:
             return self
+        self._dead = False
+        self._stopped.clear()
         ctx = multiprocessing.get_context("spawn")  # CUDA cannot live on in a forked child
         parent, child = ctx.Pipe(duplex=True)
         self._proc = ctx.Process(target=_child_main, name="k3-engine",
@@ -97,6 +100,7 @@ class EngineProcess:
         if msg[0] == "error":
             self._proc.join(timeout=30)
             self._proc = None
+            self._conn.close()
             raise (ValueError if msg[1] == "value" else RuntimeError)(msg[2])
         info = msg[1]
         self.capacity, self.vocab_size, self.device = info["capacity"], info["vocab_size"], info["device"]
@@ -189,7 +193,7 @@ class EngineProcess:
                                 ticket.done = True
                                 del self._open[rid]
                         if ticket is not None:
-                            ticket.sink(ev)
+                            self._deliver(ticket, ev)
                     with self._lock:
                         self._load_state = msg[2]
                 elif msg[0] == "stopped":
@@ -207,7 +211,15 @@ class EngineProcess:
             self._load_state = {"running": 0, "waiting": 0, "slots": self.max_batch}
         for t in tickets:
             t.done = True
-            t.sink(Event("", [], finish_reason="error", error=why))
+            self._deliver(t, Event("", [], finish_reason="error", error=why))
+
+    @staticmethod
+    def _deliver(ticket: Ticket, ev: Event) -> None:
+        """One event to its sink; a sink that raises loses its event, not every other request's."""
+        try:
+            ticket.sink(ev)
+        except Exception:  # noqa: BLE001
+            traceback.print_exc()
 
 
 def _child_main(conn: Any, load: Callable[..., tuple[Any, Any]], load_args: tuple, engine_kwargs: dict) -> None:

@@ -1,7 +1,8 @@
 """The engine in its own process (``EngineProcess``, a real spawned child over a real pipe): outputs equal the
 in-process engine's for concurrent requests, the parent validates and bounds requests before anything crosses, a
-cancelled request ends, a load that fails in the child is raised in the parent with its reason, a child that dies
-ends every open request with an error, and stopping cancels what is still running."""
+cancelled request ends, a sink that raises harms no other request, a load that fails in the child is raised in the
+parent with its reason, a child that dies ends every open request with an error (and the same object can start a
+new one), and stopping cancels what is still running."""
 
 import threading
 
@@ -82,6 +83,15 @@ def test_bad_input_and_the_queue_bound_are_checked_in_the_parent(proc):
     assert len(out[1]) == 3 and out[2].finish_reason == "length"
 
 
+def test_a_sink_that_raises_does_not_stop_the_others(proc):
+    def bad(ev):
+        raise RuntimeError("a broken sink")
+
+    proc.submit([5, 6], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True), bad)
+    out = proc.generate([5, 6, 7], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+    assert len(out[1]) == 4 and proc.alive
+
+
 def test_sinks_get_every_event_on_one_thread(proc):
     seen, threads, done = [], set(), threading.Event()
 
@@ -121,7 +131,8 @@ def test_a_dead_child_ends_open_requests_and_stop_cancels(tiny_run):
         eng.submit([1], SamplingParams(max_tokens=1))
     eng.stop()
 
-    eng = EngineProcess(load_engine_model, args, load_tokenizer(tiny_run), **KW).start()
+    eng.start()  # the same object starts a new child after its first one died
+    assert eng.alive
     t = eng.submit([1, 2, 3], long)
     assert t.events.get(timeout=120).token_ids
     eng.stop()
