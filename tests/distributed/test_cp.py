@@ -80,7 +80,10 @@ def _compare(rank: int, world: int, ep: bool) -> None:
             g = p.grad.clone()
             dist.all_reduce(g)
             g /= world  # FSDP's mean over the data × context ranks
-        assert rel(g, want) <= 1e-5, name
+        # 5e-5: the ranks sum each gradient over other token partitions in another order; the AttnRes mixes'
+        # norm and pseudo-query gradients are sums that largely cancel (up to 1.6e-5 seen on one CPU type, ~5e-6
+        # elsewhere), while a lost slice, halo or state would be off by O(1/world)
+        assert rel(g, want) <= 5e-5, name
     if rank == 0:
         print(f"\ncp {world}{' × ep' if ep else ''}: bytes sent per rank per forward {b}")
     assert b["kda_states"] > 0 and b["mla_latents"] == B * (T // world) * 40 * 4 and b["conv_halos"] > 0
