@@ -314,6 +314,7 @@ def _engine_direct(engine: Any, n: int, prompt_len: int, max_tokens: int) -> dic
             if len(ends) == n:
                 all_done.set()
 
+    gpu = _DecodeTimeline(engine.runner) if engine.runner.device.type == "cuda" else None
     t0 = time.perf_counter()
     reqs = [engine.submit([rng.randrange(1, 256) for _ in range(prompt_len)], params, sink) for _ in range(n)]
     all_done.wait()
@@ -321,7 +322,36 @@ def _engine_direct(engine: Any, n: int, prompt_len: int, max_tokens: int) -> dic
     rows = [{"status": 200, "tokens": ev.completion_tokens} for ev in ends]
     for row, r in zip(rows, reqs):  # the engine stamps each request's first token as it reads it back
         row["ttft"] = None if r.first_token_at is None else r.first_token_at - r.submitted_at
-    return _summary(rows, wall)
+    return {**_summary(rows, wall), **(gpu.close() if gpu is not None else {})}
+
+
+class _DecodeTimeline:
+    """CUDA events around every decode launch of ``runner`` (until :meth:`close`): the GPU's time per decode step and
+    the gap between one step's end and the next one's start. A gap is the GPU idle waiting for the host, or running
+    the prefill launched in between; the median gap is the host's share once every request decodes."""
+
+    def __init__(self, runner: ModelRunner) -> None:
+        self.runner, self.marks = runner, []
+        decode = runner.decode
+
+        def timed(slots: Any) -> Any:
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            pending = decode(slots)
+            b.record()
+            self.marks.append((a, b))
+            return pending
+
+        runner.decode = timed  # on the instance: the method comes back with the attribute's deletion
+
+    def close(self) -> dict[str, float]:
+        del self.runner.decode
+        torch.cuda.synchronize()
+        m = self.marks
+        steps = sorted(a.elapsed_time(b) for a, b in m)
+        gaps = sorted(m[i - 1][1].elapsed_time(m[i][0]) for i in range(1, len(m)))
+        return {"decode_steps": len(m), "gpu_step_ms_p50": _percentile(steps, 0.5),
+                "gpu_gap_ms_p50": _percentile(gaps, 0.5), "gpu_gap_ms_mean": sum(gaps) / max(1, len(gaps))}
 
 
 # (prompt tokens, generated tokens) per request: a chat turn, where decoding dominates (what the server adds to the
@@ -508,16 +538,19 @@ def _markdown(header: dict[str, Any], rows: list[dict[str, Any]]) -> str:
                          f"{r['extra_gib']:.2f} | {r.get('chunk', '')} |")
     srv = [r for r in rows if r.get("section") == "server" and "clients" in r]
     if srv:
-        lines += ["\n## Server (streaming clients; tokens/s counts generated tokens)\n",
-                  "| prompt + generated tokens | path | clients | tok/s | TTFT p50 ms | TTFT p99 ms | failed |",
-                  "|---|---|---|---|---|---|---|"]
+        lines += ["\n## Server (streaming clients; tokens/s counts generated tokens; engine rows on a GPU: the GPU's "
+                  "time per decode step and the gap between steps, median)\n",
+                  "| prompt + generated tokens | path | clients | tok/s | TTFT p50 ms | TTFT p99 ms | failed | "
+                  "GPU step ms | gap ms |",
+                  "|---|---|---|---|---|---|---|---|---|"]
         for r in srv:
             load = f"{r.get('prompt', '?')} + {r.get('max_tokens', '?')}"
             if "error" in r:
-                lines.append(f"| {load} | {r['path']} | {r['clients']} | error | | | |")
+                lines.append(f"| {load} | {r['path']} | {r['clients']} | error | | | | | |")
                 continue
+            gpu = (f"{r['gpu_step_ms_p50']:.3f} | {r['gpu_gap_ms_p50']:.4f}" if "gpu_step_ms_p50" in r else " | ")
             lines.append(f"| {load} | {r['path']} | {r['clients']} | {r['tok_s']:,.0f} | {r['ttft_p50_ms']:.1f} | "
-                         f"{r['ttft_p99_ms']:.1f} | {r['failed']} |")
+                         f"{r['ttft_p99_ms']:.1f} | {r['failed']} | {gpu} |")
     for p in (r for r in rows if r.get("section") == "kdaprobe" and "call1" in r):
         lines += [f"\n## KDA prefill memory, first vs second call of the process (B=1, H={p['H']}, T={p['T']:,})\n",
                   f"first call: +{p['call1']['extra_gib_incl_output']:.2f} GiB, {p['call1']['s']:.2f} s; "
