@@ -223,7 +223,7 @@ class _Kind:
         """``text → _sse(self.chunk(text))``, byte for byte, from a template cut once per request: a stream's
         per-token work is one ``json.dumps`` of the text, not of the whole chunk."""
         marker = "\x00k3-text\x00"
-        head, tail = _sse(self.chunk(marker)).split(json.dumps(marker, ensure_ascii=False))
+        head, _, tail = _sse(self.chunk(marker)).rpartition(json.dumps(marker, ensure_ascii=False))  # text is last
         return lambda text: head + json.dumps(text, ensure_ascii=False) + tail
 
     def usage_chunk(self, ev: Event) -> dict[str, Any]:
