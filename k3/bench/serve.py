@@ -310,7 +310,7 @@ def _engine_direct(engine: Any, n: int, prompt_len: int, max_tokens: int) -> dic
 
     def sink(ev: Any) -> None:
         if ev.finish_reason is not None:
-            ends.append(ev)
+            ends.append(ev.finish_reason)
             if len(ends) == n:
                 all_done.set()
 
@@ -319,9 +319,9 @@ def _engine_direct(engine: Any, n: int, prompt_len: int, max_tokens: int) -> dic
     reqs = [engine.submit([rng.randrange(1, 256) for _ in range(prompt_len)], params, sink) for _ in range(n)]
     all_done.wait()
     wall = time.perf_counter() - t0
-    rows = [{"status": 200, "tokens": ev.completion_tokens} for ev in ends]
-    for row, r in zip(rows, reqs):  # the engine stamps each request's first token as it reads it back
-        row["ttft"] = None if r.first_token_at is None else r.first_token_at - r.submitted_at
+    # the engine stamps each request's first token as it reads it back
+    rows = [{"status": 200, "tokens": len(r.generated),
+             "ttft": None if r.first_token_at is None else r.first_token_at - r.submitted_at} for r in reqs]
     return {**_summary(rows, wall), **(gpu.close() if gpu is not None else {})}
 
 
