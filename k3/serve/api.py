@@ -352,7 +352,7 @@ def create_app(engine: Engine | EngineProcess, model_name: str, chat: ChatFormat
         except ValueError as e:
             raise _bad(str(e)) from None
         except RuntimeError as e:
-            raise APIError(503, str(e), type_="server_error", code="shutting_down") from None
+            raise APIError(503, str(e), type_="server_error", code="engine_unavailable") from None
         if parsed.stream:
             return StreamingResponse(_stream(req, events, parsed, kind), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})

@@ -7,9 +7,12 @@ new one), and stopping cancels what is still running."""
 import threading
 
 import pytest
+from starlette.testclient import TestClient
 
 from k3.ckpt.run import find_checkpoint, load_checkpoint, load_tokenizer
 from k3.infer.sampling import SamplingParams
+from k3.serve.api import create_app
+from k3.serve.chat import chat_format
 from k3.serve.engine import Engine, QueueFull
 from k3.serve.process import EngineProcess
 from k3.serve.server import load_engine_model
@@ -138,3 +141,17 @@ def test_a_dead_child_ends_open_requests_and_stop_cancels(tiny_run):
     eng.stop()
     assert _collect(t)[2].finish_reason == "cancelled"
     assert not eng.alive
+
+
+def test_the_app_answers_503_once_the_engine_process_died(tiny_run):
+    tok = load_tokenizer(tiny_run)
+    eng = EngineProcess(load_engine_model, (_source(tiny_run), "cpu", None, False, None), tok, **KW).start()
+    body = {"model": "tiny", "prompt": "The ", "max_tokens": 3, "temperature": 0}
+    with TestClient(create_app(eng, "tiny", chat_format(tok))) as client:
+        assert client.post("/v1/completions", json=body).json()["usage"]["completion_tokens"] == 3
+        eng._proc.kill()
+        eng._proc.join()
+        eng._reader.join(timeout=30)
+        r = client.post("/v1/completions", json=body)
+        assert r.status_code == 503 and r.json()["error"]["code"] == "engine_unavailable"
+        assert client.get("/health").status_code == 503
