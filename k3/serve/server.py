@@ -1,4 +1,4 @@
-"""``k3 serve``: load a run or a released checkpoint, start the engine, serve the API with uvicorn.
+"""``k3 serve``: start the engine in its own process on a run or a released checkpoint, serve the API with uvicorn.
 
 The listening socket is bound here, before uvicorn starts, so a busy port or a bad host is reported as one
 ``k3: error:`` line; ``--port 0`` lets the system pick a free port (the ready line on stdout names it).
