@@ -185,16 +185,20 @@ class EngineProcess:
             while True:
                 msg = pickle.loads(self._conn.recv_bytes())
                 if msg[0] == "events":
-                    for rid, *fields in msg[1]:
-                        ev = Event(*fields)
-                        with self._lock:
+                    batch = []
+                    with self._lock:  # once per message (a decode step of every stream), not per event
+                        for rid, *fields in msg[1]:
+                            ev = Event(*fields)
                             ticket = self._open.get(rid)
-                            if ticket is not None and ev.finish_reason is not None:
+                            if ticket is None:
+                                continue
+                            if ev.finish_reason is not None:
                                 ticket.done = True
                                 del self._open[rid]
-                        if ticket is not None:
-                            self._deliver(ticket, ev)
-                    with self._lock:
+                            batch.append((ticket, ev))
+                    for ticket, ev in batch:
+                        self._deliver(ticket, ev)
+                    with self._lock:  # after the events: an idle load is never seen before the last event
                         self._load_state = msg[2]
                 elif msg[0] == "stopped":
                     break
