@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import itertools
 import json
 import os
 import platform
@@ -305,14 +306,12 @@ def _engine_direct(engine: Any, n: int, prompt_len: int, max_tokens: int) -> dic
 
     rng = random.Random(n)
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
-    ends: list[Any] = []
+    finished = itertools.count(1)  # next() is atomic: the engine thread alone calls the sink
     all_done = threading.Event()
 
     def sink(ev: Any) -> None:
-        if ev.finish_reason is not None:
-            ends.append(ev.finish_reason)
-            if len(ends) == n:
-                all_done.set()
+        if ev.finish_reason is not None and next(finished) == n:
+            all_done.set()
 
     gpu = _DecodeTimeline(engine.runner) if engine.runner.device.type == "cuda" else None
     t0 = time.perf_counter()
@@ -404,9 +403,12 @@ def bench_server(emit: Emit, preset: str, clients: list[int], loads: list[tuple[
 
     script = str(Path(__file__).with_name("_serve_client.py"))  # run as a file: no k3 (torch) import to wait for
 
+    def client_processes(n: int) -> int:
+        return -(-n // CLIENT_STREAMS)
+
     def client(n: int, prompt_len: int, max_tokens: int) -> tuple[list[dict[str, Any]], str]:
-        """``n`` streams from ``ceil(n / CLIENT_STREAMS)`` processes → (one row per request, errors)."""
-        procs = -(-n // CLIENT_STREAMS)
+        """``n`` streams from ``client_processes(n)`` processes → (one row per request, errors)."""
+        procs = client_processes(n)
         shares = [n // procs + (i < n % procs) for i in range(procs)]
         ps = [subprocess.Popen([sys.executable, script, url, "small", str(k), str(prompt_len), str(max_tokens),
                                 str(n * 100 + i)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -431,7 +433,7 @@ def bench_server(emit: Emit, preset: str, clients: list[int], loads: list[tuple[
                 reqs, errors = client(n, prompt_len, max_tokens)
                 wall = time.perf_counter() - t0
                 row = {"section": "server", "item": "server", "path": "http", "clients": n, "prompt": prompt_len,
-                       "max_tokens": max_tokens, "client_processes": -(-n // CLIENT_STREAMS)}
+                       "max_tokens": max_tokens, "client_processes": client_processes(n)}
                 if errors or len(reqs) != n:
                     row["error"] = errors or f"{len(reqs)} of {n} requests reported"
                 else:

@@ -293,8 +293,6 @@ _SYNC = re.compile(r"^cuda(StreamSynchronize|DeviceSynchronize|EventSynchronize|
 # ranges the profiler also reports on the device timeline (the optimizer's step, profiler steps): they span kernels
 # already counted, so summing them would count those twice
 _RANGE = re.compile(r"^(Optimizer\.|ProfilerStep#)")
-
-
 # the allocator's runtime calls: a cudaFree waits for the whole device, a cudaMalloc may
 _ALLOC = re.compile(r"^cuda(Malloc|Free)(Async)?$")
 
