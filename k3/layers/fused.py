@@ -15,8 +15,9 @@ runner does); a layer uses it only when no gradient is being recorded, so traini
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+from k3.ops.gemv import linear
 
 __all__ = ["FusedProjections"]
 
@@ -48,7 +49,7 @@ class FusedProjections:
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """``x [..., in]`` → one ``[..., out_i]`` per layer (column views of one ``[..., Σ out]`` result)."""
-        return F.linear(x, self.stacked_weight()).split(self.sizes, dim=-1)
+        return linear(x, self.stacked_weight()).split(self.sizes, dim=-1)
 
     def nbytes(self) -> int:
         return 0 if self.weight is None else self.weight.numel() * self.weight.element_size()

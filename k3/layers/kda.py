@@ -29,7 +29,7 @@ from k3.layers.fused import FusedProjections
 from k3.layers.norm import RMSNorm
 from k3.ops.conv import short_conv_update
 from k3.ops.kda.gate import kda_gate
-from k3.ops.norm_gate import rms_norm_gate
+from k3.ops.gemv import linear, norm_gate_linear
 from k3.state import KDAState
 
 __all__ = ["KimiDeltaAttention", "l2norm", "kda_reference"]
@@ -115,13 +115,13 @@ class KimiDeltaAttention(nn.Module):
         else:
             xq, xk, xv, g, fa, b = (lin(x) for lin in self._inputs())
         q, k, v = (t.view(B, T, H, K) for t in self._convs(xq, xk, xv, state))
-        f = self.f_b_proj(fa).view(B, T, H, K)
+        inference = not torch.is_grad_enabled()
+        f = (linear(fa, self.f_b_proj.weight) if inference else self.f_b_proj(fa)).view(B, T, H, K)
         o = self._recurrent(q, k, v, f, b, state)  # b: β logits (the ops take their sigmoid in fp32)
         g = g.view(B, T, H, K)
-        if not torch.is_grad_enabled():  # inference: one kernel instead of ~ten on CUDA
-            o = rms_norm_gate(o, g, self.o_norm.weight, self.o_norm.eps, x.dtype)
-        else:
-            o = (self.o_norm(o.float()) * torch.sigmoid(g.float())).to(x.dtype)  # o_norm weight fp32 → fp32
+        if inference:  # the norm, gate and o_proj in one kernel for a decode row, two otherwise (k3.ops.gemv)
+            return norm_gate_linear(o, g, self.o_norm.weight, self.o_norm.eps, self.o_proj.weight)
+        o = (self.o_norm(o.float()) * torch.sigmoid(g.float())).to(x.dtype)  # o_norm weight fp32 → fp32
         return self.o_proj(o.reshape(B, T, H * K))
 
     def _convs(self, xq: torch.Tensor, xk: torch.Tensor, xv: torch.Tensor, state: KDAState | None

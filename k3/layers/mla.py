@@ -26,7 +26,9 @@ import torch
 from torch import nn
 
 from k3.config import K3Config
+from k3.layers.fused import FusedProjections
 from k3.layers.norm import RMSNorm
+from k3.ops.gemv import gate_linear, linear
 from k3.ops.mla import attention, expand_latent, mla_decode, mla_prefill
 from k3.state import MLACache
 
@@ -59,6 +61,11 @@ class GatedMLA(nn.Module):
         self.kv_b_proj = nn.Linear(config.kv_lora_rank, H * (self.nope + self.v_dim), bias=False)
         self.g_proj = nn.Linear(d, H * self.v_dim, bias=False)
         self.o_proj = nn.Linear(H * self.v_dim, d, bias=False)
+        self.fused: FusedProjections | None = None  # serving: q_a, kv_a and g from one GEMM
+
+    def fuse_projections(self) -> None:
+        """Inference forwards run q_a_proj, kv_a_proj_with_mqa and g_proj from one GEMM (``k3.layers.fused``)."""
+        self.fused = FusedProjections(self.q_a_proj, self.kv_a_proj_with_mqa, self.g_proj)
 
     @property
     def cache_dim(self) -> int:
@@ -71,7 +78,10 @@ class GatedMLA(nn.Module):
 
     def latent(self, x: torch.Tensor) -> torch.Tensor:
         """``x [B, T, d]`` → the cached per-token latent ``[B, T, kv_lora + rope]`` = RMSNorm(c_kv) ‖ k_pe."""
-        c_kv, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope], dim=-1)
+        return self._latent(self.kv_a_proj_with_mqa(x))
+
+    def _latent(self, kv: torch.Tensor) -> torch.Tensor:
+        c_kv, k_pe = kv.split([self.kv_lora_rank, self.rope], dim=-1)
         return torch.cat([self.kv_a_layernorm(c_kv), k_pe], dim=-1)
 
     def forward(self, x: torch.Tensor, state: MLACache | None = None) -> torch.Tensor:
@@ -79,8 +89,14 @@ class GatedMLA(nn.Module):
         ``state.start + t`` and the piece attends over everything cached up to itself (``start`` is not moved)."""
         B, T, _ = x.shape
         H = self.num_heads
-        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))).view(B, T, H, self.nope + self.rope)
-        lat = self.latent(x)
+        inference = not torch.is_grad_enabled()
+        if inference and self.fused is not None:
+            qa, kv, g = self.fused(x)
+        else:
+            qa, kv, g = self.q_a_proj(x), self.kv_a_proj_with_mqa(x), self.g_proj(x)
+        cq = self.q_a_layernorm(qa)
+        q = (linear(cq, self.q_b_proj.weight) if inference else self.q_b_proj(cq)).view(B, T, H, self.nope + self.rope)
+        lat = self._latent(kv)
         if state is None:
             k, v = expand_latent(lat, self.kv_b_proj.weight, H, self.nope, self.v_dim)
             o, _ = attention(q, k, v, self.scale)
@@ -91,8 +107,10 @@ class GatedMLA(nn.Module):
             else:
                 o = mla_prefill(q, state.buf, state.slots, start, self.kv_b_proj.weight, self.nope, self.v_dim,
                                 self.scale)
-        gate = torch.sigmoid(self.g_proj(x))
-        return self.o_proj(o.reshape(B, T, H * self.v_dim) * gate)
+        o = o.reshape(B, T, H * self.v_dim)
+        if inference:  # the gate and o_proj in one kernel for a decode row (k3.ops.gemv)
+            return gate_linear(o, g, self.o_proj.weight)
+        return self.o_proj(o * torch.sigmoid(g))
 
     def _absorbed(self, q: torch.Tensor, state: MLACache, lengths: torch.Tensor) -> torch.Tensor:
         """Attention over the latent cache with kv_b_proj folded into both sides (views of its weight, in its own

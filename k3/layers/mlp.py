@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from k3.layers.fused import FusedProjections
+from k3.ops.gemv import situ_linear
 from k3.ops.moe.situ import situ_glu
 
 __all__ = ["SiTUMLP"]
@@ -36,7 +37,10 @@ class SiTUMLP(nn.Module):
 
     def act_down(self, gate: torch.Tensor, up: torch.Tensor, add: torch.Tensor | None = None) -> torch.Tensor:
         """``down_proj(SiTU-GLU(gate, up))`` from the two projections of the input; ``+ add`` (2-D ``[m, d]``)
-        inside the GEMM when given (one launch less)."""
+        inside the GEMM when given (one launch less). Without autograd the SiTU-GLU, the product and the sum are
+        one kernel for a decode row (``k3.ops.gemv``)."""
+        if not torch.is_grad_enabled():
+            return situ_linear(gate, up, self.down_proj.weight, self.beta1, self.beta2, add=add)
         h = situ_glu(gate, up, self.beta1, self.beta2)
         if add is None:
             return self.down_proj(h)

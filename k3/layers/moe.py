@@ -25,6 +25,7 @@ from k3.config import K3Config
 from k3.layers.fused import FusedProjections
 from k3.layers.mlp import SiTUMLP
 from k3.layers.norm import RMSNorm
+from k3.ops.gemv import linear
 from k3.ops.moe.combine import combine_norm_rows
 from k3.ops.moe.grouped import expert_rows, grouped_ffn, permute_rows
 from k3.ops.moe.qb import qb_bias_from_histogram
@@ -139,7 +140,8 @@ class LatentMoE(nn.Module):
             z, *shared = self.fused(xf)
         else:
             z, shared = self.routed_expert_down_proj(xf), None
-        y = self.routed_expert_up_proj(self.routed(z, idx, p, record))
+        r = self.routed(z, idx, p, record)
+        y = self.routed_expert_up_proj(r) if torch.is_grad_enabled() else linear(r, self.routed_expert_up_proj.weight)
         if shared:  # serving: the shared experts' output added inside their down GEMM
             y = self.shared_experts.act_down(*shared, add=y)
         elif self.shared_experts is not None:

@@ -134,12 +134,13 @@ def test_route_fused_matches_reference(m, n, k, scaling):
     assert rel(x1.grad, x2.grad) < 1e-5 and rel(w1.grad, w2.grad) < 1e-5
 
 
-def test_route_without_hist_and_public_dispatch():
+@pytest.mark.parametrize("m", [9, 1])  # one row: logits from the decode-sized kernel on a GPU (k3.ops.gemv)
+def test_route_without_hist_and_public_dispatch(m):
     torch.manual_seed(3)
-    x, w, bias = torch.randn(9, 8), torch.randn(12, 8), torch.zeros(12)
-    idx, p = route_fused(x, w, bias, 3)
+    x, w, bias = torch.randn(m, 8), torch.randn(12, 8), torch.zeros(12)
+    idx, p = route_fused(x.to(DEV), w.to(DEV), bias.to(DEV), 3)
     idx_ref, p_ref = route_reference(x, w, bias, 3)
-    assert torch.equal(idx, idx_ref) and rel(p, p_ref) < 1e-6
+    assert torch.equal(idx.cpu(), idx_ref) and rel(p.cpu(), p_ref) < 1e-6
     idx2, p2 = route(x, w, bias, 3)  # CPU tensors: reference path
     assert torch.equal(idx2, idx_ref) and torch.equal(p2, p_ref)
 

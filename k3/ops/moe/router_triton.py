@@ -22,6 +22,8 @@ import triton
 import triton.language as tl
 
 from k3.ops._device import on_device_of
+from k3.ops.gemv import use_gemv
+from k3.ops.gemv.gemv_triton import gemv
 from k3.ops.moe._backend import alloc
 
 __all__ = ["route_fused", "qb_histogram_fused", "router_logits", "moe_route", "qb_histogram_logits"]
@@ -100,7 +102,10 @@ def _launch(logits: torch.Tensor, bias: torch.Tensor, top_k: int, scaling: float
         lo = scale = count = bias
     if M:
         NP = triton.next_power_of_2(N)
-        BM = max(1, min(16, 4096 // NP))
+        # decode-sized rows get a program of their own size: one token's 128 scores in one warp take 3 µs, in a
+        # 16-row program of four warps 7 µs (each of the k arg-max rounds is a chain of reductions)
+        BM = min(max(1, min(16, 4096 // NP)), triton.next_power_of_2(M))
+        nw = max(1, min(4, BM * NP // 128))
         dummy = logits
         _router_kernel[(triton.cdiv(M, BM),)](
             logits, bias, idx if write_route else dummy, p if write_route else dummy,
@@ -108,12 +113,15 @@ def _launch(logits: torch.Tensor, bias: torch.Tensor, top_k: int, scaling: float
             M, N, logits.stride(0), float(scaling),
             TOP_K=top_k, K1=top_k + (1 if hist is not None else 0), KP=triton.next_power_of_2(top_k + 1), NP=NP, BM=BM,
             NUM_BINS=hist.shape[1] if hist is not None else 1, APPLY_SIGMOID=apply_sigmoid,
-            WRITE_ROUTE=write_route, HIST=hist is not None, num_warps=4)
+            WRITE_ROUTE=write_route, HIST=hist is not None, num_warps=nw)
     return idx, p, ssel
 
 
 def _logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """fp32 ``x [m, d] @ weight[n, d]ᵀ`` (bf16 operands stay bf16 on CUDA: exact products, fp32 sums)."""
+    """fp32 ``x [m, d] @ weight[n, d]ᵀ`` (bf16 operands stay bf16 on CUDA: exact products, fp32 sums); a decode
+    row through the decode-sized kernel (``k3.ops.gemv``), which also writes fp32."""
+    if use_gemv(x.shape[0], x, weight) and weight.dtype == x.dtype and x.stride(-1) == 1:
+        return gemv(x, weight, out_dtype=torch.float32)
     if x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype:
         try:
             return torch.mm(x, weight.t(), out_dtype=torch.float32)
