@@ -95,10 +95,13 @@ class MXFP4GroupedExperts(nn.Module):
                                  f"{self.weight_shape(name)[1] // 2}], got {tuple(packed.shape)}")
 
     # --- forward -------------------------------------------------------------------------------------------------
-    def forward(self, x_sorted: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-        """``x_sorted [R,L]`` (rows grouped by expert), ``offs [E]`` int32 cumulative ends → ``[R,L]``."""
+    def forward(self, x_sorted: torch.Tensor, offs: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """``x_sorted [R,L]`` (rows grouped by expert), ``offs [E]`` int32 cumulative ends → ``[R,L]``; with
+        ``rows [R]`` the row r is ``x_sorted[rows[r]]`` (the tokens, as ``GroupedExperts`` takes them)."""
         if x_sorted.dim() != 2 or x_sorted.shape[1] != self.latent_dim:
             raise ValueError(f"x_sorted must be [R, {self.latent_dim}], got {tuple(x_sorted.shape)}")
+        if rows is not None:
+            x_sorted = x_sorted.index_select(0, rows)
         return mxfp4_ffn(x_sorted, offs, self.pair("w1"), self.pair("w3"), self.pair("w2"), self.beta1, self.beta2)
 
 

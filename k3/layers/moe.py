@@ -86,9 +86,11 @@ class GroupedExperts(nn.Module):
         self.w3 = nn.Parameter(torch.empty(n_experts, expert_dim, latent_dim))
         self.w2 = nn.Parameter(torch.empty(n_experts, latent_dim, expert_dim))
 
-    def forward(self, x_sorted: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-        # three grouped GEMMs + SiTU-GLU; inference calls with few rows (decode) two fused kernels instead
-        return grouped_ffn(x_sorted, offs, self.w1, self.w3, self.w2, self.beta1, self.beta2)  # [R, ℓ]
+    def forward(self, x_sorted: torch.Tensor, offs: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """Rows grouped by expert ``[R, ℓ]`` (or tokens ``[m, ℓ]`` with ``rows [R]``, the token of each sorted row),
+        ``offs [E]`` → ``[R, ℓ]``. Three grouped GEMMs + SiTU-GLU; inference calls with few rows (decode) two fused
+        kernels instead, which read the tokens in place."""
+        return grouped_ffn(x_sorted, offs, self.w1, self.w3, self.w2, self.beta1, self.beta2, rows)
 
     def extra_repr(self) -> str:
         return f"n_experts={self.n_experts}, latent_dim={self.latent_dim}, expert_dim={self.expert_dim}"
@@ -162,4 +164,6 @@ class LatentMoE(nn.Module):
     def _expert_rows(self, z: torch.Tensor, token_of_row: torch.Tensor, row_of: torch.Tensor, offs: torch.Tensor
                      ) -> torch.Tensor:
         """Each token's k expert outputs ``[m·k, ℓ]``, expert-sorted (no routing weights yet)."""
+        if not torch.is_grad_enabled():  # the experts read each row's token in place
+            return self.experts(z, offs, rows=token_of_row)
         return self.experts(permute_rows(z, token_of_row, row_of), offs)

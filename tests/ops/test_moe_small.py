@@ -61,6 +61,35 @@ CASES = [
 ]
 
 
+@pytest.mark.parametrize("counts,tail,L,F", CASES[1:5])
+def test_small_ffn_reads_token_rows_in_place(counts, tail, L, F):
+    """``rows`` (the token of each sorted row, as ``expert_rows`` gives it): the same result as the sorted copy."""
+    torch.manual_seed(7 + tail)
+    E, R = len(counts), sum(counts) + tail
+    m = max(1, R // 2 + 1)
+    offs = torch.tensor(counts, device=DEV).cumsum(0).to(torch.int32)
+    tokens = torch.randn(m, L, device=DEV)
+    rows = torch.randint(0, m, (R,), device=DEV)
+    w1, w3, w2 = weights(E, F, L, seed=R + 1)
+    want = per_row_fp64(tokens[rows], counts, w1, w3, w2)
+    assert rel(grouped_ffn_small(tokens, offs, w1, w3, w2, rows=rows), want) < 1e-5
+    with torch.no_grad():  # the public dispatch: the small-row kernels, or a gather before the grouped GEMMs
+        assert rel(grouped_ffn(tokens, offs, w1, w3, w2, rows=rows), want) < 1e-5
+
+
+def test_small_ffn_rows_are_checked():
+    offs = torch.tensor([2, 3], dtype=torch.int32, device=DEV)
+    w1, w3, w2 = weights(2, 8, 4)
+    x = torch.randn(2, 4, device=DEV)
+    with pytest.raises(ValueError, match="rows"):
+        grouped_ffn_small(x, offs, w1, w3, w2, rows=torch.tensor([0, 1, 1], dtype=torch.int32, device=DEV))
+    if DEV == "cpu":  # values are checked where that costs no device sync
+        with pytest.raises(ValueError, match="rows"):
+            grouped_ffn_small(x, offs, w1, w3, w2, rows=torch.tensor([0, 1, 2]))
+        with pytest.raises(ValueError, match="offs"):
+            grouped_ffn_small(x, offs, w1, w3, w2, rows=torch.tensor([0, 1]))  # R = 2 < offs[-1] = 3
+
+
 @pytest.mark.parametrize("counts,tail,L,F", CASES)
 def test_small_ffn_matches_references(counts, tail, L, F):
     torch.manual_seed(len(counts) * 100 + tail)

@@ -23,9 +23,11 @@ SMALL_ROWS = 1024
 
 
 def check_ffn_inputs(x: torch.Tensor, offs: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor,
-                     beta1: float = 4.0, beta2: float = 25.0) -> None:
+                     beta1: float = 4.0, beta2: float = 25.0, rows: torch.Tensor | None = None) -> None:
     """``ValueError`` naming the argument unless ``x [R, ℓ]`` float, ``offs [E]`` int32 (non-decreasing in [0, R],
-    checked only where it costs no device sync: on the CPU), ``w1, w3 [E, F, ℓ]``, ``w2 [E, ℓ, F]`` on one device."""
+    checked only where it costs no device sync: on the CPU), ``w1, w3 [E, F, ℓ]``, ``w2 [E, ℓ, F]`` on one device;
+    with ``rows`` (the token of each sorted row): ``x [m, ℓ]``, ``rows [R]`` int64 in [0, m) (values checked on the
+    CPU), R = its length."""
     if not isinstance(x, torch.Tensor) or x.dim() != 2 or not x.is_floating_point():
         raise ValueError(f"x must be a floating tensor [R, ℓ], got {getattr(x, 'dtype', type(x))} "
                          f"{tuple(getattr(x, 'shape', ()))}")
@@ -42,10 +44,20 @@ def check_ffn_inputs(x: torch.Tensor, offs: torch.Tensor, w1: torch.Tensor, w3: 
     if len({t.device for t in (x, offs, w1, w3, w2)}) != 1:
         raise ValueError(f"x, offs, w1, w3 and w2 must be on one device, got {x.device}, {offs.device}, "
                          f"{w1.device}, {w3.device}, {w2.device}")
+    R = x.shape[0]
+    if rows is not None:
+        if not isinstance(rows, torch.Tensor) or rows.dim() != 1 or rows.dtype != torch.int64 \
+                or rows.device != x.device:
+            raise ValueError(f"rows must be a 1-D int64 tensor on x's device, got {getattr(rows, 'dtype', type(rows))} "
+                             f"{tuple(getattr(rows, 'shape', ()))}")
+        if rows.device.type == "cpu" and rows.numel() and (int(rows.min()) < 0 or int(rows.max()) >= x.shape[0]):
+            raise ValueError(f"rows must index x's {x.shape[0]} tokens, got values in "
+                             f"[{int(rows.min())}, {int(rows.max())}]")
+        R = rows.shape[0]
     if offs.device.type == "cpu" and E:
         o = offs.long()
-        if o[0] < 0 or bool((o[1:] < o[:-1]).any()) or o[-1] > x.shape[0]:
-            raise ValueError(f"offs must be non-decreasing in [0, R={x.shape[0]}], got {offs.tolist()[:16]}")
+        if o[0] < 0 or bool((o[1:] < o[:-1]).any()) or o[-1] > R:
+            raise ValueError(f"offs must be non-decreasing in [0, R={R}], got {offs.tolist()[:16]}")
     if not (beta1 > 0 and beta2 > 0):
         raise ValueError(f"beta1 and beta2 must be > 0, got {beta1}, {beta2}")
 

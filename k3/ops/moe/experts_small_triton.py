@@ -62,8 +62,8 @@ def _bench(kernel_call, quantiles):  # noqa: ANN001, ANN202 - the autotuner's do
 
 @triton.autotune(configs=_configs(), key=["N", "K", "RB", "BM", "GLU"], do_bench=_bench)
 @triton.jit
-def _grouped_small_kernel(x, w1, w3, y, offs, R, E, N, RB, s_x, s_we, s_wn, s_y, beta1, beta2, lim,
-                          K, GLU: tl.constexpr, PREC: tl.constexpr, BE: tl.constexpr,
+def _grouped_small_kernel(x, w1, w3, y, offs, tok, R, E, N, RB, s_x, s_we, s_wn, s_y, beta1, beta2, lim,
+                          K, GLU: tl.constexpr, GATHER: tl.constexpr, PREC: tl.constexpr, BE: tl.constexpr,
                           BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     # RB (rows rounded up to a power of two) is only an autotuning key: batch 1 and batch 64 want other tiles.
     i_r, i_n = tl.program_id(0), tl.program_id(1)
@@ -85,7 +85,11 @@ def _grouped_small_kernel(x, w1, w3, y, offs, R, E, N, RB, s_x, s_we, s_wn, s_y,
         m_n = o_n < N
         b_y = tl.zeros([BM, BN], dtype=tl.float32)
         if i_e < E:
-            p_x = x + o_m[:, None].to(tl.int64) * s_x
+            if GATHER:  # row r of the sorted rows is token tok[r] of x
+                b_tok = tl.load(tok + o_m, mask=m_m, other=0)
+                p_x = x + b_tok[:, None].to(tl.int64) * s_x
+            else:
+                p_x = x + o_m[:, None].to(tl.int64) * s_x
             o_w = i_e.to(tl.int64) * s_we + o_n[:, None].to(tl.int64) * s_wn
             b_a1 = tl.zeros([BM, BN], dtype=tl.float32)
             b_a3 = tl.zeros([BM, BN], dtype=tl.float32)
@@ -117,17 +121,19 @@ def _last_unit(t: torch.Tensor) -> torch.Tensor:
 
 
 def _launch(x: torch.Tensor, wa: torch.Tensor, wb: torch.Tensor, offs: torch.Tensor, beta1: float, beta2: float,
-            bound: float, glu: bool) -> torch.Tensor:
-    """``y [R, N]`` from ``x [R, K]`` and ``wa`` (and ``wb`` when ``glu``) ``[E, N, K]`` with unit last strides."""
-    R, K = x.shape
+            bound: float, glu: bool, rows: torch.Tensor | None = None) -> torch.Tensor:
+    """``y [R, N]`` from ``x [R, K]`` (or ``x[rows]`` for ``rows [R]``) and ``wa`` (and ``wb`` when ``glu``)
+    ``[E, N, K]`` with unit last strides."""
+    K = x.shape[1]
+    R = x.shape[0] if rows is None else rows.shape[0]
     E, N = wa.shape[0], wa.shape[1]
     y = alloc((R, N), x.dtype, x.device)
     if R == 0 or N == 0:
         return y
     _grouped_small_kernel[lambda meta: (R, triton.cdiv(N, meta["BN"]))](
-        x, wa, wb, y, offs, R, E, N, triton.next_power_of_2(R), x.stride(0), wa.stride(0), wa.stride(1),
-        y.stride(0), float(beta1), float(beta2), float(bound),
-        K=K, GLU=glu, PREC="ieee" if x.dtype == torch.float32 else "tf32",
+        x, wa, wb, y, offs, offs if rows is None else rows, R, E, N, triton.next_power_of_2(R), x.stride(0),
+        wa.stride(0), wa.stride(1), y.stride(0), float(beta1), float(beta2), float(bound),
+        K=K, GLU=glu, GATHER=rows is not None, PREC="ieee" if x.dtype == torch.float32 else "tf32",
         BE=_BE, BM=_block_rows(R, E))
     return y
 
@@ -135,32 +141,34 @@ def _launch(x: torch.Tensor, wa: torch.Tensor, wb: torch.Tensor, offs: torch.Ten
 # A torch.library op: one opaque node under torch.compile. Forward only (no autograd formula registered).
 @torch.library.custom_op("k3::grouped_ffn_small", mutates_args=())
 def _ffn_op(x: torch.Tensor, offs: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor,
-            beta1: float, beta2: float, bound: float) -> torch.Tensor:
+            beta1: float, beta2: float, bound: float, rows: torch.Tensor | None = None) -> torch.Tensor:
     x, w1, w3, w2 = (_last_unit(t) for t in (x, w1, w3, w2))
     if w3.stride() != w1.stride():  # the kernel addresses both with w1's strides
         w1, w3 = w1.contiguous(), w3.contiguous()
     with on_device_of(x):
-        h = _launch(x, w1, w3, offs, beta1, beta2, bound, True)
+        h = _launch(x, w1, w3, offs, beta1, beta2, bound, True, rows)
         return _launch(h, w2, w2, offs, 1.0, 1.0, 0.0, False)
 
 
 @_ffn_op.register_fake
 def _(x: torch.Tensor, offs: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor,
-      beta1: float, beta2: float, bound: float) -> torch.Tensor:
-    return x.new_empty(x.shape[0], w2.shape[1])
+      beta1: float, beta2: float, bound: float, rows: torch.Tensor | None = None) -> torch.Tensor:
+    return x.new_empty(x.shape[0] if rows is None else rows.shape[0], w2.shape[1])
 
 
 def grouped_ffn_small(x: torch.Tensor, offs: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor,
-                      beta1: float = 4.0, beta2: float = 25.0) -> torch.Tensor:
+                      beta1: float = 4.0, beta2: float = 25.0, rows: torch.Tensor | None = None) -> torch.Tensor:
     """``W2·SiTU-GLU(W1 x, W3 x)`` per expert group, forward only: ``x [R, ℓ]`` (rows sorted by expert), ``offs [E]``
     int32 cumulative ends, ``w1, w3 [E, F, ℓ]``, ``w2 [E, ℓ, F]`` → ``[R, ℓ]`` (rows past ``offs[-1]``: zero).
+    With ``rows [R]`` (int64 token of each sorted row) ``x [m, ℓ]`` holds the tokens and the first launch reads
+    row r from ``x[rows[r]]``: the expert-sorted copy of the tokens is never written.
 
     Runs the Triton kernels on any device (CPU tensors need ``TRITON_INTERPRET=1``); ``grouped.grouped_ffn``
     chooses it for inference calls with few rows. ``ValueError`` when a gradient would be needed."""
-    check_ffn_inputs(x, offs, w1, w3, w2, beta1, beta2)
+    check_ffn_inputs(x, offs, w1, w3, w2, beta1, beta2, rows)
     if torch.is_grad_enabled() and any(t.requires_grad for t in (x, w1, w3, w2)):
         raise ValueError("grouped_ffn_small is forward-only: x, w1, w3 and w2 must not require grad while grad mode "
                          "is on (run it under torch.no_grad(), or use grouped_ffn)")
     if not (x.dtype == w1.dtype == w3.dtype == w2.dtype):
         raise ValueError(f"x, w1, w3 and w2 must share one dtype, got {x.dtype}, {w1.dtype}, {w3.dtype}, {w2.dtype}")
-    return _ffn_op(x, offs, w1, w3, w2, float(beta1), float(beta2), situ_bound(beta1, beta2, x.dtype))
+    return _ffn_op(x, offs, w1, w3, w2, float(beta1), float(beta2), situ_bound(beta1, beta2, x.dtype), rows)

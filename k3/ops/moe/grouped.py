@@ -160,15 +160,20 @@ def grouped_ffn(
     w2: torch.Tensor,
     beta1: float = 4.0,
     beta2: float = 25.0,
+    rows: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Per-group expert FFN ``W2·SiTU-GLU(W1 x, W3 x)``: ``x [R, ℓ]``, ``offs [E]`` int32, ``w1, w3 [E, F, ℓ]``,
-    ``w2 [E, ℓ, F]`` → ``[R, ℓ]``. Inference calls with few rows (decode) run the two fused kernels of
-    ``experts_small_triton``; everything else three grouped GEMMs and SiTU-GLU (the transposed weight views are what
-    grouped_mm wants: K-major B)."""
-    if _small_rows_path(x, w1, w3, w2):
+    ``w2 [E, ℓ, F]`` → ``[R, ℓ]``. With ``rows [R]`` (int64) the FFN's input row r is ``x[rows[r]]`` (``x`` holds
+    the tokens, unsorted). Inference calls with few rows (decode) run the two fused kernels of
+    ``experts_small_triton`` (which read the rows in place); everything else three grouped GEMMs and SiTU-GLU (the
+    transposed weight views are what grouped_mm wants: K-major B)."""
+    R = x.shape[0] if rows is None else rows.shape[0]
+    if R <= SMALL_ROWS and _small_rows_path(x, w1, w3, w2):
         from k3.ops.moe.experts_small_triton import grouped_ffn_small
 
-        return grouped_ffn_small(x, offs, w1, w3, w2, beta1, beta2)
+        return grouped_ffn_small(x, offs, w1, w3, w2, beta1, beta2, rows)
+    if rows is not None:
+        x = x.index_select(0, rows)
     return grouped_ffn_gemms(x, offs, w1, w3, w2, beta1, beta2)
 
 
