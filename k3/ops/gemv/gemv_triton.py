@@ -3,8 +3,8 @@
 Each program streams its ``BN × K`` slice of the weight once (K is a compile-time constant, so the loop over it is
 unrolled) against the row's inputs, which every program re-reads from L2 — a few KB. The prologue (``PRO``) forms
 the inputs in registers: 0 plain, 1 SiTU-GLU of (gate, up), 2 per-head RMSNorm × σ(gate) over heads of ``D``
-(``BK`` a multiple of ``D`` that divides K, so each tile holds whole heads), 3 ``a ⊙ σ(b)``. fp32 accumulation; the optional
-``add`` is summed in fp32 before the one rounding to the output dtype.
+(``BK`` a multiple of ``D`` that divides K, so each tile holds whole heads), 3 ``a ⊙ σ(b)``. fp32 accumulation;
+the optional ``add`` is summed in fp32 before the one rounding to the output dtype.
 """
 
 from __future__ import annotations
@@ -20,10 +20,10 @@ from k3.ops.moe.situ_triton import situ_tile
 
 __all__ = ["gemv"]
 
-# (BN output columns, BK_MAX reduction columns, warps) per program, by prologue. Every program re-forms the row's
-# inputs, so a prologue with transcendentals (SiTU-GLU, the gate) wants fewer, wider programs than a plain product,
-# whose 4-column programs (256 for a 1024-wide output) pull the weight at full speed.
-CONFIGS = {"plain": (4, 512, 1), "situ": (4, 512, 1), "norm": (4, 512, 1), "gate": (4, 512, 1)}
+# One warp per 4 output columns (256 programs for a 1024-wide output) pulls the weight at full speed. Every program
+# re-forms the row's inputs, yet wider programs (8–32 columns, 2–4 warps) measured slower for every prologue too:
+# `small`'s batch-1 decode step 0.876 ms as here against 0.88–1.04 ms (one H200, each variant in one process).
+BN, BK_MAX, WARPS = 4, 512, 1
 
 
 @triton.jit
@@ -66,10 +66,11 @@ def _gemv_kernel(a, b, nw, w, add, y, N, s_a, s_b, s_w, s_add, s_y, beta1, beta2
     tl.store(y + i_m * s_y + o_n, acc.to(y.dtype.element_ty), mask=m_n)
 
 
-def _norm_bk(K: int, D: int, bk_max: int) -> int:
-    """The widest tile of whole heads (a power-of-two count of them, ≤ bk_max columns) that divides K."""
+def _norm_bk(K: int, D: int) -> int:
+    """The widest tile of whole heads (a power-of-two count of them, ≤ BK_MAX columns unless one head is wider)
+    that divides K."""
     bk = D
-    while bk * 2 <= bk_max and K % (bk * 2) == 0:
+    while bk * 2 <= BK_MAX and K % (bk * 2) == 0:
         bk *= 2
     return bk
 
@@ -89,9 +90,7 @@ def gemv(a: torch.Tensor, weight: torch.Tensor, b: torch.Tensor | None = None,
         return y
     if K == 0:
         return y.zero_() if add is None else y.copy_(add)
-    kind = "situ" if situ is not None else "norm" if norm is not None else "gate" if gate else "plain"
-    bn, bk_max, warps = CONFIGS[kind]
-    pro, D, bk = 0, 1, min(bk_max, triton.next_power_of_2(K))
+    pro, D, bk = 0, 1, min(BK_MAX, triton.next_power_of_2(K))
     beta1 = beta2 = lim = eps = 0.0
     nw = a
     if situ is not None:
@@ -101,14 +100,14 @@ def gemv(a: torch.Tensor, weight: torch.Tensor, b: torch.Tensor | None = None,
         pro = 2
         nw, eps, D = norm
         nw = nw.contiguous()
-        bk = _norm_bk(K, D, max(bk_max, D))
+        bk = _norm_bk(K, D)
     elif gate:
         pro = 3
     bb = b if b is not None else a
     ad = add if add is not None else y
     with on_device_of(a):
-        _gemv_kernel[(triton.cdiv(N, bn), M)](
+        _gemv_kernel[(triton.cdiv(N, BN), M)](
             a, bb, nw, w, ad, y, N, a.stride(0), bb.stride(0), w.stride(0), ad.stride(0), y.stride(0),
             float(beta1), float(beta2), float(lim), float(eps),
-            K=K, PRO=pro, D=D, HAS_ADD=add is not None, BN=bn, BK=bk, num_warps=warps)
+            K=K, PRO=pro, D=D, HAS_ADD=add is not None, BN=BN, BK=bk, num_warps=WARPS)
     return y
