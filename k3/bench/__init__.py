@@ -4,6 +4,8 @@
 ``moe``  Latent MoE layer vs plain PyTorch — ``k3.bench.moe``.
 ``conv``  the KDA short convolution vs the fp32 ``F.conv1d`` path — ``k3.bench.conv``.
 ``attnres``  AttnRes mix vs fla and eager, RMSNorm and the fused loss vs liger and eager — ``k3.bench.attnres``.
+``gemv``  decode-sized linear kernels vs cuBLAS and the unfused ops; ``small``'s decode step with each —
+          ``k3.bench.gemv``.
 """
 
 from __future__ import annotations

@@ -6,6 +6,7 @@
 ``situ_glu``  the bounded GLU of the experts and dense MLPs.
 ``attn_res``  the Block Attention Residuals mix (``fused_attnres`` / ``naive_attnres``: fla's entries).
 ``qb_bias_update``  Quantile Balancing by histograms.
+``gemv``      decode-sized linear layers (one or two rows) with the elementwise op before them fused in.
 """
 
 from k3.ops import kda

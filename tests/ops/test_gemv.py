@@ -155,3 +155,14 @@ def test_decode_step_with_the_kernels_matches_cublas(monkeypatch):
             out[rows] = model(ids[:, -1:], state=state).logits.float()
     assert not out[G.MAX_ROWS].isnan().any()
     assert rel_rms(out[G.MAX_ROWS], out[0]) < 2e-2
+
+
+def test_op_is_registered():
+    """``k3::gemv``: schema, fake tensor and tracing checks of torch.library, for each prologue."""
+    from k3.ops.gemv.gemv_triton import _gemv_op
+
+    a, b, w, add = _randn(2, 64, seed=22), _randn(2, 64, seed=23), _randn(9, 64, seed=24), _randn(2, 9, seed=25)
+    nw = torch.ones(32, device=DEV)
+    for args in [(None, None, add, 0, 0.0, 0.0, 0.0, 1), (b, None, None, 1, 4.0, 25.0, 0.0, 1),
+                 (b, nw, None, 2, 0.0, 0.0, 1e-5, 32), (b, None, None, 3, 0.0, 0.0, 0.0, 1)]:
+        torch.library.opcheck(_gemv_op, (a, w, *args, torch.float32))

@@ -75,6 +75,41 @@ def _norm_bk(K: int, D: int) -> int:
     return bk
 
 
+# A torch.library op: one opaque node for torch.compile, as the other serving ops. Forward only.
+@torch.library.custom_op("k3::gemv", mutates_args=())
+def _gemv_op(a: torch.Tensor, weight: torch.Tensor, b: torch.Tensor | None, norm_weight: torch.Tensor | None,
+             add: torch.Tensor | None, prologue: int, beta1: float, beta2: float, eps: float, head_dim: int,
+             out_dtype: torch.dtype) -> torch.Tensor:
+    M, K = a.shape
+    N = weight.shape[0]
+    w = weight if weight.stride(-1) == 1 else weight.contiguous()
+    y = alloc((M, N), out_dtype, a.device)  # NaN-filled under K3_MOE_POISON=1 (tests)
+    if M == 0 or N == 0:
+        return y
+    if K == 0:
+        return y.zero_() if add is None else y.copy_(add)
+    D, bk = 1, min(BK_MAX, triton.next_power_of_2(K))
+    lim = situ_bound(beta1, beta2, a.dtype) if prologue == 1 else 0.0
+    nw = a
+    if prologue == 2:
+        assert norm_weight is not None
+        nw, D = norm_weight.contiguous(), head_dim
+        bk = _norm_bk(K, D)
+    bb = b if b is not None else a
+    ad = add if add is not None else y
+    with on_device_of(a):
+        _gemv_kernel[(triton.cdiv(N, BN), M)](
+            a, bb, nw, w, ad, y, N, a.stride(0), bb.stride(0), w.stride(0), ad.stride(0), y.stride(0),
+            float(beta1), float(beta2), float(lim), float(eps),
+            K=K, PRO=prologue, D=D, HAS_ADD=add is not None, BN=BN, BK=bk, num_warps=WARPS)
+    return y
+
+
+@_gemv_op.register_fake
+def _(a, weight, b, norm_weight, add, prologue, beta1, beta2, eps, head_dim, out_dtype):  # noqa: ANN001, ANN202
+    return a.new_empty(a.shape[0], weight.shape[0], dtype=out_dtype)
+
+
 def gemv(a: torch.Tensor, weight: torch.Tensor, b: torch.Tensor | None = None,
          situ: tuple[float, float] | None = None, norm: tuple[torch.Tensor, float, int] | None = None,
          gate: bool = False, add: torch.Tensor | None = None, out_dtype: torch.dtype | None = None
@@ -82,32 +117,8 @@ def gemv(a: torch.Tensor, weight: torch.Tensor, b: torch.Tensor | None = None,
     """``[M, N]`` rows of ``prologue(a, b) · weightᵀ (+ add)``; ``a``/``b``/``add`` are 2-D with unit column
     stride. ``situ = (β1, β2)``, ``norm = (norm_weight [D], eps, D)`` or ``gate`` pick the prologue (``b`` its
     second input)."""
-    M, K = a.shape
-    N = weight.shape[0]
-    w = weight if weight.stride(-1) == 1 else weight.contiguous()
-    y = alloc((M, N), out_dtype or a.dtype, a.device)  # NaN-filled under K3_MOE_POISON=1 (tests)
-    if M == 0 or N == 0:
-        return y
-    if K == 0:
-        return y.zero_() if add is None else y.copy_(add)
-    pro, D, bk = 0, 1, min(BK_MAX, triton.next_power_of_2(K))
-    beta1 = beta2 = lim = eps = 0.0
-    nw = a
-    if situ is not None:
-        pro, (beta1, beta2) = 1, situ
-        lim = situ_bound(beta1, beta2, a.dtype)
-    elif norm is not None:
-        pro = 2
-        nw, eps, D = norm
-        nw = nw.contiguous()
-        bk = _norm_bk(K, D)
-    elif gate:
-        pro = 3
-    bb = b if b is not None else a
-    ad = add if add is not None else y
-    with on_device_of(a):
-        _gemv_kernel[(triton.cdiv(N, BN), M)](
-            a, bb, nw, w, ad, y, N, a.stride(0), bb.stride(0), w.stride(0), ad.stride(0), y.stride(0),
-            float(beta1), float(beta2), float(lim), float(eps),
-            K=K, PRO=pro, D=D, HAS_ADD=add is not None, BN=BN, BK=bk, num_warps=WARPS)
-    return y
+    beta1, beta2 = situ if situ is not None else (0.0, 0.0)
+    norm_weight, eps, D = norm if norm is not None else (None, 0.0, 1)
+    prologue = 1 if situ is not None else 2 if norm is not None else 3 if gate else 0
+    return _gemv_op(a, weight, b, norm_weight, add, prologue, float(beta1), float(beta2), float(eps), int(D),
+                    out_dtype or a.dtype)
