@@ -1,6 +1,6 @@
 """FusedProjections: one GEMM equals the separate projections, the stacked copy follows every change of the weights,
-and the layers that use it (KDA, Latent MoE with shared experts, dense MLP) give the same outputs and decode states
-with it as without it; gradients never go through it."""
+and the layers that use it (KDA, gated MLA, Latent MoE with shared experts, dense MLP) give the same outputs and
+decode states with it as without it; gradients never go through it."""
 
 import pytest
 import torch
@@ -9,6 +9,7 @@ from torch import nn
 from k3.config import K3Config
 from k3.layers.fused import FusedProjections
 from k3.layers.kda import KimiDeltaAttention
+from k3.layers.mla import GatedMLA
 from k3.layers.mlp import SiTUMLP
 from k3.layers.moe import LatentMoE
 
@@ -74,3 +75,18 @@ def test_moe_and_mlp_fused_equal_unfused(shared):
     a, b = _twins(lambda: SiTUMLP(cfg.hidden_size, 48))
     with torch.no_grad():
         assert rel(b(x), a(x)) <= 1e-5
+
+
+def test_mla_layer_fused_equals_unfused_prefill_and_decode():
+    cfg = K3Config.from_preset("tiny", dtype="float32")
+    a, b = _twins(lambda: GatedMLA(cfg, 3))
+    x = torch.randn(2, 7, cfg.hidden_size)
+    sa, sb = (m.init_state(2, torch.float32, capacity=16) for m in (a, b))
+    with torch.no_grad():
+        assert rel(b(x, sb), a(x, sa)) <= 1e-5  # a prefill piece writes its latents
+        sa.advance(7), sb.advance(7)
+        assert rel(b(x[:, :1], sb), a(x[:, :1], sa)) <= 1e-5  # a decode step over them (absorbed form)
+    assert rel(sb.buf, sa.buf) <= 1e-6
+    y = b(x)  # with gradients: the separate projections, gradients reach every weight
+    y.sum().backward()
+    assert all(p.grad is not None for p in (b.q_a_proj.weight, b.kv_a_proj_with_mqa.weight, b.g_proj.weight))
