@@ -26,7 +26,14 @@ import torch
 import torch.nn.functional as F
 import triton
 
+import k3.ops.gemv.gemv as G
 from k3.bench import BenchParser, rel_error
+from k3.config import K3Config
+from k3.infer.runner import ModelRunner
+from k3.infer.sampling import SamplingParams
+from k3.model import K3ForCausalLM
+from k3.ops.moe.situ import situ_glu
+from k3.ops.norm_gate import rms_norm_gate
 from k3.utils import atomic_write_text
 
 DEV = "cuda"
@@ -38,9 +45,6 @@ def _t(fn: Callable[[], Any]) -> float:
 
 
 def _model():
-    from k3.config import K3Config
-    from k3.model import K3ForCausalLM
-
     torch.manual_seed(0)
     with torch.device(DEV):
         model = K3ForCausalLM(K3Config.from_preset("small")).eval()
@@ -71,8 +75,6 @@ def bench_products(model, emit: Callable[[str, dict], None]) -> None:
 
 def bench_prologues(model, emit: Callable[[str, dict], None]) -> None:
     from k3.ops.gemv.gemv_triton import gemv
-    from k3.ops.moe.situ import situ_glu
-    from k3.ops.norm_gate import rms_norm_gate
 
     cfg = model.config
     d, H, D = cfg.hidden_size, cfg.kda_num_heads, cfg.kda_head_dim
@@ -103,9 +105,6 @@ def bench_prologues(model, emit: Callable[[str, dict], None]) -> None:
 
 
 def bench_step(model, emit: Callable[[str, dict], None], prompt: int = 4000, steps: int = 300) -> None:
-    import k3.ops.gemv.gemv as G
-    from k3.infer.runner import ModelRunner
-    from k3.infer.sampling import SamplingParams
 
     shipped = G.MAX_ROWS
     for B in (1, 2):
