@@ -1,9 +1,10 @@
 """Decode-sized linear layers with their neighbouring elementwise op fused in (see ``__init__``).
 
-A decode step at batch 1 multiplies one row by each weight. cuBLAS runs those products at 3–8 µs each for the
-1–9 MB weights of a ~1B model (its tiles are built for more rows), and the SiTU-GLU or RMSNorm-gate before a down or
-output projection costs another launch of 2–5 µs. One Triton program per four output columns, reading the row's
-inputs, applying the prologue in registers and streaming the weight once, takes 2–4 µs for all of it.
+A decode step at batch 1 multiplies one row by each weight. cuBLAS runs those products at 2.8–7.3 µs each for the
+0.3–9 MB weights of a ~1B model (its tiles are built for more rows), and the SiTU-GLU or RMSNorm-gate before a down
+or output projection costs another launch of 2–5 µs. One Triton program per four output columns, reading the row's
+inputs, applying the prologue in registers and streaming the weight once, takes 1.4–4.3 µs for all of it
+(``python -m k3.bench gemv``).
 
 Numerics: fp32 accumulation as cuBLAS; a prologue's result is rounded to the activation dtype before the product,
 as the unfused ops store it, so fused and unfused differ only in summation order.
