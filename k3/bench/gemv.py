@@ -28,10 +28,9 @@ import triton
 
 import k3.ops.gemv.gemv as G
 from k3.bench import BenchParser, rel_error
-from k3.config import K3Config
+from k3.bench.serve import _device_ms, _ids, _model, _step_fn
 from k3.infer.runner import ModelRunner
 from k3.infer.sampling import SamplingParams
-from k3.model import K3ForCausalLM
 from k3.ops.moe.situ import situ_glu
 from k3.ops.norm_gate import rms_norm_gate
 from k3.utils import atomic_write_text
@@ -42,14 +41,6 @@ DEV = "cuda"
 def _t(fn: Callable[[], Any]) -> float:
     """Microseconds per call, each call replayed inside a CUDA graph."""
     return 1e3 * float(triton.testing.do_bench_cudagraph(fn, rep=30, return_mode="median"))
-
-
-def _model():
-    torch.manual_seed(0)
-    with torch.device(DEV):
-        model = K3ForCausalLM(K3Config.from_preset("small")).eval()
-    model.fuse_projections()
-    return model
 
 
 def bench_products(model, emit: Callable[[str, dict], None]) -> None:
@@ -105,7 +96,6 @@ def bench_prologues(model, emit: Callable[[str, dict], None]) -> None:
 
 
 def bench_step(model, emit: Callable[[str, dict], None], prompt: int = 4000, steps: int = 300) -> None:
-
     shipped = G.MAX_ROWS
     for B in (1, 2):
         row: dict[str, Any] = dict(batch=B, prompt=prompt)
@@ -115,24 +105,16 @@ def bench_step(model, emit: Callable[[str, dict], None], prompt: int = 4000, ste
                 runner = ModelRunner(model, max_batch=B, capacity=prompt + 2 * steps + 64, cuda_graphs=True)
                 for s in range(B):
                     runner.admit(s, SamplingParams(temperature=0.0), seed=s)
-                    g = torch.Generator(device=DEV).manual_seed(s)
-                    runner.prefill(s, torch.randint(1, 256, (prompt,), device=DEV, generator=g))
-                slots = list(range(B))
-                runner.decode(slots).tokens()  # capture
+                    runner.prefill(s, _ids(prompt, model.config.vocab_size, DEV, seed=s))
+                runner.decode(list(range(B))).tokens()  # capture
                 lengths = runner.state.lengths.clone()
-                graph = runner._graphs[(B, "greedy")]
+                step = _step_fn(runner, B)
                 best = float("inf")
                 for _ in range(3):
                     runner.state.lengths.copy_(lengths)
-                    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                    start.record()
-                    for _ in range(steps):
-                        graph.replay()
-                    end.record()
-                    torch.cuda.synchronize()
-                    best = min(best, start.elapsed_time(end) / steps)
+                    best = min(best, _device_ms(step, steps))
                 row[f"{label}_ms"] = best
-                del runner, graph
+                del runner, step
                 torch.cuda.empty_cache()
             finally:
                 G.MAX_ROWS = shipped
@@ -186,7 +168,8 @@ def main(argv: list[str] | None = None) -> int:
         atomic_write_text(out / "gemv.json", json.dumps(res, indent=1))
         atomic_write_text(out / "gemv.md", _markdown(res))
 
-    model = _model()
+    model = _model("small", DEV)
+    model.fuse_projections()
     for section in (bench_step, bench_prologues, bench_products):
         with torch.no_grad():
             section(model, emit)

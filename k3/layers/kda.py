@@ -110,12 +110,12 @@ class KimiDeltaAttention(nn.Module):
         """``x [B, T, d]`` (normed layer input) → ``[B, T, d]``; updates the pool rows ``state.slots`` in place."""
         B, T, _ = x.shape
         H, K = self.num_heads, self.head_dim
-        if self.fused is not None and not torch.is_grad_enabled():
+        inference = not torch.is_grad_enabled()
+        if self.fused is not None and inference:
             xq, xk, xv, g, fa, b = self.fused(x)
         else:
             xq, xk, xv, g, fa, b = (lin(x) for lin in self._inputs())
         q, k, v = (t.view(B, T, H, K) for t in self._convs(xq, xk, xv, state))
-        inference = not torch.is_grad_enabled()
         f = (linear(fa, self.f_b_proj.weight) if inference else self.f_b_proj(fa)).view(B, T, H, K)
         o = self._recurrent(q, k, v, f, b, state)  # b: β logits (the ops take their sigmoid in fp32)
         g = g.view(B, T, H, K)

@@ -138,12 +138,13 @@ class LatentMoE(nn.Module):
         xf = x.reshape(-1, shape[-1])
         record = self.recording()
         idx, p = self.gate(xf, record=record, count=self.qb_count)
-        if self.fused is not None and not torch.is_grad_enabled():
+        inference = not torch.is_grad_enabled()
+        if self.fused is not None and inference:
             z, *shared = self.fused(xf)
         else:
             z, shared = self.routed_expert_down_proj(xf), None
         r = self.routed(z, idx, p, record)
-        y = self.routed_expert_up_proj(r) if torch.is_grad_enabled() else linear(r, self.routed_expert_up_proj.weight)
+        y = linear(r, self.routed_expert_up_proj.weight) if inference else self.routed_expert_up_proj(r)
         if shared:  # serving: the shared experts' output added inside their down GEMM
             y = self.shared_experts.act_down(*shared, add=y)
         elif self.shared_experts is not None:
