@@ -151,6 +151,8 @@ def _add_train(sub: Any) -> None:
                    "expert rows) or none (default)")
     g.add_argument("--compile", choices=["auto", "on", "off"], help="torch.compile each decoder layer (default auto: "
                    "on CUDA for models wider than tiny)")
+    g.add_argument("--cuda-graph", choices=["auto", "on", "off"], help="capture the whole training step in one CUDA "
+                   "graph and replay it (default auto: on one GPU; on: also under torchrun)")
     g.add_argument("--force-memory", action="store_true", help=_FORCE_HELP)
     g = p.add_argument_group("parallelism (under torchrun; see docs/training.md)")
     g.add_argument("--dp-replicate", type=_positive_int, metavar="N", help="data-parallel replicas (HSDP; default 1)")

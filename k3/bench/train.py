@@ -8,7 +8,9 @@ Paths, each built fresh and timed in the same process (``--paths``):
 
 ``fast``            what ``k3 train`` runs on a GPU: fp32 master weights, ``parallelize_k3`` on a world-size-1
                     process group (FSDP2 bf16 compute / fp32 reduce, regional ``torch.compile``), the trainer's
-                    ``_train_step`` (fused AdamW / foreach Muon, QB step, metrics read once per step)
+                    ``Stepper`` (fused AdamW / foreach Muon, QB step, metrics read once per step), the whole step
+                    captured in one CUDA graph after two eager steps and replayed (``k3.train.graph``)
+``fast-eager``      the same step issued op by op from Python (``--cuda-graph off``)
 ``fast-muon``       the same with Muon whatever ``--optimizer`` says (Newton–Schulz on every weight matrix: its cost
                     grows with the parameters, not the batch — see ``optimizer ms``)
 ``fast-nocompile``  the same without ``torch.compile``
@@ -53,12 +55,12 @@ from k3.distributed.parallelize import parallelize_k3
 from k3.layers.moe import GroupedExperts, MoEGate
 from k3.model import AC_POLICIES, K3ForCausalLM, keeps_fp32
 from k3.train.optim import build_optimizer, lr_factor
-from k3.train.trainer import TrainArgs, _Data, _train_step, compute_dtype, resolve_device
+from k3.train.trainer import Stepper, TrainArgs, _Data, compute_dtype, resolve_device, use_cuda_graph
 from k3.utils import atomic_write_text, atomic_write_with
 
 __all__ = ["main", "slice_config", "step_flops", "classify_kernel"]
 
-PATHS = ("fast", "fast-muon", "fast-nocompile", "bf16copy", "reference")
+PATHS = ("fast", "fast-eager", "fast-muon", "fast-nocompile", "bf16copy", "reference")
 KDA_CHUNK = 64
 _CLASSES = [  # (class, pattern on the lower-cased kernel name), first match wins
     # before kda: the flash MLA's backward has a "delta" kernel
@@ -163,11 +165,12 @@ def _fast(name: str, config: K3Config, a: Any, loader: Any, d: Any, steps: int) 
     model = _build(config, d.device, a.seed)
     parallelize_k3(model, d.dims, d.mesh, compile=name != "fast-nocompile", activation_checkpointing=a.ac,
                    mixed_precision=compute_dtype(config, d.device))
-    optimizer = "muon" if name == "fast-muon" else a.optimizer
-    opt = build_optimizer(model, optimizer, a.lr)
-    data, targs = _Data(loader, None, None), _train_args(a, steps)
-    targs.optimizer = optimizer
-    return _Run(name, model, lambda i: _train_step(model, opt, data, targs, i, d)["loss"], opt, loader)
+    targs = _train_args(a, steps)
+    targs.optimizer = "muon" if name == "fast-muon" else a.optimizer
+    targs.cuda_graph = "off" if name in ("fast-eager", "fast-nocompile") else "auto"
+    opt = build_optimizer(model, targs.optimizer, a.lr, capturable=use_cuda_graph(targs, d))
+    stepper = Stepper(model, opt, _Data(loader, None, None), targs, d)
+    return _Run(name, model, lambda i: stepper(i)["loss"], opt, loader)
 
 
 def _lr(opt: torch.optim.Optimizer, a: Any, i: int, steps: int) -> None:

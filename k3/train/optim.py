@@ -18,7 +18,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from k3.model import keeps_fp32
 
-__all__ = ["Muon", "build_optimizer", "lr_factor", "newton_schulz", "SCHEDULES", "is_matrix", "clip_grad_norm"]
+__all__ = ["Muon", "build_optimizer", "set_lr", "lr_factor", "newton_schulz", "SCHEDULES", "is_matrix", "clip_grad_norm"]
 
 SCHEDULES = ("cosine", "wsd", "constant")
 _NS_COEFFS = (3.4445, -4.7750, 2.0315)  # quintic iteration that pushes singular values towards ~1 in 5 steps
@@ -156,39 +156,49 @@ class Muon(torch.optim.Optimizer):
         dtype = self.ns_dtype or (torch.bfloat16 if params[0].is_cuda else torch.float32)
         updates = _orthogonalise(params, looks, group["ns_steps"], dtype)
         # the update's RMS matched to AdamW's: 0.2·sqrt(max(rows, cols)) of the full matrix
-        torch._foreach_mul_(updates, [-lr * 0.2 * math.sqrt(max(p.shape[-2], p.shape[-1])) for p in params])
+        torch._foreach_mul_(updates, [-0.2 * math.sqrt(max(p.shape[-2], p.shape[-1])) for p in params])
+        torch._foreach_mul_(updates, lr)
         local = [_local(p) for p in params]
         torch._foreach_mul_(local, 1 - lr * wd)
         torch._foreach_add_(local, [u.to(x.dtype) for u, x in zip(updates, local)])
 
     def _adamw(self, group: dict) -> None:
         lr, (b1, b2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
-        by_step: dict[float, list[torch.Tensor]] = {}
-        for p in group["params"]:
-            if p.grad is None:
-                continue
+        params = [p for p in group["params"] if p.grad is not None]
+        if not params:
+            return
+        for p in params:
             state = self.state[p]
+            dev = _local(p).device
             if "step" not in state:
-                state["step"] = torch.zeros((), dtype=torch.float32)  # on the CPU: bias corrections need no sync
                 state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32)
                 state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32)
-            state["step"] += 1
-            by_step.setdefault(float(state["step"]), []).append(p)
-        for t, params in by_step.items():
-            P = [_local(p) for p in params]
-            G = [_local(p.grad).float() for p in params]
-            M = [_local(self.state[p]["exp_avg"]) for p in params]
-            V = [_local(self.state[p]["exp_avg_sq"]) for p in params]
-            torch._foreach_lerp_(M, G, 1 - b1)
-            torch._foreach_mul_(V, b2)
-            torch._foreach_addcmul_(V, G, G, value=1 - b2)
-            denom = torch._foreach_div(V, 1 - b2**t)
-            torch._foreach_sqrt_(denom)
-            torch._foreach_add_(denom, eps)
-            torch._foreach_mul_(P, 1 - lr * wd)
-            upd = torch._foreach_div(M, 1 - b1**t)
-            torch._foreach_div_(upd, denom)
-            torch._foreach_add_(P, [u.to(x.dtype) for u, x in zip(upd, P)], alpha=-lr)
+            # per parameter, on its device: the bias corrections are device math (no host read, so a CUDA graph
+            # replays them), and a parameter that missed steps keeps its own count
+            if "step" not in state or state["step"].device != dev:
+                state["step"] = torch.as_tensor(state.get("step", 0.0), dtype=torch.float32).to(dev)
+        steps = [self.state[p]["step"] for p in params]
+        P = [_local(p) for p in params]
+        G = [_local(p.grad).float() for p in params]
+        M = [_local(self.state[p]["exp_avg"]) for p in params]
+        V = [_local(self.state[p]["exp_avg_sq"]) for p in params]
+        torch._foreach_add_(steps, 1.0)
+        bc1 = torch._foreach_pow(b1, steps)  # 1 − β^t, per parameter
+        bc2 = torch._foreach_pow(b2, steps)
+        for bc in (bc1, bc2):
+            torch._foreach_neg_(bc)
+            torch._foreach_add_(bc, 1.0)
+        torch._foreach_lerp_(M, G, 1 - b1)
+        torch._foreach_mul_(V, b2)
+        torch._foreach_addcmul_(V, G, G, value=1 - b2)
+        denom = torch._foreach_div(V, bc2)
+        torch._foreach_sqrt_(denom)
+        torch._foreach_add_(denom, eps)
+        torch._foreach_mul_(P, 1 - lr * wd)
+        upd = torch._foreach_div(M, bc1)
+        torch._foreach_div_(upd, denom)
+        torch._foreach_mul_(upd, -lr)
+        torch._foreach_add_(P, [u.to(x.dtype) for u, x in zip(upd, P)])
 
 
 @torch.no_grad()
@@ -258,9 +268,13 @@ def _groups(model: torch.nn.Module, weight_decay: float, split_muon: bool) -> li
 
 
 def build_optimizer(model: torch.nn.Module, name: str, lr: float, weight_decay: float = 0.1,
-                    betas: tuple[float, float] = (0.9, 0.95)) -> torch.optim.Optimizer:
+                    betas: tuple[float, float] = (0.9, 0.95), capturable: bool = False) -> torch.optim.Optimizer:
     """``name``: ``"adamw"`` (torch's AdamW: fused on CUDA) or ``"muon"`` (our Muon + AdamW). Every group remembers
-    its base lr."""
+    its base lr (``base_lr``); :func:`set_lr` applies a schedule.
+
+    ``capturable``: the step can be captured in a CUDA graph (``k3.train.graph``) — each group's lr is a 0-dim fp32
+    tensor on the parameters' device, updated in place by :func:`set_lr`, and AdamW keeps its step counts there too.
+    ``state_dict()`` still holds plain-float lrs, so checkpoints are the same either way."""
     if name not in ("adamw", "muon"):
         raise ValueError(f"optimizer must be 'adamw' or 'muon', got {name!r}")
     if not (isinstance(lr, (int, float)) and math.isfinite(lr) and lr > 0):
@@ -268,15 +282,57 @@ def build_optimizer(model: torch.nn.Module, name: str, lr: float, weight_decay: 
     if not weight_decay >= 0:
         raise ValueError(f"weight_decay must be >= 0, got {weight_decay!r}")
     groups = _groups(model, weight_decay, split_muon=name == "muon")
+    device = _local(next(model.parameters())).device
+    if capturable:
+        for g in groups:  # one tensor per group: set_lr writes each in place, the captured graph reads it
+            g["lr"] = torch.tensor(float(lr), dtype=torch.float32, device=device)
     if name == "muon":
         opt: torch.optim.Optimizer = Muon(groups, lr=lr, betas=betas, weight_decay=weight_decay)
     else:
-        cuda = next(model.parameters()).is_cuda
+        cuda = device.type == "cuda"
         opt = torch.optim.AdamW(groups, lr=lr, betas=betas, weight_decay=weight_decay, foreach=False,
-                                fused=True if cuda else None)
+                                fused=True if cuda else None, capturable=capturable)
     for g in opt.param_groups:
-        g["base_lr"] = lr
+        g["base_lr"] = float(lr)
+    if capturable:
+        _keep_lr_tensors(opt)
     return opt
+
+
+def _keep_lr_tensors(opt: torch.optim.Optimizer) -> None:
+    """Saved state holds float lrs; a loaded state writes its lrs into the groups' tensors (the objects a captured
+    graph reads) instead of replacing them."""
+    tensors = [g["lr"] for g in opt.param_groups]
+
+    def to_floats(_opt: torch.optim.Optimizer, sd: dict) -> dict:
+        for g in sd["param_groups"]:
+            if isinstance(g.get("lr"), torch.Tensor):
+                g["lr"] = float(g["lr"])
+        return sd
+
+    def to_tensors(_opt: torch.optim.Optimizer) -> None:
+        for g, t in zip(opt.param_groups, tensors):
+            if g["lr"] is not t:
+                t.fill_(float(g["lr"]))
+                g["lr"] = t
+
+    opt.register_state_dict_post_hook(to_floats)
+    opt.register_load_state_dict_post_hook(to_tensors)
+
+
+def set_lr(opt: torch.optim.Optimizer, factor: float) -> float:
+    """Set every group's lr to ``base_lr · factor`` (in place for the tensors of a capturable optimizer); returns
+    the first group's value."""
+    value = 0.0
+    for i, g in enumerate(opt.param_groups):
+        lr = g["base_lr"] * factor
+        if isinstance(g["lr"], torch.Tensor):
+            g["lr"].fill_(lr)
+        else:
+            g["lr"] = lr
+        if i == 0:
+            value = lr
+    return value
 
 
 def lr_factor(step: int, total: int, warmup: int, schedule: str = "cosine", min_ratio: float = 0.1,

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -55,7 +56,8 @@ from k3.distributed.parallelize import AC_POLICIES, EXPERTS_AC_WITH_EP, parallel
 from k3.infer.generate import generate, prompt_ids
 from k3.memory import check_fits, training_footprint
 from k3.model import K3ForCausalLM
-from k3.train.optim import SCHEDULES, build_optimizer, clip_grad_norm, lr_factor
+from k3.train.graph import StepGraph, reshard
+from k3.train.optim import SCHEDULES, build_optimizer, clip_grad_norm, lr_factor, set_lr
 from k3.train.plot import plot_loss
 from k3.train.progress import Progress
 from k3.utils import atomic_write_text, read_json
@@ -65,11 +67,12 @@ __all__ = ["TrainArgs", "TrainResult", "train", "prepare_args", "resolve_device"
 
 RECALL_EVAL_SEED = 20_250_707  # the recall task's evaluation stream: never the training stream, same for every run
 # Flags that may differ when resuming without changing what the continued steps compute.
-RESUMABLE = ("steps", "device", "threads", "activation_checkpointing", "compile", "log_every", "save_every", "keep",
-             "eval_every", "eval_batches", "sample_tokens", "prompt", "out", "name", "plot", "force_memory",
-             "dp_replicate", "dp_shard", "cp", "ep")  # the layout may change: checkpoints reshard
+RESUMABLE = ("steps", "device", "threads", "activation_checkpointing", "compile", "cuda_graph", "log_every",
+             "save_every", "keep", "eval_every", "eval_batches", "sample_tokens", "prompt", "out", "name", "plot",
+             "force_memory", "dp_replicate", "dp_shard", "cp", "ep")  # the layout may change: checkpoints reshard
 LAYOUT = ("dp_replicate", "dp_shard", "cp", "ep")
 COMPILE = ("auto", "on", "off")
+CUDA_GRAPH = ("auto", "on", "off")
 # Upper bounds where a larger value cannot be meaningful (the CLI refuses it before any work).
 _MOST = {"eval_batches": 1 << 20, "keep": 1 << 20, "max_tokens": 1 << 40}
 
@@ -106,6 +109,9 @@ class TrainArgs:
     # torch.compile each decoder layer's sublayers: "auto" (on CUDA, for models wider than the tiny class, whose
     # short runs would spend more time compiling than it saves), "on", "off"
     compile: str = "auto"
+    # the whole training step as one CUDA graph (k3.train.graph): "auto" (on one GPU), "on" (also under torchrun),
+    # "off"
+    cuda_graph: str = "auto"
     dp_replicate: int = 1  # parallel degrees (torchrun): see k3.distributed.parallel_dims
     dp_shard: int = -1
     cp: int = 1
@@ -159,6 +165,8 @@ class TrainArgs:
             raise ValueError(EXPERTS_AC_WITH_EP)
         if self.compile not in COMPILE:
             raise ValueError(f"--compile must be one of {', '.join(COMPILE)}, got {self.compile!r}")
+        if self.cuda_graph not in CUDA_GRAPH:
+            raise ValueError(f"--cuda-graph must be one of {', '.join(CUDA_GRAPH)}, got {self.cuda_graph!r}")
         if self.name is not None and (not self.name or "/" in self.name or self.name in (".", "..")):
             raise ValueError(f"--name must be a plain directory name, got {self.name!r}")
 
@@ -564,7 +572,8 @@ def _setup(args: TrainArgs, d: Distributed, resume_from: Path | None, stack: con
     parallelize_k3(s.model, d.dims, d.mesh, compile=compile_, activation_checkpointing=args.activation_checkpointing,
                    mixed_precision=compute_dtype(s.config, d.device))
     s.model.train()
-    opt = build_optimizer(s.model, args.optimizer, args.lr or default_lr(s.config), args.weight_decay)
+    opt = build_optimizer(s.model, args.optimizer, args.lr or default_lr(s.config), args.weight_decay,
+                          capturable=use_cuda_graph(args, d))
     if s.state is not None:
         assert s.ckpt is not None
         if is_distributed_checkpoint(s.ckpt):
@@ -635,19 +644,21 @@ def _loop(s: _Session, opt: torch.optim.Optimizer, args: TrainArgs, d: Distribut
           save: Any, out: TextIO, result: TrainResult) -> dict[str, Any]:
     """Steps ``s.start+1 … args.steps``: one metrics line each (the last with the validation numbers)."""
     progress = Progress(args.steps, args.log_every, out, start=s.start)
+    stepper = Stepper(s.model, opt, s.data, args, d)
     tokens_per_step = args.batch_size * args.grad_accum * (s.data.task.seq_len if s.data.task else args.seq_len)
     m: dict[str, Any] = {}
     try:
         with open(metrics_path, "a") as log:
             t_last = time.perf_counter()
             for step in range(s.start, args.steps):
-                m = _train_step(s.model, opt, s.data, args, step, d)
+                m = stepper(step)
                 m["tok_per_s"] = tokens_per_step / max(time.perf_counter() - t_last, 1e-9)
                 m["tokens"] = tokens_per_step * (step + 1)
                 result.losses.append(m["loss"])
                 done = step + 1
                 if done == args.steps or (args.eval_every and done % args.eval_every == 0):
                     m.update(evaluate_model(s.model, s.data, args, d.device, d))
+                    stepper.eager_forwards_done()
                 log.write(json.dumps(m) + "\n")
                 log.flush()
                 progress.update(done, m["loss"], m["tok_per_s"], m["lr"], m.get("load_imbalance"))
@@ -676,33 +687,33 @@ def _headline(args: TrainArgs, config: K3Config, model: torch.nn.Module, tok: To
             + (f" × {d.world_size} ranks ({d.dims.describe()})" if d.world_size > 1 else ""))
 
 
-def _train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, data: _Data, args: TrainArgs, step: int,
-                d: Distributed) -> dict[str, Any]:
-    """One optimizer step; returns its metrics (``step`` is 1-based in the log).
+def _device_step(model: torch.nn.Module, opt: torch.optim.Optimizer, args: TrainArgs, d: Distributed, task: bool,
+                 x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The device work of one optimizer step on this rank's micro-batches ``x, y [grad_accum, B, T]`` (on the
+    device): forward, backward, gradient clipping, optimizer, Quantile Balancing. Returns ``(sums, grad_norm)``:
+    fp64 ``[loss sum, targets, correct, scored]`` reduced over the data ranks and the fp32 norm before clipping.
+
+    Nothing here reads a value back to the host, so :class:`k3.train.graph.StepGraph` can capture it.
 
     Each rank's loss is its summed cross entropy divided by the global batch's mean per-rank target count, so the
     FSDP gradient average over the ranks is the gradient of the global batch's mean loss (exact with padding
-    targets too). Metrics stay on the device until one read at the end of the step."""
-    factor = lr_factor(step, args.steps, args.warmup, args.schedule, args.min_lr_ratio)
-    for g in opt.param_groups:
-        g["lr"] = g["base_lr"] * factor
+    targets too)."""
     ranks = d.dims.dp_cp
-    sums = torch.zeros(4, dtype=torch.float64, device=d.device)  # loss sum, targets, correct, scored
-    for _ in range(args.grad_accum):
-        x, y = (local_batch(t, d) for t in data.loader.next_batch())  # every rank draws the global batch
-        x, y = x.to(d.device, non_blocking=True), y.to(d.device, non_blocking=True)
-        out = model(x, targets=y)  # on CUDA the fused linear + cross entropy: no [tokens, vocab] logits
-        n = (y != IGNORE).sum()
+    sums = torch.zeros(4, dtype=torch.float64, device=x.device)  # loss sum, targets, correct, scored
+    for i in range(x.shape[0]):
+        xi, yi = x[i], y[i]
+        out = model(xi, targets=yi)  # on CUDA the fused linear + cross entropy: no [tokens, vocab] logits
+        mask = yi != IGNORE
+        n = mask.sum()
         total = out.loss * n  # this rank's summed cross entropy
-        if data.task is not None:  # before the backward: FSDP reshards the head's weight after it
-            mask = y != IGNORE
+        if task:  # before the backward: FSDP reshards the head's weight after it
             with torch.no_grad():
-                sums[2] += (out.logits.argmax(-1)[mask] == y[mask]).sum()
-            sums[3] += mask.sum()
+                sums[2] += ((out.logits.argmax(-1) == yi) & mask).sum()
+            sums[3] += n
         n_all = n.float()
         if ranks > 1:
             torch.distributed.all_reduce(n_all, group=d.group("dp_cp"))
-        (total * (ranks / (n_all.clamp(min=1) * args.grad_accum))).backward()
+        (total * (ranks / (n_all.clamp(min=1) * x.shape[0]))).backward()
         sums[0] += total.detach()
         sums[1] += n
     sync_replicated_grads(model)
@@ -713,14 +724,48 @@ def _train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, data: _Data,
     model.qb_step(group=d.group("dp_cp") if ranks > 1 else None)
     if ranks > 1:
         torch.distributed.all_reduce(sums, group=d.group("dp_cp"))
-    loss_sum, count, correct, scored = sums.tolist()
-    m: dict[str, Any] = {"step": step + 1, "loss": loss_sum / max(count, 1), "lr": opt.param_groups[0]["lr"],
-                         "grad_norm": float(grad_norm), "load_imbalance": model.load_imbalance()}
-    if data.task is not None:
-        m["accuracy"] = correct / max(scored, 1e-9)
-    if not math.isfinite(m["loss"]):
-        raise FloatingPointError(f"loss became {m['loss']} at step {step + 1}; lower --lr or raise --warmup")
-    return m
+    return sums, grad_norm
+
+
+def use_cuda_graph(args: TrainArgs, d: Distributed) -> bool:
+    """Whether the step runs as a CUDA graph: ``--cuda-graph on``, or ``auto`` on one GPU."""
+    if d.device.type != "cuda":
+        return False
+    return args.cuda_graph == "on" or (args.cuda_graph == "auto" and d.world_size == 1)
+
+
+class Stepper:
+    """``stepper(step) -> metrics`` for 0-based ``step``: sets the lr, draws the micro-batches, runs the device
+    step (replayed from a CUDA graph when ``use_cuda_graph``; see ``k3.train.graph``) and reads its metrics back
+    once."""
+
+    def __init__(self, model: torch.nn.Module, opt: torch.optim.Optimizer, data: _Data, args: TrainArgs,
+                 d: Distributed) -> None:
+        self.model, self.opt, self.data, self.args, self.d = model, opt, data, args, d
+        fn = functools.partial(_device_step, model, opt, args, d, data.task is not None)
+        self.graph = StepGraph(fn) if use_cuda_graph(args, d) else None
+        self._run = self.graph if self.graph is not None else fn
+
+    def __call__(self, step: int) -> dict[str, Any]:
+        args, d = self.args, self.d
+        lr = set_lr(self.opt, lr_factor(step, args.steps, args.warmup, args.schedule, args.min_lr_ratio))
+        batches = [self.data.loader.next_batch() for _ in range(args.grad_accum)]  # every rank draws the global batch
+        x = torch.stack([local_batch(b[0], d) for b in batches]).to(d.device, non_blocking=True)
+        y = torch.stack([local_batch(b[1], d) for b in batches]).to(d.device, non_blocking=True)
+        sums, grad_norm = self._run(x, y)
+        loss_sum, count, correct, scored = sums.tolist()
+        m: dict[str, Any] = {"step": step + 1, "loss": loss_sum / max(count, 1), "lr": lr,
+                             "grad_norm": float(grad_norm), "load_imbalance": self.model.load_imbalance()}
+        if self.data.task is not None:
+            m["accuracy"] = correct / max(scored, 1e-9)
+        if not math.isfinite(m["loss"]):
+            raise FloatingPointError(f"loss became {m['loss']} at step {step + 1}; lower --lr or raise --warmup")
+        return m
+
+    def eager_forwards_done(self) -> None:
+        """Call after forwards outside the step (evaluation): with a captured step, FSDP must regather next time."""
+        if self.graph is not None and self.graph.captured and self.d.mesh is not None:
+            reshard(self.model)
 
 
 def _saver(run_dir: Path, model: torch.nn.Module, config: K3Config, tok: Tokenizer, opt: torch.optim.Optimizer,

@@ -27,6 +27,7 @@ def _check(code: int, err: str, *needles: str) -> None:
     (["train", "--steps", "ten"], "expected a positive integer"),
     (["train", "--preset", "huge"], "unknown preset 'huge'"),
     (["train", "--optimizer", "sgd"], "invalid choice"),
+    (["train", "--cuda-graph", "maybe"], "invalid choice"),
     (["train", "--bogus-flag"], "unrecognized arguments"),
     (["generate", "--prompt", "x"], "one of the arguments --run --model is required"),
     (["generate", "--run", "r", "--max-new-tokens", "-5"], "--max-new-tokens"),

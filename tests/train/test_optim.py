@@ -66,3 +66,54 @@ def test_lr_schedules():
     with pytest.raises(ValueError, match="optimizer"):
         build_optimizer(torch.nn.Linear(2, 2), "sgd", lr=1.0)
     assert math.isclose(lr_factor(0, 1, 0, "cosine"), 1.0)
+
+
+def _params(seed: int) -> list[torch.nn.Parameter]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.nn.Parameter(torch.randn(*s, generator=g)) for s in ((7,), (3, 5), (1, 9))]
+
+
+@pytest.mark.parametrize("lr_tensor", [False, True])
+def test_muons_adamw_half_matches_torch_adamw(lr_tensor):
+    """Muon's AdamW groups (device-side step counts and bias corrections) step as torch's AdamW does, with a float
+    lr or a 0-dim tensor one, including a parameter that misses a step."""
+    ours, ref = _params(0), _params(0)
+    lr = torch.tensor(3e-2) if lr_tensor else 3e-2
+    opt = Muon([{"params": ours}], lr=3e-2, weight_decay=0.1, betas=(0.9, 0.95))
+    opt.param_groups[0]["lr"] = lr
+    torch_opt = torch.optim.AdamW(ref, lr=3e-2, weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8, foreach=False)
+    g = torch.Generator().manual_seed(1)
+    for step in range(6):
+        grads = [torch.randn(p.shape, generator=g) * 10 ** (step % 3 - 1) for p in ours]
+        for i, (a, b, gr) in enumerate(zip(ours, ref, grads)):
+            skip = i == 2 and step == 3  # this one gets no gradient at step 3: its own step count lags
+            a.grad, b.grad = (None, None) if skip else (gr.clone(), gr.clone())
+        opt.step()
+        torch_opt.step()
+    for a, b in zip(ours, ref):
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-6), (a - b).abs().max()
+    assert [float(opt.state[p]["step"]) for p in ours] == [6.0, 6.0, 5.0]
+
+
+def test_capturable_optimizer_keeps_lr_tensors_and_saves_floats():
+    """``capturable=True``: each group's lr is a tensor that ``set_lr`` writes in place; ``state_dict`` holds floats
+    (a checkpoint loads into either kind), and loading writes into the same tensor objects."""
+    from k3.train.optim import set_lr
+
+    model = K3ForCausalLM(K3Config.from_preset("tiny"))
+    opt = build_optimizer(model, "muon", lr=1e-3, capturable=True)
+    tensors = [g["lr"] for g in opt.param_groups]
+    assert all(isinstance(t, torch.Tensor) and t.dtype == torch.float32 and t.dim() == 0 for t in tensors)
+    assert set_lr(opt, 0.5) == pytest.approx(5e-4)
+    assert all(g["lr"] is t and float(t) == pytest.approx(5e-4) for g, t in zip(opt.param_groups, tensors))
+    sd = opt.state_dict()
+    assert all(type(g["lr"]) is float for g in sd["param_groups"])
+    assert all(isinstance(g["lr"], torch.Tensor) for g in opt.param_groups)  # the live groups are untouched
+    sd["param_groups"][0]["lr"] = 7e-4
+    opt.load_state_dict(sd)
+    assert all(g["lr"] is t for g, t in zip(opt.param_groups, tensors))
+    assert float(tensors[0]) == pytest.approx(7e-4)
+    plain = build_optimizer(model, "muon", lr=1e-3)
+    plain.load_state_dict(opt.state_dict())
+    assert plain.param_groups[0]["lr"] == pytest.approx(7e-4)
+    assert set_lr(plain, 2.0) == pytest.approx(2e-3) and plain.param_groups[1]["lr"] == pytest.approx(2e-3)
