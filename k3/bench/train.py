@@ -168,7 +168,7 @@ def _fast(name: str, config: K3Config, a: Any, loader: Any, d: Any, steps: int) 
     targs = _train_args(a, steps)
     targs.optimizer = "muon" if name == "fast-muon" else a.optimizer
     targs.cuda_graph = "off" if name in ("fast-eager", "fast-nocompile") else "auto"
-    opt = build_optimizer(model, targs.optimizer, a.lr, capturable=use_cuda_graph(targs, d))
+    opt = build_optimizer(model, targs.optimizer, a.lr, capturable=use_cuda_graph(targs, d, config))
     stepper = Stepper(model, opt, _Data(loader, None, None), targs, d)
     return _Run(name, model, lambda i: stepper(i)["loss"], opt, loader)
 
@@ -254,12 +254,15 @@ def _sync(device: torch.device) -> None:
 def _time(run: _Run, device: torch.device, warmup: int, steps: int) -> dict[str, Any]:
     losses = []
     t_first = time.perf_counter()
-    for i in range(warmup):  # compile + autotune happen here
+    for i in range(warmup):  # compile + autotune happen here (and the CUDA graph's capture, at the third step)
         losses.append(run.step(i))
+        if i == 0 and device.type == "cuda":
+            # after the first step's compile and autotuning: the peak of the steps, also of a captured one, whose
+            # activations are allocated once, during its capture
+            _sync(device)
+            torch.cuda.reset_peak_memory_stats()
     _sync(device)
     first_s = time.perf_counter() - t_first
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats()
     times = []
     for i in range(warmup, warmup + steps):
         t0 = time.perf_counter()
@@ -364,8 +367,10 @@ def _profile(run: _Run, device: torch.device, start: int, n: int = 2) -> dict[st
     return out
 
 
-def _free(*objs: Any) -> None:
-    del objs
+def _free(run: _Run | None) -> None:
+    """Drop what a path holds (model, optimizer state, its captured graph's memory pool) before the next is built."""
+    if run is not None:
+        run.step = run.model = run.opt = run.loader = None  # type: ignore[assignment]
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -416,6 +421,7 @@ def bench_paths(config: K3Config, a: Any, d: Any, peak: float, save: Callable[[l
         rows.append(row)
         save(rows)  # after every path: a run cut short by a time limit keeps what it measured
         _free(run)
+        run = None
     return rows
 
 

@@ -18,7 +18,8 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from k3.model import keeps_fp32
 
-__all__ = ["Muon", "build_optimizer", "set_lr", "lr_factor", "newton_schulz", "SCHEDULES", "is_matrix", "clip_grad_norm"]
+__all__ = ["Muon", "build_optimizer", "set_lr", "lr_factor", "newton_schulz", "SCHEDULES", "is_matrix",
+           "clip_grad_norm"]
 
 SCHEDULES = ("cosine", "wsd", "constant")
 _NS_COEFFS = (3.4445, -4.7750, 2.0315)  # quintic iteration that pushes singular values towards ~1 in 5 steps

@@ -573,7 +573,7 @@ def _setup(args: TrainArgs, d: Distributed, resume_from: Path | None, stack: con
                    mixed_precision=compute_dtype(s.config, d.device))
     s.model.train()
     opt = build_optimizer(s.model, args.optimizer, args.lr or default_lr(s.config), args.weight_decay,
-                          capturable=use_cuda_graph(args, d))
+                          capturable=use_cuda_graph(args, d, s.config))
     if s.state is not None:
         assert s.ckpt is not None
         if is_distributed_checkpoint(s.ckpt):
@@ -727,11 +727,17 @@ def _device_step(model: torch.nn.Module, opt: torch.optim.Optimizer, args: Train
     return sums, grad_norm
 
 
-def use_cuda_graph(args: TrainArgs, d: Distributed) -> bool:
-    """Whether the step runs as a CUDA graph: ``--cuda-graph on``, or ``auto`` on one GPU."""
-    if d.device.type != "cuda":
+def use_cuda_graph(args: TrainArgs, d: Distributed, config: K3Config) -> bool:
+    """Whether the step runs as a CUDA graph: ``--cuda-graph on``, or ``auto`` on one GPU. Only with bf16 compute:
+    an fp32 or fp16 model's experts run a per-expert loop that reads its group sizes on the host (no grouped-GEMM
+    kernel for those dtypes), which a graph cannot hold — ``on`` then raises ``ValueError``."""
+    if args.cuda_graph == "off":
         return False
-    return args.cuda_graph == "on" or (args.cuda_graph == "auto" and d.world_size == 1)
+    possible = d.device.type == "cuda" and compute_dtype(config, d.device) == torch.bfloat16
+    if args.cuda_graph == "on" and not possible:
+        raise ValueError(f"--cuda-graph on needs a CUDA device and bf16 compute (this run: {d.device.type}, "
+                         f"dtype {config.dtype}); use --cuda-graph auto or off")
+    return possible and (args.cuda_graph == "on" or d.world_size == 1)
 
 
 class Stepper:
@@ -743,7 +749,7 @@ class Stepper:
                  d: Distributed) -> None:
         self.model, self.opt, self.data, self.args, self.d = model, opt, data, args, d
         fn = functools.partial(_device_step, model, opt, args, d, data.task is not None)
-        self.graph = StepGraph(fn) if use_cuda_graph(args, d) else None
+        self.graph = StepGraph(fn) if use_cuda_graph(args, d, model.config) else None
         self._run = self.graph if self.graph is not None else fn
 
     def __call__(self, step: int) -> dict[str, Any]:

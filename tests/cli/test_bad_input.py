@@ -28,6 +28,7 @@ def _check(code: int, err: str, *needles: str) -> None:
     (["train", "--preset", "huge"], "unknown preset 'huge'"),
     (["train", "--optimizer", "sgd"], "invalid choice"),
     (["train", "--cuda-graph", "maybe"], "invalid choice"),
+    (["train", "--cuda-graph", "on", "--device", "cpu"], "--cuda-graph on needs a CUDA device and bf16 compute"),
     (["train", "--bogus-flag"], "unrecognized arguments"),
     (["generate", "--prompt", "x"], "one of the arguments --run --model is required"),
     (["generate", "--run", "r", "--max-new-tokens", "-5"], "--max-new-tokens"),

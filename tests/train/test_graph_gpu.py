@@ -21,6 +21,16 @@ def _config() -> K3Config:
     return K3Config.from_preset("tiny", dtype="bfloat16", vocab_size=512, hidden_size=128, n_experts=16, top_k=4)
 
 
+class _OneBatch:
+    """The same batch every step: the loss must fall."""
+
+    def __init__(self, vocab: int) -> None:
+        self.batch = RandomTokens(vocab, 4, 96).next_batch()
+
+    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.batch
+
+
 def _train(cuda_graph: str, optimizer: str, steps: int = 7) -> tuple[list[float], list[float], bool]:
     """Losses of ``steps`` steps (lr warming up throughout) and eval losses after steps 3 and 5."""
     config = _config()
@@ -30,8 +40,8 @@ def _train(cuda_graph: str, optimizer: str, steps: int = 7) -> tuple[list[float]
         parallelize_k3(model, d.dims, d.mesh, mixed_precision=torch.bfloat16)
         args = TrainArgs(preset="tiny", batch_size=4, seq_len=96, steps=steps, warmup=steps, optimizer=optimizer,
                          lr=3e-3, cuda_graph=cuda_graph)
-        opt = build_optimizer(model, optimizer, args.lr, capturable=use_cuda_graph(args, d))
-        stepper = Stepper(model, opt, _Data(RandomTokens(config.vocab_size, 4, 96), None, None), args, d)
+        opt = build_optimizer(model, optimizer, args.lr, capturable=use_cuda_graph(args, d, config))
+        stepper = Stepper(model, opt, _Data(_OneBatch(config.vocab_size), None, None), args, d)
         xv, yv = (t.cuda() for t in RandomTokens(config.vocab_size, 4, 96, seed=9).next_batch())
         losses, evals = [], []
         for i in range(steps):
@@ -54,7 +64,7 @@ def test_replayed_steps_train_as_the_eager_step(optimizer: str) -> None:
     assert not captured and graph_captured
     for a, b in zip(graph + graph_evals, eager + eager_evals):
         assert abs(a - b) <= 1e-3 * abs(b), (graph, eager, graph_evals, eager_evals)
-    assert graph[-1] < graph[0]  # it trains: the lr warms up through every replay
+    assert graph[-1] < 0.9 * graph[0]  # it trains: the lr warms up through every replay
 
 
 def test_step_graph_replays_its_inputs_and_runs_other_shapes_eagerly() -> None:
