@@ -72,8 +72,13 @@ def test_moe_layer_compiles_under_inductor_in_one_graph(recompute_experts: bool)
     assert torch.equal(outs[0][3], outs[1][3])
 
 
-def test_gpu_run_resumes_its_dcp_checkpoint_exactly(tmp_path) -> None:
-    args = ["--steps", "6", "--save-every", "3", "--log-every", "1", "--compile", "off", *k3_runs.FAST]
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_gpu_run_resumes_its_dcp_checkpoint_exactly(tmp_path, dtype: str) -> None:
+    """fp32 steps run eagerly; bf16 ones are captured in a CUDA graph (saved between replays, and the resumed run's
+    capturable optimizer loads the DCP state before its own capture)."""
+    (tmp_path / "c.json").write_text(K3Config.from_preset("tiny", dtype=dtype).to_json())
+    args = ["--steps", "6", "--save-every", "3", "--log-every", "1", "--compile", "off", "--config",
+            str(tmp_path / "c.json"), *k3_runs.FAST]
     code, _, err = k3_runs.run_cli("train", "--out", str(tmp_path / "full"), "--device", "cuda", *args)
     assert code == 0, err
     assert (tmp_path / "full" / "checkpoints" / "step-00000006" / "dcp" / ".metadata").is_file()
