@@ -13,7 +13,7 @@ Paths, each built fresh and timed in the same process (``--paths``):
 ``fast-eager``      the same step issued op by op from Python (``--cuda-graph off``)
 ``fast-muon``       the same with Muon whatever ``--optimizer`` says (Newton–Schulz on every weight matrix: its cost
                     grows with the parameters, not the batch — see ``optimizer ms``)
-``fast-nocompile``  the same without ``torch.compile``
+``fast-nocompile``  the same without ``torch.compile``, issued eagerly
 ``bf16copy``        the alternative precision policy without FSDP: a bf16 compute copy of the model, its gradients
                     cast into the fp32 master, the master copied back into it after each optimizer step (not
                     compiled: compare it with ``fast-nocompile``)

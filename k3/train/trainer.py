@@ -63,7 +63,8 @@ from k3.train.progress import Progress
 from k3.utils import atomic_write_text, read_json
 
 __all__ = ["TrainArgs", "TrainResult", "train", "prepare_args", "resolve_device", "cpu_threads", "default_lr",
-           "compute_dtype", "parallel_dims", "evaluate_model", "RESUMABLE", "RECALL_EVAL_SEED"]
+           "compute_dtype", "parallel_dims", "evaluate_model", "Stepper", "use_cuda_graph", "RESUMABLE",
+           "RECALL_EVAL_SEED"]
 
 RECALL_EVAL_SEED = 20_250_707  # the recall task's evaluation stream: never the training stream, same for every run
 # Flags that may differ when resuming without changing what the continued steps compute.
@@ -680,10 +681,13 @@ def _headline(args: TrainArgs, config: K3Config, model: torch.nn.Module, tok: To
     else:
         data = "embedded corpus" if args.data == EMBEDDED else args.data
     dtype = compute_dtype(config, d.device)
+    precision = ""
+    if dtype is not None:
+        graph = ", the step as one CUDA graph" if use_cuda_graph(args, d, config) else ""
+        precision = f" ({str(dtype).removeprefix('torch.')} compute, fp32 master{graph})"
     return (f"k3: {verb} in {run_dir}/ — {config.num_layers}-layer {name} model, "
             f"{model.num_parameters() / 1e6:.2f}M params ({model.num_parameters(active=True) / 1e6:.2f}M active), "
-            f"{args.task} task, {data}, {tok.kind} tokenizer, {args.optimizer}, {d.device.type}"
-            + (f" ({str(dtype).removeprefix('torch.')} compute, fp32 master)" if dtype is not None else "")
+            f"{args.task} task, {data}, {tok.kind} tokenizer, {args.optimizer}, {d.device.type}{precision}"
             + (f" × {d.world_size} ranks ({d.dims.describe()})" if d.world_size > 1 else ""))
 
 
