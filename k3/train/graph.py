@@ -74,8 +74,7 @@ class StepGraph:
         return out
 
     def _capture(self, inputs: Sequence[torch.Tensor]) -> None:
-        self._static = [x.clone() for x in inputs]
-        torch.cuda.synchronize()
+        self._static = [x.clone() for x in inputs]  # torch.cuda.graph synchronizes before it starts capturing
         graph = torch.cuda.CUDAGraph()
         # thread-local: the NCCL watchdog thread keeps querying its events during the capture
         with torch.cuda.graph(graph, capture_error_mode="thread_local"):
