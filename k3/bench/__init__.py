@@ -29,3 +29,9 @@ def rel_error(a: torch.Tensor, b: torch.Tensor) -> float:
     """Relative RMS error of ``a`` against ``b``, in fp64 (detached)."""
     a, b = a.detach().double(), b.detach().double()
     return float((a - b).norm() / b.norm().clamp(min=1e-30))
+
+
+def run_line(res: dict) -> str:
+    """A results page's line naming how it was made: the command and the library versions (``res["command"]``,
+    ``res["versions"]``)."""
+    return f"`{res['command']}` · " + ", ".join(f"{k} {v}" for k, v in res["versions"].items())

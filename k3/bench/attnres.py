@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 import triton
 
-from k3.bench import BenchParser, rel_error
+from k3.bench import BenchParser, rel_error, run_line
 from k3.ops.attnres import attn_res_fused, fused
 from k3.ops.loss import linear_cross_entropy
 from k3.ops.norm import fused as norm_fused
@@ -317,7 +317,7 @@ def _ms(x: float | None, digits: int = 3) -> str:
 def _markdown(res: dict) -> str:
     s = res["attnres_shape"]
     L = [f"# AttnRes / RMSNorm / fused loss kernels — {res['gpu']}", "",
-         f"`{res['command']}` · " + ", ".join(f"{k} {v}" for k, v in res["versions"].items()), "",
+         run_line(res), "",
          f"## AttnRes mix: d {s['D']}, {s['N']} sources, {s['T']} tokens, bf16", "",
          "Errors: relative RMS against the fp32 eager reference (output; largest over the gradients).", "",
          "| implementation | forward | forward+backward | rel. err | grad rel. err | finite |",

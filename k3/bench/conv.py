@@ -23,7 +23,7 @@ from typing import Any, Callable
 import torch
 import triton
 
-from k3.bench import BenchParser, rel_error
+from k3.bench import BenchParser, rel_error, run_line
 from k3.config import K3Config
 from k3.ops.conv import short_conv, short_conv_reference
 from k3.utils import atomic_write_text
@@ -93,7 +93,7 @@ def bench_prefill(T: int, C: int, emit: Callable[[str, dict], None]) -> None:
 
 def _markdown(res: dict) -> str:
     L = [f"# KDA short convolution — {res['gpu']}", "",
-         f"`{res['command']}` · " + ", ".join(f"{k} {v}" for k, v in res["versions"].items()), "",
+         run_line(res), "",
          "Depthwise causal conv, kernel 4, SiLU, bf16 activations, fp32 weight. Errors: relative RMS against the fp32 "
          "reference (output; largest over the x and weight gradients). Saved: activation memory the forward keeps "
          "for the backward beyond its output.", "",

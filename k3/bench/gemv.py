@@ -27,7 +27,7 @@ import torch.nn.functional as F
 import triton
 
 import k3.ops.gemv.gemv as G
-from k3.bench import BenchParser, rel_error
+from k3.bench import BenchParser, rel_error, run_line
 from k3.bench.serve import _device_ms, _ids, _model, _step_fn
 from k3.infer.runner import ModelRunner
 from k3.infer.sampling import SamplingParams
@@ -127,7 +127,7 @@ def bench_step(model, emit: Callable[[str, dict], None], prompt: int = 4000, ste
 
 def _markdown(res: dict) -> str:
     L = [f"# Decode-sized linear kernels — {res['gpu']}", "",
-         f"`{res['command']}` · " + ", ".join(f"{k} {v}" for k, v in res["versions"].items()), "",
+         run_line(res), "",
          "Medians of `do_bench_cudagraph` (µs per call inside a CUDA graph); errors: relative RMS against an fp32 "
          "product of the same bf16 inputs.", "",
          "## `small`'s decode step (graph replay, 4K-token prompt)", "",
