@@ -74,17 +74,17 @@ def test_output_norm_backward_on_wide_rows(nan_empty) -> None:
     _check_grads(3, (2, 896), True, 21, 1.0, 1e-4)
 
 
-@pytest.mark.parametrize("bt,n,T,onorm", [(1, 2, 17, False), (2, 2, 33, True)])
-def test_several_rows_per_program(bt: int, n: int, T: int, onorm: bool, nan_empty, monkeypatch) -> None:
+@pytest.mark.parametrize("bt,bt_bwd,n,T,onorm", [(1, 1, 2, 17, False), (2, 4, 2, 33, True)])
+def test_several_rows_per_program(bt: int, bt_bwd: int, n: int, T: int, onorm: bool, nan_empty, monkeypatch) -> None:
     """Long inputs: 4 rows per forward program, BT = 1 or 2 of them per step (the GPU's autotuner may pick either),
-    16 rows per backward program (T = 33), the last rows past T."""
+    16 rows per backward program (T = 33), BT = 1 or 4 of them per backward step, the last rows past T."""
     import triton
 
     from k3.ops.attnres import fused
 
-    kernel = fused.attn_res_fwd_kernel
-    monkeypatch.setattr(kernel, "configs", [triton.Config({"BT": bt, "STAGES": 1}, num_warps=4)])
-    monkeypatch.setattr(kernel, "cache", {})
+    for kernel, b in ((fused.attn_res_fwd_kernel, bt), (fused.attn_res_bwd_kernel, bt_bwd)):
+        monkeypatch.setattr(kernel, "configs", [triton.Config({"BT": b, "STAGES": 1}, num_warps=4)])
+        monkeypatch.setattr(kernel, "cache", {})
     _check_grads(n, (T, 24), onorm, 22)
     # the two-phase merge (the forward kernel started from a prior state) at the same step width
     closed = [torch.randn(T, 24, device=DEV) * (i + 1) for i in range(2)]

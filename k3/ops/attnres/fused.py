@@ -85,17 +85,24 @@ def _prune_fwd(configs: list[triton.Config], named_args: dict, **kwargs) -> list
 
 
 def _prune_bwd(configs: list[triton.Config], named_args: dict, **kwargs) -> list[triton.Config]:
-    """Configs with 16..32 values of a row vector per thread (at K3's width: 8 warps at ~230 registers and 16 at
-    ≤ 128, each one program per SM; the GPU picks)."""
+    """One row per step with 16..32 values of a row vector per thread (at K3's width: 8 warps at ~230 registers and
+    16 at ≤ 128, each one program per SM; the GPU picks). Narrower rows (``small``'s 1,024) would spend a step's
+    fixed work — the row reductions, the scalar loads, the pass logic — on a 2 KB tile: there the autotuner also
+    measures BT = 2..8 rows per step (≤ 32 values of a row and ≤ 64 of a tile per thread) beside one row."""
     bd = kwargs.get("BD", named_args.get("BD"))
-    return [c for c in configs if 16 <= _row_values(c, bd) <= 32] or _fallback(configs, bd)
+    rows = kwargs.get("ROWS", named_args.get("ROWS"))
+    fit = [c for c in configs if rows % c.kwargs["BT"] == 0]
+    wide = [c for c in fit if c.kwargs["BT"] == 1 and 16 <= _row_values(c, bd) <= 32]
+    narrow = [c for c in fit if _row_values(c, bd) <= 32 and c.kwargs["BT"] * _row_values(c, bd) <= 64]
+    return wide or narrow or _fallback(fit, bd)
 
 
-def _configs(triples: tuple[tuple[int, int, int], ...], bt: bool) -> list[triton.Config]:
-    """(BT rows per step, num_warps, STAGES) triples as configs (BT only for the forward)."""
-    if _interpreting():  # the interpreter runs every config when autotuning: one is enough there
-        triples = ((1, 4, 1),)
-    return [triton.Config({"BT": b, "STAGES": s} if bt else {"STAGES": s}, num_warps=w) for b, w, s in triples]
+def _configs(triples: tuple[tuple[int, int, int], ...], interpreted: tuple[int, int, int]) -> list[triton.Config]:
+    """(BT rows per step, num_warps, STAGES) triples as configs; the interpreter, which cannot autotune, gets the
+    single ``interpreted`` one."""
+    if _interpreting():
+        triples = (interpreted,)
+    return [triton.Config({"BT": b, "STAGES": s}, num_warps=w) for b, w, s in triples]
 
 
 # (BT rows per step, num_warps, STAGES), from the sm_90 build at D 7168 (ptxas register counts and SASS
@@ -104,8 +111,9 @@ def _configs(triples: tuple[tuple[int, int, int], ...], bt: bool) -> list[triton
 # fewer instructions per tile. Backward: the loop carries two fp32 row vectors and the tile: 16 warps at ≤ 128
 # registers or 8 warps at ~215–250 (a third fewer instructions per tile), one program per SM either way. The GPU's autotuner picks; 4 warps (and 4 rows per forward
 # step) narrow rows, 16 warps rows wider than K3's.
-_FWD_CONFIGS = _configs(((1, 8, 3), (1, 8, 4), (2, 8, 3), (4, 4, 3), (1, 4, 3), (1, 16, 4)), bt=True)
-_BWD_CONFIGS = _configs(((1, 16, 5), (1, 8, 3), (1, 8, 4), (1, 4, 3)), bt=False)
+_FWD_CONFIGS = _configs(((1, 8, 3), (1, 8, 4), (2, 8, 3), (4, 4, 3), (1, 4, 3), (1, 16, 4)), (1, 4, 1))
+_BWD_CONFIGS = _configs(((1, 16, 5), (1, 8, 3), (1, 8, 4), (1, 4, 3), (2, 4, 3), (4, 4, 3), (8, 4, 3), (4, 8, 3),
+                         (8, 8, 3)), (2, 4, 1))
 
 
 @functools.lru_cache(maxsize=8)
@@ -122,8 +130,9 @@ def _fwd_rows(T: int, device: torch.device) -> int:
 
 
 def _bwd_rows(T: int, device: torch.device) -> int:
-    """Rows per backward program: 16 for long inputs (the ∂qw / ∂ow partials are then T/16 rows), else 1."""
-    return 16 if T >= 32 * _sm_count(device) else 1
+    """Rows per backward program: 16 for long inputs (the ∂qw / ∂ow partials are then T/16 rows), else 1 (2 in the
+    interpreter, whose one config takes two rows per step: the tests then cover the multi-row code)."""
+    return 16 if T >= 32 * _sm_count(device) else (2 if _interpreting() else 1)
 
 
 @triton.jit
@@ -216,7 +225,7 @@ def attn_res_fwd_kernel(
 def attn_res_bwd_kernel(
     src, dsrc, qw, ow, o_pre, do, lse, logit, rstd, dqw, dow, T, eps, scale,
     D: tl.constexpr, NS: tl.constexpr, NSP: tl.constexpr, NO: tl.constexpr, NG: tl.constexpr, ROWS: tl.constexpr,
-    BD: tl.constexpr, HAS_ONORM: tl.constexpr, SAVE_PRE: tl.constexpr, STAGES: tl.constexpr,
+    BT: tl.constexpr, BD: tl.constexpr, HAS_ONORM: tl.constexpr, SAVE_PRE: tl.constexpr, STAGES: tl.constexpr,
 ):
     # Per row NJ = NO + 1 + NG + NS tiles: the NO tiles that give o (the N sources, or the saved o; none without
     # the output norm), dy, the N sources for ⟨g, v_i⟩ (none for one source), the N sources for ∂v. The forward's
@@ -231,16 +240,16 @@ def attn_res_bwd_kernel(
     o_d = tl.arange(0, BD)[None, :]
     m_d = o_d < D
     o_s = tl.arange(0, NSP)[None, :]
-    b_x = tl.zeros([1, BD], tl.float32)  # o while the first NO tiles stream in, then g = ∂L/∂o
+    b_x = tl.zeros([BT, BD], tl.float32)  # o while the first NO tiles stream in, then g = ∂L/∂o
     b_dqw = tl.zeros([1, BD], tl.float32)
-    # r_i, l_i, ⟨g, v_i⟩; at the end of the ⟨g, v_i⟩ pass they become a_i, b_i, c_i with
+    # r_i, l_i, ⟨g, v_i⟩ per row; at the end of the ⟨g, v_i⟩ pass they become a_i, b_i, c_i with
     # ∂v_i = a_i g + b_i qw − c_i v_i and ∂qw += b_i v_i  (one source: p ≡ 1, no score gradient, exactly)
-    b_T0 = tl.full([1, NSP], 1.0, tl.float32)
-    b_T1 = tl.zeros([1, NSP], tl.float32)
-    b_T2 = tl.zeros([1, NSP], tl.float32)
-    for k in tl.range(0, ROWS * NJ, num_stages=STAGES):
+    b_T0 = tl.full([BT, NSP], 1.0, tl.float32)
+    b_T1 = tl.zeros([BT, NSP], tl.float32)
+    b_T2 = tl.zeros([BT, NSP], tl.float32)
+    for k in tl.range(0, (ROWS // BT) * NJ, num_stages=STAGES):
         j = k % NJ
-        i_t = i_p.to(tl.int64) * ROWS + k // NJ
+        i_t = i_p.to(tl.int64) * ROWS + (k // NJ) * BT + tl.arange(0, BT)
         i_c = tl.minimum(i_t, T - 1)  # rows past T re-read the last row, with dy taken as zero: they add nothing
         # the tile's source: j for the o tiles, then j − NO − 1 modulo N (dy and the saved o take another pointer).
         # Computed twice in two forms: i_l for the loads, i_s for the passes, so that the compiler does not merge
@@ -254,11 +263,11 @@ def attn_res_bwd_kernel(
         p_x = tl.where(j == NO, do, _pick(src, i_l, NS))
         if SAVE_PRE:
             p_x = tl.where(j == 0, o_pre, p_x)
-        b_v = tl.load(p_x + i_c * D + o_d, mask=m_d, other=0.0).to(tl.float32)
-        o_c = i_l * T + i_c + tl.arange(0, 1)  # the tile's source scalars (those of a source for dy and o_pre)
+        b_v = tl.load(p_x + i_c[:, None] * D + o_d, mask=m_d, other=0.0).to(tl.float32)
+        o_c = i_l * T + i_c  # the tile's source scalars (those of a source for dy and o_pre)
         b_l = tl.load(logit + o_c)
         b_r = tl.load(rstd + o_c)
-        b_p = tl.exp(b_l * scale - tl.load(lse + i_c + tl.arange(0, 1)))
+        b_p = tl.exp(b_l * scale - tl.load(lse + i_c))
         if j < NO:  # o = Σ_i p_i v_i in fp32 (or the saved o)
             if SAVE_PRE:
                 b_x = b_v
@@ -267,17 +276,18 @@ def attn_res_bwd_kernel(
             else:
                 b_x += b_p[:, None] * b_v
         elif j == NO:  # dy → g = ∂L/∂o
-            b_v = tl.where(i_t < T, b_v, 0.0)
+            b_v = tl.where((i_t < T)[:, None], b_v, 0.0)
             if HAS_ONORM:  # through y = o · ro · ow
                 b_ro = tl.rsqrt(tl.sum(b_x * b_x, 1) / D + eps)
                 b_xh = b_x * b_ro[:, None]
-                # the program's ∂ow partial row lives in memory (L1: the tiles bypass it), updated once per row:
-                # one fp32 row vector fewer in registers
+                # the program's ∂ow partial row lives in memory (L1: the tiles bypass it), updated once per BT
+                # rows: one fp32 row vector fewer in registers
                 p_dow = dow + i_p * D + o_d
-                if i_t == i_p * ROWS:
-                    tl.store(p_dow, b_xh * b_v, mask=m_d)
+                b_dow = tl.sum(b_xh * b_v, 0)[None, :]
+                if k == NO:
+                    tl.store(p_dow, b_dow, mask=m_d)
                 else:
-                    tl.store(p_dow, tl.load(p_dow, mask=m_d, other=0.0) + b_xh * b_v, mask=m_d)
+                    tl.store(p_dow, tl.load(p_dow, mask=m_d, other=0.0) + b_dow, mask=m_d)
                 b_u = b_v * tl.load(ow + o_d, mask=m_d & (j >= 0), other=0.0).to(tl.float32)
                 b_x = (b_u - b_xh * (tl.sum(b_xh * b_u, 1) / D)[:, None]) * b_ro[:, None]
             else:
@@ -297,7 +307,7 @@ def attn_res_bwd_kernel(
                 b_T2 = b_B * b_T0 * b_T1 / D
                 b_T0 = b_P
                 b_T1 = b_B
-        else:  # ∂v_i, and the row's share of ∂qw
+        else:  # ∂v_i, and the rows' share of ∂qw
             m_i = o_s == i_s
             b_a = tl.sum(tl.where(m_i, b_T0, 0.0), 1)[:, None]
             b_b = tl.sum(tl.where(m_i, b_T1, 0.0), 1)[:, None]
@@ -305,8 +315,8 @@ def attn_res_bwd_kernel(
             b_qw = tl.load(qw + o_d, mask=m_d & (j >= 0), other=0.0)
             b_dv = b_a * b_x + b_b * b_qw - b_c * b_v
             p_dv = _pick(dsrc, i_s, NS)
-            tl.store(p_dv + i_t * D + o_d, b_dv.to(p_dv.dtype.element_ty), mask=m_d & (i_t < T))
-            b_dqw += b_b * b_v
+            tl.store(p_dv + i_t[:, None] * D + o_d, b_dv.to(p_dv.dtype.element_ty), mask=m_d & (i_t < T)[:, None])
+            b_dqw += tl.sum(b_b * b_v, 0)[None, :]  # rows past T have g = 0, hence b = 0
     tl.store(dqw + i_p * D + o_d, b_dqw, mask=m_d)
 
 
