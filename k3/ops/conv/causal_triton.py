@@ -10,10 +10,12 @@ slices of one fused projection are read in place), everything is accumulated in 
     dxp[p] = Σ_j w[W−1−j] · dpre[p − (W−1) + j]       dw[w] = Σ_t dpre[t] · xp[t + w]
 
 The backward recomputes ``pre`` from x (no fp32 pre-activation is kept between the passes: only x is saved). A
-program owns a [BT, BC] tile of padded rows and loads the 2W−1 shifted x tiles and the W shifted dy tiles it needs
-once each (neighbouring rows come from L1/L2); ``dx`` rows p ≥ W−1 go to ``dx``, rows p < W−1 to the tail's
-gradient. Each backward program walks ROWS padded rows and writes one fp32 ``[W, BC]`` partial of ``dw``, summed
-after in a fixed order (deterministic, no atomics).
+program owns ROWS consecutive padded rows of a BC-channel block and walks them one row at a time, each thread
+keeping its channels' last W−1 x rows and W−1 dpre rows in registers: every x and dy row is read once (plus W−1
+warm-up rows per program) and dpre is computed once per element, so the pass runs at memory speed. Rows are
+loaded R at a time, all loads of a batch issued before its math. ``dx`` rows p ≥ W−1 go to ``dx``, rows p < W−1
+to the tail's gradient. Each program writes one fp32 ``[W, BC]`` partial of ``dw``, summed after in a fixed order
+(deterministic, no atomics).
 """
 
 from __future__ import annotations
@@ -30,20 +32,23 @@ from k3.ops._device import on_device_of
 __all__ = ["short_conv_fwd", "short_conv_bwd", "short_conv_op"]
 
 
-def _configs(quads: tuple[tuple[int, int, int, int | None], ...]) -> list[triton.Config]:
-    if os.environ.get("TRITON_INTERPRET") == "1":  # small tiles: the tests' shapes still span several of them
-        return [triton.Config({"BT": 16, "BC": 16}, num_warps=4)]
-    return [triton.Config({"BT": bt, "BC": bc}, num_warps=w, maxnreg=r) for bt, bc, w, r in quads]
+def _configs(keys: tuple[str, ...], rows: tuple[tuple[int, ...], ...], interpreted: tuple[int, ...]
+             ) -> list[triton.Config]:
+    """(values of ``keys``…, warps) tuples as configs; the interpreter, which cannot autotune, gets the one
+    ``interpreted`` (small tiles: the tests' shapes still span several of them)."""
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        rows = (interpreted,)
+    return [triton.Config(dict(zip(keys, r[:-1])), num_warps=r[-1]) for r in rows]
 
 
-# (BT, BC, warps, register cap). Every thread holds 8 consecutive channels of a row (16-byte bf16 loads). sm_90
-# builds (ptxas): forward 55–90 registers, no spills. The backward keeps the 2W−1 shifted x tiles, W dy tiles,
-# the W taps and the W partial dw sums of its channels in registers: 168–190 registers, no spills, 3 programs of
-# 4 warps per SM, 11 independent 16-byte loads in flight per thread; capped at 128 (4 programs per SM) it spills
-# 8–12 bytes.
-_FWD = _configs(((16, 128, 4, None), (32, 128, 4, None), (64, 64, 4, None), (64, 128, 8, None)))
-_BWD = _configs(((8, 128, 4, None), (16, 64, 4, None), (16, 128, 8, None), (8, 256, 8, None), (8, 128, 4, 128)))
-_BWD_MAX_BT = max(c.kwargs["BT"] for c in _BWD)
+# Forward (BT, BC, warps): every thread holds 8 consecutive channels of a row (16-byte bf16 loads); sm_90 builds
+# (ptxas) 55–90 registers, no spills.
+_FWD = _configs(("BT", "BC"), ((16, 128, 4), (32, 128, 4), (64, 64, 4), (64, 128, 8)), (16, 16, 4))
+# Backward (R rows per load batch, BC, warps): a [BC] row vector spreads 4 channels over each thread (8-byte bf16
+# accesses); with R = 8 rows in flight that is ~128 registers on sm_90, no spills. One warp per 128 channels gives
+# the most programs per SM; wider blocks fewer, longer-lived ones. The GPU's autotuner picks.
+_BWD = _configs(("R", "BC"), ((8, 128, 1), (8, 256, 2), (8, 512, 4), (4, 512, 4), (8, 1024, 8)), (4, 16, 4))
+_BWD_MAX_R = max(c.kwargs["R"] for c in _BWD)
 
 
 @triton.jit
@@ -82,10 +87,38 @@ def short_conv_fwd_kernel(x, w, tail, y, T, C, s_xb, s_xt, W: tl.constexpr, ACT:
     tl.store(p_y, b_y.to(y.dtype.element_ty), mask=(t0 + o_r < T)[:, None] & m_c[None, :])
 
 
+@triton.jit
+def _x_row(x, tail, s, o_c, m_c, T, s_xt, C, W: tl.constexpr, HAS_TAIL: tl.constexpr):
+    """x row s as a ``[BC]`` vector in x's dtype: s < 0 is the tail's row s + W − 1 (zeros without a tail), rows
+    past T are zeros."""
+    v = tl.load(x + s * s_xt + o_c, mask=m_c & (s >= 0) & (s < T), other=0.)
+    if HAS_TAIL:
+        v += tl.load(tail + (s + (W - 1)) * C + o_c, mask=m_c & (s < 0) & (s + (W - 1) >= 0), other=0.)
+    return v
+
+
+@triton.jit
+def _dpre(pre, dy, ACT: tl.constexpr):
+    """∂L/∂pre from ∂L/∂y: dy · SiLU'(pre), or dy."""
+    if ACT:
+        sig = 1.0 / (1.0 + tl.exp(-pre))
+        dy = dy * sig * (1.0 + pre * (1.0 - sig))
+    return dy
+
+
+@triton.jit
+def _shift(h, v, N: tl.constexpr):
+    """The window ``h`` of N − 1 rows moved on by one: (h[1], …, h[N−2], v)."""
+    out = ()
+    for i in tl.static_range(1, N):
+        out = out + (h[i],)
+    return out + (v,)
+
+
 @triton.autotune(configs=_BWD, key=["C", "W", "ACT", "HAS_TAIL", "DTAIL"])
 @triton.jit(do_not_specialize=["T"])
 def short_conv_bwd_kernel(x, w, tail, dy, dx, dtail, dw, T, C, s_xb, s_xt, W: tl.constexpr, ACT: tl.constexpr,
-                          HAS_TAIL: tl.constexpr, DTAIL: tl.constexpr, ROWS: tl.constexpr, BT: tl.constexpr,
+                          HAS_TAIL: tl.constexpr, DTAIL: tl.constexpr, ROWS: tl.constexpr, R: tl.constexpr,
                           BC: tl.constexpr):
     i_r, i_c, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     o_c = i_c * BC + tl.arange(0, BC)
@@ -95,43 +128,57 @@ def short_conv_bwd_kernel(x, w, tail, dy, dx, dtail, dw, T, C, s_xb, s_xt, W: tl
     dy += i_b.to(tl.int64) * T * C
     dx += i_b.to(tl.int64) * T * C
     dtail += i_b.to(tl.int64) * (W - 1) * C
-    b_ws = ()  # the W taps of this channel block, [BC] fp32 each
+    ws = ()  # the W taps of this channel block, [BC] fp32 each
     for i_w in tl.static_range(W):
-        b_ws = b_ws + (tl.load(w + o_c * W + i_w, mask=m_c, other=0.),)
-    b_dw = ()  # per-tap partial sums of dw over the rows walked here
+        ws = ws + (tl.load(w + o_c * W + i_w, mask=m_c, other=0.),)
+    # Step t takes x[t] and dy[t] and gives dpre[t] and the padded row t of dxp (dx[t − (W−1)], or the tail's row
+    # t). The W − 1 previous x rows (hx[i] = x[t − (W−1) + i]) and dpre rows (hd[i] = dpre[t − (W−1) + i]) ride
+    # along in registers; the W − 1 steps before the program's first row are recomputed, uncounted, to fill them.
+    t_first = i_r.to(tl.int64) * ROWS
+    hx = ()
+    for i in tl.static_range(W - 1):
+        hx = hx + (_x_row(x, tail, t_first - 2 * (W - 1) + i, o_c, m_c, T, s_xt, C, W, HAS_TAIL),)
+    hd = ()
+    for h in tl.static_range(W - 1):
+        t = t_first - (W - 1) + h
+        xt = _x_row(x, tail, t, o_c, m_c, T, s_xt, C, W, HAS_TAIL)
+        pre = ws[W - 1] * xt.to(tl.float32)
+        for i in tl.static_range(W - 1):
+            pre += ws[i] * hx[i].to(tl.float32)
+        d = tl.load(dy + t * C + o_c, mask=m_c & (t >= 0) & (t < T), other=0.).to(tl.float32)
+        hd = hd + (_dpre(pre, d, ACT),)
+        hx = _shift(hx, xt, W - 1)
+    b_dw = ()  # per-tap partial sums of dw over this program's rows
     for i_w in tl.static_range(W):
         b_dw = b_dw + (tl.zeros([BC], dtype=tl.float32),)
-    o_r = tl.arange(0, BT)
-    o_rc = o_r[:, None] * C + o_c[None, :]  # the int32 offsets of a [BT, BC] tile of dy / dx / dtail rows
-    for i_j in range(0, ROWS // BT):
-        p0 = i_r.to(tl.int64) * ROWS + i_j * BT  # the first padded row of dxp owned by this tile
-        # xp rows p0 − (W−1) + s + o_r for s = 0 … 2W−2: enough for pre at rows p0 − (W−1) + j + o_r, j < W
-        b_xs = ()
-        for s in tl.static_range(2 * W - 1):
-            b_xs = b_xs + (_load_xp(x, tail, p0 - (W - 1) + s, o_r, o_c, m_c, T, s_xt, C, W, HAS_TAIL),)
-        b_dxp = tl.zeros([BT, BC], dtype=tl.float32)
-        for j in tl.static_range(W):  # dpre at rows r = p0 − (W−1) + j + o_r, read back by tap W−1−j
-            r0 = p0 - (W - 1) + j
-            m_r = (r0 + o_r >= 0) & (r0 + o_r < T)
-            b_dpre = tl.load(dy + r0 * C + o_rc, mask=m_r[:, None] & m_c[None, :], other=0.).to(tl.float32)
-            if ACT:
-                b_pre = tl.zeros([BT, BC], dtype=tl.float32)
-                for i_w in tl.static_range(W):
-                    b_pre += b_ws[i_w][None, :] * b_xs[j + i_w]
-                b_sig = 1.0 / (1.0 + tl.exp(-b_pre))
-                b_dpre = b_dpre * b_sig * (1.0 + b_pre * (1.0 - b_sig))
-            b_dxp += b_ws[W - 1 - j][None, :] * b_dpre
-        # b_dpre is now at rows r = p0 + o_r: every output row is counted once, by the program owning its padded row
-        b_new = ()
-        for i_w in tl.static_range(W):
-            b_new = b_new + (b_dw[i_w] + tl.sum(b_dpre * b_xs[W - 1 + i_w], 0),)
-        b_dw = b_new
-        t0 = p0 - (W - 1)
-        tl.store(dx + t0 * C + o_rc, b_dxp.to(dx.dtype.element_ty),
-                 mask=((t0 + o_r >= 0) & (t0 + o_r < T))[:, None] & m_c[None, :])
-        if DTAIL:
-            tl.store(dtail + p0 * C + o_rc, b_dxp.to(dtail.dtype.element_ty),
-                     mask=(p0 + o_r < W - 1)[:, None] & m_c[None, :])
+    for k in range(0, ROWS // R):
+        t0 = t_first + k * R
+        xs = ()  # R rows of x and dy, every load issued before the math
+        ds = ()
+        for i in tl.static_range(R):
+            m = m_c & (t0 + i < T)
+            xs = xs + (tl.load(x + (t0 + i) * s_xt + o_c, mask=m, other=0.),)
+            ds = ds + (tl.load(dy + (t0 + i) * C + o_c, mask=m, other=0.),)
+        for i in tl.static_range(R):
+            t = t0 + i
+            xt = xs[i].to(tl.float32)
+            pre = ws[W - 1] * xt
+            for j in tl.static_range(W - 1):
+                pre += ws[j] * hx[j].to(tl.float32)
+            d = _dpre(pre, ds[i].to(tl.float32), ACT)
+            dxp = ws[0] * d
+            for j in tl.static_range(1, W):
+                dxp += ws[j] * hd[W - 1 - j]
+            new = ()
+            for j in tl.static_range(W - 1):
+                new = new + (b_dw[j] + d * hx[j].to(tl.float32),)
+            b_dw = new + (b_dw[W - 1] + d * xt,)
+            s = t - (W - 1)
+            tl.store(dx + s * C + o_c, dxp.to(dx.dtype.element_ty), mask=m_c & (s >= 0) & (s < T))
+            if DTAIL:
+                tl.store(dtail + t * C + o_c, dxp.to(dtail.dtype.element_ty), mask=m_c & (t < W - 1))
+            hx = _shift(hx, xs[i], W - 1)
+            hd = _shift(hd, d, W - 1)
     p_dw = dw + ((i_b * tl.num_programs(0) + i_r).to(tl.int64) * W) * C + o_c
     for i_w in tl.static_range(W):
         tl.store(p_dw + i_w * C, b_dw[i_w], mask=m_c)
@@ -158,10 +205,11 @@ def short_conv_fwd(x: torch.Tensor, weight: torch.Tensor, tail: torch.Tensor | N
 
 @functools.lru_cache(maxsize=8)
 def _row_groups(B: int, Tp: int) -> tuple[int, int]:
-    """(ROWS, groups): padded rows per backward program (a power of two ≥ every tuned BT) and their count, at most
-    about 512 (batch, group) pairs: ``dw`` partials of a few MB, and (times C / BC) several waves of programs on any
-    GPU, so that the last, partly filled one costs little (``small``: 8 × 33 × 8 programs of 128 rows)."""
-    rows = max(_BWD_MAX_BT, triton.next_power_of_2(triton.cdiv(B * Tp, 512)))
+    """(ROWS, groups): padded rows per backward program (a power of two, at least 32: each program recomputes
+    W − 1 rows before its first, a few percent at 32) and their count, at most about 512 (batch, group) pairs: ``dw``
+    partials of a few MB, and (times C / BC) several waves of programs on any GPU, so that the last, partly filled
+    one costs little (``small``: 8 × 33 × 8 programs of 128 rows)."""
+    rows = max(32, _BWD_MAX_R, triton.next_power_of_2(triton.cdiv(B * Tp, 512)))
     return rows, triton.cdiv(Tp, rows)
 
 
