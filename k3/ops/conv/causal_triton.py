@@ -139,15 +139,15 @@ def short_conv_bwd_kernel(x, w, tail, dy, dx, dtail, dw, T, C, s_xb, s_xt, W: tl
     for i in tl.static_range(W - 1):
         hx = hx + (_x_row(x, tail, t_first - 2 * (W - 1) + i, o_c, m_c, T, s_xt, C, W, HAS_TAIL),)
     hd = ()
-    for h in tl.static_range(W - 1):
-        t = t_first - (W - 1) + h
-        xt = _x_row(x, tail, t, o_c, m_c, T, s_xt, C, W, HAS_TAIL)
-        pre = ws[W - 1] * xt.to(tl.float32)
+    for h in tl.static_range(W - 1):  # own names: a name reused in the row loop below would be loop-carried
+        t_h = t_first - (W - 1) + h
+        x_h = _x_row(x, tail, t_h, o_c, m_c, T, s_xt, C, W, HAS_TAIL)
+        pre_h = ws[W - 1] * x_h.to(tl.float32)
         for i in tl.static_range(W - 1):
-            pre += ws[i] * hx[i].to(tl.float32)
-        d = tl.load(dy + t * C + o_c, mask=m_c & (t >= 0) & (t < T), other=0.).to(tl.float32)
-        hd = hd + (_dpre(pre, d, ACT),)
-        hx = _shift(hx, xt, W - 1)
+            pre_h += ws[i] * hx[i].to(tl.float32)
+        d_h = tl.load(dy + t_h * C + o_c, mask=m_c & (t_h >= 0) & (t_h < T), other=0.).to(tl.float32)
+        hd = hd + (_dpre(pre_h, d_h, ACT),)
+        hx = _shift(hx, x_h, W - 1)
     b_dw = ()  # per-tap partial sums of dw over this program's rows
     for i_w in tl.static_range(W):
         b_dw = b_dw + (tl.zeros([BC], dtype=tl.float32),)
