@@ -5,8 +5,7 @@ The order is torchtitan's: expert parallel (the MoE layers' experts split over `
 decoder layer), ``torch.compile`` of each decoder layer's two sublayers (regional), then FSDP2:
 ``fully_shard`` per decoder layer and once at the root, over ``mesh["fsdp"]`` (HSDP when dp_replicate > 1), with
 ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``: the optimizer sees fp32 master weights and fp32
-gradients, the forward and backward run on bf16 copies that FSDP casts once per layer and step — no per-op casts
-(on one rank, where nothing is reduced, the bf16 gradients are copied before the cast to fp32: the same values).
+gradients, the forward and backward run on bf16 copies that FSDP casts once per layer and step — no per-op casts.
 
 The same function runs for one process on a GPU (a world-size-1 process group: FSDP's unshard is then a cast, its
 reduce-scatter a copy) and for N ranks, so one GPU and many share one precision policy and one code path. A single
@@ -110,11 +109,7 @@ def _apply_fsdp(model: nn.Module, dims: ParallelDims, mesh: ParallelMesh, param_
                 ignored: list[nn.Parameter]) -> None:
     # No input casting: activations are bf16 already (the embedding is), and a decode state passed to the forward
     # (fp32 KDA states, updated in place) must reach the layers as it is, not as a cast copy.
-    # Gradients are reduced in fp32 over several ranks. One rank reduces nothing: its reduce-scatter is a copy, and
-    # copying the bf16 gradients before FSDP casts them to the fp32 master's dtype gives the same fp32 values as
-    # casting first, for half the bytes moved.
-    reduce_dtype = torch.float32 if dims.world_size > 1 else param_dtype
-    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype, cast_forward_inputs=False)
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32, cast_forward_inputs=False)
     ignored_set = set(ignored)
     # One rank holds everything anyway: keep the bf16 copies from forward to backward instead of casting twice.
     last = len(model.model.layers) - 1
