@@ -208,7 +208,7 @@ def _row_groups(B: int, Tp: int) -> tuple[int, int]:
     """(ROWS, groups): padded rows per backward program (a power of two, at least 32: each program recomputes
     W − 1 rows before its first, a few percent at 32) and their count, at most about 512 (batch, group) pairs: ``dw``
     partials of a few MB, and (times C / BC) several waves of programs on any GPU, so that the last, partly filled
-    one costs little (``small``: 8 × 33 × 8 programs of 128 rows)."""
+    one costs little (``small``: 8 batches × 33 groups of 128 rows × C / BC channel blocks)."""
     rows = max(32, _BWD_MAX_R, triton.next_power_of_2(triton.cdiv(B * Tp, 512)))
     return rows, triton.cdiv(Tp, rows)
 
