@@ -70,7 +70,11 @@ def _fused_adamw(rank: int, world: int, layout: dict) -> None:
     layouts = [{(type(p), getattr(p, "device_mesh", None)) for p in g["params"]} for g in groups]
     assert all(len(k) == 1 for k in layouts), layouts  # one tensor type and mesh per group
     assert DTensor in {t for k in layouts for t, _ in k} and torch.nn.Parameter in {t for k in layouts for t, _ in k}
-    opt = torch.optim.AdamW(groups, fused=True)  # the CUDA trainer's optimizer; torch's fused AdamW runs on CPU too
+    # the CUDA trainer's optimizer; torch's fused AdamW runs on CPU too. The groups carry the CPU build's own
+    # fused / foreach settings, which would override the constructor's: drop them
+    groups = [{k: v for k, v in g.items() if k not in ("fused", "foreach")} for g in groups]
+    opt = torch.optim.AdamW(groups, fused=True)
+    assert all(g["fused"] for g in opt.param_groups)
     t = torch.randint(0, 256, (2, 9), generator=torch.Generator().manual_seed(1 + rank))
     model(t[:, :-1], targets=t[:, 1:]).loss.backward()
     local = [(p, g["weight_decay"]) for g in groups for p in g["params"]]
