@@ -210,10 +210,8 @@ def test_compiled_kda_convs_on_gpu() -> None:
 
 
 _SM90 = r"""
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
 import k3.ops.conv.causal_triton as ct
+from tests.ops.sm90 import compile_sm90
 
 ptrs = dict(x="*bf16", w="*fp32", tail="*bf16", dy="*bf16", dx="*bf16", dtail="*bf16", dw="*fp32", y="*bf16")
 for kernel, extra in ((ct.short_conv_fwd_kernel, {}), (ct.short_conv_bwd_kernel, {"ROWS": 128})):
@@ -222,12 +220,8 @@ for kernel, extra in ((ct.short_conv_fwd_kernel, {}), (ct.short_conv_bwd_kernel,
         for tail in (False, True):
             const = {"W": 4, "ACT": True, "HAS_TAIL": tail, "DTAIL": tail, **extra, **cfg.kwargs}
             const = {n: v for n, v in const.items() if n in fn.arg_names}
-            sig = {n: ptrs.get(n, "constexpr" if n in const else "i32") for n in fn.arg_names}
-            src = ASTSource(fn, sig, constexprs={(fn.arg_names.index(n),): v for n, v in const.items()},
-                            attrs={(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
-                                   if sig[n].startswith("*")})
-            ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                                 options=dict(num_warps=cfg.num_warps, num_stages=1)).asm["ptx"]
+            types = {n: ptrs.get(n, "i32") for n in fn.arg_names if n not in const}
+            ptx = compile_sm90(fn, types, const, cfg.num_warps).asm["ptx"]
             assert "st.global" in ptx, (fn.__name__, cfg)
 print("compiled", flush=True)
 """
@@ -238,11 +232,7 @@ def test_kernels_compile_for_sm90_in_bf16():
     """Every tuned config of the forward and backward kernels, with and without a tail, compiles to sm_90 code for
     bf16 tensors without a GPU: the interpreter runs fp32 Python and cannot see what only the compiler checks (a
     loop-carried value whose dtype changes in the loop). In a subprocess: the interpreter is on in this process."""
-    import os
-    import subprocess
-    import sys
+    from tests.ops.sm90 import run_script
 
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (os.getcwd(), env.get("PYTHONPATH")) if p)
-    r = subprocess.run([sys.executable, "-c", _SM90], env=env, capture_output=True, text=True, timeout=600)
+    r = run_script(_SM90, timeout=600)
     assert r.returncode == 0 and "compiled" in r.stdout, r.stderr[-3000:]

@@ -5,8 +5,6 @@ the eager outputs and gradients; and the kernels the interpreter cannot run (Glu
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -16,6 +14,7 @@ if not torch.cuda.is_available():
 
 from k3.ops.kda import chunk_kda, fused_recurrent_kda, fused_recurrent_kda_pool  # noqa: E402
 from tests.ops.kda_ref import DEV, K3, assert_close, errors, make_inputs, on_device, public_call, rel  # noqa: E402
+from tests.ops.sm90 import run_script  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 # aot_eager: Dynamo's full-graph capture and AOTAutograd's fake-tensor trace of the registered ops and their backward,
@@ -105,27 +104,14 @@ def test_gpu_compiled_training_step(monkeypatch):
 
 
 _SM90 = r"""
-import os, re, subprocess, sys, tempfile, triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-from triton.experimental.gluon._runtime import GluonASTSource
+import os, re, subprocess, tempfile, triton
 import k3.ops.kda.triton.decode_gluon as dg
 import k3.ops.kda.triton.inference_prep_gluon as ipg
 import k3.ops.kda.triton.inference_state as ist
 import k3.ops.kda.triton.split as sp
+from tests.ops.sm90 import compile_sm90
 
 PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
-
-
-def compile_sm90(fn, types, const, warps, gluon=False, maxnreg=None):
-    sig = {n: types.get(n, "constexpr") for n in fn.arg_names}
-    # pointers (and H) 16-byte aligned, as the launcher's specialisation sees them
-    ptrs = [n for n in fn.arg_names if types.get(n, "").startswith("*")] + (["H"] if "H" in types else [])
-    src = (GluonASTSource if gluon else ASTSource)(
-        fn, sig, constexprs={(fn.arg_names.index(n),): v for n, v in const.items()},
-        attrs={(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in ptrs})
-    opts = dict(num_warps=warps, num_stages=1, **({"maxnreg": maxnreg} if maxnreg else {}))
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
 
 
 def spills(ptx, cap=None):
@@ -191,7 +177,5 @@ def test_kernels_compile_for_sm90():
 
     if not HAVE_GLUON:
         pytest.skip(f"this Triton ({triton.__version__}) has no Gluon the kernels are written for")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (os.getcwd(), env.get("PYTHONPATH")) if p)
-    r = subprocess.run([sys.executable, "-c", _SM90], env=env, capture_output=True, text=True, timeout=900)
+    r = run_script(_SM90)
     assert r.returncode == 0 and "compiled" in r.stdout, r.stderr[-3000:]
