@@ -8,8 +8,9 @@ decoder layer), ``torch.compile`` of each decoder layer's two sublayers (regiona
 gradients, the forward and backward run on bf16 copies that FSDP casts once per layer and step — no per-op casts.
 
 The same function runs for one process on a GPU (a world-size-1 process group: FSDP's unshard is then a cast, its
-reduce-scatter a copy) and for N ranks, so one GPU and many share one precision policy and one code path. A single
-CPU process (``mesh is None``) keeps the plain fp32 module: no process group, nothing to shard.
+reduce-scatter the gradients' copy-in alone, see ``OneRankReduceScatter``) and for N ranks, so one GPU and many
+share one precision policy and one code path. A single CPU process (``mesh is None``) keeps the plain fp32
+module: no process group, nothing to shard.
 
 Parameters that K3 keeps in fp32 (``k3.model.keeps_fp32``: KDA's ``A_log``, ``dt_bias``, short-conv kernels and
 ``o_norm``) are left out of FSDP (``ignored_params``): a bf16 copy would round the gate constants. They are tiny and
@@ -18,6 +19,7 @@ replicated; :func:`sync_replicated_grads` averages their gradients over the data
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,7 +27,8 @@ import torch
 import torch._dynamo
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 
 from k3.distributed.context_parallel import apply_context_parallel
 from k3.distributed.expert_parallel import apply_expert_parallel
@@ -105,6 +108,29 @@ def _compile_layers(model: nn.Module, backend: str) -> None:
         layer.ffn.compile(backend=backend)
 
 
+class OneRankReduceScatter(ReduceScatter):
+    """FSDP2's reduce-scatter when the group is one rank, where nothing is reduced.
+
+    FSDP then asks this object for the flat input buffer (which it fills with the layer's gradients, cast to the
+    reduce dtype), asks for an output buffer of the same size, and copies the one into the other; the sharded
+    gradients are views of the output. Handing it the input buffer again as the output turns that copy into a
+    self-copy, which ``Tensor.copy_`` skips: each layer's flat gradient is written once instead of twice (one fp32
+    copy of every parameter a step) and one buffer is held instead of two. Never called to communicate."""
+
+    def __init__(self) -> None:
+        self._input: torch.Tensor | None = None
+
+    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:  # noqa: ANN001
+        buf, self._input = self._input, None
+        if buf is not None and buf.dtype == dtype and buf.device == device and buf.numel() == math.prod(size):
+            return buf.view(*size)  # the output request that follows an input of its size
+        self._input = torch.empty(*size, dtype=dtype, device=device)
+        return self._input
+
+    def __call__(self, output_tensor, input_tensor, group, op, async_op=False):  # noqa: ANN001, ANN204
+        raise RuntimeError("a one-rank FSDP group copies its gradients instead of reducing them")
+
+
 def _apply_fsdp(model: nn.Module, dims: ParallelDims, mesh: ParallelMesh, param_dtype: torch.dtype | None,
                 ignored: list[nn.Parameter]) -> None:
     # No input casting: activations are bf16 already (the embedding is), and a decode state passed to the forward
@@ -128,6 +154,10 @@ def _apply_fsdp(model: nn.Module, dims: ParallelDims, mesh: ParallelMesh, param_
                 experts.set_force_sum_reduction_for_comms(True)
         fully_shard(layer, reshard_after_forward=dims.world_size > 1 and i < last, **common)
     fully_shard(model, reshard_after_forward=False, **common)
+    if dims.world_size == 1:
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                module.set_custom_reduce_scatter(OneRankReduceScatter())
 
 
 @torch.no_grad()

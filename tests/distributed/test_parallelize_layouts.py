@@ -4,6 +4,7 @@ and the clipped norm is the one-process norm — FSDP, HSDP, expert parallel (it
 is left, including HSDP), context parallel, and expert × context parallel."""
 
 import copy
+import functools
 import importlib.util
 from pathlib import Path
 
@@ -94,3 +95,71 @@ def test_fused_adamw_steps_every_group_of_a_sharded_model(world: int, layout: di
     """Under FSDP2 the parameters kept fp32 are plain tensors beside DTensor shards, and under expert parallel the
     experts live on their own mesh; torch's fused AdamW refuses either mix in one group."""
     _gloo.run_ranks(_fused_adamw, world, layout)
+
+
+def _record(allocate, handed: list, *args, **kwargs) -> torch.Tensor:
+    buf = allocate(*args, **kwargs)
+    handed.append(buf.untyped_storage().data_ptr())
+    return buf
+
+
+def _one_rank(rank: int, world: int) -> None:
+    from k3.distributed.parallelize import OneRankReduceScatter
+
+    torch.manual_seed(0)
+    ref = K3ForCausalLM(K3Config.from_preset("tiny")).float()
+    t = torch.randint(0, 256, (2, 17), generator=torch.Generator().manual_seed(1))
+    for step in range(2):  # the second backward reuses nothing stale from the first
+        ref.zero_grad(set_to_none=True)
+        ref(t[:, :-1], targets=t[:, 1:]).loss.backward()
+        if step == 0:
+            model = copy.deepcopy(ref)
+            dims = ParallelDims(world_size=1)
+            parallelize_k3(model, dims, dims.build_mesh("cpu"))
+            comms = [m._get_fsdp_state()._fsdp_param_group._reduce_scatter_comm for m in model.modules()
+                     if hasattr(m, "set_custom_reduce_scatter") and m._get_fsdp_state()._fsdp_param_group]
+            assert comms and all(isinstance(c, OneRankReduceScatter) for c in comms)
+            handed: list[int] = []
+            for c in comms:  # record the storage of every buffer the comms hand out
+                c.allocate = functools.partial(_record, c.allocate, handed)
+        handed.clear()
+        model.zero_grad(set_to_none=True)
+        model(t[:, :-1], targets=t[:, 1:]).loss.backward()
+        # each reduce-scatter asked twice and got one buffer: input and output are the same memory
+        assert handed and len(handed) == 2 * len(comms) and handed[0::2] == handed[1::2], handed
+        flats = {}
+        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+            g = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+            assert (g is None) == (q.grad is None), (step, name)
+            if g is None:
+                continue
+            err = float((g - q.grad).norm() / q.grad.norm().clamp(min=1e-12))
+            assert err < 1e-6, (step, name, err)
+            if isinstance(p.grad, DTensor):  # the gradients of one FSDP group: views of one flat buffer
+                flats.setdefault(name.rsplit(".layers.", 1)[-1].split(".")[0], set()).add(
+                    g.untyped_storage().data_ptr())
+        assert all(len(ptrs) == 1 and ptrs <= set(handed) for ptrs in flats.values()), flats
+
+
+def test_one_rank_reduce_scatter_hands_back_its_input() -> None:
+    """On one rank FSDP's reduce-scatter is a copy of each layer's flat gradient into an output buffer;
+    ``OneRankReduceScatter`` gives the input buffer back as that output, so the copy is a no-op. The gradients stay
+    the one-process ones, over two steps."""
+    _gloo.run_ranks(_one_rank, 1)
+
+
+def test_one_rank_reduce_scatter_buffers() -> None:
+    """The input request gets a fresh buffer, the output request of its size that same buffer, and a request of
+    another size a fresh one again."""
+    from k3.distributed.parallelize import OneRankReduceScatter
+
+    comm = OneRankReduceScatter()
+    a = comm.allocate((12,), dtype=torch.float32, device=torch.device("cpu"))
+    assert comm.allocate((12,), dtype=torch.float32, device=torch.device("cpu")).data_ptr() == a.data_ptr()
+    b = comm.allocate((12,), dtype=torch.float32, device=torch.device("cpu"))
+    assert b.data_ptr() != a.data_ptr()  # a new input after a completed pair
+    c = comm.allocate((5,), dtype=torch.float32, device=torch.device("cpu"))
+    assert c.data_ptr() not in (a.data_ptr(), b.data_ptr()) and c.numel() == 5
+    assert comm.allocate((5,), dtype=torch.bfloat16, device=torch.device("cpu")).dtype == torch.bfloat16
+    with pytest.raises(RuntimeError):
+        comm(c, c, None, None)
