@@ -7,8 +7,10 @@ against the fp32 ``F.conv1d`` reference path, in one process.
   layers).
 - K3 prefill shape: one 8,192-token piece with a tail over 96 × 128 = 12,288 channels, bf16, forward only.
 
-Times are medians of ``triton.testing.do_bench``; errors are relative RMS against the fp32 reference on the same
-bf16 inputs. ``conv.json`` and ``conv.md`` under ``--out`` are rewritten after every row.
+Times are medians, two each: the op as called from Python (``triton.testing.do_bench``: launches and autograd
+included, what an eager caller pays) and its replay from a CUDA graph (``triton.testing.do_bench_cudagraph``: the
+device's time alone, what the training step — one graph — pays). Errors are relative RMS against the fp32 reference
+on the same bf16 inputs. ``conv.json`` and ``conv.md`` under ``--out`` are rewritten after every row.
 """
 
 from __future__ import annotations
@@ -36,8 +38,10 @@ IMPLS: dict[str, Callable[..., tuple[torch.Tensor, torch.Tensor]]] = {
 }
 
 
-def _bench(fn: Callable[[], Any]) -> float:
-    return float(triton.testing.do_bench(fn, warmup=10, rep=50, return_mode="median"))
+def _bench(fn: Callable[[], Any]) -> tuple[float, float]:
+    """(ms as called, ms replayed from a CUDA graph)."""
+    return (float(triton.testing.do_bench(fn, warmup=10, rep=50, return_mode="median")),
+            float(triton.testing.do_bench_cudagraph(fn, rep=50, return_mode="median")))
 
 
 def _saved_gib(fn: Callable[[], torch.Tensor]) -> float:
@@ -62,18 +66,18 @@ def bench_training(B: int, T: int, C: int, n_convs: int, emit: Callable[[str, di
     for name, f in IMPLS.items():
         with torch.no_grad():
             err = rel_error(f(x, w)[0], y_ref)
-            t_f = _bench(lambda f=f: f(x, w))
+            t_f, g_f = _bench(lambda f=f: f(x, w))
         got = torch.autograd.grad(f(x, w)[0], [x, w], dy)
         gerr = max(rel_error(a, b) for a, b in zip(got, g_ref))
         del got
-        t_fb = _bench(lambda f=f: torch.autograd.grad(f(x, w)[0], [x, w], dy))
+        t_fb, g_fb = _bench(lambda f=f: torch.autograd.grad(f(x, w)[0], [x, w], dy))
         saved = _saved_gib(lambda f=f: f(x, w)[0])
-        row = dict(name=name, B=B, T=T, C=C, fwd_ms=t_f, fwd_tbps=byts / t_f / 1e9, fwd_bwd_ms=t_fb,
-                   step_ms=n_convs * t_fb, saved_gib=saved, rel_err=err, grad_rel_err=gerr)
+        row = dict(name=name, B=B, T=T, C=C, fwd_ms=t_f, fwd_graph_ms=g_f, fwd_tbps=byts / g_f / 1e9, fwd_bwd_ms=t_fb,
+                   fwd_bwd_graph_ms=g_fb, step_ms=n_convs * g_fb, saved_gib=saved, rel_err=err, grad_rel_err=gerr)
         emit("training", row)
-        print(f"conv training {B}x{T}x{C} | {name:38s} | fwd {t_f:7.3f} ms ({byts / t_f / 1e9:4.2f} TB/s) | fwd+bwd "
-              f"{t_fb:7.3f} ms | x{n_convs} {n_convs * t_fb:6.2f} ms | saved {saved:5.3f} GiB | rel err {err:.1e}, "
-              f"grads {gerr:.1e}", flush=True)
+        print(f"conv training {B}x{T}x{C} | {name:38s} | fwd {t_f:7.3f} / {g_f:7.3f} ms ({byts / g_f / 1e9:4.2f} TB/s) "
+              f"| fwd+bwd {t_fb:7.3f} / {g_fb:7.3f} ms | x{n_convs} {n_convs * g_fb:6.2f} ms | saved {saved:5.3f} GiB "
+              f"| rel err {err:.1e}, grads {gerr:.1e}", flush=True)
 
 
 def bench_prefill(T: int, C: int, emit: Callable[[str, dict], None]) -> None:
@@ -85,10 +89,11 @@ def bench_prefill(T: int, C: int, emit: Callable[[str, dict], None]) -> None:
         byts = 2 * T * C * 2
         for name, f in IMPLS.items():
             err = rel_error(f(x, w, tail)[0], y_ref)
-            t_f = _bench(lambda f=f: f(x, w, tail))
-            emit("prefill", dict(name=name, T=T, C=C, fwd_ms=t_f, fwd_tbps=byts / t_f / 1e9, rel_err=err))
-            print(f"conv prefill {T}x{C} | {name:38s} | fwd {t_f:7.3f} ms ({byts / t_f / 1e9:4.2f} TB/s) | rel err "
-                  f"{err:.1e}", flush=True)
+            t_f, g_f = _bench(lambda f=f: f(x, w, tail))
+            emit("prefill", dict(name=name, T=T, C=C, fwd_ms=t_f, fwd_graph_ms=g_f, fwd_tbps=byts / g_f / 1e9,
+                                 rel_err=err))
+            print(f"conv prefill {T}x{C} | {name:38s} | fwd {t_f:7.3f} / {g_f:7.3f} ms ({byts / g_f / 1e9:4.2f} TB/s) "
+                  f"| rel err {err:.1e}", flush=True)
 
 
 def _markdown(res: dict) -> str:
@@ -96,19 +101,20 @@ def _markdown(res: dict) -> str:
          run_line(res), "",
          "Depthwise causal conv, kernel 4, SiLU, bf16 activations, fp32 weight. Errors: relative RMS against the fp32 "
          "reference (output; largest over the x and weight gradients). Saved: activation memory the forward keeps "
-         "for the backward beyond its output.", "",
+         "for the backward beyond its output. Times: as called from Python / replayed from a CUDA graph (the "
+         "device alone: what the training step, one graph, pays); TB/s and the per-step share from the replay.", "",
          f"## Training, `small` shape (× {res['n_convs']} convs per step)", "",
          "| B × T × C | implementation | forward | forward+backward | per step | saved | rel. err | grad rel. err |",
          "|---|---|---|---|---|---|---|---|"]
     for r in res["training"]:
-        L.append(f"| {r['B']} × {r['T']} × {r['C']} | {r['name']} | {r['fwd_ms']:.3f} ms ({r['fwd_tbps']:.2f} TB/s) "
-                 f"| {r['fwd_bwd_ms']:.3f} ms | {r['step_ms']:.2f} ms | {r['saved_gib']:.3f} GiB | "
-                 f"{r['rel_err']:.1e} | {r['grad_rel_err']:.1e} |")
+        L.append(f"| {r['B']} × {r['T']} × {r['C']} | {r['name']} | {r['fwd_ms']:.3f} / {r['fwd_graph_ms']:.3f} ms "
+                 f"({r['fwd_tbps']:.2f} TB/s) | {r['fwd_bwd_ms']:.3f} / {r['fwd_bwd_graph_ms']:.3f} ms | "
+                 f"{r['step_ms']:.2f} ms | {r['saved_gib']:.3f} GiB | {r['rel_err']:.1e} | {r['grad_rel_err']:.1e} |")
     L += ["", "## Prefill piece with a tail, K3 width, forward", "",
           "| T × C | implementation | forward | rel. err |", "|---|---|---|---|"]
     for r in res["prefill"]:
-        L.append(f"| {r['T']} × {r['C']} | {r['name']} | {r['fwd_ms']:.3f} ms ({r['fwd_tbps']:.2f} TB/s) | "
-                 f"{r['rel_err']:.1e} |")
+        L.append(f"| {r['T']} × {r['C']} | {r['name']} | {r['fwd_ms']:.3f} / {r['fwd_graph_ms']:.3f} ms "
+                 f"({r['fwd_tbps']:.2f} TB/s) | {r['rel_err']:.1e} |")
     return "\n".join(L) + "\n"
 
 
