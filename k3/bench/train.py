@@ -65,13 +65,15 @@ KDA_CHUNK = 64
 _CLASSES = [  # (class, pattern on the lower-cased kernel name), first match wins
     # before kda: the flash MLA's backward has a "delta" kernel
     ("attention", r"flash|fmha|attention|sdpa|attn_fwd|attn_bwd|mla|cudnn.*(mha|sdpa)"),
-    # not FSDP2's chunk_cat (its gradient copy-in)
-    ("kda", r"kda|chunk_(?!cat)|_wy|delta|recurrent|gated_delta|solve_tril|_span"),
+    # before kda: the fused loss's kernel is ce_chunk
+    ("loss", r"cross_entropy|crossentropy|linear_ce|ce_chunk|_ce_|loss|logsumexp|softmax"),
+    # not FSDP2's chunk_cat (its gradient copy-in); the short convolution and the chunk preparation are KDA's
+    ("kda", r"kda|chunk_(?!cat)|_wy|delta|recurrent|gated_delta|solve_tril|_span|short_conv|_prep_(blocks|rows|solve)"),
     ("attnres", r"attn_res|attnres"),
+    # before norms: the gradient norm of the clip is a multi-tensor LpNorm
+    ("optimizer", r"foreach|multi_tensor|adam"),
     ("norms", r"rms|norm"),
-    ("loss", r"cross_entropy|crossentropy|linear_ce|_ce_|loss|logsumexp|softmax"),
     ("matmul", r"gemm|cutlass|xmma|nvjet|sm90_|sm80_|cublas|grouped_mm|_mm_|matmul|wgmma"),
-    ("optimizer", r"foreach|multi_tensor|adam|_fused_"),
     ("moe", r"situ|combine|router|rows_sum|permute|qb_|histogram"),
 ]
 

@@ -19,7 +19,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from k3.model import keeps_fp32
 
 __all__ = ["Muon", "build_optimizer", "set_lr", "lr_factor", "newton_schulz", "SCHEDULES", "is_matrix",
-           "clip_grad_norm"]
+           "clip_grad_norm", "clipped_step"]
 
 SCHEDULES = ("cosine", "wsd", "constant")
 _NS_COEFFS = (3.4445, -4.7750, 2.0315)  # quintic iteration that pushes singular values towards ~1 in 5 steps
@@ -204,15 +204,26 @@ class Muon(torch.optim.Optimizer):
 
 @torch.no_grad()
 def clip_grad_norm(params: Iterable[torch.Tensor], max_norm: float) -> torch.Tensor:
-    """Scale the gradients so their global L2 norm is at most ``max_norm``; returns the norm before clipping.
+    """Scale the gradients so their global L2 norm is at most ``max_norm``; returns the norm before clipping."""
+    return _clip(params, max_norm, scale=True)[0]
 
-    Plain gradients: ``torch.nn.utils.clip_grad_norm_``. DTensor gradients (FSDP2 / expert parallel, possibly on
-    different meshes): each rank sums the squares of its local shards, each divided by how many ranks hold a copy
+
+def _clip(params: Iterable[torch.Tensor], max_norm: float, scale: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gradients' global L2 norm and the clip coefficient ``min(1, max_norm / (norm + 1e-6))`` (0-dim tensors
+    on the device); ``scale`` multiplies every gradient by the coefficient in place.
+
+    Plain gradients: ``torch.nn.utils.get_total_norm``. DTensor gradients (FSDP2 / expert parallel, possibly
+    on different meshes): each rank sums the squares of its local shards, each divided by how many ranks hold a copy
     of that shard, and one all-reduce over the world gives the exact global sum.
     """
     params = [p for p in params if p.grad is not None]
     if not any(isinstance(p.grad, DTensor) for p in params):
-        return torch.nn.utils.clip_grad_norm_(params, max_norm)
+        grads = [p.grad for p in params]
+        total = torch.nn.utils.get_total_norm(grads)
+        coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
+        if scale:
+            torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+        return total, coef
     world = dist.get_world_size()
     by_copies: dict[int, list[torch.Tensor]] = {}
     for p in params:
@@ -232,7 +243,34 @@ def clip_grad_norm(params: Iterable[torch.Tensor], max_norm: float) -> torch.Ten
     dist.all_reduce(sq)
     total = sq.sqrt()
     coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
-    torch._foreach_mul_(local, coef)
+    if scale:
+        torch._foreach_mul_(local, coef)
+    return total, coef
+
+
+def _takes_grad_scale(opt: torch.optim.Optimizer) -> bool:
+    """torch's fused AdamW on every group: its kernel can divide each gradient by a device scalar as it reads it."""
+    return isinstance(opt, torch.optim.AdamW) and all(g.get("fused") for g in opt.param_groups)
+
+
+@torch.no_grad()
+def clipped_step(opt: torch.optim.Optimizer, params: Iterable[torch.Tensor], max_norm: float) -> torch.Tensor:
+    """Clip the gradients' global norm to ``max_norm``, then ``opt.step()``; returns the norm before clipping.
+
+    With torch's fused AdamW the clip rides in the step: the optimizer's ``grad_scale`` (GradScaler's hook, a
+    divisor) is set to ``1 / coefficient``, so the fused kernel scales each gradient as it reads it — and writes the
+    clipped gradient back, as a separate scaling pass would leave it — instead of a pass of its own over every
+    gradient before the step. Other optimizers get the scaled gradients."""
+    fold = _takes_grad_scale(opt)
+    total, coef = _clip(params, max_norm, scale=not fold)
+    if not fold:
+        opt.step()
+        return total
+    opt.grad_scale = coef.reciprocal()  # type: ignore[attr-defined]
+    try:
+        opt.step()
+    finally:
+        opt.grad_scale = None  # type: ignore[attr-defined]
     return total
 
 

@@ -57,7 +57,7 @@ from k3.infer.generate import generate, prompt_ids
 from k3.memory import check_fits, training_footprint
 from k3.model import K3ForCausalLM
 from k3.train.graph import StepGraph, reshard
-from k3.train.optim import SCHEDULES, build_optimizer, clip_grad_norm, lr_factor, set_lr
+from k3.train.optim import SCHEDULES, build_optimizer, clipped_step, lr_factor, set_lr
 from k3.train.plot import plot_loss
 from k3.train.progress import Progress
 from k3.utils import atomic_write_text, read_json
@@ -721,8 +721,7 @@ def _device_step(model: torch.nn.Module, opt: torch.optim.Optimizer, args: Train
         sums[0] += total.detach()
         sums[1] += n
     sync_replicated_grads(model)
-    grad_norm = clip_grad_norm(model.parameters(), args.grad_clip)
-    opt.step()
+    grad_norm = clipped_step(opt, model.parameters(), args.grad_clip)
     opt.zero_grad(set_to_none=True)
     # once per optimizer step, histograms pooled over the ranks that saw different tokens: the bias from the next step
     model.qb_step(group=d.group("dp_cp") if ranks > 1 else None)

@@ -18,7 +18,7 @@ from k3.distributed.data_parallel import Distributed, local_batch
 from k3.distributed.parallel_dims import ParallelDims
 from k3.distributed.parallelize import parallelize_k3, sync_replicated_grads
 from k3.model import K3ForCausalLM
-from k3.train.optim import build_optimizer, clip_grad_norm
+from k3.train.optim import build_optimizer, clip_grad_norm, clipped_step
 
 _spec = importlib.util.spec_from_file_location("k3_tests_gloo", Path(__file__).with_name("_gloo.py"))
 _gloo = importlib.util.module_from_spec(_spec)
@@ -95,6 +95,49 @@ def test_fused_adamw_steps_every_group_of_a_sharded_model(world: int, layout: di
     """Under FSDP2 the parameters kept fp32 are plain tensors beside DTensor shards, and under expert parallel the
     experts live on their own mesh; torch's fused AdamW refuses either mix in one group."""
     _gloo.run_ranks(_fused_adamw, world, layout)
+
+
+def _clipped(rank: int, world: int, layout: dict) -> None:
+    torch.manual_seed(0)
+    base = K3ForCausalLM(K3Config.from_preset("tiny")).float()
+    models, opts = [], []
+    for fused in (True, False):
+        model = copy.deepcopy(base)
+        dims = ParallelDims(world_size=world, **layout)
+        parallelize_k3(model, dims, dims.build_mesh("cpu"))
+        groups = [{k: v for k, v in g.items() if k not in ("fused", "foreach")}
+                  for g in build_optimizer(model, "adamw", 1e-2).param_groups]
+        models.append(model)
+        opts.append(torch.optim.AdamW(groups, fused=fused, foreach=False))
+    for step in range(3):
+        t = torch.randint(0, 256, (2, 9), generator=torch.Generator().manual_seed(10 * step + rank))
+        norms = []
+        for model, opt in zip(models, opts):
+            model.zero_grad(set_to_none=True)
+            model(t[:, :-1], targets=t[:, 1:]).loss.backward()
+            if opt.param_groups[0]["fused"]:
+                norms.append(clipped_step(opt, model.parameters(), 0.05))
+            else:  # the reference: scale the gradients, then a plain AdamW step
+                norms.append(clip_grad_norm(model.parameters(), 0.05))
+                opt.step()
+        assert float(norms[0]) > 0.5 and abs(float(norms[0]) - float(norms[1])) <= 1e-6 * float(norms[1])
+        for (name, a), b in zip(models[0].named_parameters(), models[1].parameters()):
+            la, lb = (x.to_local() if isinstance(x, DTensor) else x for x in (a, b))
+            ga, gb = (x.grad.to_local() if isinstance(x.grad, DTensor) else x.grad for x in (a, b))
+            assert (ga is None) == (gb is None), (step, name)
+            for what, x, y in (("grad", ga, gb), ("param", la.detach(), lb.detach())):
+                if x is None:
+                    continue
+                err = float((x - y).norm() / y.norm().clamp(min=1e-12))
+                assert err < 1e-5, (step, name, what, err)
+
+
+@pytest.mark.parametrize("world,layout", [(1, {}), (2, {"ep": 2})], ids=["one-rank", "ep2"])
+def test_clipped_step_with_fused_adamw_on_a_sharded_model(world: int, layout: dict) -> None:
+    """The trainer's clip folded into torch's fused AdamW (``clipped_step``) steps a sharded model as scaling its
+    gradient shards and then a plain AdamW step do: the clip bites (norm ≫ 0.05) and every shard and its clipped
+    gradient agree over three steps."""
+    _gloo.run_ranks(_clipped, world, layout)
 
 
 def _record(allocate, handed: list, *args, **kwargs) -> torch.Tensor:

@@ -15,9 +15,15 @@ from k3.bench.train import busy_us, classify_kernel, is_kernel
     ("void at::native::detail::chunk_cat_cuda_kernel<float, c10::BFloat16>(c10::BFloat16**, float*", "other"),
     ("nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_NNT", "matmul"),
     ("_situ_bwd_kernel", "moe"),
+    ("ce_chunk_kernel", "loss"),
+    ("short_conv_bwd_kernel", "kda"),
+    ("_prep_solve", "kda"),
+    ("void at::native::(anonymous namespace)::multi_tensor_apply_kernel<at::native::(anonymous namespace)::"
+     "TensorListMetadata<1>, at::native::LpNormFunctor<float, (at::native::NormType)1, float, 1, 1, 0>", "optimizer"),
+    ("triton_poi_fused_add_rows_sum_0", "moe"),
+    ("triton_poi_fused__to_copy__unsafe_view_mul_rms_norm_bwd_sigmoid_sigmoid_backward_view_0", "norms"),
     ("void at::native::(anonymous namespace)::multi_tensor_apply_kernel<adam>", "optimizer"),
     ("_rms_norm_fwd", "norms"),
-    ("short_conv_bwd_kernel", "other"),
 ])
 def test_kernel_classes(name, cls) -> None:
     assert classify_kernel(name) == cls

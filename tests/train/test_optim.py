@@ -7,7 +7,7 @@ import torch
 
 from k3.config import K3Config
 from k3.model import K3ForCausalLM
-from k3.train.optim import Muon, build_optimizer, is_matrix, lr_factor, newton_schulz
+from k3.train.optim import Muon, build_optimizer, clip_grad_norm, clipped_step, is_matrix, lr_factor, newton_schulz
 
 
 def test_newton_schulz_orthogonalises_batched_matrices():
@@ -93,6 +93,31 @@ def test_muons_adamw_half_matches_torch_adamw(lr_tensor):
     for a, b in zip(ours, ref):
         assert torch.allclose(a, b, rtol=1e-5, atol=1e-6), (a - b).abs().max()
     assert [float(opt.state[p]["step"]) for p in ours] == [6.0, 6.0, 5.0]
+
+
+@pytest.mark.parametrize("max_norm", [1e-2, 1e3], ids=["clipped", "unclipped"])
+def test_clipped_step_folds_the_clip_into_fused_adamw(max_norm):
+    """``clipped_step`` with torch's fused AdamW (the clip as its ``grad_scale``) steps as clipping first and then
+    a plain AdamW step does, over several steps (the moments see the clipped gradients), returns the unclipped
+    norm, leaves the clipped gradients behind and no ``grad_scale`` on the optimizer."""
+    ours, ref = _params(0), _params(0)
+    opt = torch.optim.AdamW(ours, lr=3e-2, weight_decay=0.1, fused=True)
+    torch_opt = torch.optim.AdamW(ref, lr=3e-2, weight_decay=0.1, foreach=False)
+    g = torch.Generator().manual_seed(2)
+    for step in range(4):
+        grads = [torch.randn(p.shape, generator=g) * 10 ** (step - 1) for p in ours]
+        for a, b, gr in zip(ours, ref, grads):
+            a.grad, b.grad = gr.clone(), gr.clone()
+        got = clipped_step(opt, ours, max_norm)
+        want = clip_grad_norm(ref, max_norm)
+        torch_opt.step()
+        assert abs(float(got) - float(want)) <= 1e-6 * float(want)
+        assert getattr(opt, "grad_scale", None) is None
+        for a, b in zip(ours, ref):
+            torch.testing.assert_close(a.grad, b.grad, rtol=1e-6, atol=0)
+            torch.testing.assert_close(a.detach(), b.detach(), rtol=1e-5, atol=1e-6)
+    if max_norm < 1:  # the clip did bite: the step differs from an unclipped one
+        assert float(got) > 10 * max_norm
 
 
 def test_capturable_optimizer_keeps_lr_tensors_and_saves_floats():
