@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from k3.layers.norm import RMSNorm
-from k3.ops.attnres import attn_res, attn_res_merge, attn_res_phase1
+from k3.ops.attnres import GradSink, attn_res, attn_res_merge, attn_res_phase1, attn_res_sinked, uses_fused
 
 __all__ = ["ResidualStream", "AttnResPair", "Mixer", "TwoPhaseMixer", "attn_res_mix", "closed_blocks_seen",
            "new_res_pair"]
@@ -77,10 +77,25 @@ def attn_res_mix(norm: RMSNorm, proj: nn.Linear, sources: list[torch.Tensor], ep
     """Σ_i softmax_i(⟨γ ⊙ w, RMS(v_i)⟩) v_i in fp32, then ``out_norm`` (fused), cast back to the sources' dtype.
 
     Under autocast the embedding (b_0) stays fp32 while sublayer outputs are bf16: the sources are brought to their
-    common (promoted) dtype first, since the op takes one dtype."""
+    common (promoted) dtype first, since the op takes one dtype. When autograd records on the fused kernels, each
+    stream tensor carries a :class:`GradSink`: its gradients from all the mixes that read it are summed inside the
+    backward kernel instead of by autograd, one add pass per extra reader fewer (``k3.ops.attnres.sink``)."""
     dt = functools.reduce(torch.promote_types, (s.dtype for s in sources))
     sources = [s if s.dtype == dt else s.to(dt) for s in sources]
-    return attn_res(proj.weight[0], sources, norm.weight, eps, None if out_norm is None else out_norm.weight)
+    onw = None if out_norm is None else out_norm.weight
+    if (torch.is_grad_enabled() and uses_fused(sources[0]) and not torch.compiler.is_compiling()
+            and len({id(s) for s in sources}) == len(sources)):
+        return attn_res_sinked(proj.weight[0], sources, [_sink(s) for s in sources], norm.weight, eps, onw)
+    return attn_res(proj.weight[0], sources, norm.weight, eps, onw)
+
+
+def _sink(t: torch.Tensor) -> GradSink:
+    """The tensor's gradient sink, made at its first mix (an attribute: it lives exactly as long as the tensor)."""
+    sink = getattr(t, "_k3_grad_sink", None)
+    if sink is None:
+        sink = GradSink()
+        t._k3_grad_sink = sink  # type: ignore[attr-defined]
+    return sink
 
 
 Mixer = Callable[[RMSNorm, nn.Linear, list[torch.Tensor], float, "RMSNorm | None"], torch.Tensor]

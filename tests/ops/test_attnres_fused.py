@@ -219,3 +219,80 @@ def test_merge_kernel_matches_the_reference(onorm: bool, nan_empty) -> None:
     o1, lse = attn_res_phase1((q * g)[None], closed, 1e-5)
     got = attn_res_merge_fused(o1[0], lse[0], p, q * g, 1e-5, ow)
     assert got.shape == p.shape and rel(got, attn_res_reference(q, [*closed, p], g, 1e-5, ow)) < 1e-6
+
+
+def _stream(mix, leaves, pairs, sinks: bool):
+    """A residual stream shaped like the model's: mixes over the closed blocks and a partial sum, each mix's output
+    feeding a 'sublayer' whose output joins the stream, a block closing midway; returns the loss."""
+    from k3.ops.attnres import GradSink
+
+    a, b = leaves
+    blocks, partial, outs = [a], b, []
+    table: dict[int, GradSink] = {}
+
+    def call(i, sources):
+        q, w, ow = pairs[i]
+        if sinks:
+            return mix(q, sources, [table.setdefault(id(s), GradSink()) for s in sources], w, 1e-5, ow)
+        return mix(q, sources, w, 1e-5, ow)
+
+    for i in range(len(pairs) - 1):
+        h = call(i, [*blocks, partial])
+        out = torch.tanh(h) * (0.5 + 0.1 * i)
+        if i == 1:  # the partial sum closes as a block; the sublayer's output opens the next one
+            blocks, partial = [*blocks, partial], out
+        else:
+            partial = partial + out
+        outs.append(h)
+    y = call(len(pairs) - 1, [*blocks, partial])
+    g = torch.Generator().manual_seed(5)
+    return sum(((o * torch.randn(o.shape, generator=g).to(o.device)).sum() for o in [*outs, y]))
+
+
+@pytest.mark.parametrize("checkpointed", [False, True])
+def test_sinked_mixes_sum_each_sources_gradient_in_the_kernel(checkpointed: bool, nan_empty, monkeypatch) -> None:
+    """``attn_res_sinked`` over a stream of mixes gives every gradient that the reference's autograd sums give; the
+    later mixes add into the first's buffer (seen through the backward's ``into``), only the owner hands it on, and
+    non-reentrant checkpointing around part of the stream changes nothing."""
+    import k3.ops.attnres.sink as sink_mod
+    from torch.utils.checkpoint import checkpoint
+
+    g = torch.Generator().manual_seed(3)
+    D, shape = 40, (3, 7, 40)
+    leaves = [(torch.randn(*shape, generator=g) * s).to(DEV).requires_grad_() for s in (1.0, 2.0)]
+    pairs = [((torch.randn(D, generator=g) / D ** 0.5).to(DEV).requires_grad_(),
+              (torch.rand(D, generator=g) + 0.5).to(DEV).requires_grad_(),
+              (torch.rand(D, generator=g) + 0.5).to(DEV).requires_grad_() if i % 2 else None) for i in range(5)]
+    params = [*leaves, *(t for p in pairs for t in p if t is not None)]
+    ref_loss = _stream(attn_res_reference, leaves, pairs, sinks=False)
+    want = torch.autograd.grad(ref_loss, params)
+
+    seen = []
+    real_bwd = sink_mod.attn_res_bwd
+
+    def spy(*args, into=None, **kw):
+        seen.append([b is not None for b in into])
+        return real_bwd(*args, into=into, **kw)
+
+    monkeypatch.setattr(sink_mod, "attn_res_bwd", spy)
+    run = lambda: _stream(sink_mod.attn_res_sinked, leaves, pairs, sinks=True)  # noqa: E731
+    loss = checkpoint(run, use_reentrant=False) if checkpointed else run()
+    got = torch.autograd.grad(loss, params)
+    assert rel(loss, ref_loss) < 1e-6
+    for i, (x, w) in enumerate(zip(got, want)):
+        assert x is not None and rel(x, w) < 1e-5, (i, rel(x, w))
+    # the backwards run last mix first: the first (the output mix) writes fresh buffers, the closed block a is
+    # summed into by every mix after it
+    assert len(seen) == len(pairs) and not any(seen[0]) and all(s[0] for s in seen[1:]), seen
+
+
+def test_sinked_mix_rejects_bad_sinks() -> None:
+    from k3.ops.attnres import GradSink, attn_res_sinked
+
+    srcs, q, w, _ = _inputs(2, (3, 8), False, 0)
+    with pytest.raises(ValueError, match="sinks"):
+        attn_res_sinked(q, srcs, [GradSink()], w, 1e-5)
+    with pytest.raises(ValueError, match="sources"):
+        attn_res_sinked(q, [srcs[0], srcs[0]], [GradSink(), GradSink()], w, 1e-5)
+    with pytest.raises(ValueError, match="sources"):
+        attn_res_sinked(q, [], [], w, 1e-5)

@@ -136,3 +136,33 @@ def test_model_fused_loss_and_two_phase_on_cuda() -> None:
         pieces = torch.cat([model(ids[:, a:b], state=st).logits for a, b in [(0, 1), (1, 20), (20, 37)]], 1)
     # bf16 end to end, and other kernels on each side (chunked vs recurrent KDA, two-phase vs per-layer mixes)
     assert rel(pieces.float(), full) < 5e-2
+
+
+@pytest.mark.parametrize("ac", ["none", "full", "selective"])
+def test_model_sums_each_blocks_gradient_in_the_attnres_kernel(ac: str, monkeypatch) -> None:
+    """The model's mixes sum a stream tensor's gradients in one buffer (``GradSink``s): every parameter gradient
+    equals the one autograd's own sums give (the mixes without sinks), also under activation checkpointing."""
+    import k3.layers.attnres as layer_mod
+
+    torch.manual_seed(0)
+    model = K3ForCausalLM(K3Config.from_preset("tiny")).cuda()  # fp32: only the summation order differs
+    ids = torch.randint(0, 256, (2, 45), device="cuda")
+    params = [p for p in model.parameters() if p.requires_grad]
+    calls = []
+    real = layer_mod.attn_res_sinked
+
+    def spy(*a, **kw):
+        calls.append(1)
+        return real(*a, **kw)
+
+    monkeypatch.setattr(layer_mod, "attn_res_sinked", spy)
+    model.gradient_checkpointing_enable(ac)
+    got = torch.autograd.grad(model(ids, labels=ids).loss, params, allow_unused=True)
+    assert calls, "the model did not take the sinked mixes"
+    monkeypatch.setattr(layer_mod, "attn_res_sinked", lambda q, s, sinks, w, eps, ow=None: attn_res(q, s, w, eps, ow))
+    model.gradient_checkpointing_enable("none")
+    want = torch.autograd.grad(model(ids, labels=ids).loss, params, allow_unused=True)
+    for (name, _), a, b in zip(model.named_parameters(), got, want):
+        assert (a is None) == (b is None), name
+        if a is not None:
+            assert rel(a, b) < 1e-4, (name, rel(a, b))

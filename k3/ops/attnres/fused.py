@@ -221,9 +221,9 @@ def attn_res_fwd_kernel(
 
 @triton.autotune(configs=_BWD_CONFIGS, key=["NS", "BD", "ROWS", "HAS_ONORM", "SAVE_PRE"],
                  prune_configs_by={"early_config_prune": _prune_bwd})
-@triton.jit(do_not_specialize=["T"])
+@triton.jit(do_not_specialize=["T", "ACC"])
 def attn_res_bwd_kernel(
-    src, dsrc, qw, ow, o_pre, do, lse, logit, rstd, dqw, dow, T, eps, scale,
+    src, dsrc, qw, ow, o_pre, do, lse, logit, rstd, dqw, dow, T, eps, scale, ACC,
     D: tl.constexpr, NS: tl.constexpr, NSP: tl.constexpr, NO: tl.constexpr, NG: tl.constexpr, ROWS: tl.constexpr,
     BT: tl.constexpr, BD: tl.constexpr, HAS_ONORM: tl.constexpr, SAVE_PRE: tl.constexpr, STAGES: tl.constexpr,
 ):
@@ -314,8 +314,12 @@ def attn_res_bwd_kernel(
             b_c = tl.sum(tl.where(m_i, b_T2, 0.0), 1)[:, None]
             b_qw = tl.load(qw + o_d, mask=m_d & (j >= 0), other=0.0)
             b_dv = b_a * b_x + b_b * b_qw - b_c * b_v
-            p_dv = _pick(dsrc, i_s, NS)
-            tl.store(p_dv + i_t[:, None] * D + o_d, b_dv.to(p_dv.dtype.element_ty), mask=m_d & (i_t < T)[:, None])
+            p_dv = _pick(dsrc, i_s, NS) + i_t[:, None] * D + o_d
+            m_dv = m_d & (i_t < T)[:, None]
+            # bit i of ACC: ∂v_i adds to what its buffer holds (the other mixes' gradients of the same tensor); a
+            # clear bit masks the load off, so no bytes move
+            b_dv += tl.load(p_dv, mask=m_dv & (((ACC >> i_s) & 1) != 0), other=0.0).to(tl.float32)
+            tl.store(p_dv, b_dv.to(p_dv.dtype.element_ty), mask=m_dv)
             b_dqw += tl.sum(b_b * b_v, 0)[None, :]  # rows past T have g = 0, hence b = 0
     tl.store(dqw + i_p * D + o_d, b_dqw, mask=m_d)
 
@@ -348,16 +352,25 @@ def attn_res_fwd(
     return y, o_pre, lse, logit, rstd
 
 
+# backward launch shapes seen in this process (a superset of the autotuner's keys)
+_BWD_SEEN: set[tuple] = set()
+
+
 def attn_res_bwd(
     do: torch.Tensor, sources: Sequence[torch.Tensor], qw: torch.Tensor, out_norm_weight: torch.Tensor | None,
     o_pre: torch.Tensor, lse: torch.Tensor, logit: torch.Tensor, rstd: torch.Tensor, eps: float, scale: float,
-    save_pre: bool,
+    save_pre: bool, into: Sequence[torch.Tensor | None] | None = None,
 ) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
     """Gradients ``([∂v_i [T, D]], ∂qw [D] fp32, ∂ow [D] fp32 or [0])`` for ``do = ∂L/∂y [T, D]``, from the forward's
-    ``lse``, ``logit``, ``rstd`` (and ``o_pre``, read when ``save_pre`` and there is an output norm)."""
+    ``lse``, ``logit``, ``rstd`` (and ``o_pre``, read when ``save_pre`` and there is an output norm).
+
+    ``into``: per source, None or a contiguous ``[T, D]`` buffer (the sources' dtype) that ∂v_i is added to in place
+    and returned as it (gradient accumulation inside the kernel)."""
     s0 = sources[0]
     T, D = s0.shape
-    dsrc = [torch.empty_like(s) for s in sources]
+    into = list(into) if into is not None else [None] * len(sources)
+    dsrc = [torch.empty_like(s) if b is None else b for s, b in zip(sources, into)]
+    acc = sum(1 << i for i, b in enumerate(into) if b is not None)
     has_onorm = out_norm_weight is not None
     save_pre = save_pre and has_onorm  # without the output norm the backward never needs o
     rows = _bwd_rows(T, s0.device)
@@ -368,11 +381,21 @@ def attn_res_bwd(
         dqw.zero_(), dow.zero_()
     else:
         N = len(sources)
-        with on_device_of(s0):
+
+        def launch(dsrc: list[torch.Tensor], acc: int) -> None:
             attn_res_bwd_kernel[(n_p,)](
                 tuple(sources), tuple(dsrc), qw, out_norm_weight if has_onorm else qw, o_pre if save_pre else do,
-                do, lse, logit, rstd, dqw, dow, T, float(eps), float(scale),
+                do, lse, logit, rstd, dqw, dow, T, float(eps), float(scale), acc,
                 D=D, NS=N, NSP=triton.next_power_of_2(N), NO=(1 if save_pre else N) if has_onorm else 0,
                 NG=N if N > 1 else 0, ROWS=rows, BD=triton.next_power_of_2(D), HAS_ONORM=has_onorm,
                 SAVE_PRE=save_pre)
+
+        key = (N, D, rows, has_onorm, save_pre, s0.dtype, s0.device)
+        with on_device_of(s0):
+            if acc and key not in _BWD_SEEN:
+                # the autotuner runs every candidate several times on the first launch of its key: an accumulating
+                # launch would add ∂v that many times, so that first launch writes to scratch buffers instead
+                launch([torch.empty_like(s) for s in sources], 0)
+            _BWD_SEEN.add(key)
+            launch(dsrc, acc)
     return dsrc, dqw.sum(0), (dow.sum(0) if has_onorm else dow.new_empty(0))

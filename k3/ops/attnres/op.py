@@ -16,7 +16,7 @@ from k3.ops.attnres.checks import check_inputs
 from k3.ops.attnres.fused import MAX_D, attn_res_bwd, attn_res_fwd
 from k3.ops.attnres.naive import attn_res_reference
 
-__all__ = ["attn_res", "attn_res_fused", "fused_attnres"]
+__all__ = ["attn_res", "attn_res_fused", "fused_attnres", "uses_fused"]
 
 _FUSED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -69,7 +69,8 @@ def _backward(ctx, dy, _do_pre, _dlse, _dlogit, _drstd):
 _fwd_op.register_autograd(_backward, setup_context=_setup_context)
 
 
-def _use_fused(s0: torch.Tensor) -> bool:
+def uses_fused(s0: torch.Tensor) -> bool:
+    """Whether ``attn_res`` runs the fused kernels for sources like ``s0`` (CUDA, fp32/bf16/fp16, D ≤ MAX_D)."""
     return s0.is_cuda and s0.dtype in _FUSED_DTYPES and s0.shape[-1] <= MAX_D
 
 
@@ -108,7 +109,7 @@ def attn_res(
     the fused Triton kernels; others the fp32 reference.
     """
     srcs = check_inputs(query, sources, norm_weight, out_norm_weight, eps)
-    if _use_fused(srcs[0]):
+    if uses_fused(srcs[0]):
         return attn_res_fused(query, srcs, norm_weight, eps, out_norm_weight)
     return attn_res_reference(query, srcs, norm_weight, eps, out_norm_weight)
 
@@ -133,6 +134,6 @@ def fused_attnres(
     q, w = query.reshape(-1), rms_weight.reshape(-1)
     srcs = check_inputs(q, residuals, w, output_rms_weight, rms_eps,
                         names=("query", "residuals", "rms_weight", "output_rms_weight", "rms_eps"))
-    if _use_fused(srcs[0]):
+    if uses_fused(srcs[0]):
         return attn_res_fused(q, srcs, w, rms_eps, output_rms_weight, scale, checkpoint_level == 0, return_weights)
     return attn_res_reference(q, srcs, w, rms_eps, output_rms_weight, scale, return_weights)
