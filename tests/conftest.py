@@ -65,13 +65,17 @@ def nan_empty(monkeypatch: pytest.MonkeyPatch) -> None:
     kernel should write but does not shows up in the comparison instead of hiding as a plausible value."""
     real_empty, real_like = torch.empty, torch.empty_like
 
+    def poison(x: torch.Tensor) -> torch.Tensor:
+        if x.is_floating_point():
+            with torch.no_grad():  # also a leaf made with requires_grad=True (checkpointing's placeholder)
+                x.fill_(float("nan"))
+        return x
+
     def empty(*a, **kw):
-        x = real_empty(*a, **kw)
-        return x.fill_(float("nan")) if x.is_floating_point() else x
+        return poison(real_empty(*a, **kw))
 
     def empty_like(*a, **kw):
-        x = real_like(*a, **kw)
-        return x.fill_(float("nan")) if x.is_floating_point() else x
+        return poison(real_like(*a, **kw))
 
     monkeypatch.setattr(torch, "empty", empty)
     monkeypatch.setattr(torch, "empty_like", empty_like)

@@ -264,8 +264,11 @@ def test_sinked_mixes_sum_each_sources_gradient_in_the_kernel(checkpointed: bool
               (torch.rand(D, generator=g) + 0.5).to(DEV).requires_grad_(),
               (torch.rand(D, generator=g) + 0.5).to(DEV).requires_grad_() if i % 2 else None) for i in range(5)]
     params = [*leaves, *(t for p in pairs for t in p if t is not None)]
-    ref_loss = _stream(attn_res_reference, leaves, pairs, sinks=False)
-    want = torch.autograd.grad(ref_loss, params)
+    ref = [t.detach().cpu().double().requires_grad_() for t in params]  # the fp64 reference on the CPU
+    it = iter(ref[2:])
+    ref_pairs = [tuple(None if t is None else next(it) for t in p) for p in pairs]
+    ref_loss = _stream(attn_res_reference, ref[:2], ref_pairs, sinks=False)
+    want = torch.autograd.grad(ref_loss, ref)
 
     seen = []
     real_bwd = sink_mod.attn_res_bwd
@@ -278,9 +281,9 @@ def test_sinked_mixes_sum_each_sources_gradient_in_the_kernel(checkpointed: bool
     run = lambda: _stream(sink_mod.attn_res_sinked, leaves, pairs, sinks=True)  # noqa: E731
     loss = checkpoint(run, use_reentrant=False) if checkpointed else run()
     got = torch.autograd.grad(loss, params)
-    assert rel(loss, ref_loss) < 1e-6
-    for i, (x, w) in enumerate(zip(got, want)):
-        assert x is not None and rel(x, w) < 1e-5, (i, rel(x, w))
+    assert rel(loss, ref_loss) < 1e-5
+    for i, (x, w) in enumerate(zip(got, want)):  # the score gradients (query, gain) sum with cancellation: fp32's ~1e-5
+        assert x is not None and rel(x, w) < (1e-5 if i < 2 else 1e-4), (i, rel(x, w))
     # the backwards run last mix first: the first (the output mix) writes fresh buffers, the closed block a is
     # summed into by every mix after it
     assert len(seen) == len(pairs) and not any(seen[0]) and all(s[0] for s in seen[1:]), seen
