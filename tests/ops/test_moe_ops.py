@@ -98,6 +98,30 @@ def test_situ_public_dispatch_and_checks():
         situ_glu_packed(torch.randn(3, 5))
 
 
+_SITU_SM90 = r"""
+import k3.ops.moe.situ_triton as st
+from tests.ops.sm90 import compile_sm90
+
+for fn in (st._situ_fwd_kernel, st._situ_bwd_kernel):
+    for bm, bf in ((4, 1024), (8, 512), (128, 32)):
+        const = {"BM": bm, "BF": bf}
+        types = {n: "*bf16" if n.endswith("_ptr") else "fp32" if n in ("beta1", "beta2", "lim") else "i32"
+                 for n in fn.arg_names if n not in const}
+        assert "st.global" in compile_sm90(fn, types, const, 4).asm["ptx"], (fn.__name__, bm, bf)
+print("compiled", flush=True)
+"""
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CPU-only check (on a GPU the kernels themselves run)")
+def test_situ_kernels_compile_for_sm90_in_bf16():
+    """The SiTU-GLU kernels compile to sm_90 code for bf16 tensors without a GPU, at the block shapes ``_blocks``
+    picks: what the fp32 interpreter cannot check. In a subprocess: the interpreter is on in this process."""
+    from tests.ops.sm90 import run_script
+
+    r = run_script(_SITU_SM90, timeout=600)
+    assert r.returncode == 0 and "compiled" in r.stdout, r.stderr[-3000:]
+
+
 # ---------------------------------------------------------------------------------------------- router
 def _same_selection(idx, idx_ref, x, w, bias):
     """Sets equal per token, except where the k-th/(k+1)-th biased scores tie to rounding."""
