@@ -218,12 +218,10 @@ def _clip(params: Iterable[torch.Tensor], max_norm: float, scale: bool) -> tuple
     """
     params = [p for p in params if p.grad is not None]
     if not any(isinstance(p.grad, DTensor) for p in params):
-        grads = [p.grad for p in params]
-        total = torch.nn.utils.get_total_norm(grads)
-        coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
+        total = torch.nn.utils.get_total_norm([p.grad for p in params])
         if scale:
             torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
-        return total, coef
+        return total, _coefficient(total, max_norm)
     world = dist.get_world_size()
     by_copies: dict[int, list[torch.Tensor]] = {}
     for p in params:
@@ -242,10 +240,15 @@ def _clip(params: Iterable[torch.Tensor], max_norm: float, scale: bool) -> tuple
         sq += torch.stack(norms).pow(2).sum() / copies
     dist.all_reduce(sq)
     total = sq.sqrt()
-    coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
+    coef = _coefficient(total, max_norm)
     if scale:
         torch._foreach_mul_(local, coef)
     return total, coef
+
+
+def _coefficient(total: torch.Tensor, max_norm: float) -> torch.Tensor:
+    """torch's clip coefficient (``clip_grads_with_norm_``'s): ``min(1, max_norm / (norm + 1e-6))``."""
+    return (max_norm / (total + 1e-6)).clamp(max=1.0)
 
 
 def _takes_grad_scale(opt: torch.optim.Optimizer) -> bool:
