@@ -10,6 +10,8 @@ overlapped with the backward.
 
 from __future__ import annotations
 
+import atexit
+import gc
 import os
 from dataclasses import dataclass
 from typing import Any, Callable, TypeVar
@@ -83,6 +85,7 @@ def init_distributed(device: torch.device, dims: ParallelDims) -> Distributed:
         else:
             dist.init_process_group(backend)
         owns = True
+        atexit.register(_free_groups)
     if dist.get_world_size() != world:
         raise ValueError(f"the process group has {dist.get_world_size()} ranks but WORLD_SIZE says {world}")
     mesh = dims.build_mesh(device.type)
@@ -92,6 +95,17 @@ def init_distributed(device: torch.device, dims: ParallelDims) -> Distributed:
         # instead of reporting the same error.
         dist.barrier()
     return Distributed(dims=dims, device=device, mesh=mesh, rank=dist.get_rank(), owns_group=owns)
+
+
+def _free_groups() -> None:
+    """Free the process groups while the interpreter is still whole. ``destroy_process_group`` unregisters them, but
+    reference cycles (the device mesh, a traceback) can keep their C++ objects alive until the interpreter's
+    teardown, when a gloo worker thread still releasing the tensors of the last collective needs the GIL that is
+    gone: the process aborts ("terminate called without an active exception") after it has done its work. Freed
+    here, each group joins its worker threads first."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    gc.collect()
 
 
 def destroy_distributed(d: Distributed) -> None:
