@@ -10,6 +10,9 @@
 - Fused loss: ``small``'s shape (d 1024, vocab 32 K, 32 K tokens), bf16 — forward+backward and peak memory: ours,
   liger (fp32 weight-grad accumulation), eager logits + fp32 cross entropy.
 
+``--backward``: only the AttnRes backward's two kernels (streamed; a step's rows held in registers, selected with
+``K3_ATTNRES_BACKWARD=held``) at ``small``'s width, 2–8 sources → ``attnres_backward.json``.
+
 Times are medians of ``triton.testing.do_bench``; forward+backward returns the gradients (``torch.autograd.grad``)
 rather than accumulating them into ``.grad``. A library that does not import (or fails) is reported in the notes
 and its row skipped. ``kernels.json`` and ``kernels.md`` under ``--out`` are rewritten after every row, so an
@@ -236,6 +239,40 @@ def bench_attnres(T: int, D: int, N: int, notes: list[str], emit: Callable[[str,
     print(f"attnres | {'eager PyTorch (fp32 mix)':32s} | fwd {t_f:6.3f} ms ({byts / t_f / 1e9:4.2f} TB/s)", flush=True)
 
 
+def bench_backward_kernels(T: int, D: int, emit: Callable[[str, dict], None], dev: str = "cuda") -> None:
+    """The AttnRes backward's two kernels on the same inputs (bf16, 2..8 sources, with and without the output norm):
+    the streamed one and the one holding a step's rows in registers (``K3_ATTNRES_BACKWARD=held``), with the
+    relative RMS difference of their gradients."""
+    bf = torch.bfloat16 if dev == "cuda" else torch.float32  # fp32 for the Triton interpreter
+    for onorm in (False, True):
+        for n in range(2, 9):
+            if not fused.fits_registers(n, D):
+                continue
+            srcs = [torch.randn(T, D, device=dev, dtype=bf) * (1 + i / 4) for i in range(n)]
+            qw = torch.randn(D, device=dev) / D ** 0.5
+            ow = torch.rand(D, device=dev) + 0.5 if onorm else None
+            _, o_pre, lse, logit, rstd = fused.attn_res_fwd(srcs, qw, ow, EPS, 1.0, False)
+            dy = torch.randn(T, D, device=dev, dtype=bf)
+            row: dict[str, Any] = dict(N=n, D=D, T=T, output_norm=onorm)
+            grads = {}
+            for mode in ("streamed", "held"):
+                os.environ["K3_ATTNRES_BACKWARD"] = mode
+                try:
+                    def bwd() -> Any:
+                        return fused.attn_res_bwd(dy, srcs, qw, ow, o_pre, lse, logit, rstd, EPS, 1.0, False)
+
+                    got = bwd()
+                    grads[mode] = [*got[0], got[1], got[2]] if onorm else [*got[0], got[1]]
+                    row[f"{mode}_ms"] = _bench(bwd)
+                finally:
+                    os.environ.pop("K3_ATTNRES_BACKWARD")
+            row["rel_diff"] = max(rel_error(a, b) for a, b in zip(grads["held"], grads["streamed"]))
+            emit("attnres_backward", row)
+            print(f"attnres backward | N {n} D {D}{' + output norm' if onorm else ''} | streamed "
+                  f"{row['streamed_ms']:.3f} ms | held {row['held_ms']:.3f} ms | rel diff {row['rel_diff']:.1e}",
+                  flush=True)
+
+
 def bench_norm(T: int, D: int, notes: list[str], emit: Callable[[str, dict], None]) -> None:
     x = torch.randn(T, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     w = torch.rand(D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
@@ -355,6 +392,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--jobs", type=int, default=min(16, os.cpu_count() or 1),
                    help="worker processes compiling the autotuning candidates first (0: let the autotuner compile)")
     p.add_argument("--skip-loss", action="store_true", help="leave out the fused-loss section")
+    p.add_argument("--backward", action="store_true",
+                   help="only the backward kernels, streamed against held rows, at small's width (d 1024): "
+                        "attnres_backward.json under --out")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("python -m k3.bench attnres: error: needs a CUDA GPU", file=sys.stderr)
@@ -370,7 +410,7 @@ def main(argv: list[str] | None = None) -> int:
     res: dict[str, Any] = dict(gpu=torch.cuda.get_device_name(), versions=_versions(),
                                command="python -m k3.bench attnres " + " ".join(argv or sys.argv[2:]),
                                attnres_shape=dict(D=D_K3, N=N_SOURCES, T=args.tokens), attnres=[], rmsnorm=[],
-                               loss=[], notes=notes)
+                               loss=[], attnres_backward=[], notes=notes)
 
     def emit(section: str, row: dict) -> None:
         res[section].append(row)
@@ -378,6 +418,12 @@ def main(argv: list[str] | None = None) -> int:
         res["seconds"] = time.time() - t0
         _write(out, res)
 
+    if args.backward:
+        res.pop("attnres_shape")
+        bench_backward_kernels(args.tokens, 1024, lambda section, row: res[section].append(row))
+        res["seconds"] = time.time() - t0
+        atomic_write_text(out / "attnres_backward.json", json.dumps(res, indent=1) + "\n")
+        return 0
     if args.jobs:
         precompile(args.tokens, args.jobs, _lib("fla", []) is not None, notes)
     bench_attnres(args.tokens, D_K3, N_SOURCES, notes, emit)

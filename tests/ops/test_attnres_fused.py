@@ -13,6 +13,17 @@ from k3.ops.attnres.two_phase import attn_res_merge_fused
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 
+@pytest.fixture(autouse=True, params=["held", "streamed"])
+def backward_kernel(request, monkeypatch) -> str:
+    """Every test runs with both backward kernels: rows held in registers wherever they fit (every shape here), and
+    the streamed one (the default)."""
+    if request.param == "held":
+        monkeypatch.setenv("K3_ATTNRES_BACKWARD", "held")
+    else:
+        monkeypatch.delenv("K3_ATTNRES_BACKWARD", raising=False)
+    return request.param
+
+
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     """Relative RMS of a against b, compared on the CPU in fp64 (the fp64 references run on the CPU, the kernels on
     DEV)."""
@@ -82,7 +93,8 @@ def test_several_rows_per_program(bt: int, bt_bwd: int, n: int, T: int, onorm: b
 
     from k3.ops.attnres import fused
 
-    for kernel, b in ((fused.attn_res_fwd_kernel, bt), (fused.attn_res_bwd_kernel, bt_bwd)):
+    for kernel, b in ((fused.attn_res_fwd_kernel, bt), (fused.attn_res_bwd_kernel, bt_bwd),
+                      (fused.attn_res_bwd_held_kernel, bt_bwd)):
         monkeypatch.setattr(kernel, "configs", [triton.Config({"BT": b, "STAGES": 1}, num_warps=4)])
         monkeypatch.setattr(kernel, "cache", {})
     # the GPU gives several rows per program only to inputs long enough to fill it: force them here
@@ -299,3 +311,55 @@ def test_sinked_mix_rejects_bad_sinks() -> None:
         attn_res_sinked(q, [srcs[0], srcs[0]], [GradSink(), GradSink()], w, 1e-5)
     with pytest.raises(ValueError, match="sources"):
         attn_res_sinked(q, [], [], w, 1e-5)
+
+
+_HELD_SM90 = r"""
+import os, subprocess, tempfile
+import triton
+import k3.ops.attnres.fused as fu
+from tests.ops.sm90 import compile_sm90
+
+fn = fu.attn_res_bwd_held_kernel.fn
+cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+for ns, D, onorm in ((1, 24, False), (2, 1024, False), (7, 1024, True), (8, 1000, True), (4, 2048, True)):
+    assert fu.fits_registers(ns, D)
+    nsp, bd = triton.next_power_of_2(ns), triton.next_power_of_2(D)
+    for c in fu._prune_held(fu._HELD_CONFIGS, {}, NSP=nsp, BD=bd, ROWS=16):
+        const = dict(D=D, NS=ns, NSP=nsp, ROWS=16, BT=c.kwargs["BT"], BD=bd, HAS_ONORM=onorm,
+                     STAGES=c.kwargs["STAGES"])
+        types = {n: "fp32" if n in ("eps", "scale") else "i32" if n in ("T", "ACC") else
+                 "*fp32" if n in ("qw", "lse", "logit", "rstd", "dqw", "dow") else "*bf16"
+                 for n in fn.arg_names if n not in const}
+        types["src"] = types["dsrc"] = tuple(["*bf16"] * ns)
+        k = compile_sm90(fn, types, const, c.num_warps)
+        assert "st.global" in k.asm["ptx"], (ns, D, c)
+        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+            f.write(k.asm["cubin"]), f.flush()
+            use = subprocess.run([cuobjdump, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
+        assert " STACK:0 " in use and " LOCAL:0 " in use, (ns, D, c, use)  # no spills
+assert not fu.fits_registers(16, 1024) and not fu.fits_registers(1, 7168)
+print("compiled", flush=True)
+"""
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CPU-only check (on a GPU the kernels themselves run)")
+def test_held_backward_compiles_for_sm90_in_bf16(backward_kernel) -> None:
+    """The held-rows backward compiles to sm_90 code for bf16 sources at the configs its pruning keeps, without
+    spills (stack or local memory in ptxas' resource use), for every width and source count it is dispatched: what the fp32 interpreter cannot
+    check. In a subprocess: the interpreter is on in this process."""
+    if backward_kernel == "streamed":
+        pytest.skip("one compile check is enough")
+    from tests.ops.sm90 import run_script
+
+    r = run_script(_HELD_SM90, timeout=600)
+    assert r.returncode == 0 and "compiled" in r.stdout, r.stderr[-3000:]
+
+
+def test_backward_kernel_choice(backward_kernel, monkeypatch) -> None:
+    from k3.ops.attnres import fused
+
+    assert fused.holds_rows(3, 40) == (backward_kernel == "held")
+    assert not fused.holds_rows(16, 1024) and not fused.holds_rows(1, 7168)  # rows that would spill: streamed
+    monkeypatch.setenv("K3_ATTNRES_BACKWARD", "fast")
+    with pytest.raises(ValueError, match="K3_ATTNRES_BACKWARD"):
+        fused.holds_rows(3, 40)

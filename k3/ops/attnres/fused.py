@@ -44,7 +44,7 @@ import triton.language as tl
 
 from k3.ops._device import on_device_of
 
-__all__ = ["attn_res_fwd", "attn_res_bwd", "MAX_D"]
+__all__ = ["attn_res_fwd", "attn_res_bwd", "holds_rows", "MAX_D"]
 
 # Widest row kept in registers (BD lanes per row); wider rows take the reference path.
 MAX_D = 16384
@@ -324,6 +324,116 @@ def attn_res_bwd_kernel(
     tl.store(dqw + i_p * D + o_d, b_dqw, mask=m_d)
 
 
+
+# --- the backward with a step's sources held in registers ---------------------------------------------------------
+# Narrow rows (BD ≤ 2,048) of a step's N sources fit in registers when N (to the next power of two) × BD ≤ HELD_VALUES:
+# ``small``'s 1,024-wide rows with up to 8 sources (sm_90: ≤ 32 values of the tile per thread, 55–240 registers, no
+# spills; 16 sources, or K3's 7,168-wide rows, spill, and those rows are wide enough for the streamed kernel). Each source tile is then read once per row instead of two or three
+# times (o, ⟨g, v_i⟩, ∂v_i), and the row's math is a few tensor reductions instead of a pass schedule.
+HELD_VALUES = 8192
+
+
+def fits_registers(n: int, d: int) -> bool:
+    """Whether a step's ``n`` source rows of width ``d`` fit ``attn_res_bwd_held_kernel``'s registers."""
+    bd = triton.next_power_of_2(d)
+    return bd <= 2048 and triton.next_power_of_2(n) * bd <= HELD_VALUES
+
+
+def holds_rows(n: int, d: int) -> bool:
+    """Whether the backward of an ``n``-source mix of ``d``-wide rows runs ``attn_res_bwd_held_kernel``: only with
+    ``K3_ATTNRES_BACKWARD=held`` and where the rows fit. The streamed kernel stays the default until the held one is
+    measured faster on the GPU in the training step (``python -m k3.bench attnres --backward``)."""
+    mode = os.environ.get("K3_ATTNRES_BACKWARD", "streamed")
+    if mode not in ("held", "streamed"):
+        raise ValueError(f"K3_ATTNRES_BACKWARD must be 'held' or 'streamed', got {mode!r}")
+    return mode == "held" and fits_registers(n, d)
+
+
+def _prune_held(configs: list[triton.Config], named_args: dict, **kwargs) -> list[triton.Config]:
+    """Configs whose BT rows divide the program's rows, with at most 32 values of a step's [BT, N, BD] tile per
+    thread (the tile, its fp32 gradient and the row vectors then stay in ≤ 255 registers without spilling)."""
+    nsp, bd = kwargs.get("NSP", named_args.get("NSP")), kwargs.get("BD", named_args.get("BD"))
+    rows = kwargs.get("ROWS", named_args.get("ROWS"))
+    fit = [c for c in configs if rows % c.kwargs["BT"] == 0]
+    keep = [c for c in fit if c.kwargs["BT"] * nsp * bd <= 32 * 32 * c.num_warps]
+    return keep or [max(fit, key=lambda c: (c.num_warps, -c.kwargs["BT"]))]
+
+
+_HELD_CONFIGS = _configs(((1, 4, 2), (1, 8, 2), (2, 8, 2), (1, 4, 3), (1, 8, 3), (2, 4, 2), (4, 8, 2)),
+                         (2, 4, 1))
+
+
+@triton.jit
+def _ptr_table(ptrs, o_s, NS: tl.constexpr):
+    """``ptrs[o_s]`` as a pointer tensor of ``o_s``'s shape (entries past NS point at source 0; their lanes are
+    masked by the caller)."""
+    p = ptrs[0] + o_s * 0
+    for j in tl.static_range(1, NS):
+        p = tl.where(o_s == j, ptrs[j], p)
+    return p
+
+
+@triton.autotune(configs=_HELD_CONFIGS, key=["NS", "BD", "ROWS", "HAS_ONORM"],
+                 prune_configs_by={"early_config_prune": _prune_held})
+@triton.jit(do_not_specialize=["T", "ACC"])
+def attn_res_bwd_held_kernel(
+    src, dsrc, qw, ow, do, lse, logit, rstd, dqw, dow, T, eps, scale, ACC,
+    D: tl.constexpr, NS: tl.constexpr, NSP: tl.constexpr, ROWS: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
+    HAS_ONORM: tl.constexpr, STAGES: tl.constexpr,
+):
+    # The same gradients as attn_res_bwd_kernel (see the module docstring), one [BT, NSP, BD] tile of sources a step.
+    i_p = tl.program_id(0)
+    o_d2 = tl.arange(0, BD)[None, :]
+    m_d2 = o_d2 < D
+    o_d = o_d2[:, None, :]  # [1, 1, BD]
+    m_d = o_d < D
+    o_s2 = tl.arange(0, NSP)[None, :]  # [1, NSP]
+    m_s2 = o_s2 < NS
+    o_s = o_s2[:, :, None]  # [1, NSP, 1]
+    m_s = o_s < NS
+    p_src = _ptr_table(src, o_s, NS)
+    p_dsrc = _ptr_table(dsrc, o_s, NS)
+    m_acc = ((ACC >> o_s) & 1) != 0  # ∂v_i adds to what its buffer holds (see attn_res_bwd's ``into``)
+    b_qw = tl.load(qw + o_d, mask=m_d, other=0.0)
+    b_dqw = tl.zeros([BD], tl.float32)
+    b_dow = tl.zeros([BD], tl.float32)
+    for k in tl.range(0, ROWS // BT, num_stages=STAGES):
+        i_t = i_p.to(tl.int64) * ROWS + k * BT + tl.arange(0, BT)
+        i_c = tl.minimum(i_t, T - 1)  # rows past T re-read the last row, with dy taken as zero: they add nothing
+        b_v = tl.load(p_src + i_c[:, None, None] * D + o_d, mask=m_s & m_d, other=0.0).to(tl.float32)
+        o_c = o_s2 * T + i_c[:, None]
+        b_l = tl.load(logit + o_c, mask=m_s2, other=0.0)
+        b_r = tl.load(rstd + o_c, mask=m_s2, other=0.0)
+        b_dy = tl.load(do + i_c[:, None] * D + o_d2, mask=m_d2, other=0.0).to(tl.float32)
+        b_dy = tl.where((i_t < T)[:, None], b_dy, 0.0)
+        if HAS_ONORM:  # g through y = o · ro · ow, o = Σ_i p_i v_i from the forward's scalars
+            b_p = tl.where(m_s2, tl.exp(b_l * scale - tl.load(lse + i_c)[:, None]), 0.0)
+            b_o = tl.sum(b_p[:, :, None] * b_v, 1)
+            b_ro = tl.rsqrt(tl.sum(b_o * b_o, 1) / D + eps)
+            b_xh = b_o * b_ro[:, None]
+            b_dow += tl.sum(b_xh * b_dy, 0)
+            b_u = b_dy * tl.load(ow + o_d2, mask=m_d2, other=0.0).to(tl.float32)
+            b_g = (b_u - b_xh * (tl.sum(b_xh * b_u, 1) / D)[:, None]) * b_ro[:, None]
+        else:
+            b_g = b_dy
+        # ∂s_i = c p_i (⟨g, v_i⟩ − δ), δ = Σ_i p_i ⟨g, v_i⟩ from the same values (Σ_i ∂s_i vanishes to rounding)
+        b_gv = tl.sum(b_g[:, None, :] * b_v, 2)
+        b_sc = tl.where(m_s2, b_l * scale, float("-inf"))
+        b_P = tl.exp(b_sc - tl.max(b_sc, 1)[:, None])
+        b_P = b_P / tl.sum(b_P, 1)[:, None]
+        b_B = b_P * (b_gv - tl.sum(b_P * b_gv, 1)[:, None]) * scale * b_r
+        b_C = b_B * b_r * b_l / D
+        b_dv = b_P[:, :, None] * b_g[:, None, :] + b_B[:, :, None] * b_qw - b_C[:, :, None] * b_v
+        p_dv = p_dsrc + i_t[:, None, None] * D + o_d
+        m_dv = m_s & m_d & (i_t < T)[:, None, None]
+        b_dv += tl.load(p_dv, mask=m_dv & m_acc, other=0.0).to(tl.float32)
+        tl.store(p_dv, b_dv.to(p_dv.dtype.element_ty), mask=m_dv)
+        b_dqw += tl.sum(tl.sum(b_B[:, :, None] * b_v, 1), 0)  # rows past T have g = 0, hence B = 0
+    tl.store(dqw + i_p * D + o_d2, b_dqw[None, :], mask=m_d2)
+    if HAS_ONORM:
+        tl.store(dow + i_p * D + o_d2, b_dow[None, :], mask=m_d2)
+
+
 def attn_res_fwd(
     sources: Sequence[torch.Tensor], qw: torch.Tensor, out_norm_weight: torch.Tensor | None, eps: float,
     scale: float, save_pre: bool, prior: tuple[torch.Tensor, torch.Tensor] | None = None,
@@ -382,7 +492,15 @@ def attn_res_bwd(
     else:
         N = len(sources)
 
+        held = holds_rows(N, D)
+
         def launch(dsrc: list[torch.Tensor], acc: int) -> None:
+            if held:
+                attn_res_bwd_held_kernel[(n_p,)](
+                    tuple(sources), tuple(dsrc), qw, out_norm_weight if has_onorm else qw, do, lse, logit, rstd, dqw,
+                    dow, T, float(eps), float(scale), acc, D=D, NS=N, NSP=triton.next_power_of_2(N), ROWS=rows,
+                    BD=triton.next_power_of_2(D), HAS_ONORM=has_onorm)
+                return
             attn_res_bwd_kernel[(n_p,)](
                 tuple(sources), tuple(dsrc), qw, out_norm_weight if has_onorm else qw, o_pre if save_pre else do,
                 do, lse, logit, rstd, dqw, dow, T, float(eps), float(scale), acc,
@@ -390,7 +508,7 @@ def attn_res_bwd(
                 NG=N if N > 1 else 0, ROWS=rows, BD=triton.next_power_of_2(D), HAS_ONORM=has_onorm,
                 SAVE_PRE=save_pre)
 
-        key = (N, D, rows, has_onorm, save_pre, s0.dtype, s0.device)
+        key = (held, N, D, rows, has_onorm, save_pre, s0.dtype, s0.device)
         with on_device_of(s0):
             if acc and key not in _BWD_SEEN:
                 # the autotuner runs every candidate several times on the first launch of its key: an accumulating
