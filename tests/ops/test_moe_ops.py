@@ -102,13 +102,12 @@ _SITU_SM90 = r"""
 import k3.ops.moe.situ_triton as st
 from tests.ops.sm90 import compile_sm90
 
-for fn, elements in ((st._situ_fwd_kernel, 4096), (st._situ_bwd_kernel, 2048)):
-    for F in (7168, 512, 24):
-        bm, bf, warps = st._blocks(F, elements)
+for fn in (st._situ_fwd_kernel, st._situ_bwd_kernel):
+    for bm, bf in ((4, 1024), (8, 512), (128, 32)):
         const = {"BM": bm, "BF": bf}
         types = {n: "*bf16" if n.endswith("_ptr") else "fp32" if n in ("beta1", "beta2", "lim") else "i32"
                  for n in fn.arg_names if n not in const}
-        assert "st.global" in compile_sm90(fn, types, const, warps).asm["ptx"], (fn.__name__, bm, bf)
+        assert "st.global" in compile_sm90(fn, types, const, 4).asm["ptx"], (fn.__name__, bm, bf)
 print("compiled", flush=True)
 """
 
