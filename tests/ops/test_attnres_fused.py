@@ -345,8 +345,8 @@ print("compiled", flush=True)
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a CPU-only check (on a GPU the kernels themselves run)")
 def test_held_backward_compiles_for_sm90_in_bf16(backward_kernel) -> None:
     """The held-rows backward compiles to sm_90 code for bf16 sources at the configs its pruning keeps, without
-    spills (stack or local memory in ptxas' resource use), for every width and source count it is dispatched: what the fp32 interpreter cannot
-    check. In a subprocess: the interpreter is on in this process."""
+    spills (stack or local memory in ptxas' resource use), for every width and source count it takes: what the fp32
+    interpreter cannot check. In a subprocess: the interpreter is on in this process."""
     if backward_kernel == "streamed":
         pytest.skip("one compile check is enough")
     from tests.ops.sm90 import run_script

@@ -20,8 +20,9 @@ fp32 accumulator o); at the row's last source o is normalised (and output-normed
 l_i and r_i ([N, T] fp32 each, kept for the backward and ``return_weights``), and, when asked (``save_pre``), the
 pre-norm mix o in the sources' dtype.
 
-Backward (``attn_res_bwd_kernel``): per row the tiles [v_1..v_N or the saved o: only with the output norm], dy,
-v_1..v_N (⟨g, v_i⟩), v_1..v_N (∂v_i):
+Backward (``attn_res_bwd_kernel``; ``attn_res_bwd_held_kernel`` below does the same math from one register tile
+of a step's sources, for narrow rows, with ``K3_ATTNRES_BACKWARD=held``): per row the tiles [v_1..v_N or the saved
+o: only with the output norm], dy, v_1..v_N (⟨g, v_i⟩), v_1..v_N (∂v_i):
 
     o = Σ_i p_i v_i (fp32, p_i = exp(c · l_i − lse) from the forward's scalars, no reductions)
     g = ∂L/∂o = dy, or through the output norm g = ro (ow ⊙ dy − x̂ · mean(x̂ ⊙ ow ⊙ dy)), x̂ = o · ro
@@ -324,12 +325,12 @@ def attn_res_bwd_kernel(
     tl.store(dqw + i_p * D + o_d, b_dqw, mask=m_d)
 
 
-
 # --- the backward with a step's sources held in registers ---------------------------------------------------------
-# Narrow rows (BD ≤ 2,048) of a step's N sources fit in registers when N (to the next power of two) × BD ≤ HELD_VALUES:
-# ``small``'s 1,024-wide rows with up to 8 sources (sm_90: ≤ 32 values of the tile per thread, 55–240 registers, no
-# spills; 16 sources, or K3's 7,168-wide rows, spill, and those rows are wide enough for the streamed kernel). Each source tile is then read once per row instead of two or three
-# times (o, ⟨g, v_i⟩, ∂v_i), and the row's math is a few tensor reductions instead of a pass schedule.
+# Narrow rows (BD ≤ 2,048) of a step's N sources fit in registers when N (to the next power of two) × BD ≤
+# HELD_VALUES: ``small``'s 1,024-wide rows with up to 8 sources (sm_90: ≤ 32 values of the tile per thread, 55–240
+# registers, no spills; 16 sources, or K3's 7,168-wide rows, spill, and those rows are wide enough for the streamed
+# kernel). Each source tile is then read once per row instead of two or three times (o, ⟨g, v_i⟩, ∂v_i), and the
+# row's math is a few tensor reductions instead of a pass schedule.
 HELD_VALUES = 8192
 
 
