@@ -407,10 +407,16 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     notes: list[str] = []
-    res: dict[str, Any] = dict(gpu=torch.cuda.get_device_name(), versions=_versions(),
-                               command="python -m k3.bench attnres " + " ".join(argv or sys.argv[2:]),
-                               attnres_shape=dict(D=D_K3, N=N_SOURCES, T=args.tokens), attnres=[], rmsnorm=[],
-                               loss=[], attnres_backward=[], notes=notes)
+    head: dict[str, Any] = dict(gpu=torch.cuda.get_device_name(), versions=_versions(),
+                                command="python -m k3.bench attnres " + " ".join(argv or sys.argv[2:]))
+    if args.backward:
+        rows: list[dict] = []
+        bench_backward_kernels(args.tokens, 1024, lambda section, row: rows.append(row))
+        atomic_write_text(out / "attnres_backward.json",
+                          json.dumps(dict(head, attnres_backward=rows, seconds=time.time() - t0), indent=1) + "\n")
+        return 0
+    res: dict[str, Any] = dict(head, attnres_shape=dict(D=D_K3, N=N_SOURCES, T=args.tokens), attnres=[], rmsnorm=[],
+                               loss=[], notes=notes)
 
     def emit(section: str, row: dict) -> None:
         res[section].append(row)
@@ -418,12 +424,6 @@ def main(argv: list[str] | None = None) -> int:
         res["seconds"] = time.time() - t0
         _write(out, res)
 
-    if args.backward:
-        res.pop("attnres_shape")
-        bench_backward_kernels(args.tokens, 1024, lambda section, row: res[section].append(row))
-        res["seconds"] = time.time() - t0
-        atomic_write_text(out / "attnres_backward.json", json.dumps(res, indent=1) + "\n")
-        return 0
     if args.jobs:
         precompile(args.tokens, args.jobs, _lib("fla", []) is not None, notes)
     bench_attnres(args.tokens, D_K3, N_SOURCES, notes, emit)
