@@ -20,7 +20,9 @@ def compile_sm90(fn, types: dict, const: dict, warps: int, gluon: bool = False, 
     if gluon:
         from triton.experimental.gluon._runtime import GluonASTSource as source
     sig = {n: types.get(n, "constexpr") for n in fn.arg_names}
-    ptrs = [n for n in fn.arg_names if isinstance(types.get(n), str) and types[n].startswith("*")] + (["H"] if "H" in types else [])
+    # a tuple argument (e.g. ``("*bf16", "*bf16")``) is a tuple of pointers, taken without the alignment hint
+    ptrs = [n for n in fn.arg_names if isinstance(types.get(n), str) and types[n].startswith("*")]
+    ptrs += ["H"] if "H" in types else []
     src = source(fn, sig, constexprs={(fn.arg_names.index(n),): v for n, v in const.items()},
                  attrs={(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in ptrs})
     opts = dict(num_warps=warps, num_stages=1, **({"maxnreg": maxnreg} if maxnreg else {}))
