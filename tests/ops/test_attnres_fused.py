@@ -240,12 +240,17 @@ def _stream(mix, leaves, pairs, sinks: bool):
 
     a, b = leaves
     blocks, partial, outs = [a], b, []
-    table: dict[int, GradSink] = {}
+    # each source's sink, by the tensor's id; the entry keeps the tensor alive so that a later tensor cannot reuse
+    # the id (a partial sum replaced in the stream is otherwise freed under checkpointing, which saves nothing)
+    table: dict[int, tuple[torch.Tensor, GradSink]] = {}
+
+    def sink(s: torch.Tensor) -> GradSink:
+        return table.setdefault(id(s), (s, GradSink()))[1]
 
     def call(i, sources):
         q, w, ow = pairs[i]
         if sinks:
-            return mix(q, sources, [table.setdefault(id(s), GradSink()) for s in sources], w, 1e-5, ow)
+            return mix(q, sources, [sink(s) for s in sources], w, 1e-5, ow)
         return mix(q, sources, w, 1e-5, ow)
 
     for i in range(len(pairs) - 1):
