@@ -239,11 +239,12 @@ def bench_attnres(T: int, D: int, N: int, notes: list[str], emit: Callable[[str,
     print(f"attnres | {'eager PyTorch (fp32 mix)':32s} | fwd {t_f:6.3f} ms ({byts / t_f / 1e9:4.2f} TB/s)", flush=True)
 
 
-def bench_backward_kernels(T: int, D: int, emit: Callable[[str, dict], None], dev: str = "cuda") -> None:
+def bench_backward_kernels(T: int, D: int, dev: str = "cuda") -> list[dict]:
     """The AttnRes backward's two kernels on the same inputs (bf16, 2..8 sources, with and without the output norm):
     the streamed one and the one holding a step's rows in registers (``K3_ATTNRES_BACKWARD=held``), with the
-    relative RMS difference of their gradients."""
+    relative RMS difference of their gradients; one row each."""
     bf = torch.bfloat16 if dev == "cuda" else torch.float32  # fp32 for the Triton interpreter
+    rows: list[dict] = []
     for onorm in (False, True):
         for n in range(2, 9):
             if not fused.fits_registers(n, D):
@@ -267,10 +268,11 @@ def bench_backward_kernels(T: int, D: int, emit: Callable[[str, dict], None], de
                 finally:
                     os.environ.pop("K3_ATTNRES_BACKWARD")
             row["rel_diff"] = max(rel_error(a, b) for a, b in zip(grads["held"], grads["streamed"]))
-            emit("attnres_backward", row)
+            rows.append(row)
             print(f"attnres backward | N {n} D {D}{' + output norm' if onorm else ''} | streamed "
                   f"{row['streamed_ms']:.3f} ms | held {row['held_ms']:.3f} ms | rel diff {row['rel_diff']:.1e}",
                   flush=True)
+    return rows
 
 
 def bench_norm(T: int, D: int, notes: list[str], emit: Callable[[str, dict], None]) -> None:
@@ -410,8 +412,7 @@ def main(argv: list[str] | None = None) -> int:
     head: dict[str, Any] = dict(gpu=torch.cuda.get_device_name(), versions=_versions(),
                                 command="python -m k3.bench attnres " + " ".join(argv or sys.argv[2:]))
     if args.backward:
-        rows: list[dict] = []
-        bench_backward_kernels(args.tokens, 1024, lambda section, row: rows.append(row))
+        rows = bench_backward_kernels(args.tokens, 1024)
         atomic_write_text(out / "attnres_backward.json",
                           json.dumps(dict(head, attnres_backward=rows, seconds=time.time() - t0), indent=1) + "\n")
         return 0
