@@ -10,8 +10,8 @@
 - Fused loss: ``small``'s shape (d 1024, vocab 32 K, 32 K tokens), bf16 — forward+backward and peak memory: ours,
   liger (fp32 weight-grad accumulation), eager logits + fp32 cross entropy.
 
-``--backward``: only the AttnRes backward's two kernels (streamed; a step's rows held in registers, selected with
-``K3_ATTNRES_BACKWARD=held``) at ``small``'s width, 2–8 sources → ``attnres_backward.json``.
+``--backward``: only the AttnRes backward's two kernels (streamed; a step's rows held in registers, forced with
+``K3_ATTNRES_BACKWARD=streamed`` / ``held``) at ``small``'s width, 2–8 sources → ``attnres_backward.json``.
 
 Times are medians of ``triton.testing.do_bench``; forward+backward returns the gradients (``torch.autograd.grad``)
 rather than accumulating them into ``.grad``. A library that does not import (or fails) is reported in the notes
@@ -241,7 +241,7 @@ def bench_attnres(T: int, D: int, N: int, notes: list[str], emit: Callable[[str,
 
 def bench_backward_kernels(T: int, D: int, dev: str = "cuda") -> list[dict]:
     """The AttnRes backward's two kernels on the same inputs (bf16, 2..8 sources, with and without the output norm):
-    the streamed one and the one holding a step's rows in registers (``K3_ATTNRES_BACKWARD=held``), with the
+    the streamed one and the one holding a step's rows in registers (forced by ``K3_ATTNRES_BACKWARD``), with the
     relative RMS difference of their gradients; one row each."""
     bf = torch.bfloat16 if dev == "cuda" else torch.float32  # fp32 for the Triton interpreter
     rows: list[dict] = []

@@ -16,11 +16,8 @@ DEV = "cuda" if torch.cuda.is_available() else "cpu"
 @pytest.fixture(autouse=True, params=["held", "streamed"])
 def backward_kernel(request, monkeypatch) -> str:
     """Every test runs with both backward kernels: rows held in registers wherever they fit (every shape here), and
-    the streamed one (the default)."""
-    if request.param == "held":
-        monkeypatch.setenv("K3_ATTNRES_BACKWARD", "held")
-    else:
-        monkeypatch.delenv("K3_ATTNRES_BACKWARD", raising=False)
+    the streamed one (by default each mix takes the one measured faster for its shape)."""
+    monkeypatch.setenv("K3_ATTNRES_BACKWARD", request.param)
     return request.param
 
 
@@ -364,7 +361,11 @@ def test_backward_kernel_choice(backward_kernel, monkeypatch) -> None:
     from k3.ops.attnres import fused
 
     assert fused.holds_rows(3, 40) == (backward_kernel == "held")
+    assert fused.holds_rows(8, 1024) == (backward_kernel == "held")  # fits, but measured slower than streamed
     assert not fused.holds_rows(16, 1024) and not fused.holds_rows(1, 7168)  # rows that would spill: streamed
+    monkeypatch.delenv("K3_ATTNRES_BACKWARD")  # the default: held where it measured faster
+    assert fused.holds_rows(4, 1024) and fused.holds_rows(1, 2048) and fused.holds_rows(16, 256)
+    assert not fused.holds_rows(5, 1024) and not fused.holds_rows(3, 2048) and not fused.holds_rows(2, 7168)
     monkeypatch.setenv("K3_ATTNRES_BACKWARD", "fast")
     with pytest.raises(ValueError, match="K3_ATTNRES_BACKWARD"):
         fused.holds_rows(3, 40)

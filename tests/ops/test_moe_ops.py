@@ -103,7 +103,7 @@ import k3.ops.moe.situ_triton as st
 from tests.ops.sm90 import compile_sm90
 
 for fn in (st._situ_fwd_kernel, st._situ_bwd_kernel):
-    for bm, bf in ((4, 1024), (8, 512), (128, 32)):
+    for bm, bf in ((4, 1024), (8, 512), (128, 32), (2, 1024), (4, 512), (64, 32)):  # forward, backward
         const = {"BM": bm, "BF": bf}
         types = {n: "*bf16" if n.endswith("_ptr") else "fp32" if n in ("beta1", "beta2", "lim") else "i32"
                  for n in fn.arg_names if n not in const}

@@ -21,7 +21,7 @@ l_i and r_i ([N, T] fp32 each, kept for the backward and ``return_weights``), an
 pre-norm mix o in the sources' dtype.
 
 Backward (``attn_res_bwd_kernel``; ``attn_res_bwd_held_kernel`` below does the same math from one register tile
-of a step's sources, for narrow rows, with ``K3_ATTNRES_BACKWARD=held``): per row the tiles [v_1..v_N or the saved
+of a step's sources, for narrow rows of few sources: see ``holds_rows``): per row the tiles [v_1..v_N or the saved
 o: only with the output norm], dy, v_1..v_N (⟨g, v_i⟩), v_1..v_N (∂v_i):
 
     o = Σ_i p_i v_i (fp32, p_i = exp(c · l_i − lse) from the forward's scalars, no reductions)
@@ -332,6 +332,10 @@ def attn_res_bwd_kernel(
 # kernel). Each source tile is then read once per row instead of two or three times (o, ⟨g, v_i⟩, ∂v_i), and the
 # row's math is a few tensor reductions instead of a pass schedule.
 HELD_VALUES = 8192
+# HELD_FASTER: where holding the rows also measured faster on the H200 (``python -m k3.bench attnres --backward``, d
+# 1024, 32 K tokens, bf16): 1.3–2.1× at 2–4 sources (4,096 values a step), 0.5–1.0× at 5–8 (8,192: the 32 values a
+# thread leave the kernel short of registers for its reductions' temporaries).
+HELD_FASTER = 4096
 
 
 def fits_registers(n: int, d: int) -> bool:
@@ -341,13 +345,16 @@ def fits_registers(n: int, d: int) -> bool:
 
 
 def holds_rows(n: int, d: int) -> bool:
-    """Whether the backward of an ``n``-source mix of ``d``-wide rows runs ``attn_res_bwd_held_kernel``: only with
-    ``K3_ATTNRES_BACKWARD=held`` and where the rows fit. The streamed kernel stays the default until the held one is
-    measured faster on the GPU in the training step (``python -m k3.bench attnres --backward``)."""
-    mode = os.environ.get("K3_ATTNRES_BACKWARD", "streamed")
-    if mode not in ("held", "streamed"):
-        raise ValueError(f"K3_ATTNRES_BACKWARD must be 'held' or 'streamed', got {mode!r}")
-    return mode == "held" and fits_registers(n, d)
+    """Whether the backward of an ``n``-source mix of ``d``-wide rows runs ``attn_res_bwd_held_kernel``.
+
+    ``K3_ATTNRES_BACKWARD``: ``auto`` (default) where it measured faster (a step of at most ``HELD_FASTER`` values),
+    ``held`` wherever the rows fit the registers, ``streamed`` never."""
+    mode = os.environ.get("K3_ATTNRES_BACKWARD", "auto")
+    if mode not in ("auto", "held", "streamed"):
+        raise ValueError(f"K3_ATTNRES_BACKWARD must be 'auto', 'held' or 'streamed', got {mode!r}")
+    if mode == "streamed" or not fits_registers(n, d):
+        return False
+    return mode == "held" or triton.next_power_of_2(n) * triton.next_power_of_2(d) <= HELD_FASTER
 
 
 def _prune_held(configs: list[triton.Config], named_args: dict, **kwargs) -> list[triton.Config]:

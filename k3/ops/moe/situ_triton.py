@@ -91,10 +91,12 @@ def _situ_bwd_kernel(g_ptr, u_ptr, dy_ptr, dg_ptr, du_ptr, M, F, s_g, s_u, s_dy,
     tl.store(du_ptr + o_m[:, None] * s_du + o_f[None, :], (b_dy * b_a * b_db).to(du_ptr.dtype.element_ty), mask=m_x)
 
 
-def _blocks(F: int) -> tuple[int, int, int]:
-    """(BM rows, BF columns, warps) of one program: 4096 elements, 16-byte bf16 vectors per thread."""
+def _blocks(F: int, elements: int) -> tuple[int, int, int]:
+    """(BM rows, BF columns, warps) of one program of ``elements`` values: 4,096 in the forward (16-byte bf16 vectors
+    per thread), 2,048 in the backward, whose three inputs and two outputs ran 11 % faster at half the values a
+    thread (H200, 262,144 × 512: 350 against 392 µs)."""
     bf = min(1024, triton.next_power_of_2(max(F, 1)))
-    return max(1, 4096 // bf), bf, 4
+    return max(1, elements // bf), bf, 4
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
@@ -107,7 +109,7 @@ def _fwd(g: torch.Tensor, u: torch.Tensor, beta1: float, beta2: float, bound: fl
     M, F = g.shape
     y = alloc((M, F), g.dtype, g.device)
     if M and F:
-        BM, BF, nw = _blocks(F)
+        BM, BF, nw = _blocks(F, 4096)
         _situ_fwd_kernel[(triton.cdiv(M, BM), triton.cdiv(F, BF))](
             g, u, y, M, F, g.stride(0), u.stride(0), y.stride(0), float(beta1), float(beta2),
             float(bound), BM=BM, BF=BF, num_warps=nw)
@@ -118,7 +120,7 @@ def _bwd(g: torch.Tensor, u: torch.Tensor, dy: torch.Tensor, dg: torch.Tensor, d
          beta1: float, beta2: float) -> None:
     M, F = g.shape
     if M and F:
-        BM, BF, nw = _blocks(F)
+        BM, BF, nw = _blocks(F, 2048)
         _situ_bwd_kernel[(triton.cdiv(M, BM), triton.cdiv(F, BF))](
             g, u, dy, dg, du, M, F, g.stride(0), u.stride(0), dy.stride(0), dg.stride(0), du.stride(0),
             float(beta1), float(beta2), BM=BM, BF=BF, num_warps=nw)
