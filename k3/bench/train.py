@@ -6,17 +6,15 @@
 
 Paths, each built fresh and timed in the same process (``--paths``):
 
-``fast``            what ``k3 train`` runs on a GPU: fp32 master weights, ``parallelize_k3`` on a world-size-1
-                    process group (FSDP2 bf16 compute / fp32 reduce, regional ``torch.compile``), the trainer's
-                    ``Stepper`` (fused AdamW / foreach Muon, QB step, metrics read once per step), the whole step
+``fast``            what ``k3 train`` runs on a GPU: ``parallelize_k3`` on a world-size-1 process group (bf16
+                    parameters with fp32 masters beside them, regional ``torch.compile``), the trainer's
+                    ``Stepper`` (AdamW fused over master, moments and bf16 weight / foreach Muon, QB step, metrics
+                    read once per step), the whole step
                     captured in one CUDA graph after two eager steps and replayed (``k3.train.graph``)
 ``fast-eager``      the same step issued op by op from Python (``--cuda-graph off``)
 ``fast-muon``       the same with Muon whatever ``--optimizer`` says (Newton–Schulz on every weight matrix: its cost
                     grows with the parameters, not the batch — see ``optimizer ms``)
 ``fast-nocompile``  the same without ``torch.compile``, issued eagerly
-``bf16copy``        the alternative precision policy without FSDP: a bf16 compute copy of the model, its gradients
-                    cast into the fp32 master, the master copied back into it after each optimizer step (not
-                    compiled: compare it with ``fast-nocompile``)
 ``reference``       the eager path: fp32 weights under ``torch.autocast(bf16)``, logits + fp32 cross entropy, no
                     compile, no FSDP
 
@@ -31,7 +29,6 @@ Writes ``train.json`` and ``train.md`` (and ``loss_curve.json/png``) under ``--o
 
 from __future__ import annotations
 
-import copy
 import gc
 import json
 import platform
@@ -53,14 +50,14 @@ from k3.distributed.data_parallel import destroy_distributed, init_distributed
 from k3.distributed.parallel_dims import ParallelDims
 from k3.distributed.parallelize import parallelize_k3
 from k3.layers.moe import GroupedExperts, MoEGate
-from k3.model import AC_POLICIES, K3ForCausalLM, keeps_fp32
+from k3.model import AC_POLICIES, K3ForCausalLM
 from k3.train.optim import build_optimizer, lr_factor
 from k3.train.trainer import Stepper, TrainArgs, _Data, compute_dtype, resolve_device, use_cuda_graph
 from k3.utils import atomic_write_text, atomic_write_with
 
 __all__ = ["main", "slice_config", "step_flops", "classify_kernel"]
 
-PATHS = ("fast", "fast-eager", "fast-muon", "fast-nocompile", "bf16copy", "reference")
+PATHS = ("fast", "fast-eager", "fast-muon", "fast-nocompile", "reference")
 KDA_CHUNK = 64
 _CLASSES = [  # (class, pattern on the lower-cased kernel name), first match wins
     # before kda: the flash MLA's backward has a "delta" kernel
@@ -201,37 +198,6 @@ def _reference(config: K3Config, a: Any, loader: Any, device: torch.device, step
         return float(loss.detach())
 
     return _Run("reference", model, step)
-
-
-def _bf16copy(config: K3Config, a: Any, loader: Any, device: torch.device, steps: int) -> _Run:
-    """A bf16 compute copy refreshed from the fp32 master after every optimizer step (no FSDP, no autocast)."""
-    master = _build(config, device, a.seed)
-    compute = copy.deepcopy(master)
-    for n, p in compute.named_parameters():
-        if not keeps_fp32(n):
-            p.data = p.data.to(torch.bfloat16)
-    parallelize_k3(compute, ParallelDims(), None, activation_checkpointing=a.ac)  # beside fast-nocompile
-    opt = build_optimizer(master, a.optimizer, a.lr)
-    pairs = [(pm, pc) for pm, pc in zip(master.parameters(), compute.parameters())]
-
-    def step(i: int) -> float:
-        _lr(opt, a, i, steps)
-        x, y = (t.to(device, non_blocking=True) for t in loader.next_batch())
-        loss = compute(x, targets=y).loss  # the fast path's loss (fused on CUDA): only the precision policy differs
-        loss.backward()
-        with torch.no_grad():
-            for pm, pc in pairs:
-                pm.grad = None if pc.grad is None else pc.grad.float()
-                pc.grad = None
-        torch.nn.utils.clip_grad_norm_(master.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        with torch.no_grad():
-            torch._foreach_copy_([pc for _, pc in pairs], [pm for pm, _ in pairs])
-        compute.qb_step()
-        return float(loss.detach())
-
-    return _Run("bf16copy", compute, step)
 
 
 # --- measuring ----------------------------------------------------------------------------------------------------
@@ -381,8 +347,6 @@ def _free(run: _Run | None) -> None:
 def _build_run(name: str, config: K3Config, a: Any, loader: Any, d: Any, steps: int) -> _Run:
     if name.startswith("fast"):
         return _fast(name, config, a, loader, d, steps)
-    if name == "bf16copy":
-        return _bf16copy(config, a, loader, d.device, steps)
     return _reference(config, a, loader, d.device, steps)
 
 

@@ -12,7 +12,9 @@ directory, manifest written last, one atomic rename — a rank killed mid-save l
     config.json, run.json, tokenizer_spec.json, checkpoint.json (manifest)
 
 Model and optimizer state go through ``get_state_dict`` / ``set_state_dict`` (FQN-keyed, DTensor shards as they are
-on this rank), so FSDP2 shards, expert-parallel shards and plain tensors are all handled by PyTorch's own code.
+on this rank), so FSDP2 shards, expert-parallel shards and plain tensors are all handled by PyTorch's own code. One
+GPU's bf16 parameters are saved as, and loaded into, their fp32 masters (``k3.distributed.master_weights``): the
+model part is fp32 on every layout.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from k3.ckpt.run import (DCP_DIR, CheckpointError, publish_checkpoint, rng_state, set_rng_state,
                          stage_checkpoint, torch_save_hashed)
 from k3.distributed.data_parallel import Distributed
+from k3.distributed.master_weights import masters_by_name
 from k3.utils import interrupts_deferred, sha256_file
 
 __all__ = ["is_distributed_checkpoint", "save_distributed_checkpoint", "load_distributed_checkpoint",
@@ -59,6 +62,7 @@ def save_distributed_checkpoint(run_dir: Path, step: int, model: torch.nn.Module
             tmp = stage_checkpoint(run_dir, step, owner=_OWNER)
         _barrier(d)  # the staging directory exists (and a killed save's is gone) before anyone writes
         model_sd, optim_sd = get_state_dict(model, opt)
+        model_sd.update(masters_by_name(model))  # one GPU's bf16 parameters are saved as their fp32 masters
         dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp / DCP_DIR))
         (tmp / "rng").mkdir(exist_ok=True)
         rng = tmp / "rng" / f"rank-{d.rank:05d}.pt"
@@ -105,6 +109,7 @@ def load_distributed_checkpoint(ckpt: Path, model: torch.nn.Module, opt: torch.o
     restore this rank's RNG states. Collective when there is a process group."""
     path = Path(ckpt) / DCP_DIR
     model_sd, optim_sd = get_state_dict(model, opt)
+    model_sd.update(masters_by_name(model))  # read into the fp32 masters; set_state_dict rounds them into the model
     optim_sd = _only_saved(optim_sd, _saved_keys(path), "optim")
     try:
         with warnings.catch_warnings():  # one process without a group: DCP warns that it loads locally

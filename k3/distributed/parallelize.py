@@ -7,10 +7,12 @@ decoder layer), ``torch.compile`` of each decoder layer's two sublayers (regiona
 ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``: the optimizer sees fp32 master weights and fp32
 gradients, the forward and backward run on bf16 copies that FSDP casts once per layer and step — no per-op casts.
 
-The same function runs for one process on a GPU (a world-size-1 process group: FSDP's unshard is then a cast, its
-reduce-scatter the gradients' copy-in alone, see ``OneRankReduceScatter``) and for N ranks, so one GPU and many
-share one precision policy and one code path. A single CPU process (``mesh is None``) keeps the plain fp32
-module: no process group, nothing to shard.
+One GPU with bf16 compute (a world-size-1 process group) takes the same policy without FSDP: there FSDP's unshard
+would be a cast and two copies of every weight and its reduce-scatter a cast of every gradient, moving nothing
+between ranks. The parameters become the bf16 compute weights and keep their fp32 masters beside them
+(``k3.distributed.master_weights``), which the optimizer updates and rounds back in one pass. A one-rank group
+with fp32 compute keeps FSDP (its reduce-scatter the gradients' copy-in alone, see ``OneRankReduceScatter``), and a
+single CPU process (``mesh is None``) the plain fp32 module: no process group, nothing to shard.
 
 Parameters that K3 keeps in fp32 (``k3.model.keeps_fp32``: KDA's ``A_log``, ``dt_bias``, short-conv kernels and
 ``o_norm``) are left out of FSDP (``ignored_params``): a bf16 copy would round the gate constants. They are tiny and
@@ -32,6 +34,7 @@ from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 
 from k3.distributed.context_parallel import apply_context_parallel
 from k3.distributed.expert_parallel import apply_expert_parallel
+from k3.distributed.master_weights import apply_master_weights
 from k3.distributed.parallel_dims import ParallelDims, ParallelMesh
 from k3.model import AC_POLICIES, keeps_fp32
 
@@ -51,6 +54,7 @@ class ParallelModel:
     param_dtype: torch.dtype | None
     replicated: list[nn.Parameter] = field(default_factory=list)  # outside FSDP: grads averaged by hand
     fsdp: bool = False
+    master_weights: bool = False  # one rank: bf16 parameters, fp32 masters beside them (no FSDP)
     compiled: bool = False
 
 
@@ -86,7 +90,10 @@ def parallelize_k3(model: nn.Module, dims: ParallelDims, mesh: ParallelMesh | No
     if compile:
         _compile_layers(model, "inductor" if compile is True else compile)
         state.compiled = True
-    if mesh is not None:
+    if mesh is not None and dims.world_size == 1 and mixed_precision not in (None, torch.float32):
+        apply_master_weights(model, mixed_precision)  # FSDP2's one-rank gather and reduce would only copy
+        state.master_weights = True
+    elif mesh is not None:
         state.replicated = replicated_params(model)
         _apply_fsdp(model, dims, mesh, mixed_precision, state.replicated)
         state.fsdp = True

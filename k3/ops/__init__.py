@@ -7,6 +7,7 @@
 ``attn_res``  the Block Attention Residuals mix (``fused_attnres`` / ``naive_attnres``: fla's entries).
 ``qb_bias_update``  Quantile Balancing by histograms.
 ``gemv``      decode-sized linear layers (one or two rows) with the elementwise op before them fused in.
+``optim``     AdamW on an fp32 master written back to its bf16 parameter in the same pass.
 """
 
 from k3.ops import kda

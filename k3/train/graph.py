@@ -1,11 +1,10 @@
 """The whole training step as one CUDA graph: forward, backward, gradient clipping, optimizer and QB, replayed.
 
-Why: at ``small``'s size the host cannot issue a step's ~3,400 kernels (FSDP2's per-layer hooks, the compiled
-regions' wrappers, the Triton launchers, the optimizer's per-group work) as fast as the GPU runs them: on an H200
-the eager step takes 228–290 ms, depending on the host, where its replay takes 195–198 ms — its kernel time.
-Replaying a captured graph issues the step in one call. torch.compile's ``mode="reduce-overhead"`` graphs each
-compiled region on its own; it cannot reach the FSDP2 hooks, the AttnRes mixes between the regions, or the
-optimizer.
+Why: at ``small``'s size the host cannot issue a step's thousands of kernels (the compiled regions' wrappers, the
+Triton launchers, the optimizer's per-parameter updates; FSDP2's per-layer hooks on several GPUs) as fast as the GPU
+runs them: on an H200 the eager step takes 211 ms where its replay takes 164 ms — its kernel time. Replaying a
+captured graph issues the step in one call. torch.compile's ``mode="reduce-overhead"`` graphs each compiled region
+on its own; it cannot reach the hooks, the AttnRes mixes between the regions, or the optimizer.
 
 What a captured step needs (all of it holds for ``k3.train.trainer``'s step): device work only — no host reads
 (``.item()``, boolean-mask indexing), the same shapes every step, learning rates and optimizer step counts as

@@ -16,10 +16,12 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from k3.distributed.master_weights import grad_of, has_masters, master_of, release_grads, sync_from_masters
 from k3.model import keeps_fp32
+from k3.ops.optim import adamw_master_step
 
-__all__ = ["Muon", "build_optimizer", "set_lr", "lr_factor", "newton_schulz", "SCHEDULES", "is_matrix",
-           "clip_grad_norm", "clipped_step"]
+__all__ = ["Muon", "MasterAdamW", "build_optimizer", "set_lr", "lr_factor", "newton_schulz", "SCHEDULES",
+           "is_matrix", "clip_grad_norm", "clipped_step"]
 
 SCHEDULES = ("cosine", "wsd", "constant")
 _NS_COEFFS = (3.4445, -4.7750, 2.0315)  # quintic iteration that pushes singular values towards ~1 in 5 steps
@@ -59,6 +61,12 @@ def is_matrix(name: str, p: torch.Tensor) -> bool:
 def _local(t: torch.Tensor) -> torch.Tensor:
     """The tensor this rank holds: an FSDP/EP shard's local part, or ``t`` itself."""
     return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _weight(p: torch.Tensor) -> torch.Tensor:
+    """What an update writes: the parameter's fp32 master (one GPU, bf16 compute), else its local part."""
+    m = master_of(p)
+    return m if m is not None else _local(p)
 
 
 def _splits(pl: Any) -> bool:
@@ -110,7 +118,25 @@ def _orthogonalise(params: list[torch.Tensor], looks: list[torch.Tensor], steps:
     return out  # type: ignore[return-value]
 
 
-class Muon(torch.optim.Optimizer):
+class _Fp32State:
+    """Optimizer state stays fp32 beside bf16 parameters through ``load_state_dict`` (torch casts every floating
+    state tensor but ``step`` to its parameter's dtype there): the moments of a parameter with an fp32 master are
+    taken back from the state dict as they were saved."""
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        super().load_state_dict(state_dict)  # type: ignore[misc]
+        saved = state_dict["state"]
+        ids = [i for g in state_dict["param_groups"] for i in g["params"]]
+        params = [p for g in self.param_groups for p in g["params"]]  # type: ignore[attr-defined]
+        for i, p in zip(ids, params):
+            if master_of(p) is None:
+                continue
+            for k, v in saved.get(i, {}).items():
+                if k != "step" and isinstance(v, torch.Tensor) and v.is_floating_point():
+                    self.state[p][k] = v.to(device=_local(p).device, dtype=torch.float32)  # type: ignore[attr-defined]
+
+
+class Muon(_Fp32State, torch.optim.Optimizer):
     """Muon for groups with ``use_muon=True``; AdamW (decoupled weight decay) for the others.
 
     Works on plain tensors and on FSDP2/EP DTensor shards alike: momentum and AdamW state live in each parameter's
@@ -142,14 +168,14 @@ class Muon(torch.optim.Optimizer):
 
     def _muon(self, group: dict) -> None:
         lr, mu, wd = group["lr"], group["momentum"], group["weight_decay"]
-        params = [p for p in group["params"] if p.grad is not None]
+        params = [p for p in group["params"] if grad_of(p) is not None]
         if not params:
             return
         for p in params:
             if "momentum_buffer" not in self.state[p]:
                 self.state[p]["momentum_buffer"] = torch.zeros_like(p, dtype=torch.float32)
         # everything on the local shards: one foreach kernel per op, no DTensor dispatch per parameter
-        grads = [_local(p.grad).float() for p in params]
+        grads = [_local(grad_of(p)).float() for p in params]
         bufs = [_local(self.state[p]["momentum_buffer"]) for p in params]
         torch._foreach_mul_(bufs, mu)
         torch._foreach_add_(bufs, grads)
@@ -159,13 +185,15 @@ class Muon(torch.optim.Optimizer):
         # the update's RMS matched to AdamW's: 0.2·sqrt(max(rows, cols)) of the full matrix
         torch._foreach_mul_(updates, [-0.2 * math.sqrt(max(p.shape[-2], p.shape[-1])) for p in params])
         torch._foreach_mul_(updates, lr)
-        local = [_local(p) for p in params]
+        local = [_weight(p) for p in params]
         torch._foreach_mul_(local, 1 - lr * wd)
         torch._foreach_add_(local, [u.to(x.dtype) for u, x in zip(updates, local)])
+        sync_from_masters(params)
+        release_grads(params)
 
     def _adamw(self, group: dict) -> None:
         lr, (b1, b2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
-        params = [p for p in group["params"] if p.grad is not None]
+        params = [p for p in group["params"] if grad_of(p) is not None]
         if not params:
             return
         for p in params:
@@ -179,8 +207,8 @@ class Muon(torch.optim.Optimizer):
             if "step" not in state or state["step"].device != dev:
                 state["step"] = torch.as_tensor(state.get("step", 0.0), dtype=torch.float32).to(dev)
         steps = [self.state[p]["step"] for p in params]
-        P = [_local(p) for p in params]
-        G = [_local(p.grad).float() for p in params]
+        P = [_weight(p) for p in params]
+        G = [_local(grad_of(p)).float() for p in params]
         M = [_local(self.state[p]["exp_avg"]) for p in params]
         V = [_local(self.state[p]["exp_avg_sq"]) for p in params]
         torch._foreach_add_(steps, 1.0)
@@ -200,6 +228,42 @@ class Muon(torch.optim.Optimizer):
         torch._foreach_div_(upd, denom)
         torch._foreach_mul_(upd, -lr)
         torch._foreach_add_(P, [u.to(x.dtype) for u, x in zip(upd, P)])
+        sync_from_masters(params)
+        release_grads(params)
+
+
+class MasterAdamW(_Fp32State, torch.optim.AdamW):
+    """torch's AdamW — its groups, options, state names and checkpoints — stepping each parameter's fp32 master and
+    writing the parameter's bf16 copy in one pass (``k3.ops.optim.adamw_master_step``), from the bf16 gradient or
+    the fp32 micro-batch sum (``k3.distributed.master_weights``). Parameters without a master (kept in fp32) are
+    updated in place. ``grad_scale`` (set by :func:`clipped_step`) divides every gradient as it is read."""
+
+    @torch.no_grad()
+    def step(self, closure=None):  # noqa: ANN001 - torch's signature
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        scale = getattr(self, "grad_scale", None)
+        for group in self.param_groups:
+            params = [p for p in group["params"] if grad_of(p) is not None]
+            for p in params:
+                state = self.state[p]
+                if "step" not in state:
+                    state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
+                    state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32)
+                    state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32)
+            if not params:
+                continue
+            torch._foreach_add_([self.state[p]["step"] for p in params], 1.0)
+            b1, b2 = group["betas"]
+            for p in params:
+                state, m = self.state[p], master_of(p)
+                adamw_master_step(m if m is not None else p, p if m is not None else None, grad_of(p),
+                                  state["exp_avg"], state["exp_avg_sq"], state["step"], group["lr"], b1, b2,
+                                  group["eps"], group["weight_decay"], scale)
+            release_grads(params)
+        return loss
 
 
 @torch.no_grad()
@@ -212,20 +276,20 @@ def _clip(params: Iterable[torch.Tensor], max_norm: float, scale: bool) -> tuple
     """The gradients' global L2 norm and the clip coefficient ``min(1, max_norm / (norm + 1e-6))`` (0-dim tensors
     on the device); ``scale`` multiplies every gradient by the coefficient in place.
 
-    Plain gradients: ``torch.nn.utils.get_total_norm``. DTensor gradients (FSDP2 / expert parallel, possibly
-    on different meshes): each rank sums the squares of its local shards, each divided by how many ranks hold a copy
+    Plain gradients (on one device; a bf16 parameter's fp32 micro-batch sum where it has one): one fp32 norm.
+    DTensor gradients (FSDP2 / expert parallel, possibly on different meshes): each rank sums the squares of its local shards, each divided by how many ranks hold a copy
     of that shard, and one all-reduce over the world gives the exact global sum.
     """
-    params = [p for p in params if p.grad is not None]
-    if not any(isinstance(p.grad, DTensor) for p in params):
-        total = torch.nn.utils.get_total_norm([p.grad for p in params])
-        if scale:
-            torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
-        return total, _coefficient(total, max_norm)
+    grads = [g for p in params if (g := grad_of(p)) is not None]
+    if not any(isinstance(g, DTensor) for g in grads):
+        total = _total_norm(grads)
+        coef = _coefficient(total, max_norm)
+        if scale and grads:
+            torch._foreach_mul_(grads, coef)
+        return total, coef
     world = dist.get_world_size()
     by_copies: dict[int, list[torch.Tensor]] = {}
-    for p in params:
-        g = p.grad
+    for g in grads:
         copies = world  # a plain tensor: every rank holds the same one
         if isinstance(g, DTensor):  # ranks outside its mesh hold copies, and so do the mesh dims it is replicated on
             mesh = g.device_mesh
@@ -246,14 +310,28 @@ def _clip(params: Iterable[torch.Tensor], max_norm: float, scale: bool) -> tuple
     return total, coef
 
 
+def _total_norm(grads: list[torch.Tensor]) -> torch.Tensor:
+    """The global L2 norm of plain gradients on one device, accumulated in fp32 whatever their dtype (bf16
+    gradients' per-tensor norms would otherwise be rounded to bf16)."""
+    if not grads:
+        return torch.zeros((), dtype=torch.float32)
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for g in grads:
+        by_dtype.setdefault(g.dtype, []).append(g)
+    norms = [n for gs in by_dtype.values() for n in torch._foreach_norm(gs, 2.0, dtype=torch.float32)]
+    return torch.linalg.vector_norm(torch.stack(norms))
+
+
 def _coefficient(total: torch.Tensor, max_norm: float) -> torch.Tensor:
     """torch's clip coefficient (``clip_grads_with_norm_``'s): ``min(1, max_norm / (norm + 1e-6))``."""
     return (max_norm / (total + 1e-6)).clamp(max=1.0)
 
 
 def _takes_grad_scale(opt: torch.optim.Optimizer) -> bool:
-    """torch's fused AdamW on every group: its kernel can divide each gradient by a device scalar as it reads it."""
-    return isinstance(opt, torch.optim.AdamW) and all(g.get("fused") for g in opt.param_groups)
+    """torch's fused AdamW on every group, or ours: its kernel can divide each gradient by a device scalar as it
+    reads it."""
+    return isinstance(opt, MasterAdamW) or (isinstance(opt, torch.optim.AdamW)
+                                            and all(g.get("fused") for g in opt.param_groups))
 
 
 @torch.no_grad()
@@ -265,7 +343,7 @@ def clipped_step(opt: torch.optim.Optimizer, params: Iterable[torch.Tensor], max
     clipped gradient back, as a separate scaling pass would leave it — instead of a pass of its own over every
     gradient before the step. Other optimizers get the scaled gradients."""
     fold = _takes_grad_scale(opt)
-    total, coef = _clip(params, max_norm, scale=not fold)
+    total, coef = _clip(list(params), max_norm, scale=not fold)
     if not fold:
         opt.step()
         return total
@@ -332,8 +410,11 @@ def build_optimizer(model: torch.nn.Module, name: str, lr: float, weight_decay: 
         opt: torch.optim.Optimizer = Muon(groups, lr=lr, betas=betas, weight_decay=weight_decay)
     else:
         cuda = device.type == "cuda"
-        opt = torch.optim.AdamW(groups, lr=lr, betas=betas, weight_decay=weight_decay, foreach=False,
-                                fused=True if cuda else None, capturable=capturable)
+        # bf16 parameters with fp32 masters (one GPU): the same AdamW, stepping the masters (fused options kept,
+        # so its checkpoints and FSDP2's fused AdamW's hold the same groups)
+        cls = MasterAdamW if has_masters(list(model.parameters())) else torch.optim.AdamW
+        opt = cls(groups, lr=lr, betas=betas, weight_decay=weight_decay, foreach=False,
+                  fused=True if cuda else None, capturable=capturable)
     for g in opt.param_groups:
         g["base_lr"] = float(lr)
     if capturable:

@@ -51,6 +51,7 @@ from k3.distributed.checkpoint import (is_distributed_checkpoint, load_distribut
                                       save_distributed_checkpoint, shard_optimizer_state)
 from k3.distributed.data_parallel import (Distributed, agree, destroy_distributed, init_distributed, local_batch,
                                           world_size_from_env)
+from k3.distributed.master_weights import accumulate_grads
 from k3.distributed.parallel_dims import ParallelDims
 from k3.distributed.parallelize import AC_POLICIES, EXPERTS_AC_WITH_EP, parallelize_k3, sync_replicated_grads
 from k3.infer.generate import generate, prompt_ids
@@ -236,8 +237,9 @@ def resolve_device(device: str) -> torch.device:
 
 def compute_dtype(config: K3Config, device: torch.device) -> torch.dtype | None:
     """The precision policy: fp32 master weights and optimizer state everywhere; on CUDA the forward and backward
-    run on ``config.dtype`` (bf16) copies that FSDP2 casts once per layer and step (``parallelize_k3``), no autocast.
-    On the CPU everything is fp32 (None)."""
+    run on ``config.dtype`` (bf16) weights — on several GPUs copies that FSDP2 casts once per layer and step, on one
+    the parameters themselves, their fp32 masters beside them (``parallelize_k3``) — with no autocast. On the CPU
+    everything is fp32 (None)."""
     return config.torch_dtype if device.type == "cuda" and config.dtype != "float32" else None
 
 
@@ -704,6 +706,7 @@ def _device_step(model: torch.nn.Module, opt: torch.optim.Optimizer, args: Train
     targets too)."""
     ranks = d.dims.dp_cp
     sums = torch.zeros(4, dtype=torch.float64, device=x.device)  # loss sum, targets, correct, scored
+    params = list(model.parameters())
     for i in range(x.shape[0]):
         xi, yi = x[i], y[i]
         out = model(xi, targets=yi)  # on CUDA the fused linear + cross entropy: no [tokens, vocab] logits
@@ -718,10 +721,12 @@ def _device_step(model: torch.nn.Module, opt: torch.optim.Optimizer, args: Train
         if ranks > 1:
             torch.distributed.all_reduce(n_all, group=d.group("dp_cp"))
         (total * (ranks / (n_all.clamp(min=1) * x.shape[0]))).backward()
+        if x.shape[0] > 1:  # one GPU's bf16 gradients: summed over the micro-batches in fp32, on their masters
+            accumulate_grads(params)
         sums[0] += total.detach()
         sums[1] += n
     sync_replicated_grads(model)
-    grad_norm = clipped_step(opt, model.parameters(), args.grad_clip)
+    grad_norm = clipped_step(opt, params, args.grad_clip)
     opt.zero_grad(set_to_none=True)
     # once per optimizer step, histograms pooled over the ranks that saw different tokens: the bias from the next step
     model.qb_step(group=d.group("dp_cp") if ranks > 1 else None)
