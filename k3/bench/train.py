@@ -9,8 +9,8 @@ Paths, each built fresh and timed in the same process (``--paths``):
 ``fast``            what ``k3 train`` runs on a GPU: ``parallelize_k3`` on a world-size-1 process group (bf16
                     parameters with fp32 masters beside them, regional ``torch.compile``), the trainer's
                     ``Stepper`` (AdamW fused over master, moments and bf16 weight / foreach Muon, QB step, metrics
-                    read once per step), the whole step
-                    captured in one CUDA graph after two eager steps and replayed (``k3.train.graph``)
+                    read once per step), the whole step captured in one CUDA graph after two eager steps and
+                    replayed (``k3.train.graph``)
 ``fast-eager``      the same step issued op by op from Python (``--cuda-graph off``)
 ``fast-muon``       the same with Muon whatever ``--optimizer`` says (Newton–Schulz on every weight matrix: its cost
                     grows with the parameters, not the batch — see ``optimizer ms``)

@@ -277,8 +277,9 @@ def _clip(params: Iterable[torch.Tensor], max_norm: float, scale: bool) -> tuple
     on the device); ``scale`` multiplies every gradient by the coefficient in place.
 
     Plain gradients (on one device; a bf16 parameter's fp32 micro-batch sum where it has one): one fp32 norm.
-    DTensor gradients (FSDP2 / expert parallel, possibly on different meshes): each rank sums the squares of its local shards, each divided by how many ranks hold a copy
-    of that shard, and one all-reduce over the world gives the exact global sum.
+    DTensor gradients (FSDP2 / expert parallel, possibly on different meshes): each rank sums the squares of its
+    local shards, each divided by how many ranks hold a copy of that shard, and one all-reduce over the world gives
+    the exact global sum.
     """
     grads = [g for p in params if (g := grad_of(p)) is not None]
     if not any(isinstance(g, DTensor) for g in grads):
@@ -338,10 +339,10 @@ def _takes_grad_scale(opt: torch.optim.Optimizer) -> bool:
 def clipped_step(opt: torch.optim.Optimizer, params: Iterable[torch.Tensor], max_norm: float) -> torch.Tensor:
     """Clip the gradients' global norm to ``max_norm``, then ``opt.step()``; returns the norm before clipping.
 
-    With torch's fused AdamW the clip rides in the step: the optimizer's ``grad_scale`` (GradScaler's hook, a
-    divisor) is set to ``1 / coefficient``, so the fused kernel scales each gradient as it reads it — and writes the
-    clipped gradient back, as a separate scaling pass would leave it — instead of a pass of its own over every
-    gradient before the step. Other optimizers get the scaled gradients."""
+    With torch's fused AdamW or :class:`MasterAdamW` the clip rides in the step: the optimizer's ``grad_scale``
+    (GradScaler's hook, a divisor) is set to ``1 / coefficient``, so the fused kernel scales each gradient as it
+    reads it (torch's also writes the clipped gradient back, as a separate scaling pass would leave it) instead of a
+    pass of its own over every gradient before the step. Other optimizers get the scaled gradients."""
     fold = _takes_grad_scale(opt)
     total, coef = _clip(list(params), max_norm, scale=not fold)
     if not fold:

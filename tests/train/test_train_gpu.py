@@ -1,5 +1,5 @@
-"""The one-GPU training path on CUDA (skipped without a GPU): the FSDP2 world-size-1 step (bf16 compute, fp32
-master, fp32 reductions) follows the eager fp32 + autocast reference within bf16 noise, compiling the sublayers
+"""The one-GPU training path on CUDA (skipped without a GPU): the world-size-1 step (bf16 parameters with fp32
+masters, fp32 micro-batch sums) follows the eager fp32 + autocast reference within bf16 noise, compiling the sublayers
 changes nothing but speed, the MoE layer compiles under inductor in one graph (also recomputing its experts), and a
 GPU run's DCP checkpoints resume exactly."""
 
@@ -35,7 +35,7 @@ def _losses(name: str, steps: int = 6) -> list[float]:
         destroy_distributed(d)
 
 
-def test_fsdp_one_rank_step_follows_the_autocast_reference() -> None:
+def test_one_gpu_step_follows_the_autocast_reference() -> None:
     ref, fast = _losses("reference"), _losses("fast-nocompile")
     assert all(abs(a - b) < 2e-2 * abs(b) for a, b in zip(fast, ref)), (fast, ref)
 
