@@ -118,6 +118,14 @@ def _orthogonalise(params: list[torch.Tensor], looks: list[torch.Tensor], steps:
     return out  # type: ignore[return-value]
 
 
+def _closure_loss(closure: Any) -> Any:
+    """torch's optimizer contract: a given closure re-evaluates the loss, with gradients on, before the step."""
+    if closure is None:
+        return None
+    with torch.enable_grad():
+        return closure()
+
+
 class _Fp32State:
     """Optimizer state stays fp32 beside bf16 parameters through ``load_state_dict`` (torch casts every floating
     state tensor but ``step`` to its parameter's dtype there): the moments of a parameter with an fp32 master are
@@ -158,10 +166,7 @@ class Muon(_Fp32State, torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):  # noqa: ANN001 - torch's signature
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = _closure_loss(closure)
         for group in self.param_groups:
             (self._muon if group["use_muon"] else self._adamw)(group)
         return loss
@@ -240,10 +245,7 @@ class MasterAdamW(_Fp32State, torch.optim.AdamW):
 
     @torch.no_grad()
     def step(self, closure=None):  # noqa: ANN001 - torch's signature
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = _closure_loss(closure)
         scale = getattr(self, "grad_scale", None)
         for group in self.param_groups:
             params = [p for p in group["params"] if grad_of(p) is not None]
