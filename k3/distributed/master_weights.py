@@ -11,9 +11,9 @@ them over).
 
 Gradients of several micro-batches are summed in fp32 (``accumulate_grads`` after each backward moves ``.grad``
 into the master's ``.grad``); ``grad_of`` is the gradient the optimizer and the clipping read. Checkpoints hold the
-masters under the parameters' names (``masters_by_name``, ``k3.distributed.checkpoint``): the same files as FSDP2's fp32 shards, so a run
-resumes on either path. The parameters K3 keeps in fp32 (``k3.model.keeps_fp32``) have no master: they are their
-own.
+masters under the parameters' names (``masters_by_name``, used by ``k3.distributed.checkpoint``): the same files as
+FSDP2's fp32 shards, so a run resumes on either path. The parameters K3 keeps in fp32 (``k3.model.keeps_fp32``)
+have no master: they are their own.
 """
 
 from __future__ import annotations

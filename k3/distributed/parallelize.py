@@ -66,13 +66,14 @@ def replicated_params(model: nn.Module) -> list[nn.Parameter]:
 def parallelize_k3(model: nn.Module, dims: ParallelDims, mesh: ParallelMesh | None = None, *,
                    compile: bool | str = False, activation_checkpointing: str = "none",
                    mixed_precision: torch.dtype | None = None) -> nn.Module:
-    """Apply expert/context parallel, activation checkpointing, regional compile and FSDP2 to ``model`` in place.
+    """Apply expert/context parallel, activation checkpointing, regional compile and FSDP2 to ``model`` in place (on
+    a one-rank group with low-precision compute, master weights instead of FSDP2: see the module docstring).
 
     ``model``: a ``K3ForCausalLM`` in fp32 (the master weights) on this rank's device, the same initial weights on
     every rank. ``mesh``: ``dims.build_mesh(device_type)``, or None for a single process without a process group
     (then only checkpointing and compile apply). ``mixed_precision``: the compute dtype (bf16 on CUDA) or None
     (fp32 compute, CPU). ``compile``: True (inductor) or a ``torch.compile`` backend name. Returns ``model`` (its
-    parameters become DTensor shards when sharded).
+    parameters become DTensor shards when sharded, bf16 weights with fp32 masters on one GPU).
     """
     if activation_checkpointing not in AC_POLICIES:
         raise ValueError(f"activation_checkpointing must be one of {AC_POLICIES}, got {activation_checkpointing!r}")
