@@ -7,6 +7,7 @@ are summed in fp32, and a DCP checkpoint holds the fp32 masters, resumes exactly
 import copy
 from pathlib import Path
 
+import pytest
 import torch
 from torch.distributed.checkpoint import FileSystemReader
 
@@ -139,12 +140,12 @@ def test_micro_batch_gradients_are_summed_in_fp32_on_the_masters() -> None:
     run_ranks(_accumulates_in_fp32, 1)
 
 
-def _checkpoint_round_trip(rank: int, world: int, run_dir: str) -> None:
+def _checkpoint_round_trip(rank: int, world: int, run_dir: str, optimizer: str) -> None:
     cfg = K3Config.from_preset("tiny")
     tok = load_tokenizer("byte")
     torch.manual_seed(0)
     model = K3ForCausalLM(cfg).float()
-    d, opt = _setup(model, LOW)
+    d, opt = _setup(model, LOW, optimizer)
     args = TrainArgs(grad_clip=1.0, grad_accum=2)
     batches = _batches(cfg, 3)
     for x, y in batches[:2]:
@@ -158,7 +159,7 @@ def _checkpoint_round_trip(rank: int, world: int, run_dir: str) -> None:
 
     torch.manual_seed(5)  # other initial weights: everything must come from the checkpoint
     resumed = K3ForCausalLM(cfg).float()
-    _, opt2 = _setup(resumed, LOW)
+    _, opt2 = _setup(resumed, LOW, optimizer)
     load_distributed_checkpoint(ckpt, resumed, opt2, d)
     for (name, a), b in zip(model.named_parameters(), resumed.parameters()):
         assert torch.equal(a.detach(), b.detach()), name
@@ -172,12 +173,15 @@ def _checkpoint_round_trip(rank: int, world: int, run_dir: str) -> None:
         assert torch.equal(a.detach(), b.detach()), name
 
     fsdp = K3ForCausalLM(cfg).float()  # fp32 compute on the one-rank group: FSDP2 shards, the same checkpoint
-    _, opt3 = _setup(fsdp, None)
+    _, opt3 = _setup(fsdp, None, optimizer)
     assert fsdp.parallel.fsdp
     load_distributed_checkpoint(ckpt, fsdp, opt3, d)
     for name, p in fsdp.named_parameters():
         assert torch.equal(_full(p), at_save[name]), name
 
 
-def test_checkpoint_holds_fp32_masters_resumes_exactly_and_loads_into_fsdp(tmp_path: Path) -> None:
-    run_ranks(_checkpoint_round_trip, 1, str(tmp_path))
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_checkpoint_holds_fp32_masters_resumes_exactly_and_loads_into_fsdp(tmp_path: Path, optimizer: str) -> None:
+    """Bit-exact resume needs the moments (Muon: the momentum too) back in fp32, not cast to the parameters'
+    dtype as torch's ``load_state_dict`` would."""
+    run_ranks(_checkpoint_round_trip, 1, str(tmp_path), optimizer)
