@@ -35,7 +35,7 @@ def apply_master_weights(model: nn.Module, dtype: torch.dtype) -> None:
     for name, p in model.named_parameters():
         if keeps_fp32(name) or p.dtype != torch.float32:
             continue
-        master = p.detach().clone()
+        master = p.detach()  # the fp32 storage itself: the parameter takes a new one in ``dtype``
         with torch.no_grad():
             p.data = master.to(dtype)
         setattr(p, _ATTR, master)
@@ -63,19 +63,17 @@ def accumulate_grads(params: list[torch.Tensor]) -> None:
     """Move every compute parameter's ``.grad`` into an fp32 sum on its master (call after each micro-batch's
     backward when there are several: the next backward then starts from no gradient, and the sum is exact to fp32
     instead of rounded to bf16 at every micro-batch)."""
-    first, rest, into = [], [], []
+    into, rest = [], []
     for p in params:
         m = master_of(p)
         if m is None or p.grad is None:
             continue
         if m.grad is None:
-            first.append((m, p.grad))
+            m.grad = p.grad.float()
         else:
             into.append(m.grad)
             rest.append(p.grad)
         p.grad = None
-    for m, g in first:
-        m.grad = g.float()
     if into:
         torch._foreach_add_(into, rest)
 
